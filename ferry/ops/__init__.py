@@ -1,0 +1,33 @@
+"""The op layer: weights as layers see them, and the backend that runs the weight-bound ops.
+
+Layers call `ctx.backend.linear(x, w)` and friends and never learn which device ran them;
+float work between those ops (norms, rope, attention) is plain torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+
+from ferry.quant import dequantize
+
+
+@dataclass(eq=False)
+class Weight:
+    """A weight tensor in its GGUF encoding, on the mmap: `ne` is in ggml order (row length first)."""
+
+    name: str
+    qtype: GGMLQuantizationType
+    ne: tuple[int, ...]
+    data: np.ndarray  # raw bytes (uint8), a view of the file
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """torch order: (n_expert, rows, cols) or (rows, cols)."""
+        return tuple(reversed(self.ne))
+
+    def dequantize(self) -> np.ndarray:
+        """float32 copy in torch order, by the reference dequantizer (tests and fallbacks only)."""
+        return dequantize(self.data, self.qtype, self.ne)

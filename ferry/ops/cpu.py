@@ -1,0 +1,205 @@
+"""CPU backend: ggml kernels through ggml-python, reading weights straight from the mmap (no copy).
+
+Each op shape is built once as a small ggml graph (leaves point at the mmap'd weight and at the
+torch tensors of the call) and replayed; one ggml thread pool serves every graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import OrderedDict
+from typing import Callable
+
+import ggml
+import numpy as np
+import torch
+
+from ferry.ops import Weight
+from ferry.quant import Q
+
+_GRAPHS_PER_BACKEND = 4096  # LRU bound: distinct (op, weight, batch size) shapes kept built
+_MAX_NODES = 16
+
+
+def physical_cores() -> int:
+    """Physical core count (llama.cpp's default thread count); falls back to logical CPUs."""
+    try:
+        cores = set()
+        with open("/proc/cpuinfo") as fh:
+            phys = core = None
+            for line in fh:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                elif not line.strip() and core is not None:
+                    cores.add((phys, core))
+                    phys = core = None
+        if cores:
+            return len(cores)
+    except OSError:
+        pass
+    return os.cpu_count() or 1
+
+
+def ggml_supports(qtype: Q) -> bool:
+    """True when this ggml build has a CPU dot product for the type."""
+    if qtype.value >= ggml.GGML_TYPE_COUNT:
+        return False
+    traits = ggml.ggml_get_type_traits_cpu(qtype.value)
+    return bool(traits) and bool(ctypes.cast(traits.contents.vec_dot, ctypes.c_void_p).value) or qtype in (Q.F32,)
+
+
+class _Graph:
+    """One built ggml graph: leaves bound to external memory, intermediates in its own arena."""
+
+    def __init__(self, backend: "CpuBackend", arena_bytes: int):
+        overhead = ggml.ggml_tensor_overhead()
+        meta_params = ggml.ggml_init_params(
+            mem_size=_MAX_NODES * overhead + ggml.ggml_graph_overhead_custom(_MAX_NODES, False), mem_buffer=None, no_alloc=True)
+        self.meta = ggml.ggml_init(meta_params)
+        arena_params = ggml.ggml_init_params(mem_size=arena_bytes + _MAX_NODES * (overhead + 64), mem_buffer=None, no_alloc=False)
+        self.arena = ggml.ggml_init(arena_params) if arena_bytes else None
+        self.backend = backend
+        self.graph = None
+        self.cplan = None
+        self.work: np.ndarray | None = None
+        self.inputs: list = []
+        self.output = None
+
+    def leaf(self, qtype: int, ne: tuple[int, ...], data_ptr: int | None = None):
+        ne = tuple(int(n) for n in ne)
+        fn = {1: ggml.ggml_new_tensor_1d, 2: ggml.ggml_new_tensor_2d, 3: ggml.ggml_new_tensor_3d}[len(ne)]
+        t = fn(self.meta, qtype, *ne)
+        if data_ptr is not None:
+            t.contents.data = data_ptr
+        return t
+
+    def finish(self, output) -> None:
+        self.output = output
+        self.graph = ggml.ggml_new_graph_custom(self.meta, _MAX_NODES, False)
+        ggml.ggml_build_forward_expand(self.graph, output)
+        self.cplan = ggml.ggml_graph_plan(self.graph, self.backend.n_threads, self.backend.threadpool)
+        if self.cplan.work_size:
+            self.work = np.empty(self.cplan.work_size, dtype=np.uint8)
+            self.cplan.work_data = ctypes.cast(self.work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
+
+    def run(self, inputs: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        for t, x in zip(self.inputs, inputs):
+            t.contents.data = x.data_ptr()
+        self.output.contents.data = out.data_ptr()
+        status = ggml.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        return out
+
+    def __del__(self) -> None:
+        for ctx in (getattr(self, "meta", None), getattr(self, "arena", None)):
+            if ctx:
+                ggml.ggml_free(ctx)
+
+
+class CpuBackend:
+    """Runs weight-bound ops with ggml on `n_threads` threads from one reused thread pool."""
+
+    name = "CPU"
+
+    def __init__(self, n_threads: int | None = None):
+        self.n_threads = n_threads or physical_cores()
+        ggml.ggml_cpu_init()
+        params = ggml.ggml_threadpool_params_default(self.n_threads)
+        self.threadpool = ggml.ggml_threadpool_new(ctypes.byref(params))
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        # torch's OpenMP workers spin after each parallel region and steal the cores this pool needs:
+        # a Q4_0 GEMV ran at 0.9 GB/s beside them, 22 GB/s with torch on one thread (docs/decisions.md)
+        torch.set_num_threads(1)
+
+    def _graph(self, key: tuple, build: Callable[[], _Graph]) -> _Graph:
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = build()
+            if len(self._graphs) > _GRAPHS_PER_BACKEND:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return g
+
+    @staticmethod
+    def _weight_ptr(w: Weight) -> int:
+        return w.data.ctypes.data
+
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """y = x @ W.T for x (n, k) float32 and W (m, k) in any ggml type."""
+        x = x.contiguous().float()
+        n, k = x.shape
+        m = w.ne[1]
+
+        def build() -> _Graph:
+            g = _Graph(self, 0)
+            wt = g.leaf(w.qtype.value, w.ne, self._weight_ptr(w))
+            xt = g.leaf(ggml.GGML_TYPE_F32, (k, n))
+            g.inputs = [xt]
+            g.finish(ggml.ggml_mul_mat(g.meta, wt, xt))
+            return g
+
+        out = torch.empty(n, m, dtype=torch.float32)
+        return self._graph(("linear", id(w), n), build).run([x], out)
+
+    def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W (the embedding lookup), dequantized to float32: (n, k)."""
+        ids = ids.to(torch.int32).contiguous()
+        n, k = ids.numel(), w.ne[0]
+
+        def build() -> _Graph:
+            g = _Graph(self, 0)
+            wt = g.leaf(w.qtype.value, w.ne, self._weight_ptr(w))
+            it = g.leaf(ggml.GGML_TYPE_I32, (n,))
+            g.inputs = [it]
+            g.finish(ggml.ggml_get_rows(g.meta, wt, it))
+            return g
+
+        out = torch.empty(n, k, dtype=torch.float32)
+        return self._graph(("get_rows", id(w), n), build).run([ids], out)
+
+    def moe_ffn(self, x: torch.Tensor, up: Weight, gate: Weight, down: Weight, ids: torch.Tensor,
+                act: str) -> torch.Tensor:
+        """Routed experts over only the selected ones (mul_mat_id), fused up/gate + activation.
+
+        x (n, n_embd) float32, ids (n, n_used) int; returns (n, n_used, n_embd), unweighted.
+        """
+        x = x.contiguous().float()
+        ids = ids.to(torch.int32).contiguous()
+        n, n_embd = x.shape
+        n_used = ids.shape[1]
+        n_ff = up.ne[1]
+
+        def build() -> _Graph:
+            g = _Graph(self, 3 * n_ff * n_used * n * 4 + 1024)
+            up_t = g.leaf(up.qtype.value, up.ne, self._weight_ptr(up))
+            gate_t = g.leaf(gate.qtype.value, gate.ne, self._weight_ptr(gate))
+            down_t = g.leaf(down.qtype.value, down.ne, self._weight_ptr(down))
+            xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, 1, n))
+            it = g.leaf(ggml.GGML_TYPE_I32, (n_used, n))
+            g.inputs = [xt, it]
+            u = ggml.ggml_mul_mat_id(g.arena, up_t, xt, it)
+            gt = ggml.ggml_mul_mat_id(g.arena, gate_t, xt, it)
+            glu = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split}[act]
+            h = glu(g.arena, gt, u)
+            g.finish(ggml.ggml_mul_mat_id(g.meta, down_t, h, it))
+            return g
+
+        out = torch.empty(n, n_used, n_embd, dtype=torch.float32)
+        return self._graph(("moe", id(up), id(gate), id(down), n, n_used, act), build).run([x, ids], out)
+
+    def close(self) -> None:
+        self._graphs.clear()
+        if self.threadpool:
+            ggml.ggml_threadpool_free(self.threadpool)
+            self.threadpool = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,1 @@
+"""Running a model: KV cache, batches and u-batches, sampling, generation."""

@@ -1,0 +1,122 @@
+"""The engine: one sequence's KV cache, prompts split into batches and u-batches (llama.cpp's -b/-ub),
+generation with a sampler, and llama.cpp-style timings."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ferry.errors import FerryError
+from ferry.models.base import Model
+from ferry.runtime.context import Batch
+from ferry.runtime.kv_cache import KVCache
+from ferry.runtime.sampling import Sampler
+
+
+@dataclass
+class Timings:
+    load_ms: float = 0.0
+    prompt_ms: float = 0.0
+    prompt_tokens: int = 0
+    eval_ms: float = 0.0
+    eval_tokens: int = 0
+
+    def lines(self) -> list[str]:
+        def rate(ms: float, n: int, unit: str) -> str:
+            per = ms / n if n else 0.0
+            tps = 1000.0 * n / ms if ms else 0.0
+            return f"{ms:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+        return [
+            f"ferry:        load time = {self.load_ms:10.2f} ms",
+            f"ferry: prompt eval time = {rate(self.prompt_ms, self.prompt_tokens, 'tokens')}",
+            f"ferry:        eval time = {rate(self.eval_ms, self.eval_tokens, 'runs  ')}",
+            f"ferry:       total time = {self.prompt_ms + self.eval_ms:10.2f} ms / {self.prompt_tokens + self.eval_tokens:5d} tokens",
+        ]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    stopped_by: str  # "eog" | "length" | "context"
+    timings: Timings
+    experts_hit: list[list[int]] = field(default_factory=list)  # per u-batch, per MoE layer
+
+
+class Engine:
+    def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512, kv_type: str = "f16"):
+        a = model.args
+        if n_ctx <= 0:
+            n_ctx = a.n_ctx_train  # llama.cpp: -c 0 takes the model's training context
+        for flag, v in (("-c/--ctx-size", n_ctx), ("-b/--batch-size", n_batch), ("-ub/--ubatch-size", n_ubatch)):
+            if v < 1:
+                raise FerryError(f"{flag} must be at least 1, got {v}")
+        self.model = model
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.n_ubatch = min(n_ubatch, n_batch)
+        self.kv = KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim_k, a.head_dim_v, kv_type)
+        self.n_past = 0
+        self.experts_hit: list[list[int]] = []
+
+    def reset(self) -> None:
+        self.n_past = 0
+        self.experts_hit.clear()
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Append tokens to the sequence; logits of the last token (1, n_vocab), or of all (n, n_vocab)."""
+        if not tokens:
+            raise FerryError("nothing to decode: the prompt is empty")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise FerryError(f"context is full: {self.n_past} + {len(tokens)} tokens > -c {self.n_ctx}; raise -c/--ctx-size or shorten the prompt")
+        bad = [t for t in tokens if not 0 <= t < self.model.args.n_vocab]
+        if bad:
+            raise FerryError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.args.n_vocab - 1})")
+        outs = []
+        ids = torch.tensor(tokens, dtype=torch.int32)
+        for b0 in range(0, len(tokens), self.n_batch):  # the logical batch, then its u-batches
+            for u0 in range(b0, min(b0 + self.n_batch, len(tokens)), self.n_ubatch):
+                u1 = min(u0 + self.n_ubatch, b0 + self.n_batch, len(tokens))
+                batch = Batch(start=self.n_past, n_tokens=u1 - u0, kv=self.kv, all_logits=all_logits)
+                logits = self.model.forward(ids[u0:u1], batch)
+                if batch.experts_hit:
+                    self.experts_hit.append(batch.experts_hit)
+                self.n_past += u1 - u0
+                if all_logits:
+                    outs.append(logits)
+        return torch.cat(outs) if all_logits else logits
+
+    def generate(self, prompt: list[int], sampler: Sampler, n_predict: int,
+                 is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None) -> Generation:
+        """Process the prompt, then sample up to n_predict tokens (-1: until end of generation or context)."""
+        t = Timings()
+        t0 = time.perf_counter()
+        logits = self.decode(prompt)
+        t.prompt_ms = 1000 * (time.perf_counter() - t0)
+        t.prompt_tokens = len(prompt)
+        history = list(prompt)
+        out: list[int] = []
+        stopped = "length"
+        t0 = time.perf_counter()
+        while n_predict < 0 or len(out) < n_predict:
+            token = sampler(logits[-1], history)
+            if is_eog(token):
+                stopped = "eog"
+                break
+            out.append(token)
+            history.append(token)
+            if on_token:
+                on_token(token)
+            if n_predict >= 0 and len(out) >= n_predict:
+                break
+            if self.n_past >= self.n_ctx:
+                stopped = "context"
+                break
+            logits = self.decode([token])
+            t.eval_tokens += 1
+        t.eval_ms = 1000 * (time.perf_counter() - t0)
+        return Generation(out, stopped, t, self.experts_hit)
