@@ -6,7 +6,7 @@ float work between those ops (norms, rope, attention) is plain torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf.constants import GGMLQuantizationType
@@ -22,6 +22,7 @@ class Weight:
     qtype: GGMLQuantizationType
     ne: tuple[int, ...]
     data: np.ndarray  # raw bytes (uint8), a view of the file
+    graphs: dict = field(default_factory=dict, repr=False)  # backend kernels built for this weight
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections import OrderedDict
 from typing import Callable
 
 import ggml
@@ -18,7 +17,7 @@ import torch
 from ferry.ops import Weight
 from ferry.quant import Q
 
-_GRAPHS_PER_BACKEND = 4096  # LRU bound: distinct (op, weight, batch size) shapes kept built
+_GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weight, oldest dropped first
 _MAX_NODES = 16
 
 
@@ -110,19 +109,17 @@ class CpuBackend:
         ggml.ggml_cpu_init()
         params = ggml.ggml_threadpool_params_default(self.n_threads)
         self.threadpool = ggml.ggml_threadpool_new(ctypes.byref(params))
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         # torch's OpenMP workers spin after each parallel region and steal the cores this pool needs:
         # a Q4_0 GEMV ran at 0.9 GB/s beside them, 22 GB/s with torch on one thread (docs/decisions.md)
         torch.set_num_threads(1)
 
-    def _graph(self, key: tuple, build: Callable[[], _Graph]) -> _Graph:
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._graphs[key] = build()
-            if len(self._graphs) > _GRAPHS_PER_BACKEND:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
+    def _graph(self, owner: Weight, key: tuple, build: Callable[[], _Graph]) -> _Graph:
+        """The graph for `key`, kept on the weight it reads so that it dies with the weight's mmap."""
+        g = owner.graphs.get(key)
+        if g is None or g.backend is not self:
+            if len(owner.graphs) >= _GRAPHS_PER_WEIGHT:
+                owner.graphs.pop(next(iter(owner.graphs)))
+            g = owner.graphs[key] = build()
         return g
 
     @staticmethod
@@ -144,7 +141,7 @@ class CpuBackend:
             return g
 
         out = torch.empty(n, m, dtype=torch.float32)
-        return self._graph(("linear", id(w), n), build).run([x], out)
+        return self._graph(w, ("linear", n), build).run([x], out)
 
     def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W (the embedding lookup), dequantized to float32: (n, k)."""
@@ -160,7 +157,7 @@ class CpuBackend:
             return g
 
         out = torch.empty(n, k, dtype=torch.float32)
-        return self._graph(("get_rows", id(w), n), build).run([ids], out)
+        return self._graph(w, ("get_rows", n), build).run([ids], out)
 
     def moe_ffn(self, x: torch.Tensor, up: Weight, gate: Weight, down: Weight, ids: torch.Tensor,
                 act: str) -> torch.Tensor:
@@ -190,10 +187,9 @@ class CpuBackend:
             return g
 
         out = torch.empty(n, n_used, n_embd, dtype=torch.float32)
-        return self._graph(("moe", id(up), id(gate), id(down), n, n_used, act), build).run([x, ids], out)
+        return self._graph(up, ("moe", id(gate), id(down), n, n_used, act), build).run([x, ids], out)
 
     def close(self) -> None:
-        self._graphs.clear()
         if self.threadpool:
             ggml.ggml_threadpool_free(self.threadpool)
             self.threadpool = None
