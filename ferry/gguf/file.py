@@ -262,7 +262,7 @@ class GGUFFile:
         self._parts: list[_Part] = []
         try:
             for i, p in enumerate(paths):
-                if not p.exists():
+                if not p.exists() and len(paths) > 1:
                     raise FerryError(f"{p}: missing part {i + 1} of a split model ({len(paths)} parts); put all parts in one folder")
                 self._parts.append(_parse_part(p, i))
             self._check_split()
