@@ -20,20 +20,23 @@ def main() -> None:
     a = ap.parse_args()
     from llama_cpp import Llama
 
-    llm = Llama(a.model, n_ctx=a.ctx, n_threads=a.threads, logits_all=True, verbose=False)
     result = {}
     for i, prompt in enumerate(a.prompts):
+        # a fresh context per prompt: llama-cpp-python 0.3.36's reset() leaves the KV cache unusable
+        llm = Llama(a.model, n_ctx=a.ctx, n_threads=a.threads, logits_all=True, verbose=False)
         ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
-        llm.reset()
         llm.eval(ids)
         result[f"tokens_{i}"] = np.array(ids)
         result[f"logits_{i}"] = np.array(llm.scores[: len(ids)], dtype=np.float32)
         greedy = []
-        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            if len(greedy) >= a.n_greedy or llm.token_is_eog(t) if hasattr(llm, "token_is_eog") else t == llm.token_eos():
+        for _ in range(a.n_greedy):
+            t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            if llm.token_is_eog(t) if hasattr(llm, "token_is_eog") else t == llm.token_eos():
                 break
             greedy.append(t)
+            llm.eval([t])
         result[f"greedy_{i}"] = np.array(greedy)
+        del llm
     np.savez(a.out, **result)
 
 

@@ -1,0 +1,57 @@
+"""`ferry info FILE`: architecture, sizes, quant types per tensor group, and each group's placement."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from ferry.gguf.file import GGUFFile
+from ferry.models.base import ModelArgs
+from ferry.placement import parse_overrides, place
+
+
+def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides) -> list[dict]:
+    """Tensors grouped by name with the layer number folded out ('blk.*.attn_q.weight')."""
+    groups: dict[tuple, dict] = {}
+    for t in f.tensors.values():
+        group = re.sub(r"^blk\.\d+\.", "blk.*.", t.name)
+        device = place(t.name, n_layer, n_gpu_layers, overrides)
+        g = groups.setdefault((group, t.qtype.name, device), {"group": group, "type": t.qtype.name, "device": device,
+                                                               "count": 0, "bytes": 0, "shape": list(reversed(t.ne))})
+        g["count"] += 1
+        g["bytes"] += t.nbytes
+    return list(groups.values())
+
+
+def info(path: Path, n_gpu_layers: int, override_specs: list[str], as_json: bool) -> dict:
+    f = GGUFFile(path)
+    args = ModelArgs.from_gguf(f)
+    overrides = parse_overrides(override_specs)
+    groups = tensor_groups(f, args.n_layer, n_gpu_layers, overrides)
+    n_params = sum(t.n_elements for t in f.tensors.values())
+    by_device: dict[str, int] = defaultdict(int)
+    for g in groups:
+        by_device[g["device"]] += g["bytes"]
+    report = {"file": str(f.path), "parts": len(f.paths), "gguf_version": f.version, "architecture": args.arch,
+              "name": f.get("general.name"), "parameters": n_params, "file_bytes": f.n_bytes,
+              "args": vars(args), "bytes_by_device": dict(by_device), "tensor_groups": groups}
+    if as_json:
+        print(json.dumps(report, indent=1))
+        return report
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{f.path.name}[/]  {args.arch}  {report['name'] or ''}  GGUF v{f.version}, {len(f.paths)} part(s)")
+    console.print(f"{n_params / 1e9:.3f} B parameters, {f.n_bytes / 2**30:.2f} GiB on disk")
+    fields = ", ".join(f"{k}={v}" for k, v in vars(args).items() if k != "arch" and v not in (0, 0.0))
+    console.print(fields)
+    table = Table("tensor group", "type", "count", "shape (one)", "MiB", "device")
+    for g in sorted(groups, key=lambda g: (g["group"].startswith("blk"), g["group"])):
+        table.add_row(g["group"], g["type"], str(g["count"]), str(g["shape"]), f"{g['bytes'] / 2**20:.1f}", g["device"])
+    console.print(table)
+    console.print("placement: " + ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in sorted(by_device.items())) +
+                  f"  (-ngl {n_gpu_layers}" + "".join(f" -ot {s}" for s in override_specs) + ")")
+    return report

@@ -1,0 +1,75 @@
+"""The command line: the real default model, synth files, one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ferry.cli import main
+
+
+def ferry(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
+    assert main(["synth", "qwen3-moe-tiny", "-o", str(path), "-q"]) == 0
+    return path
+
+
+@pytest.mark.slow
+def test_run_on_the_embedded_gemma_answers_a_factual_prompt():
+    r = ferry("run", "The capital of Germany is Berlin. The capital of France is", "--temp", "0", "-n", "4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of Germany is Berlin. The capital of France is Paris")
+    assert "prompt eval time" in r.stderr and "tokens per second" in r.stderr
+
+
+def test_run_greedy_is_deterministic_and_prints_timings(tiny):
+    runs = [ferry("run", "-m", str(tiny), "hello", "--temp", "0", "-n", "5") for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout
+    assert "eval time" in runs[0].stderr and "experts hit per layer" in runs[0].stderr
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    a, b = (ferry("run", "-m", str(tiny), "hi", "-s", "7", "--temp", "1.5", "-n", "6", "-q") for _ in range(2))
+    assert a.returncode == 0 and a.stdout == b.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "-m", "/nonexistent/model.gguf", "hi"], "no such file"),
+    (["run", "-m", "{tiny}"], "no prompt"),
+    (["run", "-m", "{tiny}", "a long prompt of many words", "-c", "3"], "context is full"),
+    (["run", "-m", "{tiny}", "hi", "--top-p", "0"], "--top-p must be"),
+    (["run", "--no-such-flag"], "unrecognized arguments"),
+    (["info", "{tiny}", "-ot", "exps"], "is not REGEX=DEVICE"),
+    (["info", "{tiny}", "-ot", "exps=GPU"], "unknown device"),
+    (["synth", "no-such-preset", "-o", "x.gguf"], "unknown preset"),
+    (["synth", "qwen3-moe-tiny", "-o", "x.gguf", "--type", "q9_9"], "unknown quant type"),
+])
+def test_user_errors_are_one_line_with_exit_code_2(tiny, args, message):
+    r = ferry(*[a.replace("{tiny}", str(tiny)) for a in args])
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr
+
+
+def test_synth_into_a_missing_folder_leaves_no_file(tmp_path):
+    r = ferry("synth", "qwen3-moe-tiny", "-o", str(tmp_path / "no" / "x.gguf"), "-q")
+    assert r.returncode == 2 and "cannot write" in r.stderr
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_info_json_reports_placement(tiny):
+    r = ferry("info", str(tiny), "-ngl", "999", "-ot", "exps=CPU", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["architecture"] == "qwen3moe"
+    devices = {g["group"]: g["device"] for g in report["tensor_groups"]}
+    assert devices["blk.*.ffn_up_exps.weight"] == "CPU"
+    assert devices["blk.*.attn_q.weight"] == "CUDA0"
+    assert devices["token_embd.weight"] == "CPU"

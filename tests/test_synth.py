@@ -1,0 +1,39 @@
+"""ferry synth: valid random quant blocks at the asked scale, and routing that stays diverse."""
+
+import numpy as np
+import pytest
+import torch
+
+from ferry.gguf.file import GGUFFile
+from ferry.gguf.synth import PRESETS, _SCALE_FIELDS, random_tensor, synth
+from ferry.models import load_model
+from ferry.quant import Q, dequantize
+from ferry.runtime.engine import Engine
+
+
+@pytest.mark.parametrize("qtype", list(_SCALE_FIELDS) + [Q.F16, Q.BF16, Q.IQ4_NL, Q.MXFP4], ids=lambda q: q.name)
+def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
+    ne = (256, 96)
+    values = dequantize(random_tensor(qtype, ne, 0.05, np.random.default_rng(0)), qtype, ne)
+    assert np.isfinite(values).all()
+    assert abs(values.mean()) < 0.01 and 0.04 < values.std() < 0.06
+
+
+def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend):
+    path = tmp_path / "tiny.gguf"
+    synth(PRESETS["qwen3-moe-tiny"], path, Q.Q4_0, Q.Q8_0, quiet=True)
+    model = load_model(GGUFFile(path), backend)
+    engine = Engine(model, n_ctx=512, n_ubatch=512)
+    tokens = torch.randint(0, model.args.n_vocab, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = engine.decode(tokens)
+    assert torch.isfinite(logits).all()
+    hit = engine.experts_hit[0]
+    n_expert = model.args.n_expert
+    assert len(hit) == model.args.n_layer
+    assert min(hit) >= 0.9 * n_expert, f"experts hit per layer: {hit} of {n_expert}"
+
+
+def test_qwen3_30b_a3b_preset_has_the_real_shapes():
+    p = PRESETS["qwen3-30b-a3b"]
+    assert (p.n_layer, p.n_embd, p.n_head, p.n_head_kv, p.head_dim) == (48, 2048, 32, 4, 128)
+    assert (p.n_expert, p.n_expert_used, p.n_ff_exp, p.n_vocab) == (128, 8, 768, 151936)
