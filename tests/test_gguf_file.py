@@ -28,6 +28,15 @@ def _kv_string(key: str, value: str) -> bytes:
     return struct.pack("<Q", len(k)) + k + struct.pack("<I", 8) + struct.pack("<Q", len(v)) + v
 
 
+def _patch(path, tensor: str, field_offset: int, fmt: str, value) -> None:
+    """Overwrite one field of a tensor's info entry; offsets count from the end of its name:
+    +4 the dims (u64 each), +4+16 the type (u32), +4+16+4 the data offset (u64), for 2-dim tensors."""
+    raw = bytearray(path.read_bytes())
+    at = raw.index(tensor.encode()) + len(tensor) + field_offset
+    raw[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    path.write_bytes(bytes(raw))
+
+
 def _error(path) -> str:
     with pytest.raises(FerryError) as e:
         GGUFFile(path)
@@ -73,47 +82,31 @@ def test_truncated_tensor_data(tmp_path):
 
 def test_tensor_offset_past_end_of_file(tmp_path):
     path = _valid(tmp_path / "m.gguf", n_tensors=1)
-    raw = bytearray(path.read_bytes())
-    # the single tensor's offset is the last u64 of its info entry, just before the aligned data
-    at = raw.index(b"t0") + 2 + 4 + 16 + 4
-    raw[at:at + 8] = struct.pack("<Q", 1 << 20)
-    path.write_bytes(bytes(raw))
+    _patch(path, "t0", 4 + 16 + 4, "<Q", 1 << 20)
     assert "past its end" in _error(path)
 
 
 def test_misaligned_tensor_data(tmp_path):
     path = _valid(tmp_path / "m.gguf", n_tensors=2)
-    raw = bytearray(path.read_bytes())
-    at = raw.index(b"t1") + 2 + 4 + 16 + 4
-    raw[at:at + 8] = struct.pack("<Q", struct.unpack_from("<Q", raw, at)[0] + 4)
-    path.write_bytes(bytes(raw))
+    _patch(path, "t1", 4 + 16 + 4, "<Q", GGUFFile(path).tensors["t1"].offset - GGUFFile(path).tensors["t0"].offset + 4)
     assert "not aligned" in _error(path)
 
 
 def test_overlapping_tensors(tmp_path):
     path = _valid(tmp_path / "m.gguf", n_tensors=2)
-    raw = bytearray(path.read_bytes())
-    at = raw.index(b"t1") + 2 + 4 + 16 + 4
-    raw[at:at + 8] = struct.pack("<Q", 32)  # t0 starts at 0 and is 204 bytes long
-    path.write_bytes(bytes(raw))
+    _patch(path, "t1", 4 + 16 + 4, "<Q", 32)  # t0 starts at 0 and is 204 bytes long
     assert "overlap" in _error(path)
 
 
 def test_unknown_quant_type(tmp_path):
     path = _valid(tmp_path / "m.gguf", n_tensors=1)
-    raw = bytearray(path.read_bytes())
-    at = raw.index(b"t0") + 2 + 4 + 16
-    raw[at:at + 4] = struct.pack("<I", 250)
-    path.write_bytes(bytes(raw))
+    _patch(path, "t0", 4 + 16, "<I", 250)
     assert "unknown quant type 250" in _error(path)
 
 
 def test_row_length_not_a_multiple_of_the_block(tmp_path):
     path = _valid(tmp_path / "m.gguf", n_tensors=1)
-    raw = bytearray(path.read_bytes())
-    at = raw.index(b"t0") + 2 + 4
-    raw[at:at + 8] = struct.pack("<Q", 65)
-    path.write_bytes(bytes(raw))
+    _patch(path, "t0", 4, "<Q", 65)
     assert "not a multiple" in _error(path)
 
 

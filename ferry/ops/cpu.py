@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from ferry.ops import Weight
-from ferry.quant import Q
 
 _GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weight, oldest dropped first
 _MAX_NODES = 16
@@ -40,14 +39,6 @@ def physical_cores() -> int:
     except OSError:
         pass
     return os.cpu_count() or 1
-
-
-def ggml_supports(qtype: Q) -> bool:
-    """True when this ggml build has a CPU dot product for the type."""
-    if qtype.value >= ggml.GGML_TYPE_COUNT:
-        return False
-    traits = ggml.ggml_get_type_traits_cpu(qtype.value)
-    return bool(traits) and bool(ctypes.cast(traits.contents.vec_dot, ctypes.c_void_p).value) or qtype in (Q.F32,)
 
 
 class _Graph:
