@@ -86,8 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"ferry: model {f.path.name} ({model.args.arch}), {backend.n_threads} threads, seed {sampler.seed}, "
               f"stopped by {gen.stopped_by}", file=sys.stderr)
         if gen.experts_hit:
-            per_layer = [sum(u[i] for u in gen.experts_hit[:1]) for i in range(len(gen.experts_hit[0]))]
-            print(f"ferry: experts hit per layer in the first u-batch: {per_layer}", file=sys.stderr)
+            print(f"ferry: experts hit per layer in the first u-batch: {gen.experts_hit[0]}", file=sys.stderr)
         print("\n".join(gen.timings.lines()), file=sys.stderr)
     return 0
 

@@ -47,7 +47,7 @@ class Attention:
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, self.norm_eps)
             k = rms_norm(k, self.k_norm, self.norm_eps)
-        cos, sin = self.rope.angles(batch.positions)
+        cos, sin = batch.rope_angles(self.rope)
         q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         keys, values = batch.kv.store(self.layer, batch.start, k, v)
         out = F.scaled_dot_product_attention(

@@ -19,6 +19,7 @@ class Batch:
     all_logits: bool = False
     experts_hit: list[int] = field(default_factory=list)  # per MoE layer: distinct experts routed to
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _angles: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -27,6 +28,12 @@ class Batch:
     @property
     def n_kv(self) -> int:
         return self.start + self.n_tokens
+
+    def rope_angles(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of this batch's positions for a rope, computed once per batch instead of per layer."""
+        if rope not in self._angles:
+            self._angles[rope] = rope.angles(self.positions)
+        return self._angles[rope]
 
     def mask(self, window: int = 0) -> torch.Tensor:
         """(n_tokens, n_kv) bool: causal, and within `window` positions when window > 0."""
