@@ -26,6 +26,9 @@ OUTPUT_PROJECTION_SCALE = 0.1
 _SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
     Q.Q4_0: (0, None), Q.Q4_1: (0, 2), Q.Q5_0: (0, None), Q.Q5_1: (0, 2), Q.Q8_0: (0, None),
     Q.Q2_K: (80, 82), Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None),
+    # the i-quants below need an importance matrix to quantize, so random blocks are the only cheap source
+    Q.IQ2_XXS: (0, None), Q.IQ2_XS: (0, None), Q.IQ2_S: (0, None), Q.IQ3_XXS: (0, None), Q.IQ3_S: (0, None),
+    Q.IQ1_S: (0, None), Q.TQ1_0: (52, None), Q.TQ2_0: (64, None),
 }
 
 

@@ -23,6 +23,7 @@ class Weight:
     ne: tuple[int, ...]
     data: np.ndarray  # raw bytes (uint8), a view of the file
     graphs: dict = field(default_factory=dict, repr=False)  # backend kernels built for this weight
+    f32_copy: np.ndarray | None = field(default=None, repr=False)  # for a type no backend kernel reads
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ import ggml
 import numpy as np
 import torch
 
+from ferry.errors import FerryError
 from ferry.ops import Weight
 
 _GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weight, oldest dropped first
@@ -113,9 +114,17 @@ class CpuBackend:
             g = owner.graphs[key] = build()
         return g
 
-    @staticmethod
-    def _weight_ptr(w: Weight) -> int:
-        return w.data.ctypes.data
+    def _weight_leaf(self, g: _Graph, w: Weight):
+        """A leaf over the weight's mmap bytes; types without a ggml CPU matmul get a float32 copy, made once."""
+        if ggml.ggml_get_type_traits_cpu(w.qtype.value).contents.vec_dot:
+            return g.leaf(w.qtype.value, w.ne, w.data.ctypes.data)
+        if w.f32_copy is None:
+            try:
+                w.f32_copy = np.ascontiguousarray(w.dequantize())
+            except NotImplementedError:
+                raise FerryError(f"tensor '{w.name}' is {w.qtype.name}, which neither ggml's CPU kernels nor the "
+                                 "reference dequantizer handle; re-quantize the model to a common type") from None
+        return g.leaf(ggml.GGML_TYPE_F32, w.ne, w.f32_copy.ctypes.data)
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """y = x @ W.T for x (n, k) float32 and W (m, k) in any ggml type."""
@@ -125,7 +134,7 @@ class CpuBackend:
 
         def build() -> _Graph:
             g = _Graph(self, 0)
-            wt = g.leaf(w.qtype.value, w.ne, self._weight_ptr(w))
+            wt = self._weight_leaf(g, w)
             xt = g.leaf(ggml.GGML_TYPE_F32, (k, n))
             g.inputs = [xt]
             g.finish(ggml.ggml_mul_mat(g.meta, wt, xt))
@@ -141,7 +150,7 @@ class CpuBackend:
 
         def build() -> _Graph:
             g = _Graph(self, 0)
-            wt = g.leaf(w.qtype.value, w.ne, self._weight_ptr(w))
+            wt = self._weight_leaf(g, w)
             it = g.leaf(ggml.GGML_TYPE_I32, (n,))
             g.inputs = [it]
             g.finish(ggml.ggml_get_rows(g.meta, wt, it))
@@ -164,9 +173,9 @@ class CpuBackend:
 
         def build() -> _Graph:
             g = _Graph(self, 3 * n_ff * n_used * n * 4 + 1024)
-            up_t = g.leaf(up.qtype.value, up.ne, self._weight_ptr(up))
-            gate_t = g.leaf(gate.qtype.value, gate.ne, self._weight_ptr(gate))
-            down_t = g.leaf(down.qtype.value, down.ne, self._weight_ptr(down))
+            up_t = self._weight_leaf(g, up)
+            gate_t = self._weight_leaf(g, gate)
+            down_t = self._weight_leaf(g, down)
             xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, 1, n))
             it = g.leaf(ggml.GGML_TYPE_I32, (n_used, n))
             g.inputs = [xt, it]
