@@ -12,9 +12,9 @@ from ferry.quant import Q, dequantize, quantize
 # float weights keep f32/f16/bf16 activations, quantized ones meet activations rounded to 8 bits
 TYPES = {Q.F32: 1e-6, Q.F16: 2e-3, Q.BF16: 1e-2, Q.Q8_0: 1.5e-2, Q.Q4_0: 1.5e-2, Q.Q4_1: 1.5e-2, Q.Q5_0: 1.5e-2,
          Q.Q5_1: 1.5e-2, Q.Q2_K: 2e-2, Q.Q3_K: 2e-2, Q.Q4_K: 2e-2, Q.Q5_K: 2e-2, Q.Q6_K: 2e-2,
-         Q.IQ4_NL: 1.5e-2, Q.IQ4_XS: 2e-2, Q.MXFP4: 1.5e-2}
+         Q.IQ4_NL: 1.5e-2, Q.IQ4_XS: 2e-2, Q.MXFP4: 1.5e-2, Q.TQ2_0: 2e-2}
 # types whose quantizer needs an importance matrix: random valid blocks (as ferry synth writes them);
-RANDOM_BLOCK_TYPES = {t: 2e-2 for t in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0)}
+RANDOM_BLOCK_TYPES = {t: 2e-2 for t in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.TQ1_0)}
 # no ggml CPU matmul: the backend multiplies a float32 copy made by the reference dequantizer
 FALLBACK_TYPES = {Q.F64: 1e-6, Q.I8: 1e-6, Q.I16: 1e-6, Q.I32: 1e-6}
 SHAPES = [(1, 256, 1), (7, 256, 3), (33, 512, 17), (129, 768, 64)]  # (rows m, cols k, tokens n)

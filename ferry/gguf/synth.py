@@ -28,7 +28,7 @@ _SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
     Q.Q2_K: (80, 82), Q.Q3_K: (108, None), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None),
     # the i-quants below need an importance matrix to quantize, so random blocks are the only cheap source
     Q.IQ2_XXS: (0, None), Q.IQ2_XS: (0, None), Q.IQ2_S: (0, None), Q.IQ3_XXS: (0, None), Q.IQ3_S: (0, None),
-    Q.IQ1_S: (0, None), Q.TQ1_0: (52, None), Q.TQ2_0: (64, None),
+    Q.IQ1_S: (0, None), Q.TQ1_0: (52, None),
 }
 
 
@@ -91,7 +91,7 @@ def random_tensor(qtype: GGMLQuantizationType, ne: tuple[int, ...], std: float, 
         if qtype == Q.F16:
             return values.astype(np.float16).view(np.uint8)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16: the top half of f32
-    if qtype not in _SCALE_FIELDS:  # no fixed scale field to set (IQ*, MXFP4, TQ*): quantize real values
+    if qtype not in _SCALE_FIELDS:  # no single scale field to set (IQ4_*, MXFP4, TQ2_0): quantize real values
         return quantize(rng.standard_normal((n // ne[0], ne[0]), dtype=np.float32) * np.float32(std), qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = np.frombuffer(rng.bytes(n // block * size), dtype=np.uint8).reshape(-1, size).copy()
