@@ -30,10 +30,11 @@ def _compare(family: str, tmp_path, backend, qtype: Q, kv_type: str, n_ubatch: i
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_f32_logits_match_transformers(family, tmp_path, backend):
-    # f32 weights and f32 KV cache: only float32 rounding differs, so 1e-4 relative is generous
+    # f32 weights and f32 KV cache: only float32 rounding differs, so 1e-4 relative is generous; gemma3's
+    # GELU is ggml's, as in llama.cpp, which looks it up in a table at f16 inputs (5e-4 relative per value)
     got, ref = _compare(family, tmp_path, backend, Q.F32, "f32", n_ubatch=8)
     rel = (got - ref).norm() / ref.norm()
-    assert rel < 1e-4, f"{family}: relative error {rel:.2e}"
+    assert rel < (1e-3 if family == "gemma3" else 1e-4), f"{family}: relative error {rel:.2e}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

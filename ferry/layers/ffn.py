@@ -5,13 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ferry.ops import Weight
 from ferry.runtime.context import Batch
-
-ACTIVATIONS = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}
-
 
 @dataclass
 class DenseFFN:
@@ -22,8 +18,7 @@ class DenseFFN:
     ops: object
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h = ACTIVATIONS[self.act](self.ops.linear(x, self.gate)) * self.ops.linear(x, self.up)
-        return self.ops.linear(h, self.down)
+        return self.ops.ffn(x, self.gate, self.up, self.down, self.act)
 
 
 @dataclass

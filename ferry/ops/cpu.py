@@ -19,6 +19,7 @@ from ferry.ops import Weight
 
 _GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weight, oldest dropped first
 _MAX_NODES = 16
+_GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split}  # act(gate) * up in one op
 
 
 def physical_cores() -> int:
@@ -143,6 +144,25 @@ class CpuBackend:
         out = torch.empty(n, m, dtype=torch.float32)
         return self._graph(w, ("linear", n), build).run([x], out)
 
+    def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
+        """The dense gated FFN down(act(gate x) * up x) as one graph: x (n, n_embd) float32."""
+        x = x.contiguous().float()
+        n, n_embd = x.shape
+        n_ff = up.ne[1]
+
+        def build() -> _Graph:
+            g = _Graph(self, 3 * n_ff * n * 4 + 1024)
+            xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, n))
+            g.inputs = [xt]
+            u = ggml.ggml_mul_mat(g.arena, self._weight_leaf(g, up), xt)
+            gt = ggml.ggml_mul_mat(g.arena, self._weight_leaf(g, gate), xt)
+            h = _GLU[act](g.arena, gt, u)
+            g.finish(ggml.ggml_mul_mat(g.meta, self._weight_leaf(g, down), h))
+            return g
+
+        out = torch.empty(n, down.ne[1], dtype=torch.float32)
+        return self._graph(up, ("ffn", id(gate), id(down), n, act), build).run([x], out)
+
     def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W (the embedding lookup), dequantized to float32: (n, k)."""
         ids = ids.to(torch.int32).contiguous()
@@ -181,8 +201,7 @@ class CpuBackend:
             g.inputs = [xt, it]
             u = ggml.ggml_mul_mat_id(g.arena, up_t, xt, it)
             gt = ggml.ggml_mul_mat_id(g.arena, gate_t, xt, it)
-            glu = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split}[act]
-            h = glu(g.arena, gt, u)
+            h = _GLU[act](g.arena, gt, u)
             g.finish(ggml.ggml_mul_mat_id(g.meta, down_t, h, it))
             return g
 
