@@ -48,24 +48,31 @@ def test_linear_matches_float64_reference(backend, qtype, m, k, n):
     assert np.linalg.norm(out.numpy() - ref) / scale < (TYPES | RANDOM_BLOCK_TYPES | FALLBACK_TYPES)[qtype]
 
 
-@pytest.mark.parametrize("n_expert,n_used,n_tokens", [(4, 1, 1), (8, 2, 5), (16, 4, 33)])
+@pytest.mark.parametrize("n_expert,n_used,n_tokens", [(4, 1, 1), (8, 2, 5), (16, 4, 33), (128, 8, 3)])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
-def test_moe_ffn_matches_per_expert_reference(backend, n_expert, n_used, n_tokens, act):
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_block_matches_float64_reference(backend, n_expert, n_used, n_tokens, act, norm_topk):
     rng = np.random.default_rng(n_expert + n_tokens)
     d, ff = 64, 96
+    router, router64 = _weight(rng, Q.F32, n_expert, d)  # f32: the reference picks the same experts
     up, up64 = _weight(rng, Q.Q8_0, n_expert, ff, d)
     gate, gate64 = _weight(rng, Q.Q8_0, n_expert, ff, d)
     down, down64 = _weight(rng, Q.Q8_0, n_expert, d, ff)
     x = rng.standard_normal((n_tokens, d)).astype(np.float32)
-    ids = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n_tokens)])
-    out = backend.moe_ffn(torch.from_numpy(x), up, gate, down, torch.from_numpy(ids), act).numpy()
+    out, ids = backend.moe(torch.from_numpy(x), router, up, gate, down, n_used, norm_topk, act)
     f = {"silu": lambda g: g / (1 + np.exp(-g)),
          "gelu": lambda g: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))}[act]
-    ref = np.zeros((n_tokens, n_used, d))
+    logits = x.astype(np.float64) @ router64.T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ref = np.zeros((n_tokens, d))
     for i in range(n_tokens):
-        for j, e in enumerate(ids[i]):
-            ref[i, j] = down64[e] @ (f(gate64[e] @ x[i]) * (up64[e] @ x[i]))
-    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+        top = np.argsort(-probs[i])[:n_used]
+        assert sorted(ids[i].tolist()) == sorted(top.tolist())
+        w = probs[i, top] / (probs[i, top].sum() if norm_topk else 1.0)
+        for e, we in zip(top, w):
+            ref[i] += we * (down64[e] @ (f(gate64[e] @ x[i]) * (up64[e] @ x[i])))
+    assert np.linalg.norm(out.numpy() - ref) / np.linalg.norm(ref) < 2e-2
 
 
 def test_get_rows_returns_dequantized_rows(backend):

@@ -35,10 +35,7 @@ class SparseMoE:
     ops: object
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        probs = torch.softmax(self.ops.linear(x, self.router), dim=-1)
-        weights, ids = torch.topk(probs, self.n_expert_used, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
+        out, ids = self.ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
+                                self.norm_topk, self.act)
         batch.experts_hit.append(int(ids.unique().numel()))
-        out = self.ops.moe_ffn(x, self.up_exps, self.gate_exps, self.down_exps, ids, self.act)
-        return (out * weights[..., None]).sum(1)
+        return out

@@ -18,7 +18,8 @@ from ferry.errors import FerryError
 from ferry.ops import Weight
 
 _GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weight, oldest dropped first
-_MAX_NODES = 16
+_MAX_NODES = 64
+_ALIGN = 64
 _GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split}  # act(gate) * up in one op
 
 
@@ -44,21 +45,22 @@ def physical_cores() -> int:
 
 
 class _Graph:
-    """One built ggml graph: leaves bound to external memory, intermediates in its own arena."""
+    """One built ggml graph: weights and inputs bound to external memory, outputs bound to the caller's
+    tensors at each run, intermediates placed in the backend's scratch buffer (shared: graphs run one at a time)."""
 
-    def __init__(self, backend: "CpuBackend", arena_bytes: int):
+    def __init__(self, backend: "CpuBackend"):
         overhead = ggml.ggml_tensor_overhead()
-        meta_params = ggml.ggml_init_params(
+        params = ggml.ggml_init_params(
             mem_size=_MAX_NODES * overhead + ggml.ggml_graph_overhead_custom(_MAX_NODES, False), mem_buffer=None, no_alloc=True)
-        self.meta = ggml.ggml_init(meta_params)
-        arena_params = ggml.ggml_init_params(mem_size=arena_bytes + _MAX_NODES * (overhead + 64), mem_buffer=None, no_alloc=False)
-        self.arena = ggml.ggml_init(arena_params) if arena_bytes else None
+        self.meta = ggml.ggml_init(params)
+        self.ctx = self.meta  # where every tensor of the graph is created (metadata only)
         self.backend = backend
+        self.scratch_generation = -1
         self.graph = None
         self.cplan = None
         self.work: np.ndarray | None = None
         self.inputs: list = []
-        self.output = None
+        self.outputs: list = []  # (tensor, the node that writes it: itself or a ggml_cpy view of it)
 
     def leaf(self, qtype: int, ne: tuple[int, ...], data_ptr: int | None = None):
         ne = tuple(int(n) for n in ne)
@@ -68,28 +70,37 @@ class _Graph:
             t.contents.data = data_ptr
         return t
 
-    def finish(self, output) -> None:
-        self.output = output
+    def copy_out(self, t, qtype: int, ne: tuple[int, ...]):
+        """A second output: `t` copied into a tensor bound to the caller's memory at each run."""
+        dst = self.leaf(qtype, ne)
+        node = ggml.ggml_cpy(self.meta, t, dst)
+        self.outputs.append((dst, node))
+        return node
+
+    def finish(self, output, *extra_nodes) -> None:
+        self.outputs.insert(0, (output, output))
         self.graph = ggml.ggml_new_graph_custom(self.meta, _MAX_NODES, False)
-        ggml.ggml_build_forward_expand(self.graph, output)
+        for node in (output, *extra_nodes):
+            ggml.ggml_build_forward_expand(self.graph, node)
+        self.backend._place(self)
         self.cplan = ggml.ggml_graph_plan(self.graph, self.backend.n_threads, self.backend.threadpool)
         if self.cplan.work_size:
             self.work = np.empty(self.cplan.work_size, dtype=np.uint8)
             self.cplan.work_data = ctypes.cast(self.work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
 
-    def run(self, inputs: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    def run(self, inputs: list[torch.Tensor], *outs: torch.Tensor) -> torch.Tensor:
         for t, x in zip(self.inputs, inputs):
             t.contents.data = x.data_ptr()
-        self.output.contents.data = out.data_ptr()
+        for (t, node), y in zip(self.outputs, outs):
+            t.contents.data = node.contents.data = y.data_ptr()
         status = ggml.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
-        return out
+        return outs[0]
 
     def __del__(self) -> None:
-        for ctx in (getattr(self, "meta", None), getattr(self, "arena", None)):
-            if ctx:
-                ggml.ggml_free(ctx)
+        if getattr(self, "meta", None):
+            ggml.ggml_free(self.meta)
 
 
 class CpuBackend:
@@ -105,11 +116,37 @@ class CpuBackend:
         # torch's OpenMP workers spin after each parallel region and steal the cores this pool needs:
         # a Q4_0 GEMV ran at 0.9 GB/s beside them, 22 GB/s with torch on one thread (docs/decisions.md)
         torch.set_num_threads(1)
+        self.scratch = np.empty(0, dtype=np.uint8)
+        self.scratch_generation = 0  # bumped when the scratch moves; graphs placed in an older one rebuild
+
+    def _place(self, g: _Graph) -> None:
+        """Give every intermediate node of `g` a place in the shared scratch (views: in their source)."""
+        bound = {ctypes.addressof(node.contents) for _, node in g.outputs}
+        nodes = [ggml.ggml_graph_node(g.graph, i) for i in range(ggml.ggml_graph_n_nodes(g.graph))]
+        offsets, size = [], 0
+        for t in nodes:
+            if t.contents.view_src or ctypes.addressof(t.contents) in bound:
+                offsets.append(None)
+            else:
+                offsets.append(size)
+                size += -(-ggml.ggml_nbytes(t) // _ALIGN) * _ALIGN
+        if size > self.scratch.nbytes:
+            self.scratch = np.empty(max(size, 2 * self.scratch.nbytes), dtype=np.uint8)
+            self.scratch_generation += 1
+        base = self.scratch.ctypes.data
+        for t, off in zip(nodes, offsets):
+            if off is not None:
+                t.contents.data = base + off
+            elif t.contents.view_src and ctypes.addressof(t.contents) not in bound:
+                src = t.contents.view_src.contents
+                if src.data:  # a view of an intermediate; views of inputs are not supported (bind the input itself)
+                    t.contents.data = src.data + t.contents.view_offs
+        g.scratch_generation = self.scratch_generation
 
     def _graph(self, owner: Weight, key: tuple, build: Callable[[], _Graph]) -> _Graph:
         """The graph for `key`, kept on the weight it reads so that it dies with the weight's mmap."""
         g = owner.graphs.get(key)
-        if g is None or g.backend is not self:
+        if g is None or g.backend is not self or g.scratch_generation != self.scratch_generation:
             if len(owner.graphs) >= _GRAPHS_PER_WEIGHT:
                 owner.graphs.pop(next(iter(owner.graphs)))
             g = owner.graphs[key] = build()
@@ -134,7 +171,7 @@ class CpuBackend:
         m = w.ne[1]
 
         def build() -> _Graph:
-            g = _Graph(self, 0)
+            g = _Graph(self)
             wt = self._weight_leaf(g, w)
             xt = g.leaf(ggml.GGML_TYPE_F32, (k, n))
             g.inputs = [xt]
@@ -151,12 +188,12 @@ class CpuBackend:
         n_ff = up.ne[1]
 
         def build() -> _Graph:
-            g = _Graph(self, 3 * n_ff * n * 4 + 1024)
+            g = _Graph(self)
             xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, n))
             g.inputs = [xt]
-            u = ggml.ggml_mul_mat(g.arena, self._weight_leaf(g, up), xt)
-            gt = ggml.ggml_mul_mat(g.arena, self._weight_leaf(g, gate), xt)
-            h = _GLU[act](g.arena, gt, u)
+            u = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, up), xt)
+            gt = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, gate), xt)
+            h = _GLU[act](g.ctx, gt, u)
             g.finish(ggml.ggml_mul_mat(g.meta, self._weight_leaf(g, down), h))
             return g
 
@@ -169,7 +206,7 @@ class CpuBackend:
         n, k = ids.numel(), w.ne[0]
 
         def build() -> _Graph:
-            g = _Graph(self, 0)
+            g = _Graph(self)
             wt = self._weight_leaf(g, w)
             it = g.leaf(ggml.GGML_TYPE_I32, (n,))
             g.inputs = [it]
@@ -179,34 +216,43 @@ class CpuBackend:
         out = torch.empty(n, k, dtype=torch.float32)
         return self._graph(w, ("get_rows", n), build).run([ids], out)
 
-    def moe_ffn(self, x: torch.Tensor, up: Weight, gate: Weight, down: Weight, ids: torch.Tensor,
-                act: str) -> torch.Tensor:
-        """Routed experts over only the selected ones (mul_mat_id), fused up/gate + activation.
-
-        x (n, n_embd) float32, ids (n, n_used) int; returns (n, n_used, n_embd), unweighted.
-        """
+    def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
+            norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole sparse MoE block as one graph: softmax router, top-k, the selected experts (mul_mat_id,
+        fused up/gate + activation), weighted sum. x (n, n_embd) float32 -> ((n, n_embd), ids (n, n_used))."""
         x = x.contiguous().float()
-        ids = ids.to(torch.int32).contiguous()
         n, n_embd = x.shape
-        n_used = ids.shape[1]
-        n_ff = up.ne[1]
+        n_expert = router.ne[1]
 
         def build() -> _Graph:
-            g = _Graph(self, 3 * n_ff * n_used * n * 4 + 1024)
-            up_t = self._weight_leaf(g, up)
-            gate_t = self._weight_leaf(g, gate)
-            down_t = self._weight_leaf(g, down)
+            g = _Graph(self)
+            c = g.ctx
             xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, 1, n))
-            it = g.leaf(ggml.GGML_TYPE_I32, (n_used, n))
-            g.inputs = [xt, it]
-            u = ggml.ggml_mul_mat_id(g.arena, up_t, xt, it)
-            gt = ggml.ggml_mul_mat_id(g.arena, gate_t, xt, it)
-            h = _GLU[act](g.arena, gt, u)
-            g.finish(ggml.ggml_mul_mat_id(g.meta, down_t, h, it))
+            g.inputs = [xt]
+            probs = ggml.ggml_soft_max(c, ggml.ggml_mul_mat(c, self._weight_leaf(g, router), xt))  # (n_expert, 1, n)
+            ids = ggml.ggml_top_k(c, ggml.ggml_reshape_2d(c, probs, n_expert, n), n_used)  # (n_used, n)
+            weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, n_expert, n), ids)  # (1, n_used, n)
+            if norm_topk:
+                w2 = ggml.ggml_reshape_2d(c, weights, n_used, n)
+                weights = ggml.ggml_reshape_3d(c, ggml.ggml_div(c, w2, ggml.ggml_sum_rows(c, w2)), 1, n_used, n)
+            u = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, up), xt, ids)
+            gt = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, gate), xt, ids)
+            experts = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, down), _GLU[act](c, gt, u), ids)  # (n_embd, n_used, n)
+            experts = ggml.ggml_mul(c, experts, weights)
+            nb1, nb2 = experts.contents.nb[1], experts.contents.nb[2]
+            out = ggml.ggml_view_2d(c, experts, n_embd, n, nb2, 0)
+            for j in range(1, n_used):
+                out = ggml.ggml_add(c, out, ggml.ggml_view_2d(c, experts, n_embd, n, nb2, j * nb1))
+            if n_used == 1:
+                out = ggml.ggml_cont(c, out)
+            ids_node = g.copy_out(ids, ggml.GGML_TYPE_I32, (n_used, n))
+            g.finish(out, ids_node)
             return g
 
-        out = torch.empty(n, n_used, n_embd, dtype=torch.float32)
-        return self._graph(up, ("moe", id(gate), id(down), n, n_used, act), build).run([x, ids], out)
+        out = torch.empty(n, n_embd, dtype=torch.float32)
+        ids = torch.empty(n, n_used, dtype=torch.int32)
+        self._graph(up, ("moe block", id(router), id(gate), id(down), n, n_used, norm_topk, act), build).run([x], out, ids)
+        return out, ids
 
     def close(self) -> None:
         if self.threadpool:
