@@ -34,6 +34,9 @@ def _model_path(args: argparse.Namespace) -> Path:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file (first part of a split model); default: the embedded Gemma 3 270M")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: physical cores)")
+    p.add_argument("--no-repack", dest="repack", action="store_false",
+                   help="keep CPU weights in the mmap instead of ggml's interleaved layout (-rtr is the default)")
+    p.add_argument("-rtr", "--run-time-repack", dest="repack", action="store_true", help=argparse.SUPPRESS)
 
 
 def _add_context_args(p: argparse.ArgumentParser) -> None:
@@ -42,16 +45,23 @@ def _add_context_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch (u-batch) size")
 
 
-def open_model(path: Path, threads: int):
-    """Open, validate and build: returns (file, backend, model, load seconds)."""
+def open_model(path: Path, threads: int, repack: bool = True, quiet: bool = True):
+    """Open, validate, build, and repack the CPU weights: returns (file, backend, model, load seconds)."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
     from ferry.ops.cpu import CpuBackend
 
     t0 = time.perf_counter()
     f = GGUFFile(path)
-    backend = CpuBackend(threads or None)
+    backend = CpuBackend(threads or None, repack=repack)
     model = load_model(f, backend)
+    if repack:
+        t1 = time.perf_counter()
+        for w in model.weights():
+            backend.repack(w)
+        if not quiet and backend.repacked_bytes:
+            print(f"ferry: repacked {backend.repacked_bytes / 2**20:.0f} MiB of weights into ggml's interleaved CPU "
+                  f"layout in {time.perf_counter() - t1:.2f} s (--no-repack skips this)", file=sys.stderr)
     return f, backend, model, time.perf_counter() - t0
 
 
@@ -64,7 +74,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is None:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
-    f, backend, model, _ = open_model(_model_path(args), args.threads)
+    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.quiet)
     tok = Tokenizer(f)
     engine = Engine(model, args.ctx_size, args.batch_size, args.ubatch_size)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,

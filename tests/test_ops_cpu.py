@@ -17,7 +17,8 @@ TYPES = {Q.F32: 1e-6, Q.F16: 2e-3, Q.BF16: 1e-2, Q.Q8_0: 1.5e-2, Q.Q4_0: 1.5e-2,
 RANDOM_BLOCK_TYPES = {t: 2e-2 for t in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.TQ1_0)}
 # no ggml CPU matmul: the backend multiplies a float32 copy made by the reference dequantizer
 FALLBACK_TYPES = {Q.F64: 1e-6, Q.I8: 1e-6, Q.I16: 1e-6, Q.I32: 1e-6}
-SHAPES = [(1, 256, 1), (7, 256, 3), (33, 512, 17), (129, 768, 64)]  # (rows m, cols k, tokens n)
+# (rows m, cols k, tokens n); rows divisible by 8 take ggml's repacked kernels for Q4_0, Q4_K, Q2_K, IQ4_NL
+SHAPES = [(1, 256, 1), (7, 256, 3), (33, 512, 17), (129, 768, 64), (64, 512, 1), (256, 256, 9)]
 
 
 def _weight(rng, qtype, *shape):
@@ -89,3 +90,19 @@ def test_type_without_kernel_or_dequantizer_is_a_user_error(backend):
     w = Weight("blk.0.attn_q.weight", Q.Q8_K, (256, 4), raw)
     with pytest.raises(FerryError, match="blk.0.attn_q.weight.*Q8_K.*re-quantize"):
         backend.linear(torch.zeros(1, 256), w)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.IQ4_NL])
+def test_repacked_weight_is_used_and_matches_the_mmap_path(qtype):
+    from ferry.ops.cpu import CpuBackend
+
+    rng = np.random.default_rng(7)
+    w, _ = _weight(rng, qtype, 64, 512)
+    plain, _ = _weight(np.random.default_rng(7), qtype, 64, 512)
+    x = torch.from_numpy(rng.standard_normal((5, 512)).astype(np.float32))
+    repacked = CpuBackend(2, repack=True).linear(x, w)
+    assert w.repacked, "ggml has an interleaved layout for this type and shape, so the weight must be repacked"
+    direct = CpuBackend(2, repack=False).linear(x, plain)
+    assert not plain.repacked
+    # both quantize the activations the same way; only the summation order differs
+    assert torch.allclose(repacked, direct, rtol=1e-4, atol=1e-3)

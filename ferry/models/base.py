@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -158,6 +159,22 @@ class Model:
     output: Weight
     ops: object
     embd_scale: float = 1.0
+
+    def weights(self) -> list[Weight]:
+        """Every matmul weight of the model, once each, in layer order (output last)."""
+        found: dict[int, Weight] = {}
+
+        def walk(obj) -> None:
+            if isinstance(obj, Weight):
+                found.setdefault(id(obj), obj)
+            elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+                for f in dataclasses.fields(obj):
+                    walk(getattr(obj, f.name))
+
+        for block in self.blocks:
+            walk(block)
+        walk(self.output)
+        return list(found.values())
 
     def forward(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Logits for the last token (batch.all_logits=False) or for every token: (n_out, n_vocab)."""

@@ -24,6 +24,7 @@ class Weight:
     data: np.ndarray  # raw bytes (uint8), a view of the file
     graphs: dict = field(default_factory=dict, repr=False)  # backend kernels built for this weight
     f32_copy: np.ndarray | None = field(default=None, repr=False)  # for a type no backend kernel reads
+    repacked: object = field(default=None, repr=False)  # the CPU backend's interleaved copy (False: none exists)
 
     @property
     def shape(self) -> tuple[int, ...]:

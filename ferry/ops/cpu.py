@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Callable
 
 import ggml
@@ -103,13 +104,49 @@ class _Graph:
             ggml.ggml_free(self.meta)
 
 
+class _Repacked:
+    """A weight copied into ggml's CPU_REPACK buffer (interleaved rows for the AVX2/AVX512 GEMM kernels)."""
+
+    def __init__(self, ctx, buffer, tensor):
+        self.ctx, self.buffer, self.tensor = ctx, buffer, tensor
+
+    def __del__(self) -> None:
+        ggml.ggml_backend_buffer_free(self.buffer)
+        ggml.ggml_free(self.ctx)
+
+
+@ggml.ggml_log_callback
+def _ggml_log(level: int, text: bytes, user_data) -> None:
+    """ggml's log, warnings and errors only (its debug level prints a line per repacked tensor)."""
+    if level in (ggml.GGML_LOG_LEVEL_WARN, ggml.GGML_LOG_LEVEL_ERROR) and text:
+        sys.stderr.write(text.decode(errors="replace"))
+
+
+def _repack_buffer_type():
+    """ggml's CPU_REPACK buffer type, from the CPU device's extra buffer types (None where absent)."""
+    reg = ggml.ggml_backend_cpu_reg()
+    fn = ggml.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not fn:
+        return None
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(ggml.ggml_backend_reg_dev_get(reg, 0))
+    i = 0
+    while bufts[i]:
+        if ggml.ggml_backend_buft_name(bufts[i]) == b"CPU_REPACK":
+            return bufts[i]
+        i += 1
+    return None
+
+
 class CpuBackend:
     """Runs weight-bound ops with ggml on `n_threads` threads from one reused thread pool."""
 
     name = "CPU"
 
-    def __init__(self, n_threads: int | None = None):
+    def __init__(self, n_threads: int | None = None, repack: bool = True):
         self.n_threads = n_threads or physical_cores()
+        self.repack_buft = _repack_buffer_type() if repack else None
+        self.repacked_bytes = 0
+        ggml.ggml_log_set(_ggml_log, None)
         ggml.ggml_cpu_init()
         params = ggml.ggml_threadpool_params_default(self.n_threads)
         self.threadpool = ggml.ggml_threadpool_new(ctypes.byref(params))
@@ -152,8 +189,31 @@ class CpuBackend:
             g = owner.graphs[key] = build()
         return g
 
+    def repack(self, w: Weight) -> bool:
+        """Copy `w` into ggml's interleaved CPU layout if ggml has one for its type and shape (once)."""
+        if w.repacked is None:
+            w.repacked = False
+            if self.repack_buft is not None and len(w.ne) in (2, 3):
+                ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=2 * ggml.ggml_tensor_overhead(), mem_buffer=None,
+                                                           no_alloc=True))
+                fn = {2: ggml.ggml_new_tensor_2d, 3: ggml.ggml_new_tensor_3d}[len(w.ne)]
+                t = fn(ctx, w.qtype.value, *w.ne)
+                buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self.repack_buft)
+                if buffer and t.contents.extra:  # the buffer's init gave it repack traits: ggml has a layout
+                    ggml.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)
+                    w.repacked = _Repacked(ctx, buffer, t)
+                    self.repacked_bytes += w.data.nbytes
+                else:
+                    if buffer:
+                        ggml.ggml_backend_buffer_free(buffer)
+                    ggml.ggml_free(ctx)
+        return bool(w.repacked)
+
     def _weight_leaf(self, g: _Graph, w: Weight):
-        """A leaf over the weight's mmap bytes; types without a ggml CPU matmul get a float32 copy, made once."""
+        """The weight as a matmul operand: its repacked copy, else a leaf over the mmap bytes; types without
+        a ggml CPU matmul get a float32 copy, made once."""
+        if self.repack(w):
+            return w.repacked.tensor
         if ggml.ggml_get_type_traits_cpu(w.qtype.value).contents.vec_dot:
             return g.leaf(w.qtype.value, w.ne, w.data.ctypes.data)
         if w.f32_copy is None:

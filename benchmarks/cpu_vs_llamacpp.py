@@ -1,0 +1,96 @@
+"""CPU only: ferry against llama.cpp's llama-bench on the same GGUF files, threads and test sizes.
+
+Both engines measure llama-bench's way: a warm-up run, then -r repetitions of pp (random prompt tokens
+in one u-batch, from an empty KV cache) and tg (single-token decodes from an empty cache); mean ± std.
+llama-bench is built from the llama.cpp tree inside llama-cpp-python's sdist (PyPI), e.g.:
+  pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps && tar xzf llama_cpp_python-0.3.36.tar.gz
+  cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
+  cmake --build build -j --target llama-bench
+(on the 2-core dev Xeon, configure with -DGGML_NATIVE=OFF and the AVX512 flags but no AMX: its AMX code
+segfaults there.) Usage:
+  python benchmarks/cpu_vs_llamacpp.py --llama-bench build/bin/llama-bench -m A.gguf -m B.gguf -t 2 --out r.json
+"""
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+
+def ferry_bench(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, repack: bool) -> dict:
+    from ferry.cli import open_model
+    from ferry.runtime.engine import Engine
+
+    _, backend, model, _ = open_model(path, threads, repack)
+    engine = Engine(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt)
+    rng = random.Random(0)
+    vocab = model.args.n_vocab
+
+    def pp() -> float:
+        engine.reset()
+        tokens = [rng.randrange(vocab) for _ in range(n_prompt)]
+        t0 = time.perf_counter()
+        engine.decode(tokens)
+        return n_prompt / (time.perf_counter() - t0)
+
+    def tg() -> float:
+        engine.reset()
+        t0 = time.perf_counter()
+        for _ in range(n_gen):
+            engine.decode([rng.randrange(vocab)])
+        return n_gen / (time.perf_counter() - t0)
+
+    out = {}
+    for name, fn in ((f"pp{n_prompt}", pp), (f"tg{n_gen}", tg)):
+        fn()  # warm-up
+        samples = [fn() for _ in range(reps)]
+        out[name] = {"avg_ts": statistics.mean(samples), "stddev_ts": statistics.stdev(samples) if reps > 1 else 0.0,
+                     "samples_ts": samples}
+    backend.close()
+    return out
+
+
+def llama_bench(exe: str, path: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict:
+    cmd = [exe, "-m", str(path), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps),
+           "-b", str(n_prompt), "-ub", str(n_prompt), "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    out = {}
+    for r in rows:
+        name = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+        out[name] = {"avg_ts": r["avg_ts"], "stddev_ts": r["stddev_ts"], "samples_ts": r["samples_ts"]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama-bench", required=True, help="path of a llama-bench binary")
+    ap.add_argument("-m", "--model", action="append", required=True)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-p", type=int, default=512)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--no-repack", dest="repack", action="store_false")
+    ap.add_argument("--out", default="cpu_vs_llamacpp.json")
+    a = ap.parse_args()
+    results = []
+    for m in a.model:
+        path = Path(m)
+        lc = llama_bench(a.llama_bench, path, a.threads, a.p, a.n, a.r)
+        fe = ferry_bench(path, a.threads, a.p, a.n, a.r, a.repack)
+        for test in lc:
+            results.append({"model": path.name, "test": test, "threads": a.threads, "ferry": fe[test],
+                            "llama.cpp": lc[test], "ratio": fe[test]["avg_ts"] / lc[test]["avg_ts"]})
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    print("| model | test | threads | ferry t/s | llama.cpp t/s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        f, l = r["ferry"], r["llama.cpp"]
+        print(f"| {r['model']} | {r['test']} | {r['threads']} | {f['avg_ts']:.2f} ± {f['stddev_ts']:.2f} | "
+              f"{l['avg_ts']:.2f} ± {l['stddev_ts']:.2f} | {r['ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
