@@ -45,7 +45,7 @@ def _add_context_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch (u-batch) size")
 
 
-def open_model(path: Path, threads: int, repack: bool = True, quiet: bool = True):
+def open_model(path: Path, threads: int, repack: bool = True):
     """Open, validate, build, and repack the CPU weights: returns (file, backend, model, load seconds)."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
@@ -59,9 +59,7 @@ def open_model(path: Path, threads: int, repack: bool = True, quiet: bool = True
         t1 = time.perf_counter()
         for w in model.weights():
             backend.repack(w)
-        if not quiet and backend.repacked_bytes:
-            print(f"ferry: repacked {backend.repacked_bytes / 2**20:.0f} MiB of weights into ggml's interleaved CPU "
-                  f"layout in {time.perf_counter() - t1:.2f} s (--no-repack skips this)", file=sys.stderr)
+        backend.repack_seconds = time.perf_counter() - t1
     return f, backend, model, time.perf_counter() - t0
 
 
@@ -74,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is None:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
-    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.quiet)
+    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack)
     tok = Tokenizer(f)
     engine = Engine(model, args.ctx_size, args.batch_size, args.ubatch_size)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -95,6 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"ferry: model {f.path.name} ({model.args.arch}), {backend.n_threads} threads, seed {sampler.seed}, "
               f"stopped by {gen.stopped_by}", file=sys.stderr)
+        if backend.repacked_bytes:
+            print(f"ferry: repacked {backend.repacked_bytes / 2**20:.0f} MiB of weights into ggml's interleaved CPU "
+                  f"layout in {backend.repack_seconds:.2f} s at load (--no-repack skips this)", file=sys.stderr)
         if gen.experts_hit:
             print(f"ferry: experts hit per layer in the first u-batch: {gen.experts_hit[0]}", file=sys.stderr)
         print("\n".join(gen.timings.lines()), file=sys.stderr)

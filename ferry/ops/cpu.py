@@ -146,6 +146,7 @@ class CpuBackend:
         self.n_threads = n_threads or physical_cores()
         self.repack_buft = _repack_buffer_type() if repack else None
         self.repacked_bytes = 0
+        self.repack_seconds = 0.0
         ggml.ggml_log_set(_ggml_log, None)
         ggml.ggml_cpu_init()
         params = ggml.ggml_threadpool_params_default(self.n_threads)
