@@ -34,6 +34,8 @@ def _model_path(args: argparse.Namespace) -> Path:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="GGUF file (first part of a split model); default: the embedded Gemma 3 270M")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: physical cores)")
+    p.add_argument("-tb", "--threads-batch", type=int, default=0,
+                   help="CPU threads for prompt processing (batches above one token; default: same as -t)")
     p.add_argument("--no-repack", dest="repack", action="store_false",
                    help="keep CPU weights in the mmap instead of ggml's interleaved layout (-rtr is the default)")
     p.add_argument("-rtr", "--run-time-repack", dest="repack", action="store_true", help=argparse.SUPPRESS)
@@ -45,7 +47,7 @@ def _add_context_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch (u-batch) size")
 
 
-def open_model(path: Path, threads: int, repack: bool = True):
+def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0):
     """Open, validate, build, and repack the CPU weights: returns (file, backend, model, load seconds)."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
@@ -53,7 +55,7 @@ def open_model(path: Path, threads: int, repack: bool = True):
 
     t0 = time.perf_counter()
     f = GGUFFile(path)
-    backend = CpuBackend(threads or None, repack=repack)
+    backend = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch)
     model = load_model(f, backend)
     if repack:
         t1 = time.perf_counter()
@@ -72,7 +74,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is None:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
-    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack)
+    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch)
     tok = Tokenizer(f)
     engine = Engine(model, args.ctx_size, args.batch_size, args.ubatch_size)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -91,7 +93,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     gen.timings.load_ms = load_ms
     if not args.quiet:
-        print(f"ferry: model {f.path.name} ({model.args.arch}), {backend.n_threads} threads, seed {sampler.seed}, "
+        print(f"ferry: model {f.path.name} ({model.args.arch}), {backend.n_threads} threads "
+              f"({backend.n_threads_batch} for batches), seed {sampler.seed}, "
               f"stopped by {gen.stopped_by}", file=sys.stderr)
         if backend.repacked_bytes:
             print(f"ferry: repacked {backend.repacked_bytes / 2**20:.0f} MiB of weights into ggml's interleaved CPU "

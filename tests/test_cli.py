@@ -44,6 +44,8 @@ def test_seeded_sampling_is_reproducible(tiny):
     (["run", "-m", "/nonexistent/model.gguf", "hi"], "no such file"),
     (["run", "-m", "{tiny}"], "no prompt"),
     (["run", "-m", "{tiny}", "a long prompt of many words", "-c", "3"], "context is full"),
+    (["run", "-m", "{tiny}", "hi", "-t", "-2"], "-t/--threads must be 1..1024"),
+    (["run", "-m", "{tiny}", "hi", "-tb", "5000"], "-tb/--threads-batch must be 1..1024"),
     (["run", "-m", "{tiny}", "hi", "--top-p", "0"], "--top-p must be"),
     (["run", "--no-such-flag"], "unrecognized arguments"),
     (["info", "{tiny}", "-ot", "exps"], "is not REGEX=DEVICE"),

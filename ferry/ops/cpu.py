@@ -21,6 +21,7 @@ from ferry.ops import Weight
 _GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weight, oldest dropped first
 _MAX_NODES = 64
 _ALIGN = 64
+MAX_THREADS = 1024
 _GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split}  # act(gate) * up in one op
 
 
@@ -49,13 +50,14 @@ class _Graph:
     """One built ggml graph: weights and inputs bound to external memory, outputs bound to the caller's
     tensors at each run, intermediates placed in the backend's scratch buffer (shared: graphs run one at a time)."""
 
-    def __init__(self, backend: "CpuBackend"):
+    def __init__(self, backend: "CpuBackend", n_tokens: int):
         overhead = ggml.ggml_tensor_overhead()
         params = ggml.ggml_init_params(
             mem_size=_MAX_NODES * overhead + ggml.ggml_graph_overhead_custom(_MAX_NODES, False), mem_buffer=None, no_alloc=True)
         self.meta = ggml.ggml_init(params)
         self.ctx = self.meta  # where every tensor of the graph is created (metadata only)
         self.backend = backend
+        self.n_threads = backend.n_threads if n_tokens == 1 else backend.n_threads_batch  # llama.cpp's -t / -tb
         self.scratch_generation = -1
         self.graph = None
         self.cplan = None
@@ -84,7 +86,7 @@ class _Graph:
         for node in (output, *extra_nodes):
             ggml.ggml_build_forward_expand(self.graph, node)
         self.backend._place(self)
-        self.cplan = ggml.ggml_graph_plan(self.graph, self.backend.n_threads, self.backend.threadpool)
+        self.cplan = ggml.ggml_graph_plan(self.graph, self.n_threads, self.backend.threadpool)
         if self.cplan.work_size:
             self.work = np.empty(self.cplan.work_size, dtype=np.uint8)
             self.cplan.work_data = ctypes.cast(self.work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
@@ -142,14 +144,18 @@ class CpuBackend:
 
     name = "CPU"
 
-    def __init__(self, n_threads: int | None = None, repack: bool = True):
-        self.n_threads = n_threads or physical_cores()
+    def __init__(self, n_threads: int | None = None, repack: bool = True, n_threads_batch: int | None = None):
+        for flag, v in (("-t/--threads", n_threads), ("-tb/--threads-batch", n_threads_batch)):
+            if v is not None and not (v in (0, -1) or 1 <= v <= MAX_THREADS):
+                raise FerryError(f"{flag} must be 1..{MAX_THREADS} (0 or -1: the physical core count), got {v}")
+        self.n_threads = n_threads if n_threads and n_threads > 0 else physical_cores()
+        self.n_threads_batch = n_threads_batch if n_threads_batch and n_threads_batch > 0 else self.n_threads
         self.repack_buft = _repack_buffer_type() if repack else None
         self.repacked_bytes = 0
         self.repack_seconds = 0.0
         ggml.ggml_log_set(_ggml_log, None)
         ggml.ggml_cpu_init()
-        params = ggml.ggml_threadpool_params_default(self.n_threads)
+        params = ggml.ggml_threadpool_params_default(max(self.n_threads, self.n_threads_batch))
         self.threadpool = ggml.ggml_threadpool_new(ctypes.byref(params))
         # torch's OpenMP workers spin after each parallel region and steal the cores this pool needs:
         # a Q4_0 GEMV ran at 0.9 GB/s beside them, 22 GB/s with torch on one thread (docs/decisions.md)
@@ -232,7 +238,7 @@ class CpuBackend:
         m = w.ne[1]
 
         def build() -> _Graph:
-            g = _Graph(self)
+            g = _Graph(self, n)
             wt = self._weight_leaf(g, w)
             xt = g.leaf(ggml.GGML_TYPE_F32, (k, n))
             g.inputs = [xt]
@@ -249,7 +255,7 @@ class CpuBackend:
         n_ff = up.ne[1]
 
         def build() -> _Graph:
-            g = _Graph(self)
+            g = _Graph(self, n)
             xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, n))
             g.inputs = [xt]
             u = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, up), xt)
@@ -267,7 +273,7 @@ class CpuBackend:
         n, k = ids.numel(), w.ne[0]
 
         def build() -> _Graph:
-            g = _Graph(self)
+            g = _Graph(self, n)
             wt = self._weight_leaf(g, w)
             it = g.leaf(ggml.GGML_TYPE_I32, (n,))
             g.inputs = [it]
@@ -286,7 +292,7 @@ class CpuBackend:
         n_expert = router.ne[1]
 
         def build() -> _Graph:
-            g = _Graph(self)
+            g = _Graph(self, n)
             c = g.ctx
             xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, 1, n))
             g.inputs = [xt]
