@@ -1,7 +1,8 @@
 """CPU only: ferry against llama.cpp's llama-bench on the same GGUF files, threads and test sizes.
 
-Both engines measure llama-bench's way: a warm-up run, then -r repetitions of pp (random prompt tokens
-in one u-batch, from an empty KV cache) and tg (single-token decodes from an empty cache); mean ± std.
+Both engines measure llama-bench's way (ferry through `ferry bench`'s code): a warm-up run, then -r
+repetitions of pp (random prompt tokens in one u-batch, from an empty KV cache) and tg (single-token
+decodes from an empty cache); mean ± std.
 llama-bench is built from the llama.cpp tree inside llama-cpp-python's sdist (PyPI), e.g.:
   pip download llama-cpp-python==0.3.36 --no-binary :all: --no-deps && tar xzf llama_cpp_python-0.3.36.tar.gz
   cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
@@ -13,44 +14,16 @@ segfaults there.) Usage:
 
 import argparse
 import json
-import random
-import statistics
 import subprocess
-import time
 from pathlib import Path
 
 
 def ferry_bench(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, repack: bool) -> dict:
-    from ferry.cli import open_model
-    from ferry.runtime.engine import Engine
+    from ferry.tools.bench import run_bench
 
-    _, backend, model, _ = open_model(path, threads, repack)
-    engine = Engine(model, n_ctx=n_prompt + n_gen + 16, n_batch=n_prompt, n_ubatch=n_prompt)
-    rng = random.Random(0)
-    vocab = model.args.n_vocab
-
-    def pp() -> float:
-        engine.reset()
-        tokens = [rng.randrange(vocab) for _ in range(n_prompt)]
-        t0 = time.perf_counter()
-        engine.decode(tokens)
-        return n_prompt / (time.perf_counter() - t0)
-
-    def tg() -> float:
-        engine.reset()
-        t0 = time.perf_counter()
-        for _ in range(n_gen):
-            engine.decode([rng.randrange(vocab)])
-        return n_gen / (time.perf_counter() - t0)
-
-    out = {}
-    for name, fn in ((f"pp{n_prompt}", pp), (f"tg{n_gen}", tg)):
-        fn()  # warm-up
-        samples = [fn() for _ in range(reps)]
-        out[name] = {"avg_ts": statistics.mean(samples), "stddev_ts": statistics.stdev(samples) if reps > 1 else 0.0,
-                     "samples_ts": samples}
-    backend.close()
-    return out
+    rows = run_bench([path], [n_prompt], [n_gen], [n_prompt], [n_prompt], [threads], reps, repack)
+    return {r.test: {"avg_ts": r.avg_ts, "stddev_ts": r.stddev_ts, "samples_ts": r.samples_ts,
+                     "experts_hit": r.experts_hit} for r in rows}
 
 
 def llama_bench(exe: str, path: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict:

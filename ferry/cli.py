@@ -105,6 +105,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ferry.tools import bench
+
+    if args.output not in bench.FORMATS:
+        raise FerryError(f"-o/--output must be one of {', '.join(bench.FORMATS)}, got '{args.output}'")
+    lists = {flag: bench.parse_int_list(flag, v) for flag, v in
+             (("-p", args.n_prompt), ("-n", args.n_gen), ("-b", args.batch_size), ("-ub", args.ubatch_size), ("-t", args.threads))}
+    models = [Path(m) for m in args.model] if args.model else [default_model()]
+    if args.output == "md":  # rows appear as they are measured, like llama-bench
+        print(bench.md_header(), flush=True)
+    rows = bench.run_bench(models, lists["-p"], lists["-n"], lists["-b"], lists["-ub"], lists["-t"], args.repetitions,
+                           args.repack, on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None)
+    if args.output != "md":
+        print(bench.render(rows, args.output))
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from ferry.tools.info import info
 
@@ -127,6 +144,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_threads() -> int:
+    from ferry.ops.cpu import physical_cores
+
+    return physical_cores()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ferry", description="Run Mixture-of-Experts GGUF models with the experts in RAM.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -146,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-s", "--seed", type=int, default=-1, help="sampling seed (-1: random)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the text, no timings")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("bench", help="measure prompt processing and generation speed (llama-bench semantics)")
+    p.add_argument("-m", "--model", action="append", help="GGUF file, repeatable; default: the embedded Gemma 3 270M")
+    p.add_argument("-p", "--n-prompt", default="512", help="prompt sizes, e.g. 128,512 or 128-2048*2 (0: none)")
+    p.add_argument("-n", "--n-gen", default="128", help="generated token counts (0: none)")
+    p.add_argument("-b", "--batch-size", default="2048")
+    p.add_argument("-ub", "--ubatch-size", default="512")
+    p.add_argument("-t", "--threads", default=str(_default_threads()), help="thread counts")
+    p.add_argument("-r", "--repetitions", type=int, default=5)
+    p.add_argument("-o", "--output", default="md", help="md, json, jsonl or csv")
+    p.add_argument("--no-repack", dest="repack", action="store_false")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="architecture, sizes, quant types and placement of a GGUF model")
     p.add_argument("file")

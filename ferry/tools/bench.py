@@ -1,0 +1,145 @@
+"""`ferry bench`: llama-bench's measurements (pp: a u-batch of random prompt tokens from an empty cache;
+tg: single-token decodes from an empty cache), one row per parameter combination, mean ± std."""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import math
+import random
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ferry.errors import FerryError
+
+FORMATS = ("md", "json", "jsonl", "csv")
+
+
+def parse_int_list(flag: str, text: str) -> list[int]:
+    """llama-bench's lists: '128,512', 'first-last', 'first-last+step', 'first-last*mult'."""
+    values: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+)(?:([+*])(\d+))?)?", part.strip())
+        if not m:
+            raise FerryError(f"{flag}: '{part}' is not a number or a range like 128-512*2 or 1-8+1")
+        first = int(m.group(1))
+        if m.group(2) is None:
+            values.append(first)
+            continue
+        last, op, step = int(m.group(2)), m.group(3) or "+", int(m.group(4) or 1)
+        if last < first or step < 1 or (op == "*" and (step < 2 or first < 1)):
+            raise FerryError(f"{flag}: range '{part}' is empty or never ends")
+        v = first
+        while v <= last:
+            values.append(v)
+            v = v + step if op == "+" else v * step
+    return values
+
+
+@dataclass
+class BenchRow:
+    model: str
+    size_bytes: int
+    n_params: int
+    backend: str
+    n_threads: int
+    n_batch: int
+    n_ubatch: int
+    repack: bool
+    n_prompt: int
+    n_gen: int
+    samples_ts: list[float] = field(default_factory=list)
+    experts_hit: list[int] = field(default_factory=list)  # pp: distinct experts per MoE layer, first u-batch
+
+    @property
+    def test(self) -> str:
+        return f"pp{self.n_prompt}" if self.n_prompt else f"tg{self.n_gen}"
+
+    @property
+    def avg_ts(self) -> float:
+        return statistics.mean(self.samples_ts)
+
+    @property
+    def stddev_ts(self) -> float:
+        return statistics.stdev(self.samples_ts) if len(self.samples_ts) > 1 else 0.0
+
+    def record(self) -> dict:
+        return {**asdict(self), "test": self.test, "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts}
+
+
+def measure(model, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, seed: int = 0) -> tuple[list[float], list[int]]:
+    """tokens/s of `reps` runs after one warm-up run, and the experts hit per layer in the first u-batch."""
+    from ferry.runtime.engine import Engine
+
+    engine = Engine(model, n_ctx=n_prompt + n_gen + 1, n_batch=n_batch, n_ubatch=n_ubatch)
+    rng = random.Random(seed)
+    vocab = model.args.n_vocab
+
+    def once() -> float:
+        engine.reset()
+        t0 = time.perf_counter()
+        if n_prompt:
+            engine.decode([rng.randrange(vocab) for _ in range(n_prompt)])
+        for _ in range(n_gen):
+            engine.decode([rng.randrange(vocab)])
+        return (n_prompt + n_gen) / (time.perf_counter() - t0)
+
+    once()
+    samples = [once() for _ in range(reps)]
+    return samples, (engine.experts_hit[0] if engine.experts_hit and n_prompt else [])
+
+
+def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch: list[int], n_ubatch: list[int],
+              threads: list[int], reps: int, repack: bool, on_row=None) -> list[BenchRow]:
+    from ferry.cli import open_model
+
+    if reps < 1:
+        raise FerryError(f"-r/--repetitions must be at least 1, got {reps}")
+    tests = [(p, 0) for p in n_prompt if p > 0] + [(0, n) for n in n_gen if n > 0]
+    if not tests:
+        raise FerryError("nothing to measure: give -p or -n a value above 0")
+    rows = []
+    for path, t in itertools.product(models, threads):
+        f, backend, model, _ = open_model(path, t, repack, t)
+        size = sum(info.nbytes for info in f.tensors.values())
+        n_params = sum(math.prod(info.ne) for info in f.tensors.values())
+        for b, ub, (p, n) in itertools.product(n_batch, n_ubatch, tests):
+            row = BenchRow(path.name, size, n_params, backend.name, backend.n_threads, b, min(ub, b), repack, p, n)
+            row.samples_ts, row.experts_hit = measure(model, p, n, b, ub, reps)
+            rows.append(row)
+            if on_row:
+                on_row(row)
+        backend.close()
+    return rows
+
+
+def md_header() -> str:
+    return ("| model | size | params | backend | threads | n_ubatch | test | t/s | experts hit/layer |\n"
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+
+
+def md_row(r: BenchRow) -> str:
+    hit = f"{min(r.experts_hit)}-{max(r.experts_hit)}" if r.experts_hit else ""
+    return (f"| {r.model} | {r.size_bytes / 2**20:.2f} MiB | {r.n_params / 1e6:.2f} M | {r.backend} | {r.n_threads} | "
+            f"{r.n_ubatch} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} | {hit} |")
+
+
+def render(rows: list[BenchRow], fmt: str) -> str:
+    records = [r.record() for r in rows]
+    if fmt == "md":
+        return "\n".join([md_header(), *(md_row(r) for r in rows)])
+    if fmt == "json":
+        return json.dumps(records, indent=1)
+    if fmt == "jsonl":
+        return "\n".join(json.dumps(r) for r in records)
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(records[0]))
+    w.writeheader()
+    for r in records:
+        w.writerow({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()})
+    return buf.getvalue().rstrip("\n")

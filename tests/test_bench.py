@@ -1,0 +1,61 @@
+"""ferry bench: llama-bench's list syntax, one row per combination, and output formats that parse back."""
+
+import csv
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ferry.errors import FerryError
+from ferry.gguf.synth import PRESETS, synth
+from ferry.quant import Q
+from ferry.tools.bench import parse_int_list
+
+
+@pytest.mark.parametrize("text,values", [
+    ("512", [512]), ("128,512", [128, 512]), ("1-4", [1, 2, 3, 4]), ("8-32+8", [8, 16, 24, 32]),
+    ("128-1024*2", [128, 256, 512, 1024]), ("1,4-6", [1, 4, 5, 6]),
+])
+def test_int_lists_follow_llama_bench(text, values):
+    assert parse_int_list("-p", text) == values
+
+
+@pytest.mark.parametrize("text", ["x", "1-", "8-4", "0-8*2", "4-8*1", "-3"])
+def test_bad_int_lists_are_user_errors(text):
+    with pytest.raises(FerryError, match="-p"):
+        parse_int_list("-p", text)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    synth(PRESETS["qwen3-moe-tiny"], path, Q.Q4_0, Q.Q8_0, quiet=True)
+    return path
+
+
+def bench(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "ferry", "bench", *args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_json_has_one_row_per_combination_with_repetitions(tiny):
+    rows = json.loads(bench("-m", str(tiny), "-p", "16,32", "-n", "4", "-ub", "8,32", "-r", "3", "-t", "1", "-o", "json"))
+    assert [(r["test"], r["n_ubatch"]) for r in rows] == [
+        ("pp16", 8), ("pp32", 8), ("tg4", 8), ("pp16", 32), ("pp32", 32), ("tg4", 32)]
+    for r in rows:
+        assert len(r["samples_ts"]) == 3 and r["avg_ts"] > 0 and r["n_threads"] == 1
+        # a prompt of random tokens reaches several of the 16 experts in each of the 4 layers
+        assert (len(r["experts_hit"]) == 4 and min(r["experts_hit"]) > 4) if r["n_prompt"] else r["experts_hit"] == []
+
+
+def test_markdown_and_csv_parse_back(tiny):
+    md = bench("-m", str(tiny), "-p", "16", "-n", "2", "-r", "2").strip().splitlines()
+    header = [c.strip() for c in md[0].strip("|").split("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in md[2:]]
+    assert header[6:8] == ["test", "t/s"] and [c[6] for c in cells] == ["pp16", "tg2"]
+    assert all(float(c[7].split("±")[0]) > 0 for c in cells)
+    rows = list(csv.DictReader(io.StringIO(bench("-m", str(tiny), "-p", "16", "-n", "0", "-r", "2", "-o", "csv"))))
+    assert len(rows) == 1 and rows[0]["test"] == "pp16" and len(json.loads(rows[0]["samples_ts"])) == 2
