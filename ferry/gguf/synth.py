@@ -15,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 from gguf import quants as gguf_quants
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ferry.gguf.writer import TensorSpec, write_gguf
 from ferry.quant import FLOAT_TYPES, Q, quantize
 
 OUTPUT_PROJECTION_SCALE = 0.1
+_FILE_TYPES = {t: LlamaFileType[f"MOSTLY_{t.name}"] for t in Q if f"MOSTLY_{t.name}" in LlamaFileType.__members__}
+_FILE_TYPES[Q.F32] = LlamaFileType.ALL_F32
 
 # byte offsets of the f16 scale `d` and of the f16 min/offset `dmin` (None: the type has none)
 _SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
@@ -133,6 +135,8 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
     a = p.arch
     metadata = {
         "general.name": f"ferry synth {a} {n_layer}L",
+        # llama.cpp names a model by its file type: the experts' type, since they hold most of the bytes
+        "general.file_type": _FILE_TYPES.get(expert_type, LlamaFileType.GUESSED).value,
         f"{a}.context_length": p.n_ctx,
         f"{a}.embedding_length": p.n_embd,
         f"{a}.block_count": n_layer,
