@@ -13,7 +13,7 @@ from ferry.errors import FerryError
 Q = GGMLQuantizationType
 
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
-_NUMPY_TYPES = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
+NUMPY_TYPES = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16,
                 Q.I32: np.int32}
 
 
@@ -36,8 +36,8 @@ def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, ne: tuple[int, ...]) -> np.ndarray:
     """Reference dequantization (gguf-py, numpy) to float32 in torch order (reversed ne)."""
     shape = tuple(reversed(ne))
-    if qtype in _NUMPY_TYPES:
-        return raw.view(_NUMPY_TYPES[qtype]).astype(np.float32).reshape(shape)
+    if qtype in NUMPY_TYPES:
+        return raw.view(NUMPY_TYPES[qtype]).astype(np.float32).reshape(shape)
     rows = raw.reshape(-1, row_bytes(qtype, ne[0]))
     return gguf_quants.dequantize(rows, qtype).astype(np.float32, copy=False).reshape(shape)
 

@@ -9,8 +9,6 @@ import sys
 import pytest
 
 from ferry.errors import FerryError
-from ferry.gguf.synth import PRESETS, synth
-from ferry.quant import Q
 from ferry.tools.bench import parse_int_list
 
 
@@ -26,13 +24,6 @@ def test_int_lists_follow_llama_bench(text, values):
 def test_bad_int_lists_are_user_errors(text):
     with pytest.raises(FerryError, match="-p"):
         parse_int_list("-p", text)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
-    synth(PRESETS["qwen3-moe-tiny"], path, Q.Q4_0, Q.Q8_0, quiet=True)
-    return path
 
 
 def bench(*args: str) -> str:

@@ -13,13 +13,6 @@ def ferry(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ferry", *args], capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
-    assert main(["synth", "qwen3-moe-tiny", "-o", str(path), "-q"]) == 0
-    return path
-
-
 @pytest.mark.slow
 def test_run_on_the_embedded_gemma_answers_a_factual_prompt():
     r = ferry("run", "The capital of Germany is Berlin. The capital of France is", "--temp", "0", "-n", "4")

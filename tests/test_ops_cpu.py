@@ -6,7 +6,7 @@ import torch
 
 from ferry.gguf.synth import random_tensor
 from ferry.ops import Weight
-from ferry.quant import Q, dequantize, quantize
+from ferry.quant import NUMPY_TYPES, Q, dequantize, quantize
 
 # every type ggml can quantize without an importance matrix; tolerance = its activation rounding:
 # float weights keep f32/f16/bf16 activations, quantized ones meet activations rounded to 8 bits
@@ -27,8 +27,7 @@ def _weight(rng, qtype, *shape):
     if qtype in RANDOM_BLOCK_TYPES:
         raw = random_tensor(qtype, ne, 1.0, rng)
     elif qtype in FALLBACK_TYPES:
-        dtype = {Q.F64: np.float64, Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32}[qtype]
-        raw = (values if qtype == Q.F64 else values * 50).astype(dtype).view(np.uint8).reshape(-1)
+        raw = (values if qtype == Q.F64 else values * 50).astype(NUMPY_TYPES[qtype]).view(np.uint8).reshape(-1)
     else:
         raw = quantize(values.astype(np.float32), qtype)
     return Weight("w", qtype, ne, raw), dequantize(raw, qtype, ne).astype(np.float64)
