@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from ferry.cli import main
 
 
 def ferry(*args: str) -> subprocess.CompletedProcess:
