@@ -37,12 +37,12 @@ def main() -> None:
         subprocess.run([sys.executable, str(Path(__file__).with_name("llamacpp_oracle.py")), str(path), str(ref_file),
                         *PROMPTS, "--n-greedy", str(a.n_greedy)], check=True, stderr=subprocess.DEVNULL)
         ref = dict(np.load(ref_file))
-    f, _, model, _ = open_model(path, 0)
+    f, backend, model, _ = open_model(path, 0)
     tok = Tokenizer(f)
     rows = []
     for i, prompt in enumerate(PROMPTS):
         ids = tok.encode(prompt)
-        engine = Engine(model, 512)
+        engine = Engine(model, backend, 512)
         logits = engine.decode(ids, all_logits=True)
         lp_ref = torch.log_softmax(torch.tensor(ref[f"logits_{i}"]).double(), -1)
         lp = torch.log_softmax(logits.double(), -1)

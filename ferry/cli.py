@@ -45,6 +45,12 @@ def _add_context_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (0: the model's)")
     p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="physical batch (u-batch) size")
+    _add_cache_type_args(p)
+
+
+def _add_cache_type_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type of keys: f16 (default), q8_0, q4_0, bf16, f32")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type of values (same choices)")
 
 
 def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0):
@@ -56,7 +62,7 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
     t0 = time.perf_counter()
     f = GGUFFile(path)
     backend = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch)
-    model = load_model(f, backend)
+    model = load_model(f)
     if repack:
         t1 = time.perf_counter()
         for w in model.weights():
@@ -76,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch)
     tok = Tokenizer(f)
-    engine = Engine(model, args.ctx_size, args.batch_size, args.ubatch_size)
+    engine = Engine(model, backend, args.ctx_size, args.batch_size, args.ubatch_size, args.cache_type_k, args.cache_type_v)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                      repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed))
     load_ms = 1000 * (time.perf_counter() - t0)
@@ -116,7 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.output == "md":  # rows appear as they are measured, like llama-bench
         print(bench.md_header(), flush=True)
     rows = bench.run_bench(models, lists["-p"], lists["-n"], lists["-b"], lists["-ub"], lists["-t"], args.repetitions,
-                           args.repack, on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None)
+                           args.repack, args.cache_type_k, args.cache_type_v, on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None)
     if args.output != "md":
         print(bench.render(rows, args.output))
     return 0
@@ -180,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", default="md", help="md, json, jsonl or csv")
     p.add_argument("--no-repack", dest="repack", action="store_false")
+    _add_cache_type_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="architecture, sizes, quant types and placement of a GGUF model")

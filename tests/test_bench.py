@@ -43,10 +43,10 @@ def test_json_has_one_row_per_combination_with_repetitions(tiny):
 
 
 def test_markdown_and_csv_parse_back(tiny):
-    md = bench("-m", str(tiny), "-p", "16", "-n", "2", "-r", "2").strip().splitlines()
+    md = bench("-m", str(tiny), "-p", "16", "-n", "2", "-r", "2", "-ctk", "q8_0").strip().splitlines()
     header = [c.strip() for c in md[0].strip("|").split("|")]
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in md[2:]]
-    assert header[6:8] == ["test", "t/s"] and [c[6] for c in cells] == ["pp16", "tg2"]
-    assert all(float(c[7].split("±")[0]) > 0 for c in cells)
+    rows = [dict(zip(header, (c.strip() for c in line.strip("|").split("|")))) for line in md[2:]]
+    assert [r["test"] for r in rows] == ["pp16", "tg2"] and {r["type_k"] + "/" + r["type_v"] for r in rows} == {"q8_0/f16"}
+    assert all(float(r["t/s"].split("±")[0]) > 0 for r in rows)
     rows = list(csv.DictReader(io.StringIO(bench("-m", str(tiny), "-p", "16", "-n", "0", "-r", "2", "-o", "csv"))))
     assert len(rows) == 1 and rows[0]["test"] == "pp16" and len(json.loads(rows[0]["samples_ts"])) == 2

@@ -135,16 +135,16 @@ def test_absurd_tensor_shape(tmp_path):
     assert "absurd shape" in _error(tmp_path / "x.gguf")
 
 
-def test_unsupported_architecture(tmp_path, backend):
+def test_unsupported_architecture(tmp_path):
     from ferry.models import load_model
 
     path = tmp_path / "x.gguf"
     path.write_bytes(_header(n_kv=1) + _kv_string("general.architecture", "rwkv7"))
     with pytest.raises(FerryError, match="architecture 'rwkv7' is not supported; supported: gemma3, llama"):
-        load_model(GGUFFile(path), backend)
+        load_model(GGUFFile(path))
 
 
-def test_shape_that_contradicts_the_metadata(tmp_path, backend):
+def test_shape_that_contradicts_the_metadata(tmp_path):
     from ferry.models import load_model
     from tests.fixtures.hf import tiny_hf_model, to_gguf
 
@@ -156,7 +156,7 @@ def test_shape_that_contradicts_the_metadata(tmp_path, backend):
     raw[at:at + 4] = struct.pack("<I", 96)
     path.write_bytes(bytes(raw))
     with pytest.raises(FerryError, match="has shape .* but the metadata implies"):
-        load_model(GGUFFile(path), backend)
+        load_model(GGUFFile(path))
 
 
 def test_split_files_load_as_one_model(tmp_path):

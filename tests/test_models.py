@@ -14,7 +14,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3"]
 N_TOKENS = 37  # > gemma3's test sliding window of 8, and not a multiple of the u-batch
 
 
-def _compare(family: str, tmp_path, backend, qtype: Q, kv_type: str, n_ubatch: int):
+def _compare(family: str, tmp_path, backend, qtype: Q, kv_type: str, n_ubatch: int, graph: bool):
     hf = tiny_hf_model(family)
     path = tmp_path / f"{family}.gguf"
     stored = to_gguf(hf, family, path, qtype)
@@ -23,26 +23,32 @@ def _compare(family: str, tmp_path, backend, qtype: Q, kv_type: str, n_ubatch: i
     with torch.no_grad():
         ref = hf(tokens[None]).logits[0].double()
     f = GGUFFile(path)
-    engine = Engine(load_model(f, backend), n_ctx=64, n_ubatch=n_ubatch, kv_type=kv_type)
+    engine = Engine(load_model(f), backend, n_ctx=64, n_ubatch=n_ubatch, type_k=kv_type, type_v=kv_type, graph=graph)
     got = engine.decode(tokens.tolist(), all_logits=True).double()
     return got, ref
 
 
+# graph: the CPU-only path (one ggml graph per u-batch, ggml flash attention); eager: op by op with torch
+EXECUTORS = pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+
+
+@EXECUTORS
 @pytest.mark.parametrize("family", FAMILIES)
-def test_f32_logits_match_transformers(family, tmp_path, backend):
+def test_f32_logits_match_transformers(family, graph, tmp_path, backend):
     # f32 weights and f32 KV cache: only float32 rounding differs, so 1e-4 relative is generous; gemma3's
     # GELU is ggml's, as in llama.cpp, which looks it up in a table at f16 inputs (5e-4 relative per value)
-    got, ref = _compare(family, tmp_path, backend, Q.F32, "f32", n_ubatch=8)
+    got, ref = _compare(family, tmp_path, backend, Q.F32, "f32", n_ubatch=8, graph=graph)
     rel = (got - ref).norm() / ref.norm()
     assert rel < (1e-3 if family == "gemma3" else 1e-4), f"{family}: relative error {rel:.2e}"
 
 
+@EXECUTORS
 @pytest.mark.parametrize("family", FAMILIES)
-def test_q8_0_weights_and_f16_cache_stay_close_to_transformers(family, tmp_path, backend):
+def test_q8_0_weights_and_f16_cache_stay_close_to_transformers(family, graph, tmp_path, backend):
     # Q8_0 weights given to both sides; ggml also rounds activations to q8 and the cache to f16,
     # which moves logits by about 1%: bound the KL divergence, and require the same top-1 token
     # wherever the reference's top-1 leads its runner-up by more than that noise (0.1 in logits).
-    got, ref = _compare(family, tmp_path, backend, Q.Q8_0, "f16", n_ubatch=16)
+    got, ref = _compare(family, tmp_path, backend, Q.Q8_0, "f16", n_ubatch=16, graph=graph)
     lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
     assert kl.median() < 1e-3, f"{family}: median KL {kl.median():.2e}"
@@ -56,14 +62,15 @@ def test_q8_0_weights_and_f16_cache_stay_close_to_transformers(family, tmp_path,
     assert (ref.argmax(-1) == got.argmax(-1))[confident].all()
 
 
-def test_incremental_decode_equals_one_batch(tmp_path, backend):
+@EXECUTORS
+def test_incremental_decode_equals_one_batch(graph, tmp_path, backend):
     # the KV cache path (token by token) must give the logits of the whole-prompt pass
     hf = tiny_hf_model("qwen3moe")
     path = tmp_path / "m.gguf"
     to_gguf(hf, "qwen3moe", path, Q.F32)
-    model = load_model(GGUFFile(path), backend)
+    model = load_model(GGUFFile(path))
     tokens = list(np.random.default_rng(3).integers(0, VOCAB, 20))
-    whole = Engine(model, n_ctx=32, kv_type="f32").decode(tokens, all_logits=True)
-    e = Engine(model, n_ctx=32, kv_type="f32")
+    whole = Engine(model, backend, n_ctx=32, type_k="f32", type_v="f32", graph=graph).decode(tokens, all_logits=True)
+    e = Engine(model, backend, n_ctx=32, type_k="f32", type_v="f32", graph=graph)
     steps = torch.cat([e.decode([t], all_logits=True) for t in tokens])
     assert torch.allclose(whole, steps, atol=1e-4, rtol=1e-4)

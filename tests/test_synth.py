@@ -22,8 +22,8 @@ def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
 def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend):
     path = tmp_path / "tiny.gguf"
     synth(PRESETS["qwen3-moe-tiny"], path, Q.Q4_0, Q.Q8_0, quiet=True)
-    model = load_model(GGUFFile(path), backend)
-    engine = Engine(model, n_ctx=512, n_ubatch=512)
+    model = load_model(GGUFFile(path))
+    engine = Engine(model, backend, n_ctx=512, n_ubatch=512)
     tokens = torch.randint(0, model.args.n_vocab, (512,), generator=torch.Generator().manual_seed(0)).tolist()
     logits = engine.decode(tokens)
     assert torch.isfinite(logits).all()

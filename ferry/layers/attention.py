@@ -6,12 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ferry.layers.norm import rms_norm
 from ferry.layers.rope import Rope
 from ferry.ops import Weight
-from ferry.runtime.context import Batch
 
 
 @dataclass
@@ -28,7 +25,6 @@ class Attention:
     rope: Rope
     scale: float
     norm_eps: float
-    ops: object
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
@@ -36,21 +32,12 @@ class Attention:
     k_norm: torch.Tensor | None = None
     window: int = 0
 
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = (self.ops.linear(x, w) for w in (self.wq, self.wk, self.wv))
-        if self.bq is not None:
-            q, k, v = q + self.bq, k + self.bk, v + self.bv
-        q = q.view(n, self.n_head, self.head_dim_k)
-        k = k.view(n, self.n_head_kv, self.head_dim_k)
-        v = v.view(n, self.n_head_kv, self.head_dim_v)
+    def __call__(self, ops, x):
+        q = ops.heads(ops.linear(x, self.wq, self.bq), self.n_head, self.head_dim_k)
+        k = ops.heads(ops.linear(x, self.wk, self.bk), self.n_head_kv, self.head_dim_k)
+        v = ops.heads(ops.linear(x, self.wv, self.bv), self.n_head_kv, self.head_dim_v)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.norm_eps)
-            k = rms_norm(k, self.k_norm, self.norm_eps)
-        cos, sin = batch.rope_angles(self.rope)
-        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
-        keys, values = batch.kv.store(self.layer, batch.start, k, v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=batch.mask(self.window), scale=self.scale, enable_gqa=self.n_head != self.n_head_kv)
-        return self.ops.linear(out.transpose(0, 1).reshape(n, self.n_head * self.head_dim_v), self.wo)
+            q = ops.rms_norm(q, self.q_norm, self.norm_eps)
+            k = ops.rms_norm(k, self.k_norm, self.norm_eps)
+        q, k = ops.rope(q, self.rope), ops.rope(k, self.rope)
+        return ops.linear(ops.attention(self.layer, q, k, v, self.scale, self.window), self.wo)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ferry.ops import Weight
-from ferry.runtime.context import Batch
+
 
 @dataclass
 class DenseFFN:
@@ -15,10 +13,9 @@ class DenseFFN:
     up: Weight
     down: Weight
     act: str
-    ops: object
 
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return self.ops.ffn(x, self.gate, self.up, self.down, self.act)
+    def __call__(self, ops, x):
+        return ops.ffn(x, self.gate, self.up, self.down, self.act)
 
 
 @dataclass
@@ -32,10 +29,7 @@ class SparseMoE:
     n_expert_used: int
     norm_topk: bool
     act: str
-    ops: object
 
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        out, ids = self.ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
-                                self.norm_topk, self.act)
-        batch.experts_hit.append(int(ids.unique().numel()))
-        return out
+    def __call__(self, ops, x):
+        return ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
+                       self.norm_topk, self.act)

@@ -16,14 +16,14 @@ ARCHITECTURES = {
 }
 
 
-def load_model(f: GGUFFile, ops) -> Model:
+def load_model(f: GGUFFile) -> Model:
     """Build the model described by an open GGUF file; every tensor is checked against the metadata."""
     arch = f.architecture
     if arch not in ARCHITECTURES:
         raise FerryError(f"{f.path}: architecture '{arch}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
     args = ModelArgs.from_gguf(f)
     loader = WeightLoader(f)
-    model = ARCHITECTURES[arch](loader, args, ops)
+    model = ARCHITECTURES[arch](loader, args)
     unused = sorted(set(f.tensors) - loader.used)
     if unused:
         raise FerryError(f"{f.path}: {len(unused)} tensors are not used by '{arch}' (first: '{unused[0]}'); the file does not match its architecture")

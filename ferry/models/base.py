@@ -11,10 +11,8 @@ import torch
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.layers.norm import rms_norm
 from ferry.ops import Weight
 from ferry.quant import dequantize
-from ferry.runtime.context import Batch
 
 MAX_LAYERS = 4096
 MAX_HEADS = 4096
@@ -145,7 +143,7 @@ class WeightLoader:
         return self.vector(name, *shape) if self.has(name) else None
 
 
-Block = Callable[[torch.Tensor, Batch], torch.Tensor]
+Block = Callable[[object, object], object]  # (ops, x) -> x
 
 
 @dataclass
@@ -157,7 +155,6 @@ class Model:
     blocks: list[Block]
     output_norm: torch.Tensor
     output: Weight
-    ops: object
     embd_scale: float = 1.0
 
     def weights(self) -> list[Weight]:
@@ -176,17 +173,15 @@ class Model:
         walk(self.output)
         return list(found.values())
 
-    def forward(self, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Logits for the last token (batch.all_logits=False) or for every token: (n_out, n_vocab)."""
-        x = self.ops.get_rows(self.token_embd, tokens)
+    def forward(self, ops):
+        """Logits (n_out, n_vocab) of one u-batch, through `ops` (eager torch ops or a ggml graph builder)."""
+        x = ops.embed(self.token_embd)
         if self.embd_scale != 1.0:
-            x = x * self.embd_scale
+            x = ops.scale(x, self.embd_scale)
         for block in self.blocks:
-            x = block(x, batch)
-        if not batch.all_logits:
-            x = x[-1:]
-        x = rms_norm(x, self.output_norm, self.args.norm_eps)
-        return self.ops.linear(x, self.output)
+            x = block(ops, x)
+        x = ops.rms_norm(ops.output_rows(x), self.output_norm, self.args.norm_eps)
+        return ops.linear(x, self.output)
 
 
 def load_head(w: WeightLoader, a: ModelArgs) -> tuple[Weight, torch.Tensor, Weight]:

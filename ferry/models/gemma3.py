@@ -10,11 +10,9 @@ import torch
 
 from ferry.layers.attention import Attention
 from ferry.layers.ffn import DenseFFN
-from ferry.layers.norm import rms_norm
 from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
 from ferry.models.llama import attention, dense_ffn
-from ferry.runtime.context import Batch
 
 SWA_PATTERN = 6  # layer i is global when (i + 1) % 6 == 0, local (sliding window) otherwise
 ROPE_BASE_LOCAL = 10000.0  # llama.cpp and HF fix the local layers' rope base; the file holds the global one
@@ -30,14 +28,14 @@ class Block:
     post_ffn_norm: torch.Tensor
     eps: float
 
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h = self.attn(rms_norm(x, self.attn_norm, self.eps), batch)
-        x = x + rms_norm(h, self.post_attn_norm, self.eps)
-        h = self.ffn(rms_norm(x, self.ffn_norm, self.eps), batch)
-        return x + rms_norm(h, self.post_ffn_norm, self.eps)
+    def __call__(self, ops, x):
+        h = self.attn(ops, ops.rms_norm(x, self.attn_norm, self.eps))
+        x = ops.add(x, ops.rms_norm(h, self.post_attn_norm, self.eps))
+        h = self.ffn(ops, ops.rms_norm(x, self.ffn_norm, self.eps))
+        return ops.add(x, ops.rms_norm(h, self.post_ffn_norm, self.eps))
 
 
-def build(w: WeightLoader, a: ModelArgs, ops) -> Model:
+def build(w: WeightLoader, a: ModelArgs) -> Model:
     rope_global = Rope(a.n_rot, a.rope_base, neox=True, scale=a.rope_scale)
     rope_local = Rope(a.n_rot, ROPE_BASE_LOCAL, neox=True)
     blocks = []
@@ -46,11 +44,11 @@ def build(w: WeightLoader, a: ModelArgs, ops) -> Model:
         p = f"blk.{i}."
         blocks.append(Block(
             attn_norm=w.vector(p + "attn_norm.weight", a.n_embd),
-            attn=attention(w, a, i, rope_local if local else rope_global, ops, window=a.sliding_window if local else 0),
+            attn=attention(w, a, i, rope_local if local else rope_global, window=a.sliding_window if local else 0),
             post_attn_norm=w.vector(p + "post_attention_norm.weight", a.n_embd),
             ffn_norm=w.vector(p + "ffn_norm.weight", a.n_embd),
-            ffn=dense_ffn(w, a, i, "gelu", ops),
+            ffn=dense_ffn(w, a, i, "gelu"),
             post_ffn_norm=w.vector(p + "post_ffw_norm.weight", a.n_embd),
             eps=a.norm_eps))
     embd, norm, out = load_head(w, a)
-    return Model(a, embd, blocks, norm, out, ops, embd_scale=math.sqrt(a.n_embd))
+    return Model(a, embd, blocks, norm, out, embd_scale=math.sqrt(a.n_embd))

@@ -8,10 +8,8 @@ import torch
 
 from ferry.layers.attention import Attention
 from ferry.layers.ffn import DenseFFN, SparseMoE
-from ferry.layers.norm import rms_norm
 from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
-from ferry.runtime.context import Batch
 
 # llama.cpp's converter permutes llama's q/k rows into adjacent rotation pairs; qwen keeps HF's halves
 NEOX_ROPE = {"llama": False, "qwen2": True, "qwen3": True}
@@ -25,12 +23,12 @@ class Block:
     ffn: DenseFFN | SparseMoE
     eps: float
 
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), batch)
-        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), batch)
+    def __call__(self, ops, x):
+        x = ops.add(x, self.attn(ops, ops.rms_norm(x, self.attn_norm, self.eps)))
+        return ops.add(x, self.ffn(ops, ops.rms_norm(x, self.ffn_norm, self.eps)))
 
 
-def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, ops, window: int = 0, scale: float | None = None) -> Attention:
+def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, window: int = 0, scale: float | None = None) -> Attention:
     """The attention of block i, with whatever optional biases and q/k norms the file carries."""
     p = f"blk.{i}."
     q_dim, kv_dim, v_dim = a.n_head * a.head_dim_k, a.n_head_kv * a.head_dim_k, a.n_head_kv * a.head_dim_v
@@ -41,7 +39,7 @@ def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, ops, window: in
         wv=w.weight(p + "attn_v.weight", v_dim, a.n_embd),
         wo=w.weight(p + "attn_output.weight", a.n_embd, a.n_head * a.head_dim_v),
         n_head=a.n_head, n_head_kv=a.n_head_kv, head_dim_k=a.head_dim_k, head_dim_v=a.head_dim_v,
-        rope=rope, scale=scale if scale is not None else a.head_dim_k ** -0.5, norm_eps=a.norm_eps, ops=ops,
+        rope=rope, scale=scale if scale is not None else a.head_dim_k ** -0.5, norm_eps=a.norm_eps,
         bq=w.optional_vector(p + "attn_q.bias", q_dim),
         bk=w.optional_vector(p + "attn_k.bias", kv_dim),
         bv=w.optional_vector(p + "attn_v.bias", v_dim),
@@ -51,35 +49,35 @@ def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, ops, window: in
     )
 
 
-def dense_ffn(w: WeightLoader, a: ModelArgs, i: int, act: str, ops) -> DenseFFN:
+def dense_ffn(w: WeightLoader, a: ModelArgs, i: int, act: str) -> DenseFFN:
     p = f"blk.{i}."
     return DenseFFN(
         gate=w.weight(p + "ffn_gate.weight", a.n_ff, a.n_embd),
         up=w.weight(p + "ffn_up.weight", a.n_ff, a.n_embd),
         down=w.weight(p + "ffn_down.weight", a.n_embd, a.n_ff),
-        act=act, ops=ops)
+        act=act)
 
 
-def sparse_moe(w: WeightLoader, a: ModelArgs, i: int, n_ff_exp: int, ops) -> SparseMoE:
+def sparse_moe(w: WeightLoader, a: ModelArgs, i: int, n_ff_exp: int) -> SparseMoE:
     p = f"blk.{i}."
     return SparseMoE(
         router=w.weight(p + "ffn_gate_inp.weight", a.n_expert, a.n_embd),
         up_exps=w.weight(p + "ffn_up_exps.weight", a.n_expert, n_ff_exp, a.n_embd),
         gate_exps=w.weight(p + "ffn_gate_exps.weight", a.n_expert, n_ff_exp, a.n_embd),
         down_exps=w.weight(p + "ffn_down_exps.weight", a.n_expert, a.n_embd, n_ff_exp),
-        n_expert_used=a.n_expert_used, norm_topk=True, act="silu", ops=ops)
+        n_expert_used=a.n_expert_used, norm_topk=True, act="silu")
 
 
-def build(w: WeightLoader, a: ModelArgs, ops) -> Model:
+def build(w: WeightLoader, a: ModelArgs) -> Model:
     rope = Rope(a.n_rot, a.rope_base, NEOX_ROPE[a.arch], a.rope_scale)
     blocks = []
     for i in range(a.n_layer):
         # mixtral-style files are arch 'llama' with expert tensors; their expert FFN size is feed_forward_length
-        ffn = sparse_moe(w, a, i, a.n_ff_exp or a.n_ff, ops) if a.n_expert else dense_ffn(w, a, i, "silu", ops)
+        ffn = sparse_moe(w, a, i, a.n_ff_exp or a.n_ff) if a.n_expert else dense_ffn(w, a, i, "silu")
         blocks.append(Block(
             attn_norm=w.vector(f"blk.{i}.attn_norm.weight", a.n_embd),
-            attn=attention(w, a, i, rope, ops),
+            attn=attention(w, a, i, rope),
             ffn_norm=w.vector(f"blk.{i}.ffn_norm.weight", a.n_embd),
             ffn=ffn, eps=a.norm_eps))
     embd, norm, out = load_head(w, a)
-    return Model(a, embd, blocks, norm, out, ops)
+    return Model(a, embd, blocks, norm, out)

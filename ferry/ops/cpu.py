@@ -48,17 +48,18 @@ def physical_cores() -> int:
 
 class _Graph:
     """One built ggml graph: weights and inputs bound to external memory, outputs bound to the caller's
-    tensors at each run, intermediates placed in the backend's scratch buffer (shared: graphs run one at a time)."""
+    tensors at each run, intermediates placed by ggml's graph allocator in the backend's one compute
+    buffer (graphs run one at a time, so they share it; liveness analysis reuses memory within a graph)."""
 
-    def __init__(self, backend: "CpuBackend", n_tokens: int):
+    def __init__(self, backend: "CpuBackend", n_tokens: int, max_nodes: int = _MAX_NODES):
         overhead = ggml.ggml_tensor_overhead()
         params = ggml.ggml_init_params(
-            mem_size=_MAX_NODES * overhead + ggml.ggml_graph_overhead_custom(_MAX_NODES, False), mem_buffer=None, no_alloc=True)
-        self.meta = ggml.ggml_init(params)
-        self.ctx = self.meta  # where every tensor of the graph is created (metadata only)
+            mem_size=2 * max_nodes * overhead + ggml.ggml_graph_overhead_custom(max_nodes, False), mem_buffer=None,
+            no_alloc=True)
+        self.ctx = ggml.ggml_init(params)  # where every tensor of the graph is created (metadata only)
+        self.max_nodes = max_nodes
         self.backend = backend
         self.n_threads = backend.n_threads if n_tokens == 1 else backend.n_threads_batch  # llama.cpp's -t / -tb
-        self.scratch_generation = -1
         self.graph = None
         self.cplan = None
         self.work: np.ndarray | None = None
@@ -68,42 +69,62 @@ class _Graph:
     def leaf(self, qtype: int, ne: tuple[int, ...], data_ptr: int | None = None):
         ne = tuple(int(n) for n in ne)
         fn = {1: ggml.ggml_new_tensor_1d, 2: ggml.ggml_new_tensor_2d, 3: ggml.ggml_new_tensor_3d}[len(ne)]
-        t = fn(self.meta, qtype, *ne)
+        t = fn(self.ctx, qtype, *ne)
         if data_ptr is not None:
             t.contents.data = data_ptr
+        return t
+
+    def input(self, qtype: int, ne: tuple[int, ...]):
+        """A leaf bound to the next entry of run()'s `inputs`."""
+        t = self.leaf(qtype, ne)
+        self.inputs.append(t)
         return t
 
     def copy_out(self, t, qtype: int, ne: tuple[int, ...]):
         """A second output: `t` copied into a tensor bound to the caller's memory at each run."""
         dst = self.leaf(qtype, ne)
-        node = ggml.ggml_cpy(self.meta, t, dst)
+        node = ggml.ggml_cpy(self.ctx, t, dst)
         self.outputs.append((dst, node))
         return node
 
     def finish(self, output, *extra_nodes) -> None:
         self.outputs.insert(0, (output, output))
-        self.graph = ggml.ggml_new_graph_custom(self.meta, _MAX_NODES, False)
+        self.graph = ggml.ggml_new_graph_custom(self.ctx, self.max_nodes, False)
         for node in (output, *extra_nodes):
             ggml.ggml_build_forward_expand(self.graph, node)
-        self.backend._place(self)
+        # bound tensors must look allocated to the allocator; run() binds them before every compute
+        for t in self.inputs + [t for t, _ in self.outputs]:
+            t.contents.data = self.backend.placeholder
+        inputs = {ctypes.addressof(t.contents): t for t in self.inputs}
+        self.input_views = []  # (view, its input, offset): rebound with the input
+        for i in range(ggml.ggml_graph_n_nodes(self.graph)):
+            node = ggml.ggml_graph_node(self.graph, i)
+            src = node.contents.view_src
+            if src and ctypes.addressof(src.contents) in inputs:
+                self.input_views.append((node, inputs[ctypes.addressof(src.contents)], node.contents.view_offs))
         self.cplan = ggml.ggml_graph_plan(self.graph, self.n_threads, self.backend.threadpool)
         if self.cplan.work_size:
             self.work = np.empty(self.cplan.work_size, dtype=np.uint8)
             self.cplan.work_data = ctypes.cast(self.work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
 
     def run(self, inputs: list[torch.Tensor], *outs: torch.Tensor) -> torch.Tensor:
-        for t, x in zip(self.inputs, inputs):
+        for t, x in zip(self.inputs, inputs, strict=True):
             t.contents.data = x.data_ptr()
-        for (t, node), y in zip(self.outputs, outs):
+        for view, t, offset in self.input_views:
+            view.contents.data = t.contents.data + offset
+        for (t, node), y in zip(self.outputs, outs, strict=True):
             t.contents.data = node.contents.data = y.data_ptr()
+        self.backend._allocate(self)
         status = ggml.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
         return outs[0]
 
     def __del__(self) -> None:
-        if getattr(self, "meta", None):
-            ggml.ggml_free(self.meta)
+        if getattr(self, "backend", None) is not None and self.backend.allocated is self:
+            self.backend.allocated = None
+        if getattr(self, "ctx", None):
+            ggml.ggml_free(self.ctx)
 
 
 class _Repacked:
@@ -160,37 +181,25 @@ class CpuBackend:
         # torch's OpenMP workers spin after each parallel region and steal the cores this pool needs:
         # a Q4_0 GEMV ran at 0.9 GB/s beside them, 22 GB/s with torch on one thread (docs/decisions.md)
         torch.set_num_threads(1)
-        self.scratch = np.empty(0, dtype=np.uint8)
-        self.scratch_generation = 0  # bumped when the scratch moves; graphs placed in an older one rebuild
+        # the CPU device's buffer type (ggml-python's ggml_backend_cpu_buffer_type binding truncates the pointer)
+        cpu = ggml.ggml_backend_reg_dev_get(ggml.ggml_backend_cpu_reg(), 0)
+        self.galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_dev_buffer_type(cpu))
+        self.allocated: _Graph | None = None  # the graph whose intermediates the compute buffer holds now
+        self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
+        self.placeholder = self._placeholder.ctypes.data
 
-    def _place(self, g: _Graph) -> None:
-        """Give every intermediate node of `g` a place in the shared scratch (views: in their source)."""
-        bound = {ctypes.addressof(node.contents) for _, node in g.outputs}
-        nodes = [ggml.ggml_graph_node(g.graph, i) for i in range(ggml.ggml_graph_n_nodes(g.graph))]
-        offsets, size = [], 0
-        for t in nodes:
-            if t.contents.view_src or ctypes.addressof(t.contents) in bound:
-                offsets.append(None)
-            else:
-                offsets.append(size)
-                size += -(-ggml.ggml_nbytes(t) // _ALIGN) * _ALIGN
-        if size > self.scratch.nbytes:
-            self.scratch = np.empty(max(size, 2 * self.scratch.nbytes), dtype=np.uint8)
-            self.scratch_generation += 1
-        base = self.scratch.ctypes.data
-        for t, off in zip(nodes, offsets):
-            if off is not None:
-                t.contents.data = base + off
-            elif t.contents.view_src and ctypes.addressof(t.contents) not in bound:
-                src = t.contents.view_src.contents
-                if src.data:  # a view of an intermediate; views of inputs are not supported (bind the input itself)
-                    t.contents.data = src.data + t.contents.view_offs
-        g.scratch_generation = self.scratch_generation
+    def _allocate(self, g: _Graph) -> None:
+        """Place g's intermediates in the compute buffer, unless they are there from its last run."""
+        if self.allocated is not g:
+            # reserve first: the allocator would reuse the previous graph's layout for any graph of equal size
+            if not (ggml.ggml_gallocr_reserve(self.galloc, g.graph) and ggml.ggml_gallocr_alloc_graph(self.galloc, g.graph)):
+                raise FerryError("out of memory for the CPU compute buffer; lower -ub/--ubatch-size")
+            self.allocated = g
 
     def _graph(self, owner: Weight, key: tuple, build: Callable[[], _Graph]) -> _Graph:
         """The graph for `key`, kept on the weight it reads so that it dies with the weight's mmap."""
         g = owner.graphs.get(key)
-        if g is None or g.backend is not self or g.scratch_generation != self.scratch_generation:
+        if g is None or g.backend is not self:
             if len(owner.graphs) >= _GRAPHS_PER_WEIGHT:
                 owner.graphs.pop(next(iter(owner.graphs)))
             g = owner.graphs[key] = build()
@@ -216,10 +225,10 @@ class CpuBackend:
                     ggml.ggml_free(ctx)
         return bool(w.repacked)
 
-    def _weight_leaf(self, g: _Graph, w: Weight):
+    def _weight_leaf(self, g: _Graph, w: Weight, rows: bool = False):
         """The weight as a matmul operand: its repacked copy, else a leaf over the mmap bytes; types without
-        a ggml CPU matmul get a float32 copy, made once."""
-        if self.repack(w):
+        a ggml CPU matmul get a float32 copy, made once. `rows`: for get_rows, which cannot read a repacked copy."""
+        if not rows and self.repack(w):
             return w.repacked.tensor
         if ggml.ggml_get_type_traits_cpu(w.qtype.value).contents.vec_dot:
             return g.leaf(w.qtype.value, w.ne, w.data.ctypes.data)
@@ -231,6 +240,38 @@ class CpuBackend:
                                  "reference dequantizer handle; re-quantize the model to a common type") from None
         return g.leaf(ggml.GGML_TYPE_F32, w.ne, w.f32_copy.ctypes.data)
 
+    def ffn_nodes(self, g: _Graph, x, gate: Weight, up: Weight, down: Weight, act: str):
+        """down(act(gate x) * up x) for x (n_embd, n)."""
+        u = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, up), x)
+        gt = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, gate), x)
+        return ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, down), _GLU[act](g.ctx, gt, u))
+
+    def moe_nodes(self, g: _Graph, x, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
+                  norm_topk: bool, act: str):
+        """The sparse MoE block for x (n_embd, n): softmax router, top-k, the selected experts (mul_mat_id,
+        fused up/gate + activation), weighted sum. Returns (out (n_embd, n), expert ids (n_used, n))."""
+        c = g.ctx
+        n_embd, n = x.contents.ne[0], x.contents.ne[1]
+        n_expert = router.ne[1]
+        x = ggml.ggml_reshape_3d(c, x, n_embd, 1, n)
+        probs = ggml.ggml_soft_max(c, ggml.ggml_mul_mat(c, self._weight_leaf(g, router), x))  # (n_expert, 1, n)
+        ids = ggml.ggml_top_k(c, ggml.ggml_reshape_2d(c, probs, n_expert, n), n_used)  # (n_used, n)
+        weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, n_expert, n), ids)  # (1, n_used, n)
+        if norm_topk:
+            w2 = ggml.ggml_reshape_2d(c, weights, n_used, n)
+            weights = ggml.ggml_reshape_3d(c, ggml.ggml_div(c, w2, ggml.ggml_sum_rows(c, w2)), 1, n_used, n)
+        u = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, up), x, ids)
+        gt = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, gate), x, ids)
+        experts = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, down), _GLU[act](c, gt, u), ids)  # (n_embd, n_used, n)
+        experts = ggml.ggml_mul(c, experts, weights)
+        nb1, nb2 = experts.contents.nb[1], experts.contents.nb[2]
+        out = ggml.ggml_view_2d(c, experts, n_embd, n, nb2, 0)
+        for j in range(1, n_used):
+            out = ggml.ggml_add(c, out, ggml.ggml_view_2d(c, experts, n_embd, n, nb2, j * nb1))
+        if n_used == 1:
+            out = ggml.ggml_cont(c, out)
+        return out, ids
+
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """y = x @ W.T for x (n, k) float32 and W (m, k) in any ggml type."""
         x = x.contiguous().float()
@@ -239,10 +280,7 @@ class CpuBackend:
 
         def build() -> _Graph:
             g = _Graph(self, n)
-            wt = self._weight_leaf(g, w)
-            xt = g.leaf(ggml.GGML_TYPE_F32, (k, n))
-            g.inputs = [xt]
-            g.finish(ggml.ggml_mul_mat(g.meta, wt, xt))
+            g.finish(ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, w), g.input(ggml.GGML_TYPE_F32, (k, n))))
             return g
 
         out = torch.empty(n, m, dtype=torch.float32)
@@ -256,12 +294,7 @@ class CpuBackend:
 
         def build() -> _Graph:
             g = _Graph(self, n)
-            xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, n))
-            g.inputs = [xt]
-            u = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, up), xt)
-            gt = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, gate), xt)
-            h = _GLU[act](g.ctx, gt, u)
-            g.finish(ggml.ggml_mul_mat(g.meta, self._weight_leaf(g, down), h))
+            g.finish(self.ffn_nodes(g, g.input(ggml.GGML_TYPE_F32, (n_embd, n)), gate, up, down, act))
             return g
 
         out = torch.empty(n, down.ne[1], dtype=torch.float32)
@@ -274,10 +307,7 @@ class CpuBackend:
 
         def build() -> _Graph:
             g = _Graph(self, n)
-            wt = self._weight_leaf(g, w)
-            it = g.leaf(ggml.GGML_TYPE_I32, (n,))
-            g.inputs = [it]
-            g.finish(ggml.ggml_get_rows(g.meta, wt, it))
+            g.finish(ggml.ggml_get_rows(g.ctx, self._weight_leaf(g, w, rows=True), g.input(ggml.GGML_TYPE_I32, (n,))))
             return g
 
         out = torch.empty(n, k, dtype=torch.float32)
@@ -289,31 +319,12 @@ class CpuBackend:
         fused up/gate + activation), weighted sum. x (n, n_embd) float32 -> ((n, n_embd), ids (n, n_used))."""
         x = x.contiguous().float()
         n, n_embd = x.shape
-        n_expert = router.ne[1]
 
         def build() -> _Graph:
             g = _Graph(self, n)
-            c = g.ctx
-            xt = g.leaf(ggml.GGML_TYPE_F32, (n_embd, 1, n))
-            g.inputs = [xt]
-            probs = ggml.ggml_soft_max(c, ggml.ggml_mul_mat(c, self._weight_leaf(g, router), xt))  # (n_expert, 1, n)
-            ids = ggml.ggml_top_k(c, ggml.ggml_reshape_2d(c, probs, n_expert, n), n_used)  # (n_used, n)
-            weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, n_expert, n), ids)  # (1, n_used, n)
-            if norm_topk:
-                w2 = ggml.ggml_reshape_2d(c, weights, n_used, n)
-                weights = ggml.ggml_reshape_3d(c, ggml.ggml_div(c, w2, ggml.ggml_sum_rows(c, w2)), 1, n_used, n)
-            u = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, up), xt, ids)
-            gt = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, gate), xt, ids)
-            experts = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, down), _GLU[act](c, gt, u), ids)  # (n_embd, n_used, n)
-            experts = ggml.ggml_mul(c, experts, weights)
-            nb1, nb2 = experts.contents.nb[1], experts.contents.nb[2]
-            out = ggml.ggml_view_2d(c, experts, n_embd, n, nb2, 0)
-            for j in range(1, n_used):
-                out = ggml.ggml_add(c, out, ggml.ggml_view_2d(c, experts, n_embd, n, nb2, j * nb1))
-            if n_used == 1:
-                out = ggml.ggml_cont(c, out)
-            ids_node = g.copy_out(ids, ggml.GGML_TYPE_I32, (n_used, n))
-            g.finish(out, ids_node)
+            out, ids = self.moe_nodes(g, g.input(ggml.GGML_TYPE_F32, (n_embd, n)), router, up, gate, down, n_used,
+                                      norm_topk, act)
+            g.finish(out, g.copy_out(ids, ggml.GGML_TYPE_I32, (n_used, n)))
             return g
 
         out = torch.empty(n, n_embd, dtype=torch.float32)
@@ -322,6 +333,10 @@ class CpuBackend:
         return out, ids
 
     def close(self) -> None:
+        self.allocated = None
+        if getattr(self, "galloc", None):
+            ggml.ggml_gallocr_free(self.galloc)
+            self.galloc = None
         if self.threadpool:
             ggml.ggml_threadpool_free(self.threadpool)
             self.threadpool = None

@@ -11,6 +11,8 @@ import torch
 
 from ferry.errors import FerryError
 from ferry.models.base import Model
+from ferry.ops.cpu_graph import CpuGraphExecutor
+from ferry.ops.torch_ops import EagerExecutor
 from ferry.runtime.context import Batch
 from ferry.runtime.kv_cache import KVCache
 from ferry.runtime.sampling import Sampler
@@ -47,7 +49,10 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512, kv_type: str = "f16"):
+    """`graph`: run each u-batch as one ggml graph (the CPU-only path); otherwise op by op (TorchOps)."""
+
+    def __init__(self, model: Model, backend, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
+                 type_k: str = "f16", type_v: str = "f16", graph: bool = True):
         a = model.args
         if n_ctx <= 0:
             n_ctx = a.n_ctx_train  # llama.cpp: -c 0 takes the model's training context
@@ -58,7 +63,8 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
-        self.kv = KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim_k, a.head_dim_v, kv_type)
+        self.kv = KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim_k, a.head_dim_v, type_k, type_v)
+        self.executor = CpuGraphExecutor(backend) if graph else EagerExecutor(backend)
         self.n_past = 0
         self.experts_hit: list[list[int]] = []
 
@@ -82,9 +88,10 @@ class Engine:
             for u0 in range(b0, min(b0 + self.n_batch, len(tokens)), self.n_ubatch):
                 u1 = min(u0 + self.n_ubatch, b0 + self.n_batch, len(tokens))
                 batch = Batch(start=self.n_past, n_tokens=u1 - u0, kv=self.kv, all_logits=all_logits)
-                logits = self.model.forward(ids[u0:u1], batch)
-                if batch.experts_hit:
-                    self.experts_hit.append(batch.experts_hit)
+                logits = self.executor.forward(self.model, ids[u0:u1], batch)
+                hit = batch.experts_hit
+                if hit:
+                    self.experts_hit.append(hit)
                 self.n_past += u1 - u0
                 if all_logits:
                     outs.append(logits)

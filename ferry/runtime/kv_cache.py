@@ -1,31 +1,60 @@
-"""KV cache for one sequence: per layer, keys and values of every position, in f16 (llama.cpp's default)."""
+"""KV cache for one sequence: per layer, the keys and values of every position as rows of a ggml type
+(`-ctk` / `-ctv`: f16 by default, as in llama.cpp; q8_0 halves it again)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.errors import FerryError
 
-KV_TYPES = {"f16": torch.float16, "f32": torch.float32}
+KV_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # types torch reads directly
+
+
+def kv_type(flag: str, name: str) -> Q:
+    if name not in KV_TYPES:
+        raise FerryError(f"{flag}: unknown KV cache type '{name}'; valid types: {', '.join(KV_TYPES)}")
+    return KV_TYPES[name]
+
+
+def row_bytes(qtype: Q, n: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return n // block * size
 
 
 class KVCache:
+    """Layer i's keys are `k[i]`: (n_ctx, row_bytes) uint8, one row per position holding every KV head."""
+
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                 kv_type: str = "f16"):
-        if kv_type not in KV_TYPES:
-            raise FerryError(f"unknown KV cache type '{kv_type}'; valid types: {', '.join(KV_TYPES)}")
-        dtype = KV_TYPES[kv_type]
-        self.n_ctx = n_ctx
-        self.k = [torch.zeros(n_ctx, n_head_kv, head_dim_k, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.zeros(n_ctx, n_head_kv, head_dim_v, dtype=dtype) for _ in range(n_layer)]
+                 type_k: str = "f16", type_v: str = "f16"):
+        self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
+        for flag, qtype, dim in (("-ctk", self.type_k, head_dim_k), ("-ctv", self.type_v, head_dim_v)):
+            block = GGML_QUANT_SIZES[qtype][0]
+            if dim % block:
+                raise FerryError(f"{flag} {qtype.name.lower()} needs a head size that is a multiple of {block}, "
+                                 f"this model's is {dim}; use -ctk/-ctv f16")
+        self.n_ctx, self.n_head_kv, self.head_dim_k, self.head_dim_v = n_ctx, n_head_kv, head_dim_k, head_dim_v
+        kb, vb = row_bytes(self.type_k, n_head_kv * head_dim_k), row_bytes(self.type_v, n_head_kv * head_dim_v)
+        self.k = [np.zeros((n_ctx, kb), dtype=np.uint8) for _ in range(n_layer)]
+        self.v = [np.zeros((n_ctx, vb), dtype=np.uint8) for _ in range(n_layer)]
 
     @property
     def n_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(a.nbytes for a in self.k + self.v)
+
+    def _float_view(self, rows: np.ndarray, qtype: Q, dim: int) -> torch.Tensor:
+        if qtype not in TORCH_TYPES:
+            raise FerryError(f"a {qtype.name.lower()} KV cache is only read by the CPU graph path so far; "
+                             "use -ctk/-ctv f16 here")
+        return torch.from_numpy(rows).view(TORCH_TYPES[qtype]).view(self.n_ctx, self.n_head_kv, dim)
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (n, n_head_kv, dim) at `start`; return all keys and values up to there, as float32."""
         end = start + k.shape[0]
-        self.k[layer][start:end] = k
-        self.v[layer][start:end] = v
-        return self.k[layer][:end].float(), self.v[layer][:end].float()
+        keys = self._float_view(self.k[layer], self.type_k, self.head_dim_k)
+        values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
+        keys[start:end] = k
+        values[start:end] = v
+        return keys[:end].float(), values[:end].float()

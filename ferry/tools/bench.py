@@ -51,6 +51,8 @@ class BenchRow:
     n_batch: int
     n_ubatch: int
     repack: bool
+    type_k: str
+    type_v: str
     n_prompt: int
     n_gen: int
     samples_ts: list[float] = field(default_factory=list)
@@ -72,11 +74,13 @@ class BenchRow:
         return {**asdict(self), "test": self.test, "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts}
 
 
-def measure(model, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, seed: int = 0) -> tuple[list[float], list[int]]:
+def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, type_k: str = "f16",
+            type_v: str = "f16", seed: int = 0) -> tuple[list[float], list[int]]:
     """tokens/s of `reps` runs after one warm-up run, and the experts hit per layer in the first u-batch."""
     from ferry.runtime.engine import Engine
 
-    engine = Engine(model, n_ctx=n_prompt + n_gen + 1, n_batch=n_batch, n_ubatch=n_ubatch)
+    engine = Engine(model, backend, n_ctx=n_prompt + n_gen + 1, n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k,
+                    type_v=type_v)
     rng = random.Random(seed)
     vocab = model.args.n_vocab
 
@@ -95,7 +99,8 @@ def measure(model, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps:
 
 
 def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch: list[int], n_ubatch: list[int],
-              threads: list[int], reps: int, repack: bool, on_row=None) -> list[BenchRow]:
+              threads: list[int], reps: int, repack: bool, type_k: str = "f16", type_v: str = "f16",
+              on_row=None) -> list[BenchRow]:
     from ferry.cli import open_model
 
     if reps < 1:
@@ -109,8 +114,9 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
         size = sum(info.nbytes for info in f.tensors.values())
         n_params = sum(math.prod(info.ne) for info in f.tensors.values())
         for b, ub, (p, n) in itertools.product(n_batch, n_ubatch, tests):
-            row = BenchRow(path.name, size, n_params, backend.name, backend.n_threads, b, min(ub, b), repack, p, n)
-            row.samples_ts, row.experts_hit = measure(model, p, n, b, ub, reps)
+            row = BenchRow(path.name, size, n_params, backend.name, backend.n_threads, b, min(ub, b), repack, type_k,
+                           type_v, p, n)
+            row.samples_ts, row.experts_hit = measure(model, backend, p, n, b, ub, reps, type_k, type_v)
             rows.append(row)
             if on_row:
                 on_row(row)
@@ -119,14 +125,14 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
 
 
 def md_header() -> str:
-    return ("| model | size | params | backend | threads | n_ubatch | test | t/s | experts hit/layer |\n"
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    return ("| model | size | params | backend | threads | n_ubatch | type_k | type_v | test | t/s | experts hit/layer |\n"
+            "| --- | ---: | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | --- |")
 
 
 def md_row(r: BenchRow) -> str:
     hit = f"{min(r.experts_hit)}-{max(r.experts_hit)}" if r.experts_hit else ""
     return (f"| {r.model} | {r.size_bytes / 2**20:.2f} MiB | {r.n_params / 1e6:.2f} M | {r.backend} | {r.n_threads} | "
-            f"{r.n_ubatch} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} | {hit} |")
+            f"{r.n_ubatch} | {r.type_k} | {r.type_v} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} | {hit} |")
 
 
 def render(rows: list[BenchRow], fmt: str) -> str:

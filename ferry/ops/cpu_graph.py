@@ -1,0 +1,140 @@
+"""The CPU-only forward as one ggml graph per u-batch shape, as llama.cpp runs it: the model's own
+forward, called with GraphOps instead of eager ops, builds the graph once; later u-batches of that
+shape only bind their tokens, positions and masks and compute. The KV cache lives in ggml's types
+(f16, q8_0, ...) and attention is ggml's flash attention. Python then costs nothing per op:
+at 5-8 ms of torch between eager ops per Gemma token, this is what closes the gap to llama.cpp
+(benchmarks/cpu_vs_llamacpp.py; docs/performance.md)."""
+
+from __future__ import annotations
+
+import math
+
+import ggml
+import torch
+
+from ferry.layers.rope import Rope
+from ferry.ops import Weight
+from ferry.ops.cpu import CpuBackend, _Graph
+from ferry.runtime.context import Batch
+from ferry.runtime.kv_cache import KVCache
+
+F32, F16, I32 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_I32
+KV_PAD = 256  # a graph attends to the cache rounded up to this many positions (masked): one graph per 256 tokens
+_MAX_GRAPHS = 8
+
+
+class GraphOps:
+    """Builds one u-batch's forward: tensors are ggml nodes in ggml order ((n_embd, n_tokens), (d, heads, n))."""
+
+    def __init__(self, backend: CpuBackend, g: _Graph, n_tokens: int, n_kv: int, kv: KVCache, all_logits: bool):
+        self.backend, self.g, self.c = backend, g, g.ctx
+        self.n, self.n_kv, self.kv, self.all_logits = n_tokens, n_kv, kv, all_logits
+        self.tokens = g.input(I32, (n_tokens,))
+        self.positions = g.input(I32, (n_tokens,))
+        self.masks: dict[int, object] = {}  # sliding window (0: none) -> its mask input, in creation order
+        self.expert_ids: list = []  # per MoE layer: the node that copies its expert ids out
+        self._vectors: dict[int, object] = {}
+
+    def _vector(self, t: torch.Tensor):
+        """A leaf over a float32 model tensor (norm weights, biases): the model keeps it alive."""
+        if id(t) not in self._vectors:
+            self._vectors[id(t)] = self.g.leaf(F32, tuple(reversed(t.shape)), t.data_ptr())
+        return self._vectors[id(t)]
+
+    def embed(self, w: Weight):
+        return ggml.ggml_get_rows(self.c, self.backend._weight_leaf(self.g, w, rows=True), self.tokens)
+
+    def scale(self, x, s: float):
+        return ggml.ggml_scale(self.c, x, s)
+
+    def add(self, a, b):
+        return ggml.ggml_add(self.c, a, b)
+
+    def rms_norm(self, x, weight: torch.Tensor, eps: float):
+        return ggml.ggml_mul(self.c, ggml.ggml_rms_norm(self.c, x, eps), self._vector(weight))
+
+    def linear(self, x, w: Weight, bias: torch.Tensor | None = None):
+        y = ggml.ggml_mul_mat(self.c, self.backend._weight_leaf(self.g, w), x)
+        return y if bias is None else ggml.ggml_add(self.c, y, self._vector(bias))
+
+    def heads(self, x, n_head: int, head_dim: int):
+        return ggml.ggml_reshape_3d(self.c, x, head_dim, n_head, self.n)
+
+    def rope(self, x, rope: Rope):
+        mode = ggml.GGML_ROPE_TYPE_NEOX if rope.neox else 0
+        return ggml.ggml_rope_ext(self.c, x, self.positions, None, rope.n_rot, mode, 0, rope.base, 1.0 / rope.scale,
+                                  0.0, 1.0, 32.0, 1.0)
+
+    def _mask(self, window: int):
+        if window not in self.masks:
+            self.masks[window] = self.g.input(F16, (self.n_kv, self.n))
+        return self.masks[window]
+
+    def _store(self, cache, x, dim: int, qtype):
+        """Write this u-batch's rows of x (dim, heads, n) into the cache; the cache's first n_kv positions as
+        (dim, n_kv, heads), a view that depends on the write."""
+        c = self.c
+        n_heads = x.contents.ne[1]
+        leaf = self.g.leaf(qtype.value, (dim * n_heads, self.kv.n_ctx), cache.ctypes.data)
+        stored = ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.positions)
+        return ggml.ggml_view_3d(c, stored, dim, self.n_kv, n_heads, leaf.contents.nb[1],
+                                 ggml.ggml_row_size(qtype.value, dim), 0)
+
+    def attention(self, layer: int, q, k, v, scale: float, window: int):
+        c, kv = self.c, self.kv
+        keys = self._store(kv.k[layer], k, kv.head_dim_k, kv.type_k)
+        values = self._store(kv.v[layer], v, kv.head_dim_v, kv.type_v)
+        q = ggml.ggml_permute(c, q, 0, 2, 1, 3)  # (d, n, heads)
+        out = ggml.ggml_flash_attn_ext(c, q, keys, values, self._mask(window), scale, 0.0, 0.0)  # (d_v, heads, n)
+        ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
+        return ggml.ggml_reshape_2d(c, out, out.contents.ne[0] * out.contents.ne[1], self.n)
+
+    def ffn(self, x, gate: Weight, up: Weight, down: Weight, act: str):
+        return self.backend.ffn_nodes(self.g, x, gate, up, down, act)
+
+    def moe(self, x, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int, norm_topk: bool, act: str):
+        out, ids = self.backend.moe_nodes(self.g, x, router, up, gate, down, n_used, norm_topk, act)
+        self.expert_ids.append(self.g.copy_out(ids, I32, (n_used, self.n)))
+        self.n_used = n_used
+        return out
+
+    def output_rows(self, x):
+        if self.all_logits:
+            return x
+        nb1 = x.contents.nb[1]
+        return ggml.ggml_view_2d(self.c, x, x.contents.ne[0], 1, nb1, (self.n - 1) * nb1)
+
+
+class CpuGraphExecutor:
+    """Runs a model's forward on the CPU as one ggml graph, built once per (u-batch size, padded KV length)."""
+
+    def __init__(self, backend: CpuBackend):
+        self.backend = backend
+        self.graphs: dict[tuple, tuple[_Graph, GraphOps]] = {}
+
+    def _build(self, model, n: int, n_kv: int, kv: KVCache, all_logits: bool) -> tuple[_Graph, GraphOps]:
+        a = model.args
+        n_nodes = (128 + 4 * max(a.n_expert_used, 1)) * a.n_layer + 256
+        g = _Graph(self.backend, n, max_nodes=n_nodes)
+        ops = GraphOps(self.backend, g, n, n_kv, kv, all_logits)
+        logits = model.forward(ops)
+        g.finish(logits, *ops.expert_ids)
+        return g, ops
+
+    def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
+        n, kv = batch.n_tokens, batch.kv
+        n_kv = min(kv.n_ctx, math.ceil(batch.n_kv / KV_PAD) * KV_PAD)
+        key = (n, n_kv, batch.all_logits, id(kv))
+        if key not in self.graphs:
+            if len(self.graphs) >= _MAX_GRAPHS:
+                self.graphs.pop(next(iter(self.graphs)))
+            self.graphs[key] = self._build(model, n, n_kv, kv, batch.all_logits)
+        g, ops = self.graphs[key]
+        positions = batch.positions.to(torch.int32)
+        masks = [torch.zeros(n, n_kv, dtype=torch.float16).masked_fill_(~batch.mask(window, n_kv), -math.inf)
+                 for window in ops.masks]
+        logits = torch.empty(n if batch.all_logits else 1, model.args.n_vocab, dtype=torch.float32)
+        ids = torch.empty(len(ops.expert_ids), n, getattr(ops, "n_used", 1), dtype=torch.int32)
+        g.run([tokens.to(torch.int32).contiguous(), positions, *masks], logits, *ids)
+        batch.expert_ids = list(ids)
+        return logits

@@ -1,0 +1,76 @@
+"""The eager op set: float work (norms, rope, attention) in torch, weight-bound ops on a backend, run
+op by op. It is what a forward runs through when its ops must go to different devices; a CPU-only
+forward runs as one ggml graph instead (ops/cpu_graph.py), through the same op names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ferry.layers.norm import rms_norm
+from ferry.layers.rope import Rope
+from ferry.ops import Weight
+from ferry.runtime.context import Batch
+
+
+class TorchOps:
+    """One forward's ops: tensors are torch (n_tokens, ...) float32."""
+
+    def __init__(self, backend, batch: Batch, tokens: torch.Tensor):
+        self.backend, self.batch, self.tokens = backend, batch, tokens
+
+    def embed(self, w: Weight) -> torch.Tensor:
+        return self.backend.get_rows(w, self.tokens)
+
+    def scale(self, x: torch.Tensor, s: float) -> torch.Tensor:
+        return x * s
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.backend.linear(x, w)
+        return y if bias is None else y + bias
+
+    def heads(self, x: torch.Tensor, n_head: int, head_dim: int) -> torch.Tensor:
+        return x.view(x.shape[0], n_head, head_dim)
+
+    def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        cos, sin = self.batch.rope_angles(rope)
+        return rope(x, cos, sin)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: int) -> torch.Tensor:
+        """Store k, v in the cache, attend q (n, n_head, d) to every cached position: (n, n_head * d_v)."""
+        n, n_head = q.shape[:2]
+        keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            attn_mask=self.batch.mask(window), scale=scale, enable_gqa=n_head != k.shape[1])
+        return out.transpose(0, 1).reshape(n, -1)
+
+    def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
+        return self.backend.ffn(x, gate, up, down, act)
+
+    def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
+            norm_topk: bool, act: str) -> torch.Tensor:
+        out, ids = self.backend.moe(x, router, up, gate, down, n_used, norm_topk, act)
+        self.batch.expert_ids.append(ids)
+        return out
+
+    def output_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows whose logits are wanted: all of them, or the last token's."""
+        return x if self.batch.all_logits else x[-1:]
+
+
+class EagerExecutor:
+    """Runs a model's forward op by op through TorchOps."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return model.forward(TorchOps(self.backend, batch, tokens))
