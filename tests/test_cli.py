@@ -40,6 +40,8 @@ def test_seeded_sampling_is_reproducible(tiny):
     (["run", "-m", "{tiny}", "hi", "-tb", "5000"], "-tb/--threads-batch must be 1..1024"),
     (["run", "-m", "{tiny}", "hi", "--top-p", "0"], "--top-p must be"),
     (["run", "--no-such-flag"], "unrecognized arguments"),
+    (["run", "-m", "{tiny}", "hi", "-ctk", "q9"], "-ctk/--cache-type-k: unknown KV cache type 'q9'; valid types: f32, f16"),
+    (["bench", "-m", "{tiny}", "-ctv", "f8"], "-ctv/--cache-type-v: unknown KV cache type 'f8'"),
     (["info", "{tiny}", "-ot", "exps"], "is not REGEX=DEVICE"),
     (["info", "{tiny}", "-ot", "exps=GPU"], "unknown device"),
     (["synth", "no-such-preset", "-o", "x.gguf"], "unknown preset"),

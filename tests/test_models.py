@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.quant import Q
@@ -28,6 +29,11 @@ def _compare(family: str, tmp_path, backend, qtype: Q, kv_type: str, n_ubatch: i
     return got, ref
 
 
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
 # graph: the CPU-only path (one ggml graph per u-batch, ggml flash attention); eager: op by op with torch
 EXECUTORS = pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 
@@ -49,8 +55,7 @@ def test_q8_0_weights_and_f16_cache_stay_close_to_transformers(family, graph, tm
     # which moves logits by about 1%: bound the KL divergence, and require the same top-1 token
     # wherever the reference's top-1 leads its runner-up by more than that noise (0.1 in logits).
     got, ref = _compare(family, tmp_path, backend, Q.Q8_0, "f16", n_ubatch=16, graph=graph)
-    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
+    kl = _kl(ref, got)
     assert kl.median() < 1e-3, f"{family}: median KL {kl.median():.2e}"
     # a MoE router whose top-k has a near-tie may pick another expert under this rounding (seen:
     # one position of 37 at KL 0.025 in mixtral); dense models have no such discontinuity
@@ -74,3 +79,54 @@ def test_incremental_decode_equals_one_batch(graph, tmp_path, backend):
     e = Engine(model, backend, n_ctx=32, type_k="f32", type_v="f32", graph=graph)
     steps = torch.cat([e.decode([t], all_logits=True) for t in tokens])
     assert torch.allclose(whole, steps, atol=1e-4, rtol=1e-4)
+
+
+# measured median KL against the f32 cache (top-1 agreement): f16 4e-7 (1.0), bf16 6e-6 (1.0), q8_0 5e-5 (0.97),
+# q4_0 1e-2 (0.84): each bound is about 10x its measurement, and orders the types by their bits per value
+@pytest.mark.parametrize("cache,max_median_kl,min_top1", [("f16", 5e-6, 0.99), ("bf16", 1e-4, 0.99), ("q8_0", 5e-4, 0.9),
+                                                          ("q4_0", 1e-1, 0.7)])
+def test_quantized_kv_cache_stays_close_to_the_f32_cache(cache, max_median_kl, min_top1, tmp_path, backend):
+    # gemma3's head size 32 is one q8_0/q4_0 block; 37 tokens cross its sliding window of 8
+    hf = tiny_hf_model("gemma3")
+    path = tmp_path / "g.gguf"
+    to_gguf(hf, "gemma3", path, Q.F32)
+    model = load_model(GGUFFile(path))
+    tokens = torch.randint(0, VOCAB, (N_TOKENS,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = Engine(model, backend, n_ctx=64, n_ubatch=16, type_k="f32", type_v="f32").decode(tokens, all_logits=True)
+    got = Engine(model, backend, n_ctx=64, n_ubatch=16, type_k=cache, type_v=cache).decode(tokens, all_logits=True)
+    kl = _kl(ref, got)
+    assert 0 < kl.median() < max_median_kl, f"{cache}: median KL {kl.median():.2e}"
+    assert (ref.argmax(-1) == got.argmax(-1)).double().mean() >= min_top1
+
+
+def test_quantized_cache_needs_whole_blocks_per_head(tmp_path):
+    hf = tiny_hf_model("qwen3")  # head size 16 < one q8_0 block of 32
+    path = tmp_path / "m.gguf"
+    to_gguf(hf, "qwen3", path, Q.F32)
+    model = load_model(GGUFFile(path))
+    with pytest.raises(FerryError, match="-ctk q8_0 needs a head size that is a multiple of 32, this model's is 16"):
+        Engine(model, None, n_ctx=16, type_k="q8_0")
+
+
+def test_eager_path_reads_only_float_caches(tmp_path, backend):
+    hf = tiny_hf_model("gemma3")
+    path = tmp_path / "g.gguf"
+    to_gguf(hf, "gemma3", path, Q.F32)
+    engine = Engine(load_model(GGUFFile(path)), backend, n_ctx=16, type_k="q8_0", type_v="q8_0", graph=False)
+    with pytest.raises(FerryError, match="q8_0 KV cache is only read by the CPU graph path"):
+        engine.decode([1, 2, 3])
+
+
+def test_decoding_across_the_padded_cache_length_equals_one_pass(tmp_path, backend):
+    # the graph attends to the cache rounded up to 256 positions: tokens 250..269 cross into the next
+    # graph (512 positions, capped at -c 300), which must see exactly the same history
+    hf = tiny_hf_model("qwen3")
+    path = tmp_path / "m.gguf"
+    to_gguf(hf, "qwen3", path, Q.F32)
+    model = load_model(GGUFFile(path))
+    tokens = list(np.random.default_rng(4).integers(0, VOCAB, 270))
+    whole = Engine(model, backend, n_ctx=300, n_ubatch=128, type_k="f32", type_v="f32").decode(tokens, all_logits=True)
+    e = Engine(model, backend, n_ctx=300, type_k="f32", type_v="f32")
+    e.decode(tokens[:250])
+    steps = torch.cat([e.decode([t]) for t in tokens[250:]])
+    assert torch.allclose(whole[250:], steps, atol=1e-4, rtol=1e-4)
