@@ -65,8 +65,7 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
     model = load_model(f)
     if repack:
         t1 = time.perf_counter()
-        for w in model.weights():
-            backend.repack(w)
+        backend.repack(*model.weights())
         backend.repack_seconds = time.perf_counter() - t1
     return f, backend, model, time.perf_counter() - t0
 

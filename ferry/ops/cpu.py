@@ -127,15 +127,22 @@ class _Graph:
             ggml.ggml_free(self.ctx)
 
 
-class _Repacked:
-    """A weight copied into ggml's CPU_REPACK buffer (interleaved rows for the AVX2/AVX512 GEMM kernels)."""
+class _RepackBuffer:
+    """One CPU_REPACK buffer holding the interleaved copies of many weights (as llama.cpp allocates them)."""
 
-    def __init__(self, ctx, buffer, tensor):
-        self.ctx, self.buffer, self.tensor = ctx, buffer, tensor
+    def __init__(self, ctx, buffer):
+        self.ctx, self.buffer = ctx, buffer
 
     def __del__(self) -> None:
         ggml.ggml_backend_buffer_free(self.buffer)
         ggml.ggml_free(self.ctx)
+
+
+class _Repacked:
+    """A weight's tensor in a _RepackBuffer (interleaved rows for the AVX2/AVX512 GEMM kernels)."""
+
+    def __init__(self, holder: _RepackBuffer, tensor):
+        self.holder, self.tensor = holder, tensor
 
 
 @ggml.ggml_log_callback
@@ -172,6 +179,7 @@ class CpuBackend:
         self.n_threads = n_threads if n_threads and n_threads > 0 else physical_cores()
         self.n_threads_batch = n_threads_batch if n_threads_batch and n_threads_batch > 0 else self.n_threads
         self.repack_buft = _repack_buffer_type() if repack else None
+        self._layouts: dict[tuple, bool] = {}
         self.repacked_bytes = 0
         self.repack_seconds = 0.0
         ggml.ggml_log_set(_ggml_log, None)
@@ -205,25 +213,43 @@ class CpuBackend:
             g = owner.graphs[key] = build()
         return g
 
-    def repack(self, w: Weight) -> bool:
-        """Copy `w` into ggml's interleaved CPU layout if ggml has one for its type and shape (once)."""
-        if w.repacked is None:
+    def _has_layout(self, qtype, ne: tuple[int, ...]) -> bool:
+        """Whether ggml has an interleaved layout for this type and shape: its buffer's init gives the tensor
+        repack traits. Probed on an untouched allocation, once per (type, shape)."""
+        key = (qtype, ne)
+        if key not in self._layouts:
+            ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=2 * ggml.ggml_tensor_overhead(), mem_buffer=None,
+                                                       no_alloc=True))
+            t = {2: ggml.ggml_new_tensor_2d, 3: ggml.ggml_new_tensor_3d}[len(ne)](ctx, qtype.value, *ne)
+            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self.repack_buft)
+            self._layouts[key] = bool(buffer and t.contents.extra)
+            if buffer:
+                ggml.ggml_backend_buffer_free(buffer)
+            ggml.ggml_free(ctx)
+        return self._layouts[key]
+
+    def repack(self, *weights: Weight) -> bool:
+        """Copy the weights into ggml's interleaved CPU layout where ggml has one for their type and shape,
+        all into one buffer (once per weight); True if the first one is repacked."""
+        todo = [w for w in weights if w.repacked is None]
+        for w in todo:
             w.repacked = False
-            if self.repack_buft is not None and len(w.ne) in (2, 3):
-                ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=2 * ggml.ggml_tensor_overhead(), mem_buffer=None,
-                                                           no_alloc=True))
-                fn = {2: ggml.ggml_new_tensor_2d, 3: ggml.ggml_new_tensor_3d}[len(w.ne)]
-                t = fn(ctx, w.qtype.value, *w.ne)
-                buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self.repack_buft)
-                if buffer and t.contents.extra:  # the buffer's init gave it repack traits: ggml has a layout
-                    ggml.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)
-                    w.repacked = _Repacked(ctx, buffer, t)
-                    self.repacked_bytes += w.data.nbytes
-                else:
-                    if buffer:
-                        ggml.ggml_backend_buffer_free(buffer)
-                    ggml.ggml_free(ctx)
-        return bool(w.repacked)
+        todo = [w for w in todo if self.repack_buft is not None and len(w.ne) in (2, 3) and self._has_layout(w.qtype, w.ne)]
+        if todo:
+            ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(len(todo) + 1) * ggml.ggml_tensor_overhead(),
+                                                       mem_buffer=None, no_alloc=True))
+            tensors = [{2: ggml.ggml_new_tensor_2d, 3: ggml.ggml_new_tensor_3d}[len(w.ne)](ctx, w.qtype.value, *w.ne)
+                       for w in todo]
+            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self.repack_buft)
+            if not buffer:
+                ggml.ggml_free(ctx)
+                raise FerryError(f"out of memory repacking {len(todo)} weights; run with --no-repack")
+            holder = _RepackBuffer(ctx, buffer)
+            for w, t in zip(todo, tensors):
+                ggml.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)
+                w.repacked = _Repacked(holder, t)
+                self.repacked_bytes += w.data.nbytes
+        return bool(weights and weights[0].repacked)
 
     def _weight_leaf(self, g: _Graph, w: Weight, rows: bool = False):
         """The weight as a matmul operand: its repacked copy, else a leaf over the mmap bytes; types without
