@@ -6,8 +6,8 @@ decodes from an empty cache); mean ± std.
 llama-bench is built (once, cached) from the llama.cpp tree inside llama-cpp-python's sdist on PyPI
 (benchmarks/llamacpp.py): --llama-cpp takes the sdist, a stripped copy of it or a folder; without it the
 sdist is downloaded. For the same kernels in both engines, build ggml-python from that tree's ggml
-(`python benchmarks/llamacpp.py ggml-python GGML_PYTHON_SDIST SRC`, README). On the 2-core dev Xeon pass
---cmake-arg=-DGGML_NATIVE=OFF and the AVX512 flags but no AMX: llama.cpp's AMX code segfaults there. Usage:
+(`python benchmarks/llamacpp.py ggml-python GGML_PYTHON_SDIST SRC`, README); both builds take this CPU's
+vector extensions as explicit flags, no AMX (llamacpp.cpu_flags). Usage:
   python benchmarks/cpu_vs_llamacpp.py --llama-cpp llama_cpp_python-0.3.36.tar.gz -m A.gguf -m B.gguf -t 2 --out r.json
 """
 
@@ -44,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-bench", help="path of a llama-bench binary (instead of building one)")
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp source: an sdist, a stripped copy or a folder")
-    ap.add_argument("--cmake-arg", action="append", help="llama.cpp build flags (default -DGGML_NATIVE=ON)")
+    ap.add_argument("--cmake-arg", action="append", help="llama.cpp build flags (default: this CPU's, llamacpp.cpu_flags)")
     ap.add_argument("-m", "--model", action="append", required=True)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-p", type=int, default=512)

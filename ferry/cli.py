@@ -149,12 +149,6 @@ def cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_threads() -> int:
-    from ferry.ops.cpu import physical_cores
-
-    return physical_cores()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ferry", description="Run Mixture-of-Experts GGUF models with the experts in RAM.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -181,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", default="128", help="generated token counts (0: none)")
     p.add_argument("-b", "--batch-size", default="2048")
     p.add_argument("-ub", "--ubatch-size", default="512")
-    p.add_argument("-t", "--threads", default=str(_default_threads()), help="thread counts")
+    p.add_argument("-t", "--threads", default="0", help="thread counts (0: the physical core count)")
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", default="md", help="md, json, jsonl or csv")
     p.add_argument("--no-repack", dest="repack", action="store_false")
