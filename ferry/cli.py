@@ -39,6 +39,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-repack", dest="repack", action="store_false",
                    help="keep CPU weights in the mmap instead of ggml's interleaved layout (-rtr is the default)")
     p.add_argument("-rtr", "--run-time-repack", dest="repack", action="store_true", help=argparse.SUPPRESS)
+    _add_fused_moe_args(p)
+
+
+def _add_fused_moe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-fmoe", "--fused-moe", dest="fused_moe", action="store_true", default=True,
+                   help="MoE up/gate and activation as one fused op (default; ik_llama.cpp's -fmoe)")
+    p.add_argument("--no-fused-moe", dest="fused_moe", action="store_false",
+                   help="MoE activation and product with the up projection as separate ops")
 
 
 def _add_context_args(p: argparse.ArgumentParser) -> None:
@@ -53,7 +61,7 @@ def _add_cache_type_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type of values (same choices)")
 
 
-def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0):
+def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True):
     """Open, validate, build, and repack the CPU weights: returns (file, backend, model, load seconds)."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
@@ -61,7 +69,7 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
 
     t0 = time.perf_counter()
     f = GGUFFile(path)
-    backend = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch)
+    backend = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch, fused_moe=fused_moe)
     model = load_model(f)
     if repack:
         t1 = time.perf_counter()
@@ -79,7 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is None:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
-    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch)
+    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe)
     tok = Tokenizer(f)
     engine = Engine(model, backend, args.ctx_size, args.batch_size, args.ubatch_size, args.cache_type_k, args.cache_type_v)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -121,7 +129,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.output == "md":  # rows appear as they are measured, like llama-bench
         print(bench.md_header(), flush=True)
     rows = bench.run_bench(models, lists["-p"], lists["-n"], lists["-b"], lists["-ub"], lists["-t"], args.repetitions,
-                           args.repack, args.cache_type_k, args.cache_type_v, on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None)
+                           args.repack, args.cache_type_k, args.cache_type_v, args.fused_moe, on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None)
     if args.output != "md":
         print(bench.render(rows, args.output))
     return 0
@@ -130,7 +138,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from ferry.tools.info import info
 
-    info(Path(args.file), args.n_gpu_layers, args.override_tensor, args.json)
+    info(Path(args.file), args.n_gpu_layers, args.override_tensor, args.json, args.repack)
     return 0
 
 
@@ -180,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="md", help="md, json, jsonl or csv")
     p.add_argument("--no-repack", dest="repack", action="store_false")
     _add_cache_type_args(p)
+    _add_fused_moe_args(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("info", help="architecture, sizes, quant types and placement of a GGUF model")
@@ -187,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (999: all)")
     p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE, repeatable")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-repack", dest="repack", action="store_false", help="CPU tensors stay in the mmap")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("synth", help="write a random-weight GGUF of a real architecture")

@@ -4,17 +4,21 @@
 # installs gguf, builds ggml-python on the carried llama.cpp tree's ggml and llama-bench from the same tree
 # (-march=native, both), writes the qwen3-30b-a3b synthetic model and runs ferry and llama-bench side by side.
 # Env: THREADS (16), PROMPT (512), GEN (64), REPS (3); LLAMA_NATIVE=1 builds llama.cpp with -march=native
-# (AMX included) instead of this CPU's explicit flags; results in $OUT (default ./out).
+# (AMX included) instead of this CPU's explicit flags, FERRY_NATIVE=1 likewise for ggml-python;
+# results in $OUT (default ./out).
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 THREADS=${THREADS:-16}; PROMPT=${PROMPT:-512}; GEN=${GEN:-64}; REPS=${REPS:-3}
 export FERRY_CACHE=/tmp/ferry-cache PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/gguf-*.whl
 t0=$(date +%s)
+if [ "${FERRY_NATIVE:-0}" = 1 ]; then export CMAKE_ARGS=-DGGML_NATIVE=ON; fi
 python3 benchmarks/llamacpp.py ggml-python .whl/ggml_python-*.tar.gz .whl/llama.cpp-src.tar.gz > "$OUT/ggml_python_build.log" 2>&1 &
 p1=$!
+unset CMAKE_ARGS
 FLAGS=""; SUFFIX=""
-if [ "${LLAMA_NATIVE:-0}" = 1 ]; then FLAGS="--cmake-arg=-DGGML_NATIVE=ON"; SUFFIX="_native"; fi
+if [ "${LLAMA_NATIVE:-0}" = 1 ]; then FLAGS="--cmake-arg=-DGGML_NATIVE=ON"; SUFFIX="_llama-native"; fi
+if [ "${FERRY_NATIVE:-0}" = 1 ]; then SUFFIX="${SUFFIX}_ferry-native"; fi
 python3 benchmarks/llamacpp.py build .whl/llama.cpp-src.tar.gz $FLAGS > "$OUT/llama_bench_path.txt" 2> "$OUT/llama_cpp_build.log" &
 p2=$!
 python3 -m ferry synth qwen3-30b-a3b -o /tmp/qwen3-30b-a3b.gguf -q &

@@ -69,3 +69,18 @@ def test_info_json_reports_placement(tiny):
     assert devices["blk.*.ffn_up_exps.weight"] == "CPU"
     assert devices["blk.*.attn_q.weight"] == "CUDA0"
     assert devices["token_embd.weight"] == "CPU"
+
+
+def test_info_says_which_cpu_tensors_are_repacked(tiny):
+    def layouts(*extra):
+        r = ferry("info", str(tiny), "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        return {g["group"]: g["cpu_layout"] for g in json.loads(r.stdout)["tensor_groups"]}
+
+    default = layouts("-ot", "attn=CUDA0")
+    # Q4_0 experts with rows a multiple of 8 have ggml's interleaved layout; f32 norms do not; GPU tensors have none
+    assert default["blk.*.ffn_up_exps.weight"] == "repacked" and default["blk.*.ffn_norm.weight"] == "mmap"
+    assert default["blk.*.attn_q.weight"] == ""
+    assert set(layouts("--no-repack").values()) == {"mmap"}
+    r = ferry("info", str(tiny))
+    assert "never offloaded" in r.stdout

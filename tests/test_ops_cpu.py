@@ -51,7 +51,8 @@ def test_linear_matches_float64_reference(backend, qtype, m, k, n):
 @pytest.mark.parametrize("n_expert,n_used,n_tokens", [(4, 1, 1), (8, 2, 5), (16, 4, 33), (128, 8, 3)])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("norm_topk", [True, False])
-def test_moe_block_matches_float64_reference(backend, n_expert, n_used, n_tokens, act, norm_topk):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_moe_block_matches_float64_reference(backend, n_expert, n_used, n_tokens, act, norm_topk, fused):
     rng = np.random.default_rng(n_expert + n_tokens)
     d, ff = 64, 96
     router, router64 = _weight(rng, Q.F32, n_expert, d)  # f32: the reference picks the same experts
@@ -59,7 +60,10 @@ def test_moe_block_matches_float64_reference(backend, n_expert, n_used, n_tokens
     gate, gate64 = _weight(rng, Q.Q8_0, n_expert, ff, d)
     down, down64 = _weight(rng, Q.Q8_0, n_expert, d, ff)
     x = rng.standard_normal((n_tokens, d)).astype(np.float32)
-    out, ids = backend.moe(torch.from_numpy(x), router, up, gate, down, n_used, norm_topk, act)
+    from ferry.ops.cpu import CpuBackend
+
+    ops = backend if fused else CpuBackend(2, fused_moe=False)  # -fmoe / --no-fused-moe
+    out, ids = ops.moe(torch.from_numpy(x), router, up, gate, down, n_used, norm_topk, act)
     f = {"silu": lambda g: g / (1 + np.exp(-g)),
          "gelu": lambda g: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))}[act]
     logits = x.astype(np.float64) @ router64.T

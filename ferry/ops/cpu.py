@@ -7,6 +7,7 @@ torch tensors of the call) and replayed; one ggml thread pool serves every graph
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from typing import Callable
@@ -23,6 +24,7 @@ _MAX_NODES = 64
 _ALIGN = 64
 MAX_THREADS = 1024
 _GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split}  # act(gate) * up in one op
+_ACT = {"silu": ggml.ggml_silu, "gelu": ggml.ggml_gelu}
 
 
 def physical_cores() -> int:
@@ -167,19 +169,40 @@ def _repack_buffer_type():
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def has_repack_layout(qtype, ne: tuple[int, ...]) -> bool:
+    """Whether ggml has an interleaved CPU layout for this type and shape (matrices only): its CPU_REPACK
+    buffer's init gives the tensor repack traits. Probed once per (type, shape) on an untouched allocation."""
+    if len(ne) not in (2, 3):
+        return False
+    ggml.ggml_cpu_init()
+    buft = _repack_buffer_type()
+    if buft is None:
+        return False
+    ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=2 * ggml.ggml_tensor_overhead(), mem_buffer=None, no_alloc=True))
+    t = {2: ggml.ggml_new_tensor_2d, 3: ggml.ggml_new_tensor_3d}[len(ne)](ctx, qtype.value, *ne)
+    buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+    found = bool(buffer and t.contents.extra)
+    if buffer:
+        ggml.ggml_backend_buffer_free(buffer)
+    ggml.ggml_free(ctx)
+    return found
+
+
 class CpuBackend:
     """Runs weight-bound ops with ggml on `n_threads` threads from one reused thread pool."""
 
     name = "CPU"
 
-    def __init__(self, n_threads: int | None = None, repack: bool = True, n_threads_batch: int | None = None):
+    def __init__(self, n_threads: int | None = None, repack: bool = True, n_threads_batch: int | None = None,
+                 fused_moe: bool = True):
         for flag, v in (("-t/--threads", n_threads), ("-tb/--threads-batch", n_threads_batch)):
             if v is not None and not (v in (0, -1) or 1 <= v <= MAX_THREADS):
                 raise FerryError(f"{flag} must be 1..{MAX_THREADS} (0 or -1: the physical core count), got {v}")
         self.n_threads = n_threads if n_threads and n_threads > 0 else physical_cores()
         self.n_threads_batch = n_threads_batch if n_threads_batch and n_threads_batch > 0 else self.n_threads
         self.repack_buft = _repack_buffer_type() if repack else None
-        self._layouts: dict[tuple, bool] = {}
+        self.fused_moe = fused_moe  # -fmoe: act(gate) * up as one ggml op in the MoE block
         self.repacked_bytes = 0
         self.repack_seconds = 0.0
         ggml.ggml_log_set(_ggml_log, None)
@@ -213,28 +236,13 @@ class CpuBackend:
             g = owner.graphs[key] = build()
         return g
 
-    def _has_layout(self, qtype, ne: tuple[int, ...]) -> bool:
-        """Whether ggml has an interleaved layout for this type and shape: its buffer's init gives the tensor
-        repack traits. Probed on an untouched allocation, once per (type, shape)."""
-        key = (qtype, ne)
-        if key not in self._layouts:
-            ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=2 * ggml.ggml_tensor_overhead(), mem_buffer=None,
-                                                       no_alloc=True))
-            t = {2: ggml.ggml_new_tensor_2d, 3: ggml.ggml_new_tensor_3d}[len(ne)](ctx, qtype.value, *ne)
-            buffer = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, self.repack_buft)
-            self._layouts[key] = bool(buffer and t.contents.extra)
-            if buffer:
-                ggml.ggml_backend_buffer_free(buffer)
-            ggml.ggml_free(ctx)
-        return self._layouts[key]
-
     def repack(self, *weights: Weight) -> bool:
         """Copy the weights into ggml's interleaved CPU layout where ggml has one for their type and shape,
         all into one buffer (once per weight); True if the first one is repacked."""
         todo = [w for w in weights if w.repacked is None]
         for w in todo:
             w.repacked = False
-        todo = [w for w in todo if self.repack_buft is not None and len(w.ne) in (2, 3) and self._has_layout(w.qtype, w.ne)]
+        todo = [w for w in todo if self.repack_buft is not None and has_repack_layout(w.qtype, w.ne)]
         if todo:
             ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(len(todo) + 1) * ggml.ggml_tensor_overhead(),
                                                        mem_buffer=None, no_alloc=True))
@@ -288,7 +296,11 @@ class CpuBackend:
             weights = ggml.ggml_reshape_3d(c, ggml.ggml_div(c, w2, ggml.ggml_sum_rows(c, w2)), 1, n_used, n)
         u = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, up), x, ids)
         gt = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, gate), x, ids)
-        experts = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, down), _GLU[act](c, gt, u), ids)  # (n_embd, n_used, n)
+        if self.fused_moe:
+            h = _GLU[act](c, gt, u)
+        else:
+            h = ggml.ggml_mul(c, _ACT[act](c, gt), u)
+        experts = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, down), h, ids)  # (n_embd, n_used, n)
         experts = ggml.ggml_mul(c, experts, weights)
         nb1, nb2 = experts.contents.nb[1], experts.contents.nb[2]
         out = ggml.ggml_view_2d(c, experts, n_embd, n, nb2, 0)

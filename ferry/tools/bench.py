@@ -100,7 +100,7 @@ def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: i
 
 def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch: list[int], n_ubatch: list[int],
               threads: list[int], reps: int, repack: bool, type_k: str = "f16", type_v: str = "f16",
-              on_row=None) -> list[BenchRow]:
+              fused_moe: bool = True, on_row=None) -> list[BenchRow]:
     from ferry.cli import open_model
 
     if reps < 1:
@@ -110,7 +110,7 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
         raise FerryError("nothing to measure: give -p or -n a value above 0")
     rows = []
     for path, t in itertools.product(models, threads):
-        f, backend, model, _ = open_model(path, t, repack, t)
+        f, backend, model, _ = open_model(path, t, repack, t, fused_moe)
         size = sum(info.nbytes for info in f.tensors.values())
         n_params = sum(math.prod(info.ne) for info in f.tensors.values())
         for b, ub, (p, n) in itertools.product(n_batch, n_ubatch, tests):

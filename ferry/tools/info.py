@@ -12,24 +12,29 @@ from ferry.models.base import ModelArgs
 from ferry.placement import parse_overrides, place
 
 
-def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides) -> list[dict]:
-    """Tensors grouped by name with the layer number folded out ('blk.*.attn_q.weight')."""
+def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides, repack: bool = True) -> list[dict]:
+    """Tensors grouped by name with the layer number folded out ('blk.*.attn_q.weight'). A CPU tensor's
+    layout is 'repacked' where ggml has an interleaved layout for it (-rtr, the default), else 'mmap'."""
+    from ferry.ops.cpu import has_repack_layout
+
     groups: dict[tuple, dict] = {}
     for t in f.tensors.values():
         group = re.sub(r"^blk\.\d+\.", "blk.*.", t.name)
         device = place(t.name, n_layer, n_gpu_layers, overrides)
+        layout = "" if device != "CPU" else "repacked" if repack and has_repack_layout(t.qtype, tuple(t.ne)) else "mmap"
         g = groups.setdefault((group, t.qtype.name, device), {"group": group, "type": t.qtype.name, "device": device,
-                                                               "count": 0, "bytes": 0, "shape": list(reversed(t.ne))})
+                                                               "cpu_layout": layout, "count": 0, "bytes": 0,
+                                                               "shape": list(reversed(t.ne))})
         g["count"] += 1
         g["bytes"] += t.nbytes
     return list(groups.values())
 
 
-def info(path: Path, n_gpu_layers: int, override_specs: list[str], as_json: bool) -> dict:
+def info(path: Path, n_gpu_layers: int, override_specs: list[str], as_json: bool, repack: bool = True) -> dict:
     f = GGUFFile(path)
     args = ModelArgs.from_gguf(f)
     overrides = parse_overrides(override_specs)
-    groups = tensor_groups(f, args.n_layer, n_gpu_layers, overrides)
+    groups = tensor_groups(f, args.n_layer, n_gpu_layers, overrides, repack)
     n_params = sum(t.n_elements for t in f.tensors.values())
     by_device: dict[str, int] = defaultdict(int)
     for g in groups:
@@ -48,10 +53,14 @@ def info(path: Path, n_gpu_layers: int, override_specs: list[str], as_json: bool
     console.print(f"{n_params / 1e9:.3f} B parameters, {f.n_bytes / 2**30:.2f} GiB on disk")
     fields = ", ".join(f"{k}={v}" for k, v in vars(args).items() if k != "arch" and v not in (0, 0.0))
     console.print(fields)
-    table = Table("tensor group", "type", "count", "shape (one)", "MiB", "device")
+    table = Table("tensor group", "type", "count", "shape (one)", "MiB", "device", "CPU layout")
     for g in sorted(groups, key=lambda g: (g["group"].startswith("blk"), g["group"])):
-        table.add_row(g["group"], g["type"], str(g["count"]), str(g["shape"]), f"{g['bytes'] / 2**20:.1f}", g["device"])
+        table.add_row(g["group"], g["type"], str(g["count"]), str(g["shape"]), f"{g['bytes'] / 2**20:.1f}", g["device"],
+                      g["cpu_layout"])
     console.print(table)
+    if any(g["cpu_layout"] == "repacked" for g in groups):
+        console.print("repacked: copied at load into ggml's interleaved CPU layout, which no GPU kernel reads, so "
+                      "these tensors are never offloaded to a GPU; --no-repack keeps them in the mmap (and offloadable)", soft_wrap=True)
     console.print("placement: " + ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in sorted(by_device.items())) +
                   f"  (-ngl {n_gpu_layers}" + "".join(f" -ot {s}" for s in override_specs) + ")")
     return report
