@@ -135,6 +135,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from ferry.tools import compare
+
+    if args.output not in ("md", "json"):
+        raise FerryError(f"-o/--output must be md or json, got '{args.output}'")
+    print(compare.render(compare.compare_files(Path(args.a), Path(args.b)), args.output))
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from ferry.tools.info import info
 
@@ -190,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_type_args(p)
     _add_fused_moe_args(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("compare", help="is B faster than A? two `ferry bench -o json` results, row by row")
+    p.add_argument("a", help="baseline result (JSON)")
+    p.add_argument("b", help="new result (JSON)")
+    p.add_argument("-o", "--output", default="md", help="md or json")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("info", help="architecture, sizes, quant types and placement of a GGUF model")
     p.add_argument("file")

@@ -117,9 +117,9 @@ def test_eager_path_reads_only_float_caches(tmp_path, backend):
         engine.decode([1, 2, 3])
 
 
-def test_decoding_across_the_padded_cache_length_equals_one_pass(tmp_path, backend):
-    # the graph attends to the cache rounded up to 256 positions: tokens 250..269 cross into the next
-    # graph (512 positions, capped at -c 300), which must see exactly the same history
+def test_one_graph_decodes_at_every_cache_length_as_one_pass_does(tmp_path, backend):
+    # one graph per u-batch size serves every cache length (its cache views and masks are resized per run):
+    # 20 single-token steps after a 250-token prompt must give the logits of the whole 270-token pass
     hf = tiny_hf_model("qwen3")
     path = tmp_path / "m.gguf"
     to_gguf(hf, "qwen3", path, Q.F32)

@@ -1,6 +1,7 @@
-"""The CPU-only forward as one ggml graph per u-batch shape, as llama.cpp runs it: the model's own
+"""The CPU-only forward as one ggml graph per u-batch size, as llama.cpp runs it: the model's own
 forward, called with GraphOps instead of eager ops, builds the graph once; later u-batches of that
-shape only bind their tokens, positions and masks and compute. The KV cache lives in ggml's types
+size only bind their tokens, positions and masks, set the attended cache length in the nodes that
+depend on it (the cache views and the masks) and compute. The KV cache lives in ggml's types
 (f16, q8_0, ...) and attention is ggml's flash attention. Python then costs nothing per op:
 at 5-8 ms of torch between eager ops per Gemma token, this is what closes the gap to llama.cpp
 (benchmarks/cpu_vs_llamacpp.py; docs/performance.md)."""
@@ -19,19 +20,19 @@ from ferry.runtime.context import Batch
 from ferry.runtime.kv_cache import KVCache
 
 F32, F16, I32 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_I32
-KV_PAD = 256  # a graph attends to the cache rounded up to this many positions (masked): one graph per 256 tokens
 _MAX_GRAPHS = 8
 
 
 class GraphOps:
     """Builds one u-batch's forward: tensors are ggml nodes in ggml order ((n_embd, n_tokens), (d, heads, n))."""
 
-    def __init__(self, backend: CpuBackend, g: _Graph, n_tokens: int, n_kv: int, kv: KVCache, all_logits: bool):
+    def __init__(self, backend: CpuBackend, g: _Graph, n_tokens: int, kv: KVCache, all_logits: bool):
         self.backend, self.g, self.c = backend, g, g.ctx
-        self.n, self.n_kv, self.kv, self.all_logits = n_tokens, n_kv, kv, all_logits
+        self.n, self.n_kv, self.kv, self.all_logits = n_tokens, kv.n_ctx, kv, all_logits  # built for a full cache
         self.tokens = g.input(I32, (n_tokens,))
         self.positions = g.input(I32, (n_tokens,))
         self.masks: dict[int, object] = {}  # sliding window (0: none) -> its mask input, in creation order
+        self.cache_views: list = []  # (d, n_kv, heads) views of the cache: ne[1] is set to the length at each run
         self.expert_ids: list = []  # per MoE layer: the node that copies its expert ids out
         self._vectors: dict[int, object] = {}
 
@@ -77,8 +78,10 @@ class GraphOps:
         n_heads = x.contents.ne[1]
         leaf = self.g.leaf(qtype.value, (dim * n_heads, self.kv.n_ctx), cache.ctypes.data)
         stored = ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.positions)
-        return ggml.ggml_view_3d(c, stored, dim, self.n_kv, n_heads, leaf.contents.nb[1],
+        view = ggml.ggml_view_3d(c, stored, dim, self.n_kv, n_heads, leaf.contents.nb[1],
                                  ggml.ggml_row_size(qtype.value, dim), 0)
+        self.cache_views.append(view)
+        return view
 
     def attention(self, layer: int, q, k, v, scale: float, window: int):
         c, kv = self.c, self.kv
@@ -98,6 +101,18 @@ class GraphOps:
         self.n_used = n_used
         return out
 
+    def set_cache_length(self, n_kv: int) -> None:
+        """Attend to the first n_kv cache positions at the next run: no operation's work buffer or
+        intermediate depends on this length, so the built graph stays valid."""
+        for view in self.cache_views:
+            view.contents.ne[1] = n_kv
+        for mask in self.masks.values():
+            t = mask.contents
+            t.ne[0] = n_kv
+            t.nb[1] = t.nb[0] * n_kv
+            t.nb[2] = t.nb[1] * t.ne[1]
+            t.nb[3] = t.nb[2] * t.ne[2]
+
     def output_rows(self, x):
         if self.all_logits:
             return x
@@ -106,30 +121,30 @@ class GraphOps:
 
 
 class CpuGraphExecutor:
-    """Runs a model's forward on the CPU as one ggml graph, built once per (u-batch size, padded KV length)."""
+    """Runs a model's forward on the CPU as one ggml graph, built once per u-batch size."""
 
     def __init__(self, backend: CpuBackend):
         self.backend = backend
         self.graphs: dict[tuple, tuple[_Graph, GraphOps]] = {}
 
-    def _build(self, model, n: int, n_kv: int, kv: KVCache, all_logits: bool) -> tuple[_Graph, GraphOps]:
+    def _build(self, model, n: int, kv: KVCache, all_logits: bool) -> tuple[_Graph, GraphOps]:
         a = model.args
         n_nodes = (128 + 4 * max(a.n_expert_used, 1)) * a.n_layer + 256
         g = _Graph(self.backend, n, max_nodes=n_nodes)
-        ops = GraphOps(self.backend, g, n, n_kv, kv, all_logits)
+        ops = GraphOps(self.backend, g, n, kv, all_logits)
         logits = model.forward(ops)
         g.finish(logits, *ops.expert_ids)
         return g, ops
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        n, kv = batch.n_tokens, batch.kv
-        n_kv = min(kv.n_ctx, math.ceil(batch.n_kv / KV_PAD) * KV_PAD)
-        key = (n, n_kv, batch.all_logits, id(kv))
+        n, kv, n_kv = batch.n_tokens, batch.kv, batch.n_kv
+        key = (n, batch.all_logits, id(kv))
         if key not in self.graphs:
             if len(self.graphs) >= _MAX_GRAPHS:
                 self.graphs.pop(next(iter(self.graphs)))
-            self.graphs[key] = self._build(model, n, n_kv, kv, batch.all_logits)
+            self.graphs[key] = self._build(model, n, kv, batch.all_logits)
         g, ops = self.graphs[key]
+        ops.set_cache_length(n_kv)
         positions = batch.positions.to(torch.int32)
         masks = [torch.zeros(n, n_kv, dtype=torch.float16).masked_fill_(~batch.mask(window, n_kv), -math.inf)
                  for window in ops.masks]

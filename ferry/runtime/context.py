@@ -45,8 +45,8 @@ class Batch:
         return self._angles[rope]
 
     def mask(self, window: int = 0, n_kv: int | None = None) -> torch.Tensor:
-        """(n_tokens, n_kv) bool: causal, and within `window` positions when window > 0. A longer n_kv
-        (a graph's padded cache length) only adds masked positions."""
+        """(n_tokens, n_kv) bool: causal, and within `window` positions when window > 0 (a longer n_kv
+        only adds masked positions)."""
         n_kv = n_kv or self.n_kv
         if (window, n_kv) not in self._masks:
             q = self.positions[:, None]
