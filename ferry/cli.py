@@ -135,6 +135,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from ferry.tools import sweep
+
+    runs = [(Path(o).stem, sweep.load(Path(o))["rows"]) for o in args.overlay]
+    if args.no_run:
+        if not (args.plot and runs):
+            raise FerryError("--no-run only plots: give --plot OUT.png and at least one --overlay FILE.json")
+    else:
+        path = _model_path(args)
+        f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe)
+        if not args.quiet:
+            print(sweep.HEADER, flush=True)
+        rows = sweep.sweep(model, backend, args.ctx_size, args.ubatch_size, args.cache_type_k, args.cache_type_v,
+                           on_row=None if args.quiet else (lambda r: print(r.line(), flush=True)))
+        if args.json:
+            meta = {"model": path.name, "n_ctx": args.ctx_size, "n_ubatch": args.ubatch_size,
+                    "n_threads": backend.n_threads, "n_threads_batch": backend.n_threads_batch,
+                    "type_k": args.cache_type_k, "type_v": args.cache_type_v, "repack": args.repack}
+            _write_atomic(Path(args.json), sweep.to_json(rows, meta))
+        runs.insert(0, (path.stem, rows))
+    if args.plot:
+        sweep.plot(runs, Path(args.plot))
+    return 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write a whole file or none (a temporary beside it, renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise FerryError(f"cannot write {path}: {e.strerror}") from None
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from ferry.tools import compare
 
@@ -199,6 +235,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_type_args(p)
     _add_fused_moe_args(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("sweep", help="PP and TG speed as the cache fills (llama-sweep-bench's table)")
+    _add_model_args(p)
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="sweep until the cache holds this many tokens")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512, help="prompt tokens per step (TG: a quarter of it)")
+    _add_cache_type_args(p)
+    p.add_argument("--json", help="write the rows as JSON to this file")
+    p.add_argument("--plot", help="draw S_PP and S_TG against N_KV into this PNG")
+    p.add_argument("--overlay", action="append", default=[], help="another sweep's JSON to draw beside, repeatable")
+    p.add_argument("--no-run", action="store_true", help="only plot the --overlay files")
+    p.add_argument("-q", "--quiet", action="store_true", help="no table")
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("compare", help="is B faster than A? two `ferry bench -o json` results, row by row")
     p.add_argument("a", help="baseline result (JSON)")

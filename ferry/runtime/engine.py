@@ -72,6 +72,12 @@ class Engine:
         self.n_past = 0
         self.experts_hit.clear()
 
+    def truncate(self, n_past: int) -> None:
+        """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them."""
+        if not 0 <= n_past <= self.n_past:
+            raise ValueError(f"cannot truncate to {n_past} of {self.n_past} positions")
+        self.n_past = n_past
+
     @torch.inference_mode()
     def decode(self, tokens: list[int], all_logits: bool = False) -> torch.Tensor:
         """Append tokens to the sequence; logits of the last token (1, n_vocab), or of all (n, n_vocab)."""

@@ -1,0 +1,113 @@
+"""`ferry sweep`: llama-sweep-bench's loop. For N_KV = 0, ub, 2*ub, ... while the context has room: time
+ub/4 single-token decodes at that depth (then drop them), then one u-batch of ub prompt tokens, which stays
+and deepens the cache. Same table as llama-sweep-bench, JSON, and plots of several runs overlaid."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ferry.errors import FerryError
+
+HEADER = ("|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |\n"
+          "|-------|--------|--------|----------|----------|----------|----------|")
+
+
+@dataclass
+class SweepRow:
+    pp: int
+    tg: int
+    n_kv: int
+    t_pp: float  # seconds for the u-batch of pp prompt tokens
+    s_pp: float  # prompt tokens per second
+    t_tg: float  # seconds for tg single-token decodes
+    s_tg: float  # generated tokens per second
+
+    def line(self) -> str:
+        return (f"| {self.pp:5d} | {self.tg:6d} | {self.n_kv:6d} | {self.t_pp:8.3f} | {self.s_pp:8.2f} | "
+                f"{self.t_tg:8.3f} | {self.s_tg:8.2f} |")
+
+
+def sweep(model, backend, n_ctx: int, n_ubatch: int, type_k: str = "f16", type_v: str = "f16", seed: int = 0,
+          on_row=None) -> list[SweepRow]:
+    from ferry.runtime.engine import Engine
+
+    pp, tg = n_ubatch, max(1, n_ubatch // 4)
+    if pp + tg > n_ctx:
+        raise FerryError(f"-c/--ctx-size {n_ctx} holds no step of -ub {n_ubatch} prompt tokens and {tg} generated; "
+                         f"raise -c to at least {pp + tg}")
+    engine = Engine(model, backend, n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v)
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(model.args.n_vocab) for _ in range(n)]
+
+    engine.decode(tokens(pp))  # warm-up: builds both graphs, as llama-sweep-bench's warm-up run does
+    engine.decode(tokens(1))
+    engine.reset()
+    rows = []
+    n_kv = 0
+    while n_kv + max(pp, tg) <= n_ctx:
+        t0 = time.perf_counter()
+        for t in tokens(tg):
+            engine.decode([t])
+        t_tg = time.perf_counter() - t0
+        engine.truncate(n_kv)  # the generated tokens leave the cache, as llama-sweep-bench removes them
+        t0 = time.perf_counter()
+        engine.decode(tokens(pp))
+        t_pp = time.perf_counter() - t0
+        row = SweepRow(pp, tg, n_kv, t_pp, pp / t_pp, t_tg, tg / t_tg)
+        rows.append(row)
+        if on_row:
+            on_row(row)
+        n_kv += pp
+    return rows
+
+
+def to_json(rows: list[SweepRow], meta: dict) -> str:
+    return json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1)
+
+
+def load(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        rows = [SweepRow(**r) for r in data["rows"]]
+    except FileNotFoundError:
+        raise FerryError(f"{path}: no such file") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise FerryError(f"{path}: not a `ferry sweep --json` result ({e})") from None
+    return {**data, "rows": rows}
+
+
+def plot(runs: list[tuple[str, list[SweepRow]]], out: Path) -> None:
+    """S_PP and S_TG against N_KV, one line per run."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise FerryError("--plot needs matplotlib: pip install matplotlib (or ferry[plot])") from None
+    fig, (ax_pp, ax_tg) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, rows in runs:
+        ax_pp.plot([r.n_kv for r in rows], [r.s_pp for r in rows], marker="o", label=label)
+        ax_tg.plot([r.n_kv for r in rows], [r.s_tg for r in rows], marker="o", label=label)
+    for ax, title in ((ax_pp, "prompt processing (S_PP)"), (ax_tg, "generation (S_TG)")):
+        ax.set_xlabel("N_KV (tokens in the cache)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(out.name + ".tmp.png")
+    try:
+        fig.savefig(tmp)
+        tmp.replace(out)  # whole or not at all
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise FerryError(f"cannot write {out}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
