@@ -171,6 +171,45 @@ def _write_atomic(path: Path, text: str) -> None:
         raise FerryError(f"cannot write {path}: {e.strerror}") from None
 
 
+def cmd_ppl(args: argparse.Namespace) -> int:
+    from ferry.runtime.engine import Engine
+    from ferry.tokenizer import Tokenizer
+    from ferry.tools import ppl
+
+    if args.kl_divergence and not args.kl_divergence_base:
+        raise FerryError("--kl-divergence compares with a base: give --kl-divergence-base FILE from an earlier run")
+    if args.output not in ("text", "json"):
+        raise FerryError(f"-o/--output must be text or json, got '{args.output}'")
+    try:
+        text = Path(args.file).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise FerryError(f"-f {args.file}: {e.strerror}") from None
+    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe)
+    tok = Tokenizer(f)
+    tokens = tok.encode(text)
+    engine = Engine(model, backend, n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+                    type_k=args.cache_type_k, type_v=args.cache_type_v)
+    base = ppl.load_base(Path(args.kl_divergence_base), tokens, args.ctx_size) if args.kl_divergence else None
+    save = Path(args.kl_divergence_base) if args.kl_divergence_base and not args.kl_divergence else None
+    n_chunks = min(ppl.chunks(tokens, args.ctx_size, args.chunks), base["n_chunks"] if base else 1 << 30)
+    quiet = args.quiet or args.output == "json"
+    if not quiet:
+        print(f"perplexity: {len(tokens)} tokens, {n_chunks} chunks, n_ctx={args.ctx_size}, "
+              f"scoring the second half of each chunk", file=sys.stderr)
+
+    def progress(i: int, value: float) -> None:
+        if not quiet:
+            sys.stderr.write(f"[{i + 1}]{value:.4f},")
+            sys.stderr.flush()
+
+    result = ppl.perplexity(engine, tokens, args.ctx_size, tok.bos_id if tok.add_bos else None, args.chunks,
+                            save, base, progress)
+    if not quiet:
+        sys.stderr.write("\n")
+    print(ppl.to_json(result) if args.output == "json" else ppl.report(result))
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from ferry.tools import compare
 
@@ -247,6 +286,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-run", action="store_true", help="only plot the --overlay files")
     p.add_argument("-q", "--quiet", action="store_true", help="no table")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("ppl", help="perplexity of a text (llama-perplexity's method), KL-divergence against a base")
+    _add_model_args(p)
+    p.add_argument("-f", "--file", required=True, help="text file")
+    p.add_argument("-c", "--ctx-size", type=int, default=512, help="chunk size in tokens (the second half is scored)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048)
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    _add_cache_type_args(p)
+    p.add_argument("--chunks", type=int, default=-1, help="at most this many chunks (-1: all)")
+    p.add_argument("--kl-divergence-base", help="file of base log-probabilities: written, or read with --kl-divergence")
+    p.add_argument("--kl-divergence", action="store_true", help="compare with --kl-divergence-base")
+    p.add_argument("-o", "--output", default="text", help="text or json")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
+    p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser("compare", help="is B faster than A? two `ferry bench -o json` results, row by row")
     p.add_argument("a", help="baseline result (JSON)")
