@@ -124,12 +124,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.output not in bench.FORMATS:
         raise FerryError(f"-o/--output must be one of {', '.join(bench.FORMATS)}, got '{args.output}'")
     lists = {flag: bench.parse_int_list(flag, v) for flag, v in
-             (("-p", args.n_prompt), ("-n", args.n_gen), ("-b", args.batch_size), ("-ub", args.ubatch_size), ("-t", args.threads))}
+             (("-p", args.n_prompt), ("-n", args.n_gen), ("-b", args.batch_size), ("-ub", args.ubatch_size), ("-t", args.threads),
+              ("-d", args.n_depth), ("-ngl", args.n_gpu_layers), ("-fa", args.flash_attn))}
+    if any(v != 0 for v in lists["-ngl"]) or args.override_tensor:
+        raise FerryError("-ngl/-ot: this ferry has no GPU backend yet, so every tensor stays on the CPU; use -ngl 0")
+    if any(v != 1 for v in lists["-fa"]):
+        raise FerryError("-fa 0: ferry's CPU path always uses flash attention; leave -fa out or pass -fa 1")
+    pairs = bench.parse_pairs("-pg", args.pg)
     models = [Path(m) for m in args.model] if args.model else [default_model()]
     if args.output == "md":  # rows appear as they are measured, like llama-bench
         print(bench.md_header(), flush=True)
     rows = bench.run_bench(models, lists["-p"], lists["-n"], lists["-b"], lists["-ub"], lists["-t"], args.repetitions,
-                           args.repack, args.cache_type_k, args.cache_type_v, args.fused_moe, on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None)
+                           args.repack, args.cache_type_k, args.cache_type_v, args.fused_moe,
+                           on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None,
+                           pg=pairs, depths=lists["-d"])
     if args.output != "md":
         print(bench.render(rows, args.output))
     return 0
@@ -267,7 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", default="128", help="generated token counts (0: none)")
     p.add_argument("-b", "--batch-size", default="2048")
     p.add_argument("-ub", "--ubatch-size", default="512")
+    p.add_argument("-pg", action="append", default=[], help="PP,TG: a prompt then a generation in one timed run")
+    p.add_argument("-d", "--n-depth", default="0", help="tokens in the cache before each test")
     p.add_argument("-t", "--threads", default="0", help="thread counts (0: the physical core count)")
+    p.add_argument("-ngl", "--n-gpu-layers", default="0", help="layers on the GPU (no GPU backend yet: 0)")
+    p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE (no GPU backend yet)")
+    p.add_argument("-fa", "--flash-attn", default="1", help="flash attention (the CPU path always uses it: 1)")
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", default="md", help="md, json, jsonl or csv")
     p.add_argument("--no-repack", dest="repack", action="store_false")

@@ -50,3 +50,21 @@ def test_markdown_and_csv_parse_back(tiny):
     assert all(float(r["t/s"].split("±")[0]) > 0 for r in rows)
     rows = list(csv.DictReader(io.StringIO(bench("-m", str(tiny), "-p", "16", "-n", "0", "-r", "2", "-o", "csv"))))
     assert len(rows) == 1 and rows[0]["test"] == "pp16" and len(json.loads(rows[0]["samples_ts"])) == 2
+
+
+def test_prompt_plus_generation_and_depth_rows(tiny):
+    rows = json.loads(bench("-m", str(tiny), "-p", "0", "-n", "4", "-pg", "16,4", "-d", "0,32", "-r", "2", "-o", "json"))
+    assert [r["test"] for r in rows] == ["tg4", "tg4 @ d32", "pp16+tg4", "pp16+tg4 @ d32"]
+    assert [r["n_depth"] for r in rows] == [0, 32, 0, 32] and all(r["avg_ts"] > 0 for r in rows)
+    # the prompt part of pp+tg routes to experts, a lone generation reports none
+    assert rows[0]["experts_hit"] == [] and len(rows[2]["experts_hit"]) == 4
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-fa", "0"], "always uses flash attention"),
+    (["-ngl", "99"], "no GPU backend yet"),
+    (["-pg", "512"], "is not a pair like 512,128"),
+])
+def test_bench_flags_it_cannot_honour_are_errors_before_any_output(tiny, args, message):
+    r = subprocess.run([sys.executable, "-m", "ferry", "bench", "-m", str(tiny), *args], capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and r.stdout == ""

@@ -1,5 +1,6 @@
 """`ferry bench`: llama-bench's measurements (pp: a u-batch of random prompt tokens from an empty cache;
-tg: single-token decodes from an empty cache), one row per parameter combination, mean ± std."""
+tg: single-token decodes from an empty cache; pp+tg: both in one timed run; `-d`: the cache filled with that
+many tokens first), one row per parameter combination, mean ± std."""
 
 from __future__ import annotations
 
@@ -55,12 +56,14 @@ class BenchRow:
     type_v: str
     n_prompt: int
     n_gen: int
+    n_depth: int = 0  # tokens in the cache before each timed run (llama-bench's -d)
     samples_ts: list[float] = field(default_factory=list)
     experts_hit: list[int] = field(default_factory=list)  # pp: distinct experts per MoE layer, first u-batch
 
     @property
     def test(self) -> str:
-        return f"pp{self.n_prompt}" if self.n_prompt else f"tg{self.n_gen}"
+        name = "+".join(([f"pp{self.n_prompt}"] if self.n_prompt else []) + ([f"tg{self.n_gen}"] if self.n_gen else []))
+        return f"{name} @ d{self.n_depth}" if self.n_depth else name
 
     @property
     def avg_ts(self) -> float:
@@ -75,17 +78,20 @@ class BenchRow:
 
 
 def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, type_k: str = "f16",
-            type_v: str = "f16", seed: int = 0) -> tuple[list[float], list[int]]:
-    """tokens/s of `reps` runs after one warm-up run, and the experts hit per layer in the first u-batch."""
+            type_v: str = "f16", n_depth: int = 0, seed: int = 0) -> tuple[list[float], list[int]]:
+    """tokens/s of `reps` runs after one warm-up run, and the experts hit per layer in the first timed u-batch."""
     from ferry.runtime.engine import Engine
 
-    engine = Engine(model, backend, n_ctx=n_prompt + n_gen + 1, n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k,
-                    type_v=type_v)
+    engine = Engine(model, backend, n_ctx=n_depth + n_prompt + n_gen + 1, n_batch=n_batch, n_ubatch=n_ubatch,
+                    type_k=type_k, type_v=type_v)
     rng = random.Random(seed)
     vocab = model.args.n_vocab
 
     def once() -> float:
         engine.reset()
+        if n_depth:  # fill the cache first, untimed
+            engine.decode([rng.randrange(vocab) for _ in range(n_depth)])
+            engine.experts_hit.clear()
         t0 = time.perf_counter()
         if n_prompt:
             engine.decode([rng.randrange(vocab) for _ in range(n_prompt)])
@@ -98,25 +104,37 @@ def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: i
     return samples, (engine.experts_hit[0] if engine.experts_hit and n_prompt else [])
 
 
+def parse_pairs(flag: str, texts: list[str]) -> list[tuple[int, int]]:
+    """llama-bench's -pg: 'pp,tg' pairs (the flag may repeat)."""
+    pairs = []
+    for text in texts:
+        parts = text.split(",")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise FerryError(f"{flag}: '{text}' is not a pair like 512,128")
+        pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
+
+
 def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch: list[int], n_ubatch: list[int],
               threads: list[int], reps: int, repack: bool, type_k: str = "f16", type_v: str = "f16",
-              fused_moe: bool = True, on_row=None) -> list[BenchRow]:
+              fused_moe: bool = True, on_row=None, pg: list[tuple[int, int]] = (), depths: list[int] = (0,)
+              ) -> list[BenchRow]:
     from ferry.cli import open_model
 
     if reps < 1:
         raise FerryError(f"-r/--repetitions must be at least 1, got {reps}")
-    tests = [(p, 0) for p in n_prompt if p > 0] + [(0, n) for n in n_gen if n > 0]
+    tests = [(p, 0) for p in n_prompt if p > 0] + [(0, n) for n in n_gen if n > 0] + [(p, n) for p, n in pg if p or n]
     if not tests:
-        raise FerryError("nothing to measure: give -p or -n a value above 0")
+        raise FerryError("nothing to measure: give -p, -n or -pg a value above 0")
     rows = []
     for path, t in itertools.product(models, threads):
         f, backend, model, _ = open_model(path, t, repack, t, fused_moe)
         size = sum(info.nbytes for info in f.tensors.values())
         n_params = sum(math.prod(info.ne) for info in f.tensors.values())
-        for b, ub, (p, n) in itertools.product(n_batch, n_ubatch, tests):
+        for b, ub, (p, n), d in itertools.product(n_batch, n_ubatch, tests, depths):
             row = BenchRow(path.name, size, n_params, backend.name, backend.n_threads, b, min(ub, b), repack, type_k,
-                           type_v, p, n)
-            row.samples_ts, row.experts_hit = measure(model, backend, p, n, b, ub, reps, type_k, type_v)
+                           type_v, p, n, d)
+            row.samples_ts, row.experts_hit = measure(model, backend, p, n, b, ub, reps, type_k, type_v, d)
             rows.append(row)
             if on_row:
                 on_row(row)
