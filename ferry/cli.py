@@ -61,8 +61,10 @@ def _add_cache_type_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type of values (same choices)")
 
 
-def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True):
-    """Open, validate, build, and repack the CPU weights: returns (file, backend, model, load seconds)."""
+def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True,
+               quiet: bool = False):
+    """Open, validate, build, and repack the CPU weights: returns (file, backend, model, load seconds).
+    A progress bar shows the repack on a terminal unless quiet."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
     from ferry.ops.cpu import CpuBackend
@@ -73,7 +75,15 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
     model = load_model(f)
     if repack:
         t1 = time.perf_counter()
-        backend.repack(*model.weights())
+        if quiet or not sys.stderr.isatty():
+            backend.repack(*model.weights())
+        else:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+            with Progress(TextColumn("repacking CPU weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                          transient=True) as bar:
+                task = bar.add_task("repack", total=None)
+                backend.repack(*model.weights(), progress=lambda done, total: bar.update(task, completed=done, total=total))
         backend.repack_seconds = time.perf_counter() - t1
     return f, backend, model, time.perf_counter() - t0
 
@@ -87,7 +97,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if prompt is None:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
-    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe)
+    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
+                                      args.quiet)
     tok = Tokenizer(f)
     engine = Engine(model, backend, args.ctx_size, args.batch_size, args.ubatch_size, args.cache_type_k, args.cache_type_v)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -152,7 +163,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise FerryError("--no-run only plots: give --plot OUT.png and at least one --overlay FILE.json")
     else:
         path = _model_path(args)
-        f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe)
+        f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, args.quiet)
         if not args.quiet:
             print(sweep.HEADER, flush=True)
         rows = sweep.sweep(model, backend, args.ctx_size, args.ubatch_size, args.cache_type_k, args.cache_type_v,
@@ -192,7 +203,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         text = Path(args.file).read_text(encoding="utf-8", errors="replace")
     except OSError as e:
         raise FerryError(f"-f {args.file}: {e.strerror}") from None
-    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe)
+    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe, args.quiet)
     tok = Tokenizer(f)
     tokens = tok.encode(text)
     engine = Engine(model, backend, n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,

@@ -236,9 +236,10 @@ class CpuBackend:
             g = owner.graphs[key] = build()
         return g
 
-    def repack(self, *weights: Weight) -> bool:
+    def repack(self, *weights: Weight, progress: Callable[[int, int], None] | None = None) -> bool:
         """Copy the weights into ggml's interleaved CPU layout where ggml has one for their type and shape,
-        all into one buffer (once per weight); True if the first one is repacked."""
+        all into one buffer (once per weight); True if the first one is repacked. `progress(done, total)`
+        is called in bytes after each weight."""
         todo = [w for w in weights if w.repacked is None]
         for w in todo:
             w.repacked = False
@@ -253,10 +254,14 @@ class CpuBackend:
                 ggml.ggml_free(ctx)
                 raise FerryError(f"out of memory repacking {len(todo)} weights; run with --no-repack")
             holder = _RepackBuffer(ctx, buffer)
+            total, done = sum(w.data.nbytes for w in todo), 0
             for w, t in zip(todo, tensors):
                 ggml.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)
                 w.repacked = _Repacked(holder, t)
                 self.repacked_bytes += w.data.nbytes
+                done += w.data.nbytes
+                if progress:
+                    progress(done, total)
         return bool(weights and weights[0].repacked)
 
     def _weight_leaf(self, g: _Graph, w: Weight, rows: bool = False):
