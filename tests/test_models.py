@@ -130,3 +130,18 @@ def test_one_graph_decodes_at_every_cache_length_as_one_pass_does(tmp_path, back
     e.decode(tokens[:250])
     steps = torch.cat([e.decode([t]) for t in tokens[250:]])
     assert torch.allclose(whole[250:], steps, atol=1e-4, rtol=1e-4)
+
+
+def test_sequences_batched_together_decode_as_they_do_alone(tiny, backend):
+    # two sequences in one cache, fed interleaved in shared batches (prefill of one beside decode steps of
+    # the other), give each one's logits from decoding it alone
+    model = load_model(GGUFFile(tiny))
+    rng = np.random.default_rng(7)
+    a, b = rng.integers(0, model.args.n_vocab, 12).tolist(), rng.integers(0, model.args.n_vocab, 9).tolist()
+    alone = [Engine(model, backend, n_ctx=32).decode(s, all_logits=True) for s in (a, b)]
+    e = Engine(model, backend, n_ctx=64)
+    first = e.decode_sequences(a[:8], [0] * 8, list(range(8)), seq_len=32)
+    mixed = e.decode_sequences(a[8:] + b[:5], [0] * 4 + [1] * 5, list(range(8, 12)) + list(range(5)), seq_len=32)
+    rest = e.decode_sequences(b[5:], [1] * 4, list(range(5, 9)), seq_len=32)
+    assert torch.allclose(torch.cat([first, mixed[:4]]), alone[0], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(torch.cat([mixed[4:], rest]), alone[1], atol=1e-4, rtol=1e-4)

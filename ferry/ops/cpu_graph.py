@@ -31,6 +31,7 @@ class GraphOps:
         self.n, self.n_kv, self.kv, self.all_logits = n_tokens, kv.n_ctx, kv, all_logits  # built for a full cache
         self.tokens = g.input(I32, (n_tokens,))
         self.positions = g.input(I32, (n_tokens,))
+        self.cells = g.input(I32, (n_tokens,))  # the cache row of each token (its position, for one sequence)
         self.masks: dict[int, object] = {}  # sliding window (0: none) -> its mask input, in creation order
         self.cache_views: list = []  # (d, n_kv, heads) views of the cache: ne[1] is set to the length at each run
         self.expert_ids: list = []  # per MoE layer: the node that copies its expert ids out
@@ -77,7 +78,7 @@ class GraphOps:
         c = self.c
         n_heads = x.contents.ne[1]
         leaf = self.g.leaf(qtype.value, (dim * n_heads, self.kv.n_ctx), cache.ctypes.data)
-        stored = ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.positions)
+        stored = ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.cells)
         view = ggml.ggml_view_3d(c, stored, dim, self.n_kv, n_heads, leaf.contents.nb[1],
                                  ggml.ggml_row_size(qtype.value, dim), 0)
         self.cache_views.append(view)
@@ -145,11 +146,12 @@ class CpuGraphExecutor:
             self.graphs[key] = self._build(model, n, kv, batch.all_logits)
         g, ops = self.graphs[key]
         ops.set_cache_length(n_kv)
-        positions = batch.positions.to(torch.int32)
+        positions = batch.positions.to(torch.int32).contiguous()
         masks = [torch.zeros(n, n_kv, dtype=torch.float16).masked_fill_(~batch.mask(window, n_kv), -math.inf)
                  for window in ops.masks]
         logits = torch.empty(n if batch.all_logits else 1, model.args.n_vocab, dtype=torch.float32)
         ids = torch.empty(len(ops.expert_ids), n, getattr(ops, "n_used", 1), dtype=torch.int32)
-        g.run([tokens.to(torch.int32).contiguous(), positions, *masks], logits, *ids)
+        cells = batch.cells.to(torch.int32).contiguous()
+        g.run([tokens.to(torch.int32).contiguous(), positions, cells, *masks], logits, *ids)
         batch.expert_ids = list(ids)
         return logits

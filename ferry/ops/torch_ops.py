@@ -46,6 +46,8 @@ class TorchOps:
                   window: int) -> torch.Tensor:
         """Store k, v in the cache, attend q (n, n_head, d) to every cached position: (n, n_head * d_v)."""
         n, n_head = q.shape[:2]
+        if self.batch.seq is not None:
+            raise NotImplementedError("batches of several sequences run through the CPU graph executor only")
         keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),

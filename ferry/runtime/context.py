@@ -11,23 +11,33 @@ from ferry.runtime.kv_cache import KVCache
 
 @dataclass
 class Batch:
-    """One u-batch of tokens of one sequence, starting at KV position `start`."""
+    """One u-batch of tokens of one sequence, starting at KV position `start`; or, with `seq` and `pos`, tokens
+    of several sequences (server slots), sequence s owning cache cells [s * seq_len, (s + 1) * seq_len)."""
 
     start: int
     n_tokens: int
     kv: KVCache
     all_logits: bool = False
+    seq: torch.Tensor | None = None  # per token: its sequence (slot)
+    pos: torch.Tensor | None = None  # per token: its position in that sequence
+    seq_len: int = 0
     expert_ids: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: (n_tokens, n_expert_used) routed to
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _angles: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def positions(self) -> torch.Tensor:
-        return torch.arange(self.start, self.start + self.n_tokens)
+        return self.pos if self.pos is not None else torch.arange(self.start, self.start + self.n_tokens)
+
+    @property
+    def cells(self) -> torch.Tensor:
+        """The cache row each token's keys and values go to."""
+        return self.seq * self.seq_len + self.pos if self.seq is not None else self.positions
 
     @property
     def n_kv(self) -> int:
-        return self.start + self.n_tokens
+        """Cache cells attended: up to the last one written."""
+        return int(self.cells.max()) + 1 if self.seq is not None else self.start + self.n_tokens
 
     @property
     def experts_hit(self) -> list[int]:
@@ -50,8 +60,13 @@ class Batch:
         n_kv = n_kv or self.n_kv
         if (window, n_kv) not in self._masks:
             q = self.positions[:, None]
-            k = torch.arange(n_kv)[None, :]
-            allowed = k <= q
+            cell = torch.arange(n_kv)[None, :]
+            if self.seq is not None:  # a cell of the token's own sequence, at or before its position
+                k = cell - self.seq[:, None] * self.seq_len
+                allowed = (k >= 0) & (k < self.seq_len) & (k <= q)
+            else:
+                k = cell
+                allowed = k <= q
             if window:
                 allowed &= (q - k) < window
             self._masks[window, n_kv] = allowed
