@@ -229,6 +229,36 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_server(args: argparse.Namespace):
+    """The FastAPI app for `ferry serve` (tests start it in-process)."""
+    from ferry.runtime.engine import Engine
+    from ferry.server.app import create_app
+    from ferry.server.scheduler import Scheduler
+    from ferry.tokenizer import Tokenizer
+
+    if args.parallel < 1 or args.ctx_size < 2 * args.parallel:
+        raise FerryError(f"-np/--parallel must be at least 1 and -c/--ctx-size give each slot 2 tokens or more, got "
+                         f"-np {args.parallel} -c {args.ctx_size}")
+    path = _model_path(args)
+    f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, True)
+    tok = Tokenizer(f)
+    seq_len = args.ctx_size // args.parallel
+    engine = Engine(model, backend, n_ctx=seq_len * args.parallel, n_batch=args.ubatch_size,
+                    n_ubatch=max(args.ubatch_size, args.parallel), type_k=args.cache_type_k, type_v=args.cache_type_v)
+    name = args.alias or path.name
+    return create_app(Scheduler(engine, tok, args.parallel, seq_len), tok, name, args.api_key)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build_server(args)
+    print(f"ferry: serving on http://{args.host}:{args.port} ({args.parallel} slots of "
+          f"{args.ctx_size // args.parallel} tokens)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from ferry.tools import compare
 
@@ -324,6 +354,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="text", help="text or json")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
     p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, ...)")
+    _add_model_args(p)
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context of all slots together")
+    p.add_argument("-np", "--parallel", type=int, default=4, help="slots: requests generating at once")
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    _add_cache_type_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("-a", "--alias", help="model name in the API (default: the file name)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("compare", help="is B faster than A? two `ferry bench -o json` results, row by row")
     p.add_argument("a", help="baseline result (JSON)")

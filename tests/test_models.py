@@ -145,3 +145,24 @@ def test_sequences_batched_together_decode_as_they_do_alone(tiny, backend):
     rest = e.decode_sequences(b[5:], [1] * 4, list(range(5, 9)), seq_len=32)
     assert torch.allclose(torch.cat([first, mixed[:4]]), alone[0], atol=1e-4, rtol=1e-4)
     assert torch.allclose(torch.cat([mixed[4:], rest]), alone[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_graph_run_again_after_a_larger_one_is_placed_afresh(tiny):
+    # the larger u-batch grows (moves) the backend's compute buffer; the small graph built before it must not
+    # keep pointers into the old one (this corrupted the heap before graphs were re-placed). Reference: the
+    # same decodes on a backend whose buffer was already large, so nothing moves there.
+    from ferry.ops.cpu import CpuBackend
+
+    model = load_model(GGUFFile(tiny))
+    rng = np.random.default_rng(8)
+    sizes = [3, 40, 2, 90, 5, 150, 1, 200, 3, 40, 2]
+    pieces = [rng.integers(0, model.args.n_vocab, n).tolist() for n in sizes]
+
+    def run(backend):
+        e = Engine(model, backend, n_ctx=600)
+        return [e.decode(p, all_logits=True) for p in pieces]
+
+    large = CpuBackend(2)
+    Engine(model, large, n_ctx=600).decode(pieces[7])
+    for got, want in zip(run(CpuBackend(2)), run(large)):
+        assert torch.equal(got, want)

@@ -67,6 +67,8 @@ class _Graph:
         self.work: np.ndarray | None = None
         self.inputs: list = []
         self.outputs: list = []  # (tensor, the node that writes it: itself or a ggml_cpy view of it)
+        self.input_views: list = []
+        self.placed: list | None = None  # the nodes the graph allocator places (set at the first allocation)
 
     def leaf(self, qtype: int, ne: tuple[int, ...], data_ptr: int | None = None):
         ne = tuple(int(n) for n in ne)
@@ -110,13 +112,13 @@ class _Graph:
             self.cplan.work_data = ctypes.cast(self.work.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
 
     def run(self, inputs: list[torch.Tensor], *outs: torch.Tensor) -> torch.Tensor:
+        self.backend._allocate(self)  # first: it must see the bound tensors as placed
         for t, x in zip(self.inputs, inputs, strict=True):
             t.contents.data = x.data_ptr()
         for view, t, offset in self.input_views:
             view.contents.data = t.contents.data + offset
         for (t, node), y in zip(self.outputs, outs, strict=True):
             t.contents.data = node.contents.data = y.data_ptr()
-        self.backend._allocate(self)
         status = ggml.ggml_graph_compute(self.graph, ctypes.byref(self.cplan))
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed with status {status}")
@@ -220,8 +222,18 @@ class CpuBackend:
         self.placeholder = self._placeholder.ctypes.data
 
     def _allocate(self, g: _Graph) -> None:
-        """Place g's intermediates in the compute buffer, unless they are there from its last run."""
+        """Place g's intermediates in the compute buffer, unless they are there from its last run. The
+        allocator leaves tensors that have an address alone, and another graph may have grown (moved) the
+        buffer since: so a graph placed before is cleared first and placed afresh."""
         if self.allocated is not g:
+            views = {ctypes.addressof(v.contents) for v, _, _ in g.input_views}
+            if g.placed is None:
+                nodes = (ggml.ggml_graph_node(g.graph, i) for i in range(ggml.ggml_graph_n_nodes(g.graph)))
+                g.placed = [t for t in nodes if not t.contents.data and ctypes.addressof(t.contents) not in views]
+            else:
+                for t in g.placed:
+                    t.contents.data = None
+                    t.contents.buffer = None
             # reserve first: the allocator would reuse the previous graph's layout for any graph of equal size
             if not (ggml.ggml_gallocr_reserve(self.galloc, g.graph) and ggml.ggml_gallocr_alloc_graph(self.galloc, g.graph)):
                 raise FerryError("out of memory for the CPU compute buffer; lower -ub/--ubatch-size")

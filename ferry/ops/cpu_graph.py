@@ -20,7 +20,7 @@ from ferry.runtime.context import Batch
 from ferry.runtime.kv_cache import KVCache
 
 F32, F16, I32 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_I32
-_MAX_GRAPHS = 8
+_MAX_GRAPHS = 16
 
 
 class GraphOps:

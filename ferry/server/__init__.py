@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: the slot scheduler and the FastAPI app."""

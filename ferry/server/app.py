@@ -1,0 +1,214 @@
+"""`ferry serve`: an OpenAI-compatible HTTP server (FastAPI): /v1/chat/completions and /v1/completions with
+and without streaming (SSE), /v1/models, /health, /metrics, llama-server's `timings` in responses.
+Bad requests get a 4xx with a JSON error; the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from ferry.runtime.sampling import SamplingParams
+from ferry.server.scheduler import Request, Scheduler
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
+
+
+def render_chat(template: str | None, messages: list[dict], bos: str, eos: str) -> str:
+    """The GGUF's chat template (jinja2, sandboxed) with a generation prompt; a plain role: text form without one."""
+    if not template:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise BadRequest(400, f"the chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token=bos,
+                                            eos_token=eos)
+
+
+def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="ferry")
+    created = int(time.time())
+    bos = tokenizer.decode([tokenizer.bos_id]) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else ""
+
+    @app.middleware("http")
+    async def check_key(request: HttpRequest, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return _error(401, "invalid API key: send 'Authorization: Bearer KEY'", "authentication_error",
+                              "invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: HttpRequest, e: BadRequest):
+        return _error(e.status, e.message, e.kind, e.code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "slots_idle": len(scheduler.slots) - scheduler.busy, "slots_processing": scheduler.busy}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "ferry"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        lines = [
+            "# HELP ferry_requests_total Requests received.", "# TYPE ferry_requests_total counter",
+            f"ferry_requests_total {scheduler.requests_total}",
+            "# HELP ferry_prompt_tokens_total Prompt tokens processed.", "# TYPE ferry_prompt_tokens_total counter",
+            f"ferry_prompt_tokens_total {scheduler.prompt_tokens_total}",
+            "# HELP ferry_tokens_predicted_total Tokens generated.", "# TYPE ferry_tokens_predicted_total counter",
+            f"ferry_tokens_predicted_total {scheduler.predicted_tokens_total}",
+            "# HELP ferry_slots_processing Slots generating now.", "# TYPE ferry_slots_processing gauge",
+            f"ferry_slots_processing {scheduler.busy}",
+            "# HELP ferry_slots_idle Free slots.", "# TYPE ferry_slots_idle gauge",
+            f"ferry_slots_idle {len(scheduler.slots) - scheduler.busy}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def body_of(request: HttpRequest) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(400, f"the request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            raise BadRequest(400, "the request body must be a JSON object")
+        if body.get("model") not in (None, "", model_name):
+            raise BadRequest(404, f"model '{body['model']}' does not exist; this server has '{model_name}'",
+                             code="model_not_found")
+        return body
+
+    def number(body: dict, key: str, default, kind=float, low=None, high=None):
+        v = body.get(key, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+            raise BadRequest(400, f"'{key}' must be a number, got {v!r}")
+        v = kind(v)
+        if (low is not None and v < low) or (high is not None and v > high):
+            raise BadRequest(400, f"'{key}' must be in [{low}, {high}], got {v}")
+        return v
+
+    def make_request(body: dict, prompt: list[int], default_max: int) -> Request:
+        seq_len = scheduler.seq_len
+        if len(prompt) + 1 >= seq_len:
+            raise BadRequest(400, f"the prompt has {len(prompt)} tokens; a slot holds {seq_len} (-c / -np): "
+                                  "shorten it or start the server with a larger -c", code="context_length_exceeded")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise BadRequest(400, "'stop' must be a string or a list of non-empty strings")
+        params = SamplingParams(temp=number(body, "temperature", 0.8, low=0, high=100),
+                                top_p=number(body, "top_p", 0.95, low=1e-9, high=1),
+                                top_k=number(body, "top_k", 40, int, low=0),
+                                min_p=number(body, "min_p", 0.05, low=0, high=1),
+                                seed=number(body, "seed", -1, int))
+        max_tokens = number(body, "max_completion_tokens", None, int, low=-1)
+        if max_tokens is None:
+            max_tokens = number(body, "max_tokens", default_max, int, low=-1)
+        loop = asyncio.get_running_loop()
+        return Request(prompt, params, max_tokens, stop, loop, asyncio.Queue())
+
+    def respond(body: dict, r: Request, kind: str, http: HttpRequest):
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+            if kind == "chat":
+                msg = ({"content": text} if text is not None else {}) if delta else {"role": "assistant", "content": text}
+                return {"index": 0, ("delta" if delta else "message"): msg, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        scheduler.submit(r)
+        if not body.get("stream"):
+            async def collect():
+                pieces = []
+                try:
+                    while True:
+                        what, payload = await r.out.get()
+                        if what == "text":
+                            pieces.append(payload)
+                        elif what == "error":
+                            return _error(500, payload, "server_error")
+                        else:
+                            return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                                    "choices": [choice("".join(pieces), payload["finish_reason"], False)],
+                                    "usage": payload["usage"], "timings": payload["timings"]}
+                finally:
+                    r.cancelled.set()  # a client gone before the end frees its slot at the next step
+            return collect()
+
+        async def events():
+            chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            try:
+                if kind == "chat":
+                    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_name,
+                                "choices": [first]})
+                while True:
+                    what, payload = await r.out.get()
+                    if what == "text":
+                        yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_name,
+                                    "choices": [choice(payload, None, True)]})
+                    elif what == "error":
+                        yield _sse({"error": {"message": payload, "type": "server_error"}})
+                        break
+                    else:
+                        yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_name,
+                                    "choices": [choice(None if kind == "chat" else "", payload["finish_reason"], True)],
+                                    "usage": payload["usage"], "timings": payload["timings"]})
+                        yield "data: [DONE]\n\n"
+                        break
+            finally:
+                r.cancelled.set()  # a disconnect ends this generator: the slot is freed at the next step
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        body = await body_of(http)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise BadRequest(400, "'prompt' must be a string")
+        r = make_request(body, tokenizer.encode(prompt), default_max=16)
+        result = respond(body, r, "text", http)
+        return await result if asyncio.iscoroutine(result) else result
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: HttpRequest):
+        body = await body_of(http)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise BadRequest(400, "'messages' must be a non-empty list of {role, content} objects with string content")
+        text = render_chat(tokenizer.chat_template, messages, bos, eos)
+        prompt = tokenizer.encode(text, add_bos=tokenizer.add_bos and not (bos and text.startswith(bos)))
+        r = make_request(body, prompt, default_max=-1)
+        result = respond(body, r, "chat", http)
+        return await result if asyncio.iscoroutine(result) else result
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

@@ -1,0 +1,97 @@
+"""ferry serve through the official openai client: streamed and not, 16 clients at once, a disconnect mid-stream,
+and bad requests (malformed JSON, unknown model, too-long prompt, wrong key) that get 4xx while the server serves on."""
+
+import argparse
+import concurrent.futures
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from ferry.cli import build_parser, build_server
+
+KEY = "secret-key"
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    args = build_parser().parse_args(["serve", "-m", str(tiny), "-np", "4", "-c", "1024", "-t", "1", "--api-key", KEY])
+    app = build_server(args)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+def _chat(client, text, **kw):
+    return client.chat.completions.create(model="tiny.gguf", messages=[{"role": "user", "content": text}],
+                                          temperature=0, max_tokens=8, **kw)
+
+
+def test_chat_streamed_equals_chat_whole(client, server):
+    whole = _chat(client, "hello there")
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
+    pieces = [c.choices[0].delta.content or "" for c in _chat(client, "hello there", stream=True) if c.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+    raw = httpx.post(server + "/v1/completions", json={"prompt": "abc", "max_tokens": 4},
+                     headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert raw["timings"]["predicted_n"] == 4 and raw["timings"]["prompt_n"] == raw["usage"]["prompt_tokens"]
+
+
+def test_sixteen_clients_at_once_get_what_each_gets_alone(client):
+    # 16 requests on 4 slots: decode steps are batched across slots, and greedy answers must not depend on it
+    prompts = [f"request number {i} " * (1 + i % 3) for i in range(16)]
+    alone = {p: client.completions.create(model="tiny.gguf", prompt=p, temperature=0, max_tokens=6).choices[0].text
+             for p in prompts[:4]}
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: client.completions.create(model="tiny.gguf", prompt=p, temperature=0,
+                                                                    max_tokens=6), prompts))
+    assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6 for r in results)
+    assert all(r.choices[0].text == alone[p] for p, r in zip(prompts, results) if p in alone)
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_slot(server, client):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server + "/v1/completions", headers=headers,
+                      json={"prompt": "x", "max_tokens": 200, "stream": True}) as r:
+        next(r.iter_lines())  # one event, then hang up
+    for _ in range(100):
+        if httpx.get(server + "/health").json()["slots_processing"] == 0:
+            break
+        time.sleep(0.05)
+    assert httpx.get(server + "/health").json()["slots_processing"] == 0
+    assert _chat(client, "still there?").choices[0].message.content is not None
+
+
+def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, client):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(server + "/v1/chat/completions", content=b"{not json", headers=headers)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="shorten it"):
+        client.completions.create(model="tiny.gguf", prompt="word " * 400, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="'messages' must be"):
+        client.chat.completions.create(model="tiny.gguf", messages=[])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert [m.id for m in client.models.list().data] == ["tiny.gguf"]
+    metrics = httpx.get(server + "/metrics").text
+    assert "ferry_requests_total" in metrics and "ferry_slots_idle 4" in metrics
+    assert _chat(client, "after all that").usage.completion_tokens == 8
