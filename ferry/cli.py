@@ -166,8 +166,17 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, args.quiet)
         if not args.quiet:
             print(sweep.HEADER, flush=True)
-        rows = sweep.sweep(model, backend, args.ctx_size, args.ubatch_size, args.cache_type_k, args.cache_type_v,
-                           on_row=None if args.quiet else (lambda r: print(r.line(), flush=True)))
+        from ferry.tools.progress import progress
+
+        steps = max(0, (args.ctx_size - args.ubatch_size) // args.ubatch_size + 1)
+        with progress("sweep", steps, args.quiet) as bar:
+            def on_row(r) -> None:
+                bar(r.n_kv // args.ubatch_size + 1, f"N_KV {r.n_kv}")
+                if not args.quiet:
+                    print(r.line(), flush=True)
+
+            rows = sweep.sweep(model, backend, args.ctx_size, args.ubatch_size, args.cache_type_k, args.cache_type_v,
+                               on_row=on_row)
         if args.json:
             meta = {"model": path.name, "n_ctx": args.ctx_size, "n_ubatch": args.ubatch_size,
                     "n_threads": backend.n_threads, "n_threads_batch": backend.n_threads_batch,
@@ -215,15 +224,19 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     if not quiet:
         print(f"perplexity: {len(tokens)} tokens, {n_chunks} chunks, n_ctx={args.ctx_size}, "
               f"scoring the second half of each chunk", file=sys.stderr)
+    from ferry.tools.progress import progress
 
-    def progress(i: int, value: float) -> None:
-        if not quiet:
-            sys.stderr.write(f"[{i + 1}]{value:.4f},")
-            sys.stderr.flush()
+    terminal = sys.stderr.isatty()
+    with progress("perplexity", n_chunks, quiet) as bar:
+        def on_chunk(i: int, value: float) -> None:
+            bar(i + 1, f"PPL {value:.4f}")
+            if not quiet and not terminal:  # llama-perplexity's running estimate, for logs
+                sys.stderr.write(f"[{i + 1}]{value:.4f},")
+                sys.stderr.flush()
 
-    result = ppl.perplexity(engine, tokens, args.ctx_size, tok.bos_id if tok.add_bos else None, args.chunks,
-                            save, base, progress)
-    if not quiet:
+        result = ppl.perplexity(engine, tokens, args.ctx_size, tok.bos_id if tok.add_bos else None, args.chunks,
+                                save, base, on_chunk)
+    if not quiet and not terminal:
         sys.stderr.write("\n")
     print(ppl.to_json(result) if args.output == "json" else ppl.report(result))
     return 0
