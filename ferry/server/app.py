@@ -27,9 +27,11 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", code:
 
 
 def render_chat(template: str | None, messages: list[dict], bos: str, eos: str) -> str:
-    """The GGUF's chat template (jinja2, sandboxed) with a generation prompt; a plain role: text form without one."""
+    """The GGUF's chat template (jinja2, sandboxed) with a generation prompt; ChatML where the file has none,
+    as llama-server does."""
     if not template:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -37,8 +39,11 @@ def render_chat(template: str | None, messages: list[dict], bos: str, eos: str) 
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token=bos,
-                                            eos_token=eos)
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token=bos,
+                                                eos_token=eos)
+    except TemplateError as e:
+        raise BadRequest(400, f"the model's chat template failed on these messages: {e}") from None
 
 
 def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None = None) -> FastAPI:
