@@ -6,10 +6,29 @@ import pytest
 import torch
 from gguf import quants as gguf_quants
 
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
 from ferry.ops.cuda.dequant import SUPPORTED, dequantize
 from ferry.quant import dequantize as reference
 
-SHAPES = [(1, 32), (7, 64), (33, 256), (129, 2048), (1000, 96)]
+# where each type keeps its scale: (byte offset, f16 or the E8M0 byte); random bytes elsewhere are valid
+_SCALE = {Q.Q4_K: [(0, "f16"), (2, "f16")], Q.Q6_K: [(208, "f16")], Q.IQ4_XS: [(0, "f16")], Q.IQ4_NL: [(0, "f16")],
+          Q.MXFP4: [(0, "e8m0")]}
+
+
+def _random_blocks(rng, qtype, n_values):
+    """Valid random blocks of the types gguf-py cannot quantize: random bytes with a sane scale."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n_values // block, size), dtype=np.uint8)
+    for offset, kind in _SCALE[qtype]:
+        if kind == "f16":
+            raw[:, offset:offset + 2] = np.frombuffer(
+                rng.uniform(0.001, 0.1, len(raw)).astype(np.float16).tobytes(), np.uint8).reshape(-1, 2)
+        else:
+            raw[:, offset] = rng.integers(115, 135, len(raw))
+    return raw.reshape(-1)
+
+SHAPES = [(1, 256), (7, 512), (33, 256), (129, 2048), (1000, 768)]
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
@@ -17,8 +36,11 @@ SHAPES = [(1, 32), (7, 64), (33, 256), (129, 2048), (1000, 96)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gpu_dequantize_matches_the_reference(qtype, rows, cols, dtype):
     rng = np.random.default_rng(rows * 31 + cols)
-    values = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 10)).astype(np.float32)
-    raw = np.ascontiguousarray(gguf_quants.quantize(values, qtype)).view(np.uint8).reshape(-1)
+    if qtype in _SCALE:
+        raw = _random_blocks(rng, qtype, rows * cols)
+    else:
+        values = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 10)).astype(np.float32)
+        raw = np.ascontiguousarray(gguf_quants.quantize(values, qtype)).view(np.uint8).reshape(-1)
     ne = (cols, rows)
     want = torch.from_numpy(reference(raw, qtype, ne))
     got = dequantize(torch.from_numpy(raw).cuda(), qtype, ne, dtype).float().cpu()

@@ -67,14 +67,85 @@ def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.cons
     tl.store(dst + b.to(tl.int64)[:, None] * 32 + j[None, :], out.to(dst.dtype.element_ty), mask=m2)
 
 
+@triton.jit
+def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                 BLOCKS: tl.constexpr):
+    """Q4_K, Q6_K (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats)."""
+    b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    live = b < n_blocks
+    m2 = live[:, None]
+    base1 = b.to(tl.int64) * BLOCK_BYTES
+    base = base1[:, None]
+    i = tl.arange(0, VALUES)[None, :]
+    if KIND == 0:  # Q4_K: d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks, 128 bytes of nibbles
+        d = _f16_at(src, base1, live)[:, None]
+        dmin = _f16_at(src, base1 + 2, live)[:, None]
+        j = i // 32
+        s_j = tl.load(src + base + 4 + j, mask=m2, other=0).to(tl.int32)
+        s_j4 = tl.load(src + base + 8 + (j % 4), mask=m2, other=0).to(tl.int32)  # scales[j + 4] for j < 4
+        s_hi = tl.load(src + base + 8 + j, mask=m2 & (j >= 4), other=0).to(tl.int32)  # scales[j + 4] for j >= 4
+        s_lo = tl.load(src + base + 4 + (j % 4), mask=m2, other=0).to(tl.int32)  # scales[j - 4] for j >= 4
+        sc = tl.where(j < 4, s_j & 63, (s_hi & 0xF) | ((s_lo >> 6) << 4))
+        mn = tl.where(j < 4, s_j4 & 63, (s_hi >> 4) | ((s_j >> 6) << 4))
+        w = i % 64
+        byte = tl.load(src + base + 16 + (i // 64) * 32 + (w % 32), mask=m2, other=0).to(tl.int32)
+        q = tl.where(w < 32, byte & 0xF, byte >> 4)
+        out = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+    elif KIND == 1:  # Q6_K: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d
+        d = _f16_at(src, base1 + 208, live)[:, None]
+        h = i // 128
+        r = i % 128
+        qq = r // 32
+        ll = r % 32
+        lo = tl.load(src + base + h * 64 + ll + 32 * (qq % 2), mask=m2, other=0).to(tl.int32)
+        lo = tl.where(qq < 2, lo & 0xF, lo >> 4)
+        hi = (tl.load(src + base + 128 + h * 32 + ll, mask=m2, other=0).to(tl.int32) >> (2 * qq)) & 3
+        sc = tl.load(src + base + 192 + h * 8 + ll // 16 + 2 * qq, mask=m2, other=0).to(tl.int8, bitcast=True)
+        out = d * sc.to(tl.float32) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    elif KIND == 2:  # IQ4_XS: d, 16 bits of scale highs, 4 bytes of scale lows, 128 bytes of table indices
+        d = _f16_at(src, base1, live)[:, None]
+        ib = i // 32
+        w = i % 32
+        sh = tl.load(src + base + 2, mask=m2, other=0).to(tl.int32) | (
+            tl.load(src + base + 3, mask=m2, other=0).to(tl.int32) << 8)
+        sl = tl.load(src + base + 4 + ib // 2, mask=m2, other=0).to(tl.int32)
+        ls = ((sl >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)
+        byte = tl.load(src + base + 8 + ib * 16 + (w % 16), mask=m2, other=0).to(tl.int32)
+        idx = tl.where(w < 16, byte & 0xF, byte >> 4)
+        out = d * (ls - 32).to(tl.float32) * tl.load(lut + idx)
+    else:  # IQ4_NL (d) and MXFP4 (E8M0 exponent): 16 bytes of table indices, Q4_0's nibble order
+        if KIND == 3:
+            scale = _f16_at(src, base1, live)[:, None]
+            qs = base + 2
+        else:
+            e = tl.load(src + base, mask=m2, other=0).to(tl.float32)
+            scale = tl.exp2(e - 128.0)  # 2^(e - 127), halved: the table holds doubled e2m1 values
+            qs = base + 1
+        byte = tl.load(src + qs + (i % 16), mask=m2, other=0).to(tl.int32)
+        idx = tl.where(i < 16, byte & 0xF, byte >> 4)
+        out = scale * tl.load(lut + idx)
+    tl.store(dst + b.to(tl.int64)[:, None] * VALUES + i, out.to(dst.dtype.element_ty), mask=m2)
+
+
 _LEGACY = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 3, Q.Q5_1: 4}
-SUPPORTED = tuple(_LEGACY)
+_LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4}
+_IQ4 = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+_E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+_TABLES: dict[tuple, torch.Tensor] = {}
+SUPPORTED = tuple(_LEGACY) + tuple(_LUT_KINDS)
+
+
+def _table(qtype: Q, device) -> torch.Tensor:
+    key = (qtype == Q.MXFP4, str(device))
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(_E2M1_X2 if key[0] else _IQ4, dtype=torch.float32, device=device)
+    return _TABLES[key]
 
 
 def dequantize(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], dtype: torch.dtype = torch.float16,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """raw: the tensor's bytes (uint8, on the GPU); returns (reversed ne) floats of `dtype`, or fills `out`."""
-    if qtype not in _LEGACY:
+    if qtype not in SUPPORTED:
         raise NotImplementedError(f"no GPU dequantization kernel for {qtype.name} yet")
     block, size = GGML_QUANT_SIZES[qtype]
     n = 1
@@ -85,6 +156,12 @@ def dequantize(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], dtype: torch.dt
         raise ValueError(f"{qtype.name} tensor of {n} values needs {n_blocks * size} bytes, got {raw.numel()}")
     if out is None:
         out = torch.empty(tuple(reversed(ne)), dtype=dtype, device=raw.device)
-    grid = (triton.cdiv(n_blocks, _BLOCKS),)
-    _dequant_legacy[grid](raw, out, n_blocks, KIND=_LEGACY[qtype], BLOCK_BYTES=size, BLOCKS=_BLOCKS)
+    if qtype in _LEGACY:
+        grid = (triton.cdiv(n_blocks, _BLOCKS),)
+        _dequant_legacy[grid](raw, out, n_blocks, KIND=_LEGACY[qtype], BLOCK_BYTES=size, BLOCKS=_BLOCKS)
+    else:
+        blocks = _BLOCKS * 32 // block
+        _dequant_lut[(triton.cdiv(n_blocks, blocks),)](raw, out, _table(qtype, raw.device), n_blocks,
+                                                       KIND=_LUT_KINDS[qtype], VALUES=block, BLOCK_BYTES=size,
+                                                       BLOCKS=blocks)
     return out
