@@ -12,7 +12,8 @@ from ferry.ops.cuda.dequant import SUPPORTED, dequantize
 from ferry.quant import dequantize as reference
 
 # where each type keeps its scale: (byte offset, f16 or the E8M0 byte); random bytes elsewhere are valid
-_SCALE = {Q.Q4_K: [(0, "f16"), (2, "f16")], Q.Q6_K: [(208, "f16")], Q.IQ4_XS: [(0, "f16")], Q.IQ4_NL: [(0, "f16")],
+_SCALE = {Q.Q4_K: [(0, "f16"), (2, "f16")], Q.Q5_K: [(0, "f16"), (2, "f16")], Q.Q2_K: [(80, "f16"), (82, "f16")],
+          Q.Q3_K: [(108, "f16")], Q.Q6_K: [(208, "f16")], Q.IQ4_XS: [(0, "f16")], Q.IQ4_NL: [(0, "f16")],
           Q.MXFP4: [(0, "e8m0")]}
 
 

@@ -70,7 +70,7 @@ def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.cons
 @triton.jit
 def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                  BLOCKS: tl.constexpr):
-    """Q4_K, Q6_K (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats)."""
+    """The K-quants (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats)."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     live = b < n_blocks
     m2 = live[:, None]
@@ -91,6 +91,46 @@ def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constex
         byte = tl.load(src + base + 16 + (i // 64) * 32 + (w % 32), mask=m2, other=0).to(tl.int32)
         q = tl.where(w < 32, byte & 0xF, byte >> 4)
         out = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+    elif KIND == 5:  # Q5_K: Q4_K's scales, then 32 bytes of fifth bits (bit j of byte l: sub-block j), nibbles
+        d = _f16_at(src, base1, live)[:, None]
+        dmin = _f16_at(src, base1 + 2, live)[:, None]
+        j = i // 32
+        s_j = tl.load(src + base + 4 + j, mask=m2, other=0).to(tl.int32)
+        s_j4 = tl.load(src + base + 8 + (j % 4), mask=m2, other=0).to(tl.int32)
+        s_hi = tl.load(src + base + 8 + j, mask=m2 & (j >= 4), other=0).to(tl.int32)
+        s_lo = tl.load(src + base + 4 + (j % 4), mask=m2, other=0).to(tl.int32)
+        sc = tl.where(j < 4, s_j & 63, (s_hi & 0xF) | ((s_lo >> 6) << 4))
+        mn = tl.where(j < 4, s_j4 & 63, (s_hi >> 4) | ((s_j >> 6) << 4))
+        w = i % 64
+        byte = tl.load(src + base + 48 + (i // 64) * 32 + (w % 32), mask=m2, other=0).to(tl.int32)
+        high = (tl.load(src + base + 16 + (i % 32), mask=m2, other=0).to(tl.int32) >> j) & 1
+        q = tl.where(w < 32, byte & 0xF, byte >> 4) | (high << 4)
+        out = d * sc.to(tl.float32) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+    elif KIND == 6:  # Q2_K: 16 bytes of 4-bit scale/min pairs, 64 bytes of 2-bit values, d, dmin
+        d = _f16_at(src, base1 + 80, live)[:, None]
+        dmin = _f16_at(src, base1 + 82, live)[:, None]
+        n = i // 128
+        r = i % 128
+        jj = r // 32
+        w = r % 32
+        q = (tl.load(src + base + 16 + n * 32 + w, mask=m2, other=0).to(tl.int32) >> (2 * jj)) & 3
+        sc = tl.load(src + base + n * 8 + jj * 2 + w // 16, mask=m2, other=0).to(tl.int32)
+        out = d * (sc & 0xF).to(tl.float32) * q.to(tl.float32) - dmin * (sc >> 4).to(tl.float32)
+    elif KIND == 7:  # Q3_K: 32 bytes of high-bit masks, 64 bytes of 2-bit values, 12 bytes of 6-bit scales, d
+        d = _f16_at(src, base1 + 108, live)[:, None]
+        n = i // 128
+        r = i % 128
+        jj = r // 32
+        w = r % 32
+        q = (tl.load(src + base + 32 + n * 32 + w, mask=m2, other=0).to(tl.int32) >> (2 * jj)) & 3
+        hm = (tl.load(src + base + w, mask=m2, other=0).to(tl.int32) >> (4 * n + jj)) & 1
+        k = n * 8 + jj * 2 + w // 16  # which of the 16 scales
+        grp = k // 4
+        raw_lo = tl.load(src + base + 96 + tl.where(grp < 2, k, k - 8), mask=m2, other=0).to(tl.int32)
+        low4 = tl.where(grp < 2, raw_lo & 0xF, raw_lo >> 4)
+        high2 = (tl.load(src + base + 104 + (k % 4), mask=m2, other=0).to(tl.int32) >> (2 * grp)) & 3
+        sc = (low4 | (high2 << 4)) - 32
+        out = d * sc.to(tl.float32) * (q - 4 * (1 - hm)).to(tl.float32)
     elif KIND == 1:  # Q6_K: 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d
         d = _f16_at(src, base1 + 208, live)[:, None]
         h = i // 128
@@ -128,7 +168,7 @@ def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constex
 
 
 _LEGACY = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 3, Q.Q5_1: 4}
-_LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4}
+_LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4, Q.Q5_K: 5, Q.Q2_K: 6, Q.Q3_K: 7}
 _IQ4 = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
 _E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 _TABLES: dict[tuple, torch.Tensor] = {}
