@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -281,6 +282,55 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """The memory plan per device, before loading anything; exit 2 with what to change when it does not fit."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from ferry.gguf.file import GGUFFile
+    from ferry.models.base import ModelArgs
+    from ferry.placement import GIB, memory_plan, parse_gpu_memory, parse_overrides
+    from ferry.runtime.kv_cache import kv_type
+
+    f = GGUFFile(_model_path(args))
+    margs = ModelArgs.from_gguf(f)
+    overrides = parse_overrides(args.override_tensor)
+    available = parse_gpu_memory(args.gpu_memory)
+    if not available:
+        try:
+            import torch
+
+            for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+                available[f"CUDA{i}"] = torch.cuda.mem_get_info(i)[0]
+        except Exception:  # no usable CUDA here: plan without GPU sizes
+            pass
+    gpus = sorted(available) or ["CUDA0"]
+    try:
+        with open("/proc/meminfo") as fh:
+            available["CPU"] = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        pass
+    split = [float(x) for x in args.tensor_split.split(",")] if args.tensor_split else None
+    if split and (len(split) != len(gpus) or any(x < 0 for x in split) or sum(split) <= 0):
+        raise FerryError(f"-ts/--tensor-split needs {len(gpus)} non-negative numbers (one per GPU: {', '.join(gpus)})")
+    kv = tuple(GGML_QUANT_SIZES[kv_type(flag, t)][1] / GGML_QUANT_SIZES[kv_type(flag, t)][0]
+               for flag, t in (("-ctk/--cache-type-k", args.cache_type_k), ("-ctv/--cache-type-v", args.cache_type_v)))
+    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,
+                       available, args.ctx_size, args.ubatch_size, kv, split)
+    if args.json:
+        print(json.dumps({"fits": plan.fits, "advice": plan.advice,
+                          "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices]}, indent=1))
+    else:
+        print("| device | weights GiB | KV cache GiB | compute GiB | total GiB | available GiB |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for d in plan.devices:
+            avail = "?" if d.available is None else f"{d.available / GIB:.2f}"
+            print(f"| {d.device} | {d.weights / GIB:.2f} | {d.kv_cache / GIB:.2f} | {d.compute / GIB:.2f} | "
+                  f"{d.total / GIB:.2f} | {avail} |")
+    if not plan.fits:
+        raise FerryError(plan.error())
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from ferry.tools.info import info
 
@@ -385,6 +435,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", help="new result (JSON)")
     p.add_argument("-o", "--output", default="md", help="md or json")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("plan", help="memory per device for -ngl/-ot/-c before loading; says what to change")
+    p.add_argument("-m", "--model", help="GGUF file; default: the embedded Gemma 3 270M")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (999: all)")
+    p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE, repeatable")
+    p.add_argument("-ts", "--tensor-split", help="share of the GPU layers per GPU, e.g. 3,1")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    _add_cache_type_args(p)
+    p.add_argument("--gpu-memory", action="append", default=[],
+                   help="CUDA0=80GiB[,CUDA1=...]: plan for these sizes instead of the free memory reported here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("info", help="architecture, sizes, quant types and placement of a GGUF model")
     p.add_argument("file")

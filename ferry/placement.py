@@ -1,16 +1,22 @@
-"""-ngl / -ot rules -> a device per tensor, with llama.cpp's meaning.
+"""-ngl / -ot rules -> a device per tensor, with llama.cpp's meaning; and the memory plan.
 
--ngl N puts the last N repeating layers on the GPU (the output layer too when N > n_layer);
-the token embedding stays on the CPU. -ot REGEX=DEVICE rules (searched in order, first match wins)
-override that per tensor name.
+-ngl N puts the last N repeating layers on the GPU (the output layer too when N > n_layer), split over
+several GPUs in proportion to -ts/--tensor-split (default: their memory); the token embedding stays on
+the CPU. -ot REGEX=DEVICE rules (searched in order, first match wins) override that per tensor name.
+The memory plan adds up, per device and before anything is loaded, the weights placed there, the KV
+cache of the layers placed there and an estimate of the compute buffer, and says what to change when
+something does not fit.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ferry.errors import FerryError
+
+GIB = 2 ** 30
+_SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 _DEVICE_RE = re.compile(r"^(CPU|CUDA\d+)$")
@@ -40,17 +46,128 @@ def parse_overrides(specs: list[str]) -> list[Override]:
     return rules
 
 
-def place(name: str, n_layer: int, n_gpu_layers: int, overrides: list[Override]) -> str:
-    """The device a tensor lives on."""
+def layer_devices(n_layer: int, n_gpu_layers: int, gpus: list[str], split: list[float] | None = None) -> list[str]:
+    """The device of each layer 0..n_layer (n_layer: the output layer): the last n_gpu_layers on the GPUs,
+    in consecutive runs sized in proportion to `split` (llama.cpp's -ts; equal when absent)."""
+    first = max(n_layer + 1 - n_gpu_layers, 0) if n_gpu_layers > 0 and gpus else n_layer + 1
+    devices = ["CPU"] * (n_layer + 1)
+    n_gpu = n_layer + 1 - first
+    weights = split or [1.0] * len(gpus)
+    total = sum(weights)
+    bounds, acc = [], 0.0
+    for w in weights:
+        acc += w
+        bounds.append(round(n_gpu * acc / total))
+    for k in range(n_gpu):
+        devices[first + k] = gpus[next(g for g, b in enumerate(bounds) if k < b)]
+    return devices
+
+
+def place(name: str, n_layer: int, n_gpu_layers: int, overrides: list[Override],
+          layers: list[str] | None = None) -> str:
+    """The device a tensor lives on (`layers`: layer_devices(...); one GPU, CUDA0, when absent)."""
     for rule in overrides:
         if rule.pattern.search(name):
             return rule.device
-    first_gpu_layer = max(n_layer + 1 - n_gpu_layers, 0) if n_gpu_layers > 0 else n_layer + 1
+    layers = layers or layer_devices(n_layer, n_gpu_layers, ["CUDA0"])
     m = _LAYER_RE.match(name)
     if m:
-        layer = int(m.group(1))
-    elif name.startswith(("output", "output_norm")):
-        layer = n_layer
-    else:
-        return "CPU"  # token_embd and other input tensors
-    return "CUDA0" if layer >= first_gpu_layer else "CPU"
+        return layers[int(m.group(1))]
+    if name.startswith(("output", "output_norm")):
+        return layers[n_layer]
+    return "CPU"  # token_embd and other input tensors
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '512 MiB', '1.5G' -> bytes."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise FerryError(f"'{text}' is not a size like 80GiB or 512MiB")
+    return int(float(m.group(1)) * 1024 ** "BKMGT".index((m.group(2) or "B").upper()))
+
+
+def parse_gpu_memory(specs: list[str]) -> dict[str, int]:
+    """--gpu-memory CUDA0=80GiB[,CUDA1=...]: the memory to plan for, instead of what the GPUs report free."""
+    out = {}
+    for spec in specs:
+        for item in filter(None, spec.split(",")):
+            device, sep, size = item.partition("=")
+            device = device.strip().upper()
+            if not sep or not re.fullmatch(r"CUDA\d+", device):
+                raise FerryError(f"--gpu-memory '{item}' is not CUDAn=SIZE; example: --gpu-memory CUDA0=80GiB")
+            out[device] = parse_size(size)
+    return out
+
+
+@dataclass
+class DeviceNeed:
+    device: str
+    weights: int = 0
+    kv_cache: int = 0
+    compute: int = 0
+    available: int | None = None  # None: not known (no such GPU here and none given)
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.compute
+
+    @property
+    def over(self) -> int:
+        return 0 if self.available is None else max(0, self.total - self.available)
+
+
+@dataclass
+class MemoryPlan:
+    devices: list[DeviceNeed] = field(default_factory=list)
+    advice: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return all(d.over == 0 for d in self.devices)
+
+    def error(self) -> str:
+        bad = [d for d in self.devices if d.over]
+        parts = [f"{d.device} needs {d.total / GIB:.2f} GiB (weights {d.weights / GIB:.2f}, KV cache "
+                 f"{d.kv_cache / GIB:.2f}, compute {d.compute / GIB:.2f}) of {d.available / GIB:.2f} GiB, "
+                 f"{d.over / GIB:.2f} GiB over" for d in bad]
+        return "the model does not fit: " + "; ".join(parts) + (f"; {self.advice}" if self.advice else "")
+
+
+def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
+                available: dict[str, int], n_ctx: int, n_ubatch: int, kv_bytes_per_value: tuple[float, float] = (2, 2),
+                split: list[float] | None = None, advise: bool = True) -> MemoryPlan:
+    """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
+    weights; the compute estimate is a u-batch of float32 activations through the widest layer and the
+    logits. `available`: free bytes per device (CPU: RAM)."""
+    layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
+    needs: dict[str, DeviceNeed] = {}
+
+    def need(device: str) -> DeviceNeed:
+        return needs.setdefault(device, DeviceNeed(device, available=available.get(device)))
+
+    for name, size in tensors.items():
+        need(place(name, args.n_layer, n_gpu_layers, overrides, layers)).weights += size
+    kb, vb = kv_bytes_per_value
+    per_layer = int(n_ctx * args.n_head_kv * (args.head_dim_k * kb + args.head_dim_v * vb))
+    for i in range(args.n_layer):
+        need(place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides, layers)).kv_cache += per_layer
+    width = max(args.n_ff, args.n_ff_exp * max(args.n_expert_used, 1), args.n_head * args.head_dim_k)
+    activations = 4 * n_ubatch * (4 * args.n_embd + 3 * width)
+    for d in {place(f"blk.{i}.ffn_up.weight", args.n_layer, n_gpu_layers, overrides, layers) for i in range(args.n_layer)}:
+        need(d).compute += activations
+    need(place("output.weight", args.n_layer, n_gpu_layers, overrides, layers)).compute += 4 * n_ubatch * args.n_vocab
+    plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
+    if advise and not plan.fits:
+        plan.advice = _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch,
+                              kv_bytes_per_value, split)
+    return plan
+
+
+def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split) -> str:
+    gpu_over = any(d.over for d in plan.devices if d.device != "CPU")
+    if gpu_over:
+        for ngl in range(min(n_gpu_layers, args.n_layer + 1) - 1, -1, -1):
+            if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False).fits:
+                return f"-ngl {ngl} fits; or keep the experts in RAM with -ot exps=CPU, or lower -c/--ctx-size"
+        return "no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size or use a smaller quant type"
+    return "not enough RAM: put more layers on the GPU (-ngl), lower -c/--ctx-size or use a smaller quant type"

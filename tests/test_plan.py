@@ -1,0 +1,65 @@
+"""Placement over several GPUs and the memory plan: what goes where, what does not fit, and what to change."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ferry.gguf.file import GGUFFile
+from ferry.models.base import ModelArgs
+from ferry.placement import layer_devices, memory_plan, parse_size
+
+
+def test_layers_split_over_gpus_in_proportion():
+    # 4 layers + output; -ngl 999: all five on GPUs, equal split 3/2 (rounded), 3:1 split 4/1
+    assert layer_devices(4, 999, ["CUDA0", "CUDA1"]) == ["CUDA0", "CUDA0", "CUDA1", "CUDA1", "CUDA1"]
+    assert layer_devices(4, 999, ["CUDA0", "CUDA1"], [3, 1]) == ["CUDA0"] * 4 + ["CUDA1"]
+    # -ngl 2: the last two (layer 3 and the output) go to the GPU, the rest stays on the CPU
+    assert layer_devices(4, 2, ["CUDA0"]) == ["CPU", "CPU", "CPU", "CUDA0", "CUDA0"]
+    assert layer_devices(4, 0, ["CUDA0"]) == ["CPU"] * 5
+
+
+def test_sizes_parse():
+    assert parse_size("80GiB") == 80 * 2**30 and parse_size("512 MiB") == 512 * 2**20 and parse_size("1.5G") == 3 * 2**29
+
+
+def _plan(tiny, ngl, available, ot=(), n_ctx=4096, kv=(2, 2)):
+    from ferry.placement import parse_overrides
+
+    f = GGUFFile(tiny)
+    sizes = {t.name: t.nbytes for t in f.tensors.values()}
+    return memory_plan(sizes, ModelArgs.from_gguf(f), ngl, parse_overrides(list(ot)), ["CUDA0"], available, n_ctx, 512, kv)
+
+
+def test_the_plan_counts_every_byte_and_advises_an_ngl_that_fits(tiny):
+    f = GGUFFile(tiny)
+    whole = _plan(tiny, 999, {})
+    assert sum(d.weights for d in whole.devices) == sum(t.nbytes for t in f.tensors.values())
+    gpu = next(d for d in whole.devices if d.device == "CUDA0")
+    small = _plan(tiny, 999, {"CUDA0": gpu.total // 2})
+    assert not small.fits and "CUDA0 needs" in small.error()
+    ngl = int(re.search(r"-ngl (\d+) fits", small.advice).group(1))
+    assert _plan(tiny, ngl, {"CUDA0": gpu.total // 2}).fits and not _plan(tiny, ngl + 1, {"CUDA0": gpu.total // 2}).fits
+
+
+def test_experts_kept_in_ram_and_a_q8_cache_shrink_the_gpu_share(tiny):
+    gpu = lambda p: next(d for d in p.devices if d.device == "CUDA0")  # noqa: E731
+    all_gpu, exps_cpu = gpu(_plan(tiny, 999, {})), gpu(_plan(tiny, 999, {}, ot=["exps=CPU"]))
+    assert exps_cpu.weights < all_gpu.weights / 2
+    q8 = gpu(_plan(tiny, 999, {}, kv=(34 / 32, 34 / 32)))
+    assert q8.kv_cache == pytest.approx(all_gpu.kv_cache * 34 / 64, rel=1e-6)
+
+
+def test_plan_command_prints_the_table_and_fails_with_advice(tiny):
+    def plan(*args):
+        return subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(tiny), *args], capture_output=True, text=True)
+
+    ok = plan("-ngl", "999", "--gpu-memory", "CUDA0=64GiB", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["fits"]
+    bad = plan("-ngl", "999", "--gpu-memory", "CUDA0=1MiB")
+    assert bad.returncode == 2 and "| CUDA0 |" in bad.stdout
+    assert len(bad.stderr.strip().splitlines()) == 1 and "does not fit" in bad.stderr and "-ot exps=CPU" in bad.stderr
+    wrong = plan("--gpu-memory", "GPU0=8GiB")
+    assert wrong.returncode == 2 and "is not CUDAn=SIZE" in wrong.stderr
