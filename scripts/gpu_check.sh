@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# One call on a GPU machine (the device tool): install what is missing from the carried .whl folder, run the
-# GPU tests (tests_gpu/: kernels against the reference), and print a short summary.
-#   carry .whl (gguf wheel); results in $OUT (default ./out)
+# One call on a GPU machine (the device tool): install what is missing from the carried .whl folder (gguf;
+# ggml-python built on the carried llama.cpp tree's ggml, for the CPU results the GPU is checked against),
+# run the GPU tests (tests_gpu/: kernels against the reference dequantizer, the GPU forward against the CPU
+# one), and print a short summary.
+#   carry .whl (gguf wheel, ggml-python sdist, llama.cpp-src.tar.gz); results in $OUT (default ./out)
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/gguf-*.whl
+export FERRY_CACHE=/tmp/ferry-cache
+python3 -c "import ggml" 2>/dev/null || python3 benchmarks/llamacpp.py ggml-python .whl/ggml_python-*.tar.gz \
+    .whl/llama.cpp-src.tar.gz > "$OUT/ggml_python_build.log" 2>&1 || { tail -20 "$OUT/ggml_python_build.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q tests_gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.txt" | tail -15
+python3 -m pytest -q -s tests_gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.txt" | tail -15

@@ -327,6 +327,10 @@ class CpuBackend:
             out = ggml.ggml_cont(c, out)
         return out, ids
 
+    def vector(self, t: torch.Tensor) -> torch.Tensor:
+        """A small float model tensor where this backend computes: already there."""
+        return t
+
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """y = x @ W.T for x (n, k) float32 and W (m, k) in any ggml type."""
         x = x.contiguous().float()

@@ -29,18 +29,18 @@ class TorchOps:
         return a + b
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
+        return rms_norm(x, self.backend.vector(weight), eps)
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = self.backend.linear(x, w)
-        return y if bias is None else y + bias
+        return y if bias is None else y + self.backend.vector(bias)
 
     def heads(self, x: torch.Tensor, n_head: int, head_dim: int) -> torch.Tensor:
         return x.view(x.shape[0], n_head, head_dim)
 
     def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         cos, sin = self.batch.rope_angles(rope)
-        return rope(x, cos, sin)
+        return rope(x, cos.to(x.device), sin.to(x.device))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   window: int) -> torch.Tensor:
@@ -51,7 +51,7 @@ class TorchOps:
         keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=self.batch.mask(window), scale=scale, enable_gqa=n_head != k.shape[1])
+            attn_mask=self.batch.mask(window).to(q.device), scale=scale, enable_gqa=n_head != k.shape[1])
         return out.transpose(0, 1).reshape(n, -1)
 
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:

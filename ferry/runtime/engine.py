@@ -63,8 +63,10 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
-        self.kv = KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim_k, a.head_dim_v, type_k, type_v)
-        self.executor = CpuGraphExecutor(backend) if graph else EagerExecutor(backend)
+        gpu = getattr(backend, "name", "") == "CUDA"  # the GPU backend runs op by op (TorchOps) so far
+        self.kv = KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim_k, a.head_dim_v, type_k, type_v,
+                          str(backend.device) if gpu else None)
+        self.executor = CpuGraphExecutor(backend) if graph and not gpu else EagerExecutor(backend)
         self.n_past = 0
         self.experts_hit: list[list[int]] = []
 

@@ -28,7 +28,7 @@ class KVCache:
     """Layer i's keys are `k[i]`: (n_ctx, row_bytes) uint8, one row per position holding every KV head."""
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                 type_k: str = "f16", type_v: str = "f16"):
+                 type_k: str = "f16", type_v: str = "f16", device: str | None = None):
         self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
         for flag, qtype, dim in (("-ctk", self.type_k, head_dim_k), ("-ctv", self.type_v, head_dim_v)):
             block = GGML_QUANT_SIZES[qtype][0]
@@ -37,18 +37,27 @@ class KVCache:
                                  f"this model's is {dim}; use -ctk/-ctv f16")
         self.n_ctx, self.n_head_kv, self.head_dim_k, self.head_dim_v = n_ctx, n_head_kv, head_dim_k, head_dim_v
         kb, vb = row_bytes(self.type_k, n_head_kv * head_dim_k), row_bytes(self.type_v, n_head_kv * head_dim_v)
-        self.k = [np.zeros((n_ctx, kb), dtype=np.uint8) for _ in range(n_layer)]
-        self.v = [np.zeros((n_ctx, vb), dtype=np.uint8) for _ in range(n_layer)]
+        self.device = device
+        if device is None:  # host memory: ggml's graphs read it by address
+            self.k = [np.zeros((n_ctx, kb), dtype=np.uint8) for _ in range(n_layer)]
+            self.v = [np.zeros((n_ctx, vb), dtype=np.uint8) for _ in range(n_layer)]
+        else:  # a GPU: float types, read by torch
+            for flag, qtype in (("-ctk", self.type_k), ("-ctv", self.type_v)):
+                if qtype not in TORCH_TYPES:
+                    raise FerryError(f"{flag} {qtype.name.lower()}: the GPU path keeps f16, bf16 or f32 caches so far")
+            self.k = [torch.zeros(n_ctx, kb, dtype=torch.uint8, device=device) for _ in range(n_layer)]
+            self.v = [torch.zeros(n_ctx, vb, dtype=torch.uint8, device=device) for _ in range(n_layer)]
 
     @property
     def n_bytes(self) -> int:
-        return sum(a.nbytes for a in self.k + self.v)
+        return sum(a.nbytes if isinstance(a, np.ndarray) else a.numel() for a in self.k + self.v)
 
     def _float_view(self, rows: np.ndarray, qtype: Q, dim: int) -> torch.Tensor:
         if qtype not in TORCH_TYPES:
             raise FerryError(f"a {qtype.name.lower()} KV cache is only read by the CPU graph path so far; "
                              "use -ctk/-ctv f16 here")
-        return torch.from_numpy(rows).view(TORCH_TYPES[qtype]).view(self.n_ctx, self.n_head_kv, dim)
+        rows = torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
+        return rows.view(TORCH_TYPES[qtype]).view(self.n_ctx, self.n_head_kv, dim)
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (n, n_head_kv, dim) at `start`; return all keys and values up to there, as float32."""
