@@ -62,18 +62,49 @@ def _add_cache_type_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type of values (same choices)")
 
 
+def _check_gpu_layers(n_layer: int, n_gpu_layers: int) -> None:
+    """-ngl is 0 or covers every layer (the GPU backend runs whole models so far), and there is a GPU."""
+    import torch
+
+    if 0 < n_gpu_layers <= n_layer:
+        raise FerryError(f"-ngl {n_gpu_layers}: layers split between CPU and GPU come with the hybrid runtime; "
+                         f"use -ngl 0 (CPU) or -ngl {n_layer + 1} or more (all on the GPU)")
+    if n_gpu_layers > 0 and not torch.cuda.is_available():
+        raise FerryError(f"-ngl {n_gpu_layers} needs a CUDA GPU and torch sees none; use -ngl 0")
+
+
+def _gpu_backend(f, model, n_gpu_layers: int):
+    """All layers on one GPU (-ngl >= layers + 1): the GPU backend, after the memory plan says it fits."""
+    import torch
+
+    from ferry.ops.cuda.backend import CudaBackend
+    from ferry.placement import memory_plan
+
+    _check_gpu_layers(model.args.n_layer, n_gpu_layers)
+    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, model.args, n_gpu_layers, [], ["CUDA0"],
+                       {"CUDA0": torch.cuda.mem_get_info(0)[0]}, 4096, 512)
+    if not plan.fits:
+        raise FerryError(plan.error())
+    return CudaBackend("cuda:0")
+
+
 def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True,
-               quiet: bool = False):
-    """Open, validate, build, and repack the CPU weights: returns (file, backend, model, load seconds).
-    A progress bar shows the repack on a terminal unless quiet."""
+               quiet: bool = False, n_gpu_layers: int = 0):
+    """Open, validate, build, and repack the CPU weights (or, with -ngl over every layer, put them on the GPU):
+    returns (file, backend, model, load seconds). A progress bar shows the repack on a terminal unless quiet."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
     from ferry.ops.cpu import CpuBackend
 
     t0 = time.perf_counter()
     f = GGUFFile(path)
-    backend = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch, fused_moe=fused_moe)
     model = load_model(f)
+    if n_gpu_layers > 0:
+        backend = _gpu_backend(f, model, n_gpu_layers)
+        for w in model.weights():
+            backend.upload(w)
+        return f, backend, model, time.perf_counter() - t0
+    backend = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch, fused_moe=fused_moe)
     if repack:
         t1 = time.perf_counter()
         if quiet or not sys.stderr.isatty():
@@ -99,7 +130,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
     f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
-                                      args.quiet)
+                                      args.quiet, args.n_gpu_layers)
     tok = Tokenizer(f)
     engine = Engine(model, backend, args.ctx_size, args.batch_size, args.ubatch_size, args.cache_type_k, args.cache_type_v)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -118,10 +149,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     gen.timings.load_ms = load_ms
     if not args.quiet:
-        print(f"ferry: model {f.path.name} ({model.args.arch}), {backend.n_threads} threads "
-              f"({backend.n_threads_batch} for batches), seed {sampler.seed}, "
+        where = (f"{backend.n_threads} threads ({backend.n_threads_batch} for batches)" if backend.name == "CPU"
+                 else f"all layers on {backend.device}")
+        print(f"ferry: model {f.path.name} ({model.args.arch}), {where}, seed {sampler.seed}, "
               f"stopped by {gen.stopped_by}", file=sys.stderr)
-        if backend.repacked_bytes:
+        if getattr(backend, "repacked_bytes", 0):
             print(f"ferry: repacked {backend.repacked_bytes / 2**20:.0f} MiB of weights into ggml's interleaved CPU "
                   f"layout in {backend.repack_seconds:.2f} s at load (--no-repack skips this)", file=sys.stderr)
         if gen.experts_hit:
@@ -138,18 +170,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     lists = {flag: bench.parse_int_list(flag, v) for flag, v in
              (("-p", args.n_prompt), ("-n", args.n_gen), ("-b", args.batch_size), ("-ub", args.ubatch_size), ("-t", args.threads),
               ("-d", args.n_depth), ("-ngl", args.n_gpu_layers), ("-fa", args.flash_attn))}
-    if any(v != 0 for v in lists["-ngl"]) or args.override_tensor:
-        raise FerryError("-ngl/-ot: this ferry has no GPU backend yet, so every tensor stays on the CPU; use -ngl 0")
+    if args.override_tensor:
+        raise FerryError("-ot: per-tensor placement comes with the hybrid runtime; use -ngl 0 or -ngl 999")
     if any(v != 1 for v in lists["-fa"]):
         raise FerryError("-fa 0: ferry's CPU path always uses flash attention; leave -fa out or pass -fa 1")
     pairs = bench.parse_pairs("-pg", args.pg)
     models = [Path(m) for m in args.model] if args.model else [default_model()]
+    if any(lists["-ngl"]):
+        from ferry.gguf.file import GGUFFile
+        from ferry.models.base import ModelArgs
+
+        for m in models:
+            n_layer = ModelArgs.from_gguf(GGUFFile(m)).n_layer
+            for ngl in lists["-ngl"]:
+                _check_gpu_layers(n_layer, ngl)
     if args.output == "md":  # rows appear as they are measured, like llama-bench
         print(bench.md_header(), flush=True)
     rows = bench.run_bench(models, lists["-p"], lists["-n"], lists["-b"], lists["-ub"], lists["-t"], args.repetitions,
                            args.repack, args.cache_type_k, args.cache_type_v, args.fused_moe,
                            on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None,
-                           pg=pairs, depths=lists["-d"])
+                           pg=pairs, depths=lists["-d"], n_gpu_layers=lists["-ngl"])
     if args.output != "md":
         print(bench.render(rows, args.output))
     return 0
@@ -362,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", dest="prompt_opt", help="prompt text (same as the positional argument)")
     _add_model_args(p)
     _add_context_args(p)
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU: 0, or all (999)")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until end of generation)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
     p.add_argument("--top-k", type=int, default=40)
@@ -382,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-pg", action="append", default=[], help="PP,TG: a prompt then a generation in one timed run")
     p.add_argument("-d", "--n-depth", default="0", help="tokens in the cache before each test")
     p.add_argument("-t", "--threads", default="0", help="thread counts (0: the physical core count)")
-    p.add_argument("-ngl", "--n-gpu-layers", default="0", help="layers on the GPU (no GPU backend yet: 0)")
+    p.add_argument("-ngl", "--n-gpu-layers", default="0", help="layers on the GPU: 0, or all (999)")
     p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE (no GPU backend yet)")
     p.add_argument("-fa", "--flash-attn", default="1", help="flash attention (the CPU path always uses it: 1)")
     p.add_argument("-r", "--repetitions", type=int, default=5)

@@ -62,7 +62,8 @@ def test_prompt_plus_generation_and_depth_rows(tiny):
 
 @pytest.mark.parametrize("args,message", [
     (["-fa", "0"], "always uses flash attention"),
-    (["-ngl", "99"], "no GPU backend yet"),
+    (["-ngl", "2"], "layers split between CPU and GPU come with the hybrid runtime"),
+    (["-ot", "exps=CPU"], "per-tensor placement comes with the hybrid runtime"),
     (["-pg", "512"], "is not a pair like 512,128"),
 ])
 def test_bench_flags_it_cannot_honour_are_errors_before_any_output(tiny, args, message):
