@@ -15,6 +15,7 @@ from ferry.quant import Q
 
 _ACT = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}
 _FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+_GATHER_MAX = 64  # (token, expert) pairs up to which the MoE gathers experts instead of looping over them
 
 
 class CudaBackend:
@@ -85,9 +86,27 @@ class CudaBackend:
         if norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         out = torch.zeros(x.shape[0], down.ne[1], dtype=self.dtype, device=self.device)
+        if x.shape[0] * n_used <= _GATHER_MAX:
+            return self._moe_gathered(x, ids, weights, up, gate, down, act, out), ids.to(torch.int32)
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             xe = x[tok].to(self.dtype)
             h = _ACT[act](xe @ self._expert(gate, e).T) * (xe @ self._expert(up, e).T)
             out.index_add_(0, tok, (h @ self._expert(down, e).T) * weights[tok, slot, None].to(self.dtype))
         return out, ids.to(torch.int32)
+
+    def _moe_gathered(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str, out: torch.Tensor):
+        """Few (token, expert) pairs (generation): gather each pair's expert bytes on the GPU and run batched
+        matmuls, with no host round trip to learn which experts were chosen."""
+        flat = ids.flatten()
+        tok = torch.arange(x.shape[0], device=self.device).repeat_interleave(ids.shape[1])
+        xe = x[tok].to(self.dtype)[:, None, :]  # (pairs, 1, n_embd)
+
+        def experts(w: Weight) -> torch.Tensor:  # (pairs, rows, cols) in the scratch: use before the next call
+            raw = self.upload(w).view(w.ne[2], -1)[flat]
+            return self._expand(w.qtype, raw.reshape(-1), (w.ne[0], w.ne[1], len(flat)))
+
+        g = torch.bmm(xe, experts(gate).transpose(1, 2))
+        h = _ACT[act](g) * torch.bmm(xe, experts(up).transpose(1, 2))
+        y = torch.bmm(h, experts(down).transpose(1, 2))[:, 0, :]  # (pairs, n_embd)
+        return out.index_add_(0, tok, y * weights.flatten()[:, None].to(self.dtype))
