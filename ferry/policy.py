@@ -1,0 +1,105 @@
+"""Offload decisions for ops whose weights live in CPU RAM: compute there, or ferry the weights over PCIe and
+compute on the GPU. Ops have names, never integer ids. Three ways to decide:
+- `auto` (default): predict both times from this machine's calibration and take the faster;
+- `threshold`: llama.cpp's rule, offload when the batch has at least `min_batch` tokens (for MoE experts,
+  min_batch * n_expert / n_expert_used);
+- per-op overrides, `mul_mat_id=on,moe_down=off` or `all=off`, on top of either.
+The decision is a pure function of the calibration and the op's shape, so it is tested with made-up machines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ferry.errors import FerryError
+
+# a dense matmul on a CPU weight; the routed experts (both halves, unless one is named); their two halves
+OPS = ("mul_mat", "mul_mat_id", "moe_up_gate", "moe_down")
+MODES = ("auto", "threshold")
+SETTINGS = ("on", "off", "auto")
+DEFAULT_MIN_BATCH = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What this machine does, measured by `ferry calibrate`: bytes/s and FLOP/s per side, copy latency."""
+
+    h2d_bytes_per_s: float
+    h2d_latency_s: float
+    cpu_bytes_per_s: float  # reading quantized weights (GEMV bound)
+    cpu_flops: float  # dense matmul throughput (large batches)
+    gpu_bytes_per_s: float
+    gpu_flops: float
+
+
+@dataclass
+class Policy:
+    mode: str = "auto"
+    overrides: dict[str, str] = field(default_factory=dict)
+    min_batch: int = DEFAULT_MIN_BATCH
+
+    def setting(self, op: str) -> str:
+        """on / off / auto for an op: its own override, then its family's (mul_mat_id for the MoE halves), then all."""
+        for name in (op, "mul_mat_id" if op.startswith("moe_") else None, "all"):
+            if name and name in self.overrides:
+                return self.overrides[name]
+        return "auto"
+
+
+def parse_policy(text: str, min_batch: int = DEFAULT_MIN_BATCH) -> Policy:
+    """--offload-policy: 'auto', 'threshold', or comma-separated NAME=on|off|auto items (optionally after a mode)."""
+    if min_batch < 1:
+        raise FerryError(f"--offload-min-batch must be at least 1, got {min_batch}")
+    policy = Policy(min_batch=min_batch)
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        if item in MODES:
+            policy.mode = item
+            continue
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise FerryError(f"--offload-policy: '{item}' is neither a mode ({', '.join(MODES)}) nor NAME=on|off|auto")
+        if name not in OPS and name != "all":
+            raise FerryError(f"--offload-policy: unknown op '{name}'; valid names: all, {', '.join(OPS)}")
+        if value not in SETTINGS:
+            raise FerryError(f"--offload-policy: '{item}' must set on, off or auto")
+        policy.overrides[name] = value
+    return policy
+
+
+def experts_hit(n_tokens: int, n_expert: int, n_expert_used: int) -> float:
+    """Expected distinct experts a batch routes to, if each token picks k of E uniformly."""
+    return n_expert * (1.0 - (1.0 - n_expert_used / n_expert) ** n_tokens)
+
+
+@dataclass(frozen=True)
+class Decision:
+    op: str
+    device: str  # "CPU" or "GPU"
+    cpu_s: float  # predicted time on the CPU
+    gpu_s: float  # predicted time on the GPU, copy included
+    why: str
+
+
+def decide(op: str, n_tokens: int, rows: int, cols: int, bytes_per_weight: float, calib: Calibration,
+           policy: Policy, n_expert: int = 0, n_expert_used: int = 0) -> Decision:
+    """Where one op on a CPU-resident weight runs for a batch of n_tokens. For experts (n_expert > 0) the
+    matrix is one expert's (rows x cols); the copy moves the experts the batch is expected to hit."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op}")
+    moe = n_expert > 0
+    n_matrices = experts_hit(n_tokens, n_expert, n_expert_used) if moe else 1.0
+    weight_bytes = rows * cols * bytes_per_weight * n_matrices
+    flops = 2.0 * rows * cols * n_tokens * (n_expert_used if moe else 1)
+    cpu_s = max(weight_bytes / calib.cpu_bytes_per_s, flops / calib.cpu_flops)
+    copy_s = calib.h2d_latency_s * n_matrices + weight_bytes / calib.h2d_bytes_per_s
+    gpu_s = copy_s + max(weight_bytes / calib.gpu_bytes_per_s, flops / calib.gpu_flops)
+    setting = policy.setting(op)
+    if setting != "auto":
+        return Decision(op, "GPU" if setting == "on" else "CPU", cpu_s, gpu_s, f"{op}={setting} (override)")
+    if policy.mode == "threshold":
+        need = policy.min_batch * (n_expert / n_expert_used if moe else 1)
+        device = "GPU" if n_tokens >= need else "CPU"
+        return Decision(op, device, cpu_s, gpu_s, f"threshold: batch {n_tokens} {'>=' if device == 'GPU' else '<'} {need:g}")
+    device = "GPU" if gpu_s < cpu_s else "CPU"
+    return Decision(op, device, cpu_s, gpu_s, f"auto: predicted CPU {1e3 * cpu_s:.3f} ms, GPU {1e3 * gpu_s:.3f} ms "
+                                              f"(copy {1e3 * copy_s:.3f} ms)")
