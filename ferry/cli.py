@@ -313,6 +313,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ferry import calibrate
+
+    if not args.quiet:
+        print("ferry: measuring this machine (CPU GEMV and matmul through ggml; pinned PCIe copies and the GPU "
+              "where one is visible) ...", file=sys.stderr)
+    result = calibrate.calibrate(args.threads, args.quick)
+    path = Path(args.out) if args.out else calibrate.default_path()
+    calibrate.save(result, path)
+    print(json.dumps(result, indent=1) if args.json else calibrate.table(result))
+    if not args.quiet:
+        print(f"ferry: saved to {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from ferry.tools import compare
 
@@ -470,6 +485,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("-a", "--alias", help="model name in the API (default: the file name)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("calibrate", help="measure this machine for the offload policy and store the result")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: physical cores)")
+    p.add_argument("--quick", action="store_true", help="small sizes: seconds, less exact")
+    p.add_argument("--out", help="where to store it (default: ~/.cache/ferry/calibration-HOST.json)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("compare", help="is B faster than A? two `ferry bench -o json` results, row by row")
     p.add_argument("a", help="baseline result (JSON)")

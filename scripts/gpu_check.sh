@@ -14,6 +14,8 @@ python3 -c "import ggml" 2>/dev/null || python3 benchmarks/llamacpp.py ggml-pyth
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pytest -q -s tests_gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.txt" | tail -15
+# this machine, as the offload policy sees it
+python3 -m ferry calibrate -t 16 --out "$OUT/calibration.json" -q | tee "$OUT/calibration.md"
 # benchmarks: the all-GPU path (eager, float32 scratch: the first form) on the synthetic mid model
 python3 -m ferry synth qwen3-moe-mid -o /tmp/mid.gguf -q
 python3 -m ferry bench -m /tmp/mid.gguf -ngl 999 -p 512 -n 64 -r 3 | tee "$OUT/bench_gpu_mid.md"
