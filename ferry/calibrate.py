@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -90,14 +89,11 @@ def calibrate(threads: int, quick: bool = False) -> dict:
 
 
 def save(result: dict, path: Path) -> None:
+    from ferry.tools.files import atomic_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
+    with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise FerryError(f"cannot write {path}: {e.strerror}") from None
 
 
 def load(path: Path) -> Calibration | None:

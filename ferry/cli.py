@@ -222,22 +222,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             meta = {"model": path.name, "n_ctx": args.ctx_size, "n_ubatch": args.ubatch_size,
                     "n_threads": backend.n_threads, "n_threads_batch": backend.n_threads_batch,
                     "type_k": args.cache_type_k, "type_v": args.cache_type_v, "repack": args.repack}
-            _write_atomic(Path(args.json), sweep.to_json(rows, meta))
+            from ferry.tools.files import atomic_file
+
+            with atomic_file(Path(args.json)) as tmp:
+                tmp.write_text(sweep.to_json(rows, meta))
         runs.insert(0, (path.stem, rows))
     if args.plot:
         sweep.plot(runs, Path(args.plot))
     return 0
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write a whole file or none (a temporary beside it, renamed)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise FerryError(f"cannot write {path}: {e.strerror}") from None
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
@@ -367,8 +359,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     split = [float(x) for x in args.tensor_split.split(",")] if args.tensor_split else None
     if split and (len(split) != len(gpus) or any(x < 0 for x in split) or sum(split) <= 0):
         raise FerryError(f"-ts/--tensor-split needs {len(gpus)} non-negative numbers (one per GPU: {', '.join(gpus)})")
-    kv = tuple(GGML_QUANT_SIZES[kv_type(flag, t)][1] / GGML_QUANT_SIZES[kv_type(flag, t)][0]
-               for flag, t in (("-ctk/--cache-type-k", args.cache_type_k), ("-ctv/--cache-type-v", args.cache_type_v)))
+    blocks = [GGML_QUANT_SIZES[kv_type(flag, t)]
+              for flag, t in (("-ctk/--cache-type-k", args.cache_type_k), ("-ctv/--cache-type-v", args.cache_type_v))]
+    kv = tuple(size / block for block, size in blocks)  # bytes per cached value
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,
                        available, args.ctx_size, args.ubatch_size, kv, split)
     if args.json:

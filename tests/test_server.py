@@ -1,7 +1,6 @@
 """ferry serve through the official openai client: streamed and not, 16 clients at once, a disconnect mid-stream,
 and bad requests (malformed JSON, unknown model, too-long prompt, wrong key) that get 4xx while the server serves on."""
 
-import argparse
 import concurrent.futures
 import socket
 import threading

@@ -226,8 +226,8 @@ class CpuBackend:
         allocator leaves tensors that have an address alone, and another graph may have grown (moved) the
         buffer since: so a graph placed before is cleared first and placed afresh."""
         if self.allocated is not g:
-            views = {ctypes.addressof(v.contents) for v, _, _ in g.input_views}
             if g.placed is None:
+                views = {ctypes.addressof(v.contents) for v, _, _ in g.input_views}
                 nodes = (ggml.ggml_graph_node(g.graph, i) for i in range(ggml.ggml_graph_n_nodes(g.graph)))
                 g.placed = [t for t in nodes if not t.contents.data and ctypes.addressof(t.contents) not in views]
             else:
@@ -349,7 +349,6 @@ class CpuBackend:
         """The dense gated FFN down(act(gate x) * up x) as one graph: x (n, n_embd) float32."""
         x = x.contiguous().float()
         n, n_embd = x.shape
-        n_ff = up.ne[1]
 
         def build() -> _Graph:
             g = _Graph(self, n)

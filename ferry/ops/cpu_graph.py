@@ -35,6 +35,7 @@ class GraphOps:
         self.masks: dict[int, object] = {}  # sliding window (0: none) -> its mask input, in creation order
         self.cache_views: list = []  # (d, n_kv, heads) views of the cache: ne[1] is set to the length at each run
         self.expert_ids: list = []  # per MoE layer: the node that copies its expert ids out
+        self.n_used = 1  # experts per token, of the MoE layers
         self._vectors: dict[int, object] = {}
 
     def _vector(self, t: torch.Tensor):
@@ -150,7 +151,7 @@ class CpuGraphExecutor:
         masks = [torch.zeros(n, n_kv, dtype=torch.float16).masked_fill_(~batch.mask(window, n_kv), -math.inf)
                  for window in ops.masks]
         logits = torch.empty(n if batch.all_logits else 1, model.args.n_vocab, dtype=torch.float32)
-        ids = torch.empty(len(ops.expert_ids), n, getattr(ops, "n_used", 1), dtype=torch.int32)
+        ids = torch.empty(len(ops.expert_ids), n, ops.n_used, dtype=torch.int32)
         cells = batch.cells.to(torch.int32).contiguous()
         g.run([tokens.to(torch.int32).contiguous(), positions, cells, *masks], logits, *ids)
         batch.expert_ids = list(ids)

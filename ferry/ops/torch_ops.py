@@ -18,6 +18,15 @@ class TorchOps:
 
     def __init__(self, backend, batch: Batch, tokens: torch.Tensor):
         self.backend, self.batch, self.tokens = backend, batch, tokens
+        self._moved: dict[tuple, torch.Tensor] = {}  # per-batch masks and rope angles, moved once per forward
+
+    def _on(self, key: tuple, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """t on `device`: every layer of this forward shares one copy."""
+        if t.device == device:
+            return t
+        if key not in self._moved:
+            self._moved[key] = t.to(device)
+        return self._moved[key]
 
     def embed(self, w: Weight) -> torch.Tensor:
         return self.backend.get_rows(w, self.tokens)
@@ -40,7 +49,7 @@ class TorchOps:
 
     def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         cos, sin = self.batch.rope_angles(rope)
-        return rope(x, cos.to(x.device), sin.to(x.device))
+        return rope(x, self._on(("cos", rope), cos, x.device), self._on(("sin", rope), sin, x.device))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   window: int) -> torch.Tensor:
@@ -51,7 +60,7 @@ class TorchOps:
         keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=self.batch.mask(window).to(q.device), scale=scale, enable_gqa=n_head != k.shape[1])
+            attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale, enable_gqa=n_head != k.shape[1])
         return out.transpose(0, 1).reshape(n, -1)
 
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:

@@ -131,7 +131,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
         loop = asyncio.get_running_loop()
         return Request(prompt, params, max_tokens, stop, loop, asyncio.Queue())
 
-    def respond(body: dict, r: Request, kind: str, http: HttpRequest):
+    async def respond(body: dict, r: Request, kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if kind == "chat" else "text_completion"
 
@@ -143,22 +143,20 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
 
         scheduler.submit(r)
         if not body.get("stream"):
-            async def collect():
-                pieces = []
-                try:
-                    while True:
-                        what, payload = await r.out.get()
-                        if what == "text":
-                            pieces.append(payload)
-                        elif what == "error":
-                            return _error(500, payload, "server_error")
-                        else:
-                            return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                    "choices": [choice("".join(pieces), payload["finish_reason"], False)],
-                                    "usage": payload["usage"], "timings": payload["timings"]}
-                finally:
-                    r.cancelled.set()  # a client gone before the end frees its slot at the next step
-            return collect()
+            pieces = []
+            try:
+                while True:
+                    what, payload = await r.out.get()
+                    if what == "text":
+                        pieces.append(payload)
+                    elif what == "error":
+                        return _error(500, payload, "server_error")
+                    else:
+                        return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                                "choices": [choice("".join(pieces), payload["finish_reason"], False)],
+                                "usage": payload["usage"], "timings": payload["timings"]}
+            finally:
+                r.cancelled.set()  # a client gone before the end frees its slot at the next step
 
         async def events():
             chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -194,9 +192,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise BadRequest(400, "'prompt' must be a string")
-        r = make_request(body, tokenizer.encode(prompt), default_max=16)
-        result = respond(body, r, "text", http)
-        return await result if asyncio.iscoroutine(result) else result
+        return await respond(body, make_request(body, tokenizer.encode(prompt), default_max=16), "text")
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
@@ -208,9 +204,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
             raise BadRequest(400, "'messages' must be a non-empty list of {role, content} objects with string content")
         text = render_chat(tokenizer.chat_template, messages, bos, eos)
         prompt = tokenizer.encode(text, add_bos=tokenizer.add_bos and not (bos and text.startswith(bos)))
-        r = make_request(body, prompt, default_max=-1)
-        result = respond(body, r, "chat", http)
-        return await result if asyncio.iscoroutine(result) else result
+        return await respond(body, make_request(body, prompt, default_max=-1), "chat")
 
     return app
 

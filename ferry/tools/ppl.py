@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ferry.errors import FerryError
+from ferry.tools.files import atomic_file
 
 PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0)
 
@@ -108,18 +109,12 @@ def _kl_stats(kld: np.ndarray, same: np.ndarray, nll: np.ndarray, base: dict, n:
 def _save_base(path: Path, logprobs: np.ndarray, tokens: list[int], n_ctx: int, n_chunks: int) -> None:
     """One .npz (zip) written whole or not at all: float16 log-probabilities of the scored positions,
     the tokens and the chunking."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with zipfile.ZipFile(tmp, "w") as z:
-            for name, arr in (("logprobs", logprobs), ("tokens", np.asarray(tokens, dtype=np.int32)),
-                              ("chunking", np.asarray([n_ctx, n_chunks], dtype=np.int64))):
-                buf = io.BytesIO()
-                np.save(buf, arr)
-                z.writestr(name + ".npy", buf.getvalue())
-        tmp.replace(path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise FerryError(f"cannot write {path}: {e.strerror}") from None
+    with atomic_file(path) as tmp, zipfile.ZipFile(tmp, "w") as z:
+        for name, arr in (("logprobs", logprobs), ("tokens", np.asarray(tokens, dtype=np.int32)),
+                          ("chunking", np.asarray([n_ctx, n_chunks], dtype=np.int64))):
+            buf = io.BytesIO()
+            np.save(buf, arr)
+            z.writestr(name + ".npy", buf.getvalue())
 
 
 def load_base(path: Path, tokens: list[int], n_ctx: int) -> dict:

@@ -102,12 +102,10 @@ def plot(runs: list[tuple[str, list[SweepRow]]], out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
+    from ferry.tools.files import atomic_file
+
     try:
-        fig.savefig(tmp)
-        tmp.replace(out)  # whole or not at all
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise FerryError(f"cannot write {out}: {e.strerror}") from None
+        with atomic_file(out) as tmp:
+            fig.savefig(tmp)
     finally:
         plt.close(fig)

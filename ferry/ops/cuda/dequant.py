@@ -30,6 +30,19 @@ def _u32_at(src, base, mask):
 
 
 @triton.jit
+def _k4_scale_min(src, base, j, mask):
+    """Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 bytes at base + 4 (j < 4: low 6 bits of
+    bytes j and j + 4; j >= 4: nibbles of byte j + 4 with the top 2 bits of bytes j - 4 and j)."""
+    s_j = tl.load(src + base + 4 + j, mask=mask, other=0).to(tl.int32)
+    s_j4 = tl.load(src + base + 8 + (j % 4), mask=mask, other=0).to(tl.int32)  # scales[j + 4] for j < 4
+    s_hi = tl.load(src + base + 8 + j, mask=mask & (j >= 4), other=0).to(tl.int32)  # scales[j + 4] for j >= 4
+    s_lo = tl.load(src + base + 4 + (j % 4), mask=mask, other=0).to(tl.int32)  # scales[j - 4] for j >= 4
+    sc = tl.where(j < 4, s_j & 63, (s_hi & 0xF) | ((s_lo >> 6) << 4))
+    mn = tl.where(j < 4, s_j4 & 63, (s_hi >> 4) | ((s_j >> 6) << 4))
+    return sc, mn
+
+
+@triton.jit
 def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCKS: tl.constexpr):
     """Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: 32 values per block behind one or two f16 scales."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
@@ -81,12 +94,7 @@ def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constex
         d = _f16_at(src, base1, live)[:, None]
         dmin = _f16_at(src, base1 + 2, live)[:, None]
         j = i // 32
-        s_j = tl.load(src + base + 4 + j, mask=m2, other=0).to(tl.int32)
-        s_j4 = tl.load(src + base + 8 + (j % 4), mask=m2, other=0).to(tl.int32)  # scales[j + 4] for j < 4
-        s_hi = tl.load(src + base + 8 + j, mask=m2 & (j >= 4), other=0).to(tl.int32)  # scales[j + 4] for j >= 4
-        s_lo = tl.load(src + base + 4 + (j % 4), mask=m2, other=0).to(tl.int32)  # scales[j - 4] for j >= 4
-        sc = tl.where(j < 4, s_j & 63, (s_hi & 0xF) | ((s_lo >> 6) << 4))
-        mn = tl.where(j < 4, s_j4 & 63, (s_hi >> 4) | ((s_j >> 6) << 4))
+        sc, mn = _k4_scale_min(src, base, j, m2)
         w = i % 64
         byte = tl.load(src + base + 16 + (i // 64) * 32 + (w % 32), mask=m2, other=0).to(tl.int32)
         q = tl.where(w < 32, byte & 0xF, byte >> 4)
@@ -95,12 +103,7 @@ def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constex
         d = _f16_at(src, base1, live)[:, None]
         dmin = _f16_at(src, base1 + 2, live)[:, None]
         j = i // 32
-        s_j = tl.load(src + base + 4 + j, mask=m2, other=0).to(tl.int32)
-        s_j4 = tl.load(src + base + 8 + (j % 4), mask=m2, other=0).to(tl.int32)
-        s_hi = tl.load(src + base + 8 + j, mask=m2 & (j >= 4), other=0).to(tl.int32)
-        s_lo = tl.load(src + base + 4 + (j % 4), mask=m2, other=0).to(tl.int32)
-        sc = tl.where(j < 4, s_j & 63, (s_hi & 0xF) | ((s_lo >> 6) << 4))
-        mn = tl.where(j < 4, s_j4 & 63, (s_hi >> 4) | ((s_j >> 6) << 4))
+        sc, mn = _k4_scale_min(src, base, j, m2)
         w = i % 64
         byte = tl.load(src + base + 48 + (i // 64) * 32 + (w % 32), mask=m2, other=0).to(tl.int32)
         high = (tl.load(src + base + 16 + (i % 32), mask=m2, other=0).to(tl.int32) >> j) & 1
