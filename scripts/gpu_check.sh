@@ -1,22 +1,49 @@
 #!/usr/bin/env bash
 # One call on a GPU machine (the device tool): install what is missing from the carried .whl folder (gguf;
 # ggml-python built on the carried llama.cpp tree's ggml, for the CPU results the GPU is checked against),
-# run the GPU tests (tests_gpu/: kernels against the reference dequantizer, the GPU forward against the CPU
-# one), and print a short summary.
+# run the GPU tests (tests_gpu/: kernels against float64 references, the GPU forward against the CPU one) and
+# the GPU benchmarks, and print a short summary.
 #   carry .whl (gguf wheel, ggml-python sdist, llama.cpp-src.tar.gz); results in $OUT (default ./out)
+#   STAGES (default "tests bench"): any of
+#     tests   tests_gpu/ (kernels, model vs CPU)
+#     bench   ferry all-GPU on qwen3-moe-mid: pp512 and tg64, against the 16-thread CPU
+#     big     ferry all-GPU on the qwen3-30b-a3b synthetic model: pp4096 at u-batch 128/512/2048/4096, tg128
+#     llama   the same big run through llama.cpp's CUDA llama-bench (built here, sm_90, cached in .build/)
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+STAGES=${STAGES:-tests bench}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/gguf-*.whl
-export FERRY_CACHE=/tmp/ferry-cache
+export FERRY_CACHE=$PWD/.build/ferry-cache
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+if has llama; then  # the CUDA build takes minutes: start it first
+    # niced, so that ferry's own runs meanwhile keep their CPU (its launches are single-threaded)
+    (nice -n 19 python3 benchmarks/llamacpp.py build .whl/llama.cpp-src.tar.gz --cuda \
+        --cmake-arg=-DCMAKE_CUDA_ARCHITECTURES=90 --cmake-arg=-DGGML_NATIVE=ON > "$OUT/llama_bench_path.tmp" \
+        2> "$OUT/llama_cpp_build.log" && mv "$OUT/llama_bench_path.tmp" "$OUT/llama_bench_path.txt" \
+        || echo failed > "$OUT/llama_bench_path.txt") &
+fi
+if has big || has llama; then
+    [ -f /tmp/qwen3-30b-a3b.gguf ] || python3 -m ferry synth qwen3-30b-a3b -o /tmp/qwen3-30b-a3b.gguf -q &
+    SYNTH=$!
+fi
 python3 -c "import ggml" 2>/dev/null || python3 benchmarks/llamacpp.py ggml-python .whl/ggml_python-*.tar.gz \
     .whl/llama.cpp-src.tar.gz > "$OUT/ggml_python_build.log" 2>&1 || { tail -20 "$OUT/ggml_python_build.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -s tests_gpu -p no:cacheprovider 2>&1 | tee "$OUT/tests_gpu.txt" | tail -15
-# this machine, as the offload policy sees it
-python3 -m ferry calibrate -t 16 --out "$OUT/calibration.json" -q | tee "$OUT/calibration.md"
-# benchmarks: the all-GPU path (eager, float32 scratch: the first form) on the synthetic mid model
-python3 -m ferry synth qwen3-moe-mid -o /tmp/mid.gguf -q
-python3 -m ferry bench -m /tmp/mid.gguf -ngl 999 -p 512 -n 64 -r 3 | tee "$OUT/bench_gpu_mid.md"
-python3 -m ferry bench -m /tmp/mid.gguf -ngl 0 -t 16 -p 512 -n 64 -r 3 | tail -2 | tee -a "$OUT/bench_gpu_mid.md"
+if has tests; then
+    python3 -m pytest -q -s tests_gpu -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests_gpu.txt" \
+        | grep -E "KL|passed|failed|Error|error" | tail -40 || true
+fi
+if has bench; then
+    python3 -m ferry synth qwen3-moe-mid -o /tmp/mid.gguf -q
+    python3 -m ferry bench -m /tmp/mid.gguf -ngl 999 -p 512 -n 64 -r 3 | tee "$OUT/bench_gpu_mid.md"
+    python3 -m ferry bench -m /tmp/mid.gguf -ngl 0 -t 16 -p 512 -n 64 -r 3 | tail -2 | tee -a "$OUT/bench_gpu_mid.md"
+fi
+if has big || has llama; then
+    wait $SYNTH
+    LB=""
+    if has llama; then LB="--llama-bench-from $OUT/llama_bench_path.txt"; fi  # ferry runs first, then waits
+    python3 benchmarks/gpu_vs_llamacpp.py $LB -m /tmp/qwen3-30b-a3b.gguf ${BIG_ARGS:-} --out "$OUT/gpu_vs_llamacpp.json" \
+        | tee "$OUT/gpu_vs_llamacpp.md"
+fi

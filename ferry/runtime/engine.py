@@ -45,7 +45,7 @@ class Generation:
     tokens: list[int]
     stopped_by: str  # "eog" | "length" | "context"
     timings: Timings
-    experts_hit: list[list[int]] = field(default_factory=list)  # per u-batch, per MoE layer
+    experts_hit: list[list[int]] = field(default_factory=list)  # per prompt u-batch, per MoE layer
 
 
 class Engine:
@@ -63,10 +63,15 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
-        gpu = getattr(backend, "name", "") == "CUDA"  # the GPU backend runs op by op (TorchOps) so far
+        gpu = getattr(backend, "name", "") == "CUDA"
         self.kv = KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim_k, a.head_dim_v, type_k, type_v,
                           str(backend.device) if gpu else None)
-        self.executor = CpuGraphExecutor(backend) if graph and not gpu else EagerExecutor(backend)
+        if gpu:
+            from ferry.ops.cuda.executor import CudaExecutor
+
+            self.executor = CudaExecutor(backend)
+        else:
+            self.executor = CpuGraphExecutor(backend) if graph else EagerExecutor(backend)
         self.n_past = 0
         self.experts_hit: list[list[int]] = []
 
@@ -97,9 +102,10 @@ class Engine:
                 u1 = min(u0 + self.n_ubatch, b0 + self.n_batch, len(tokens))
                 batch = Batch(start=self.n_past, n_tokens=u1 - u0, kv=self.kv, all_logits=all_logits)
                 logits = self.executor.forward(self.model, ids[u0:u1], batch)
-                hit = batch.experts_hit
-                if hit:
-                    self.experts_hit.append(hit)
+                if u1 - u0 > 1:  # prompt u-batches (a generated token hits n_expert_used by definition)
+                    hit = batch.experts_hit
+                    if hit:
+                        self.experts_hit.append(hit)
                 self.n_past += u1 - u0
                 if all_logits:
                     outs.append(logits)

@@ -41,10 +41,11 @@ class KVCache:
         if device is None:  # host memory: ggml's graphs read it by address
             self.k = [np.zeros((n_ctx, kb), dtype=np.uint8) for _ in range(n_layer)]
             self.v = [np.zeros((n_ctx, vb), dtype=np.uint8) for _ in range(n_layer)]
-        else:  # a GPU: float types, read by torch
+        else:  # a GPU: float types or q8_0, read by the GPU attention kernels
             for flag, qtype in (("-ctk", self.type_k), ("-ctv", self.type_v)):
-                if qtype not in TORCH_TYPES:
-                    raise FerryError(f"{flag} {qtype.name.lower()}: the GPU path keeps f16, bf16 or f32 caches so far")
+                if qtype not in TORCH_TYPES and qtype != Q.Q8_0:
+                    raise FerryError(f"{flag} {qtype.name.lower()}: the GPU keeps f16, bf16, f32 or q8_0 caches; "
+                                     "use -ctk/-ctv q8_0 or f16")
             self.k = [torch.zeros(n_ctx, kb, dtype=torch.uint8, device=device) for _ in range(n_layer)]
             self.v = [torch.zeros(n_ctx, vb, dtype=torch.uint8, device=device) for _ in range(n_layer)]
 

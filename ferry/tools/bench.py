@@ -97,6 +97,8 @@ def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: i
             engine.decode([rng.randrange(vocab) for _ in range(n_prompt)])
         for _ in range(n_gen):
             engine.decode([rng.randrange(vocab)])
+        if hasattr(backend, "synchronize"):  # a GPU: wait for the queued work
+            backend.synchronize()
         return (n_prompt + n_gen) / (time.perf_counter() - t0)
 
     once()

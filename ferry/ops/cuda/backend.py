@@ -1,6 +1,8 @@
-"""GPU backend, first form: weights live on the GPU in their GGUF encoding and are expanded by the Triton
-dequantization kernels into one reused scratch buffer right before each matmul (cuBLAS through torch).
-Float32 throughout: correctness first; bf16 scratch, quantized GEMV and grouped MoE kernels come next."""
+"""GPU backend: weights live on the GPU in their GGUF encoding. Few tokens (generation): quantized GEMV kernels
+read the bytes directly (kernels.py). Many tokens (prompts): the weight is expanded by the Triton dequantizer
+into a reused f16 scratch and multiplied by cuBLAS (float32 accumulation, as llama.cpp's cuBLAS path); a MoE layer sorts its (token, expert) pairs by expert and
+runs every expert in one grouped GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 weights in
+registers; torch._grouped_mm on bf16 copies for other types), without the host learning which experts were hit."""
 
 from __future__ import annotations
 
@@ -15,35 +17,68 @@ from ferry.quant import Q
 
 _ACT = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}
 _FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-_GATHER_MAX = 64  # (token, expert) pairs up to which the MoE gathers experts instead of looping over them
+GEMV_MAX = 8  # tokens up to which a matmul runs as quantized GEMV
+MOE_GEMV_MAX = 64  # (token, expert) pairs up to which the MoE runs as expert GEMVs
+MOE_STRATEGIES = ("auto", "gemv", "grouped", "loop")
 
 
 class CudaBackend:
+    """`moe`: how many-token MoE layers run: 'auto' (GEMV for few pairs, else grouped), or one strategy
+    everywhere ('loop' is one matmul per expert hit, the reference the grouped GEMM is tested against)."""
+
     name = "CUDA"
 
-    def __init__(self, device: str = "cuda:0", dtype: torch.dtype = torch.float32):
+    def __init__(self, device: str = "cuda:0", moe: str = "auto"):
+        if moe not in MOE_STRATEGIES:
+            raise ValueError(f"unknown MoE strategy {moe!r}; valid: {', '.join(MOE_STRATEGIES)}")
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.moe_strategy = moe
         self._raw: dict[int, torch.Tensor] = {}
-        self._scratch = torch.empty(0, dtype=dtype, device=self.device)
+        self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._grouped = hasattr(torch, "_grouped_mm") and torch.cuda.is_available() and \
+            torch.cuda.get_device_capability(self.device) >= (9, 0)
+        # whether a forward needs nothing from the host (a CUDA graph can record it): not where the host must
+        # learn which experts were hit
+        self.graph_safe = moe != "loop" and (moe != "grouped" or self._grouped)
 
-    def upload(self, w: Weight) -> torch.Tensor:
-        """The weight's bytes on the GPU (once)."""
-        raw = self._raw.get(id(w))
-        if raw is None:
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def upload(self, w: Weight):
+        """The weight on the GPU (once): Q8_0 / Q4_0 split into quants and scales (kernels.Split), other types
+        as their GGUF bytes."""
+        from ferry.ops.cuda.kernels import GEMV_KINDS, Split
+
+        t = self._raw.get(id(w))
+        if t is None:
             with warnings.catch_warnings():  # the mmap is read-only and torch only reads it here
                 warnings.simplefilter("ignore", UserWarning)
-                raw = self._raw[id(w)] = torch.from_numpy(w.data).to(self.device)
-        return raw
+                t = torch.from_numpy(w.data).to(self.device)
+            if w.qtype in GEMV_KINDS:
+                t = Split.of(t, w.qtype, w.ne)
+            self._raw[id(w)] = t
+        return t
 
-    def _expand(self, qtype, raw: torch.Tensor, ne: tuple[int, ...]) -> torch.Tensor:
-        """Floats of `raw` (a whole tensor or a slice of whole rows) in the scratch buffer."""
+    def vector(self, t: torch.Tensor) -> torch.Tensor:
+        """A small float model tensor (norm weight, bias) on the GPU as float32 (once)."""
+        v = self._raw.get(id(t))
+        if v is None:
+            v = self._raw[id(t)] = t.to(self.device, torch.float32).contiguous()
+        return v
+
+    def _expand(self, qtype, raw, ne: tuple[int, ...], dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
+        """Floats of `raw` (a whole tensor or a slice of whole rows: GGUF bytes or a Split) in scratch buffer
+        `slot` of `dtype`."""
         n = 1
         for v in ne:
             n *= v
-        if self._scratch.numel() < n:
-            self._scratch = torch.empty(n, dtype=self.dtype, device=self.device)
-        out = self._scratch[:n].view(tuple(reversed(ne)))
+        key = (dtype, slot)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._scratch[key] = torch.empty(n, dtype=dtype, device=self.device)
+        out = buf[:n].view(tuple(reversed(ne)))
+        if not isinstance(raw, torch.Tensor):
+            return raw.floats(dtype, out)
         if qtype in _FLOAT:
             return out.copy_(raw.view(_FLOAT[qtype]).view(out.shape))
         from ferry.ops.cuda.dequant import SUPPORTED, dequantize  # Triton: only where a GPU is
@@ -52,61 +87,136 @@ class CudaBackend:
             raise NotImplementedError(f"no GPU kernel for {qtype.name} yet")
         return dequantize(raw, qtype, ne, out=out)
 
-    def vector(self, t: torch.Tensor) -> torch.Tensor:
-        """A small float model tensor (norm weight, bias) on the GPU (once)."""
-        v = self._raw.get(id(t))
-        if v is None:
-            v = self._raw[id(t)] = t.to(self.device, self.dtype)
-        return v
-
-    def _matrix(self, w: Weight) -> torch.Tensor:
-        return self._expand(w.qtype, self.upload(w), w.ne)
-
-    def _expert(self, w: Weight, e: int) -> torch.Tensor:
-        raw = self.upload(w).view(w.ne[2], -1)[e]
-        return self._expand(w.qtype, raw, w.ne[:2])
-
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        return x.to(self.dtype) @ self._matrix(w).T
+        """x (n, cols) @ W.T as float32: GEMV on the bytes for few tokens, bf16 cuBLAS for many."""
+        from ferry.ops.cuda import kernels
+
+        raw = self.upload(w)
+        if x.shape[0] <= GEMV_MAX:
+            if w.qtype in kernels.GEMV_KINDS:
+                return kernels.gemv(raw, x)
+            return x.float() @ self._expand(w.qtype, raw, w.ne, torch.float32).T
+        return _mm(x.to(torch.float16), self._expand(w.qtype, raw, w.ne, torch.float16).T)
 
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
         h = _ACT[act](self.linear(x, gate)) * self.linear(x, up)
         return self.linear(h, down)
 
     def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
+        t, ids = self.upload(w), ids.to(self.device).long()
+        if not isinstance(t, torch.Tensor):
+            return t.rows(ids).floats(torch.float32)
         block, size = GGML_QUANT_SIZES[w.qtype]
-        rows = self.upload(w).view(w.ne[1], w.ne[0] // block * size)[ids.to(self.device).long()]
-        return self._expand(w.qtype, rows.reshape(-1), (w.ne[0], len(ids))).clone()
+        rows = t.view(w.ne[1], w.ne[0] // block * size)[ids]
+        return self._expand(w.qtype, rows.reshape(-1), (w.ne[0], len(ids)), torch.float32).clone()
 
-    def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-            norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax router, top-k, each routed expert over its tokens, weighted sum: ((n, n_embd), ids (n, k))."""
-        probs = torch.softmax(self.linear(x, router).float(), -1)
+    def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool):
+        """Softmax router and top-k: (weights (n, k) float32, ids (n, k) int32), on the GPU."""
+        probs = torch.softmax(self.linear(x, router), -1)
         weights, ids = probs.topk(n_used, -1)
         if norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        out = torch.zeros(x.shape[0], down.ne[1], dtype=self.dtype, device=self.device)
-        if x.shape[0] * n_used <= _GATHER_MAX:
-            return self._moe_gathered(x, ids, weights, up, gate, down, act, out), ids.to(torch.int32)
+        return weights, ids.to(torch.int32)
+
+    def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
+            norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router, top-k, each routed expert over its tokens, weighted sum: ((n, n_embd) float32, ids (n, k))."""
+        from ferry.ops.cuda import kernels
+
+        weights, ids = self.route(x, router, n_used, norm_topk)
+        strategy = self.moe_strategy
+        if strategy == "auto":
+            strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
+        if strategy == "gemv" and all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
+            return kernels.moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act), ids
+        if strategy == "loop":
+            return self._moe_loop(x, ids, weights, up, gate, down, act), ids
+        return self._moe_grouped(x, ids, weights, up, gate, down, act), ids
+
+    def _experts(self, w: Weight, slot: int) -> torch.Tensor:
+        """Every expert of a stacked tensor as bf16 (n_expert, rows, cols), in scratch `slot`."""
+        return self._expand(w.qtype, self.upload(w), w.ne, torch.bfloat16, slot)
+
+    def _moe_grouped(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str) -> torch.Tensor:
+        """Pairs sorted by expert, every expert's rows in one grouped GEMM launch per projection (the schedule
+        computed on the GPU), each token's experts summed in a fixed order. Q8_0 / Q4_0 experts: the Triton
+        kernel that expands weights in registers; other types: bf16 copies and torch's grouped GEMM."""
+        from ferry.ops.cuda import kernels
+
+        n, k = ids.shape
+        n_expert = gate.ne[2]
+        if all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
+            per_expert = n * k / n_expert
+            block = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+            sched = kernels.moe_tiles(ids, n_expert, block)
+            order = sched[0]
+            xs = x.to(torch.float16)[order // k]
+
+            def mm(a, w: Weight, dtype):
+                return kernels.moe_mm(a, self.upload(w), sched, dtype, block)
+
+            h = (_ACT[act](mm(xs, gate, torch.float32)) * mm(xs, up, torch.float32)).to(torch.float16)
+            y = mm(h, down, torch.float32)
+        else:
+            order, y = self._moe_grouped_bf16(x, ids, up, gate, down, act)
+        out = torch.empty_like(y)
+        out[order] = y  # back to (token, slot) order
+        return (out.view(n, k, -1) * weights[..., None]).sum(1)
+
+    def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
+        k = ids.shape[1]
+        flat = ids.flatten().long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(gate.ne[2], dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        xs = x.to(torch.bfloat16)[order // k]  # (pairs, n_embd), grouped by expert
+        g = self._group_mm(xs, self._experts(gate, 1), offs)
+        u = self._group_mm(xs, self._experts(up, 1), offs)
+        h = (_ACT[act](g.float()) * u.float()).to(torch.bfloat16)
+        return order, self._group_mm(h, self._experts(down, 1), offs).float()
+
+    def _group_mm(self, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Rows of `a` grouped by expert (group e ends at offs[e]) times w[e].T: (rows, w.shape[1]) bf16."""
+        if self._grouped:
+            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+        out = torch.empty(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+        start = 0
+        for e, end in enumerate(offs.tolist()):  # no grouped GEMM on this GPU: one matmul per expert hit
+            if end > start:
+                out[start:end] = a[start:end] @ w[e].T
+            start = end
+        return out
+
+    def _moe_loop(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str) -> torch.Tensor:
+        """One f16 cuBLAS matmul per expert hit (the host learns which): the reference for the grouped GEMM."""
+        out = torch.zeros(x.shape[0], down.ne[1], dtype=torch.float32, device=self.device)
+        xb = x.to(torch.float16)
+
+        def expert(w: Weight, e: int) -> torch.Tensor:
+            t = self.upload(w)
+            t = t.view(w.ne[2], -1)[e] if isinstance(t, torch.Tensor) else t.expert(e)
+            return self._expand(w.qtype, t, w.ne[:2], torch.float16).T
+
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
-            xe = x[tok].to(self.dtype)
-            h = _ACT[act](xe @ self._expert(gate, e).T) * (xe @ self._expert(up, e).T)
-            out.index_add_(0, tok, (h @ self._expert(down, e).T) * weights[tok, slot, None].to(self.dtype))
-        return out, ids.to(torch.int32)
+            xe = xb[tok]
+            g = _mm(xe, expert(gate, e))
+            u = _mm(xe, expert(up, e))
+            h = (_ACT[act](g) * u).to(torch.float16)
+            y = _mm(h, expert(down, e))
+            out.index_add_(0, tok, y * weights[tok, slot, None])
+        return out
 
-    def _moe_gathered(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str, out: torch.Tensor):
-        """Few (token, expert) pairs (generation): gather each pair's expert bytes on the GPU and run batched
-        matmuls, with no host round trip to learn which experts were chosen."""
-        flat = ids.flatten()
-        tok = torch.arange(x.shape[0], device=self.device).repeat_interleave(ids.shape[1])
-        xe = x[tok].to(self.dtype)[:, None, :]  # (pairs, 1, n_embd)
 
-        def experts(w: Weight) -> torch.Tensor:  # (pairs, rows, cols) in the scratch: use before the next call
-            raw = self.upload(w).view(w.ne[2], -1)[flat]
-            return self._expand(w.qtype, raw.reshape(-1), (w.ne[0], w.ne[1], len(flat)))
+_MM_DTYPE = [True]  # whether torch.mm takes out_dtype (torch >= 2.8 on CUDA)
 
-        g = torch.bmm(xe, experts(gate).transpose(1, 2))
-        h = _ACT[act](g) * torch.bmm(xe, experts(up).transpose(1, 2))
-        y = torch.bmm(h, experts(down).transpose(1, 2))[:, 0, :]  # (pairs, n_embd)
-        return out.index_add_(0, tok, y * weights.flatten()[:, None].to(self.dtype))
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """f16 / bf16 cuBLAS matmul with float32 accumulation and a float32 result (no rounding of the output to
+    16 bits where torch allows it)."""
+    if _MM_DTYPE[0]:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            _MM_DTYPE[0] = False
+    return (a @ b).float()

@@ -1,0 +1,82 @@
+"""All on one GPU: ferry (`-ngl 999`) against llama.cpp's CUDA llama-bench (`-ngl 99 -fa 1`) on the same GGUF file,
+prompt sizes and u-batches, in the same run: issue 4's targets (pp4096 at u-batch 128 / 512 / 2048 / 4096, tg128).
+
+Both engines measure llama-bench's way: a warm-up run, then -r repetitions; mean ± std; the prompt in u-batches
+of -ub within one logical batch of -p tokens. Without --llama-bench, only ferry runs (the table says so).
+Usage (on the GPU machine; scripts/gpu_check.sh with STAGES="big llama" builds llama-bench first):
+  python benchmarks/gpu_vs_llamacpp.py --llama-bench PATH -m qwen3-30b-a3b.gguf [-p 4096] [-ub 128,512,2048,4096]
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def ferry_bench(path: Path, n_prompt: int, n_gen: int, ubatches: list[int], reps: int) -> dict:
+    from ferry.tools.bench import run_bench
+
+    out = {}
+    rows = run_bench([path], [n_prompt], [n_gen] if n_gen else [], [n_prompt], ubatches, [1], reps, False,
+                     n_gpu_layers=[999])  # one load; tg does not depend on the u-batch: the first one is kept
+    for r in rows:
+        name = f"{r.test} ub{r.n_ubatch}" if r.n_prompt else r.test
+        out.setdefault(name, {"avg_ts": r.avg_ts, "stddev_ts": r.stddev_ts, "samples_ts": r.samples_ts,
+                              "experts_hit": r.experts_hit})
+    return out
+
+
+def llama_bench(exe: str, path: Path, n_prompt: int, n_gen: int, ubatches: list[int], reps: int) -> dict:
+    cmd = [exe, "-m", str(path), "-ngl", "99", "-fa", "1", "-p", str(n_prompt), "-n", "0", "-r", str(reps),
+           "-b", str(n_prompt), "-ub", ",".join(map(str, ubatches)), "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    if n_gen:
+        cmd = [exe, "-m", str(path), "-ngl", "99", "-fa", "1", "-p", "0", "-n", str(n_gen), "-r", str(reps), "-o", "json"]
+        rows += json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    out = {}
+    for r in rows:
+        name = f"pp{r['n_prompt']} ub{r['n_ubatch']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+        out[name] = {"avg_ts": r["avg_ts"], "stddev_ts": r["stddev_ts"], "samples_ts": r["samples_ts"]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-bench", help="path of a CUDA llama-bench binary")
+    ap.add_argument("--llama-bench-from", help="a file that will hold that path once a build finishes: ferry runs "
+                    "first, then this waits for the file")
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-p", type=int, default=4096)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-ub", default="128,512,2048,4096")
+    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("--out", default="gpu_vs_llamacpp.json")
+    a = ap.parse_args()
+    path, ubs = Path(a.model), [int(v) for v in a.ub.split(",")]
+    fe = ferry_bench(path, a.p, a.n, ubs, a.r)
+    if a.llama_bench_from:
+        src = Path(a.llama_bench_from)
+        while not (src.is_file() and src.read_text().strip()):
+            time.sleep(2)
+        a.llama_bench = src.read_text().strip()
+        if a.llama_bench == "failed":
+            print("llama.cpp's build failed: its log says why", file=sys.stderr)
+            a.llama_bench = None
+    lc = llama_bench(a.llama_bench, path, a.p, a.n, ubs, a.r) if a.llama_bench else {}
+    results = [{"model": path.name, "test": t, "ferry": fe[t], "llama.cpp": lc.get(t),
+                "ratio": fe[t]["avg_ts"] / lc[t]["avg_ts"] if t in lc else None} for t in fe]
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    print("| model | test | ferry t/s | llama.cpp t/s | ratio | experts hit/layer |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        f, l = r["ferry"], r["llama.cpp"]
+        hit = f"{min(f['experts_hit'])}-{max(f['experts_hit'])}" if f["experts_hit"] else ""
+        lt = f"{l['avg_ts']:.2f} ± {l['stddev_ts']:.2f}" if l else "not run"
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else ""
+        print(f"| {r['model']} | {r['test']} | {f['avg_ts']:.2f} ± {f['stddev_ts']:.2f} | {lt} | {ratio} | {hit} |")
+
+
+if __name__ == "__main__":
+    main()

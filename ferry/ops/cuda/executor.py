@@ -1,0 +1,160 @@
+"""The GPU forward: TorchOps whose positions, cache cells and rope angles live on the GPU, so that a decode step
+needs nothing from the host and is captured once per shape as a CUDA graph and replayed (llama.cpp does the
+same); prompts run eagerly."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGMLQuantizationType as Q
+
+from ferry.layers.rope import Rope
+from ferry.ops.torch_ops import TorchOps
+from ferry.runtime.context import Batch
+from ferry.runtime.kv_cache import TORCH_TYPES
+
+DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
+
+
+class CudaOps(TorchOps):
+    """One forward's ops on the GPU: `pos` / `cells` (n,) int64 on the GPU; tables: Rope -> (cos, sin) of every
+    cache position."""
+
+    def __init__(self, backend, batch: Batch, tokens: torch.Tensor, pos: torch.Tensor, cells: torch.Tensor,
+                 tables: dict):
+        super().__init__(backend, batch, tokens)
+        self.pos, self.cells, self.tables = pos, cells, tables
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from ferry.ops.cuda import kernels
+
+        return kernels.rms_norm(x, self.backend.vector(weight), eps)
+
+    def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        from ferry.ops.cuda import kernels
+
+        cos, sin = self.tables[rope]
+        return kernels.norm_rope(x, None, 0.0, cos, sin, self.pos, rope.n_rot, rope.neox)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: int) -> torch.Tensor:
+        from ferry.ops.cuda import kernels
+
+        kv, n = self.batch.kv, q.shape[0]
+        for cache, qtype, x in ((kv.k[layer], kv.type_k, k), (kv.v[layer], kv.type_v, v)):
+            if qtype == Q.Q8_0:
+                kernels.store_q8_0(x, cache, self.cells)
+            else:
+                cache.view(TORCH_TYPES[qtype]).view(kv.n_ctx, -1).index_copy_(
+                    0, self.cells, x.reshape(n, -1).to(TORCH_TYPES[qtype]))
+        k_q8, v_q8 = kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0
+        if n <= DECODE_MAX:
+            return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(kv.v[layer], kv.type_v),
+                                            k_q8, v_q8, self.pos, self.cells - self.pos, kv.n_head_kv,
+                                            kv.head_dim_v, scale, window)
+        n_kv = self.batch.n_kv  # a prompt: flash / memory-efficient attention over the cache as f16
+        keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
+        values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
+        q = q.to(keys.dtype).transpose(0, 1)
+        keys, values = keys.transpose(0, 1), values.to(keys.dtype).transpose(0, 1)
+        if self.batch.seq is None and self.batch.start == 0 and not window:  # causal from cell 0: flash
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
+                                                 enable_gqa=q.shape[0] != kv.n_head_kv)
+        else:  # a mask: the memory-efficient kernel, which needs every head's keys
+            group = q.shape[0] // kv.n_head_kv
+            if group > 1:
+                keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale)
+        return out.transpose(0, 1).reshape(n, -1).float()
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def _typed(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Cache rows as the kernels read them: q8_0 bytes, or the float type."""
+    return rows if qtype == Q.Q8_0 else rows.view(TORCH_TYPES[qtype])
+
+
+def _floats(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """Cache rows (n, bytes) as (n, width) floats: a view of a float cache, q8_0 expanded to f16."""
+    if qtype in TORCH_TYPES:
+        return rows.view(TORCH_TYPES[qtype])
+    from ferry.ops.cuda.dequant import dequantize
+
+    width = rows.shape[1] // 34 * 32
+    return dequantize(rows.reshape(-1), qtype, (width, rows.shape[0]), torch.float16)
+
+
+class _Captured:
+    """A decode step of one shape as a CUDA graph: static inputs filled before each replay."""
+
+    def __init__(self, tokens, pos, cells, logits, expert_ids, graph):
+        self.tokens, self.pos, self.cells, self.logits, self.expert_ids, self.graph = \
+            tokens, pos, cells, logits, expert_ids, graph
+
+
+class CudaExecutor:
+    """Runs a model's forward on the GPU backend: graphs for up to DECODE_MAX tokens (set FERRY_CUDA_GRAPHS=0
+    or graphs=False to run them eagerly), eager for prompts."""
+
+    def __init__(self, backend, graphs: bool | None = None):
+        self.backend = backend
+        self.device = backend.device
+        self.graphs = graphs if graphs is not None else os.environ.get("FERRY_CUDA_GRAPHS", "1") != "0"
+        self._tables: dict[tuple[Rope, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._captured: dict[tuple, _Captured] = {}
+        self._pool = None
+
+    def _rope_tables(self, model, n_ctx: int) -> dict:
+        """cos/sin of every cache position for each rope the model uses (the CPU path's angles, computed once)."""
+        out = {}
+        for rope in {getattr(b.attn, "rope", None) for b in model.blocks} - {None}:
+            key = (rope, n_ctx)
+            if key not in self._tables:
+                cos, sin = rope.angles(torch.arange(n_ctx))
+                self._tables[key] = (cos.to(self.device), sin.to(self.device))
+            out[rope] = self._tables[key]
+        return out
+
+    def _run(self, model, batch: Batch, tokens, pos, cells) -> torch.Tensor:
+        ops = CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx))
+        return model.forward(ops)
+
+    def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
+        pos = batch.positions.to(self.device)
+        cells = batch.cells.to(self.device)
+        tokens = tokens.to(self.device)
+        if not self.graphs or not self.backend.graph_safe or batch.n_tokens > DECODE_MAX:
+            return self._run(model, batch, tokens, pos, cells)
+        key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits)
+        c = self._captured.get(key)
+        if c is None:
+            c = self._captured[key] = self._capture(model, batch, tokens, pos, cells)
+        else:
+            c.tokens.copy_(tokens)
+            c.pos.copy_(pos)
+            c.cells.copy_(cells)
+            c.graph.replay()
+        batch.expert_ids = list(c.expert_ids)
+        return c.logits.clone()
+
+    def _capture(self, model, batch: Batch, tokens, pos, cells) -> _Captured:
+        """Run the step once eagerly on a side stream (compiles kernels, sizes scratch buffers, and is this
+        step's result), then record it."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._run(model, batch, tokens, pos, cells)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        batch.expert_ids = []
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._run(model, batch, tokens, pos, cells)
+        graph.replay()
+        return _Captured(tokens, pos, cells, logits, list(batch.expert_ids), graph)

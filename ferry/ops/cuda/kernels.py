@@ -1,0 +1,418 @@
+"""Triton kernels of the GPU forward that read GGUF bytes or the KV cache directly, for few tokens at a time
+(token generation): quantized GEMV, the MoE expert GEMVs for (token, expert) pairs picked on the GPU, RMSNorm,
+q/k norm + RoPE from a position table, attention over the cache (f16 or q8_0 rows) up to each token's position,
+and q8_0 cache row quantization. None of them needs the host to know a position or an expert id, so a decode
+step can be captured once as a CUDA graph and replayed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from ferry.ops.cuda.dequant import _f16_at
+
+GEMV_KINDS = {Q.Q8_0: 0, Q.Q4_0: 1}  # types the quantized GEMV kernels read; others are expanded for cuBLAS
+_BK = 256  # columns per step along a row
+
+
+@triton.jit
+def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr):
+    """Per row: the dot product of columns k0 .. k0 + BK of rows `row` (BR,) of a split Q8_0 / Q4_0 matrix with
+    the matching floats of x. Split layout: the quants of each row contiguous (Q8_0: K int8; Q4_0: K / 2 bytes,
+    byte j of a block holding value j in its low nibble and value j + 16 in its high one), the f16 scales of
+    each row contiguous (K / 32): every load is a plain aligned vector load."""
+    NB: tl.constexpr = BK // 32
+    rr = row.to(tl.int64)[:, None]
+    if KIND == 0:
+        c = k0 + tl.arange(0, BK)
+        cm = c < K
+        q = tl.load(qs + rr * K + c[None, :], mask=rmask[:, None] & cm[None, :], other=0).to(tl.float32)
+        xv = tl.load(x + c, mask=cm, other=0.0)
+        part = tl.sum(tl.reshape(q * xv[None, :], (q.shape[0], NB, 32)), axis=2)
+    else:
+        i = tl.arange(0, BK // 2)
+        cb = k0 // 2 + i  # byte of the row
+        cm = cb < K // 2
+        byte = tl.load(qs + rr * (K // 2) + cb[None, :], mask=rmask[:, None] & cm[None, :], other=0).to(tl.int32)
+        col = k0 + (i // 16) * 32 + i % 16
+        xlo = tl.load(x + col, mask=cm, other=0.0)
+        xhi = tl.load(x + col + 16, mask=cm, other=0.0)
+        prod = ((byte & 0xF) - 8).to(tl.float32) * xlo[None, :] + ((byte >> 4) - 8).to(tl.float32) * xhi[None, :]
+        part = tl.sum(tl.reshape(prod, (prod.shape[0], NB, 16)), axis=2)
+    b = k0 // 32 + tl.arange(0, NB)
+    dv = tl.load(d + rr * (K // 32) + b[None, :], mask=rmask[:, None] & (b < K // 32)[None, :], other=0.0)
+    return tl.sum(part * dv.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _gemv(qs, d, x, y, rows, K, KIND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """y[t, r] = W[r, :] . x[t, :] for rows r of this program; grid (row blocks, tokens)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    t = tl.program_id(1).to(tl.int64)
+    rmask = r < rows
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        acc += _qdot(qs, d, r, rmask, x + t * K, k0, K, KIND, BK)
+    tl.store(y + t * rows + r, acc, mask=rmask)
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 0:  # silu
+        return g / (1.0 + tl.exp(-g))
+    else:  # gelu, tanh form (ggml's)
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+
+
+@triton.jit
+def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr, ACT: tl.constexpr,
+                 BR: tl.constexpr, BK: tl.constexpr):
+    """Pair p = (token p // n_used, its expert ids[p]): h[p, r] = act(gate_e[r] . x) * (up_e[r] . x)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    p = tl.program_id(1).to(tl.int64)
+    rmask = r < rows
+    row = tl.load(ids + p).to(tl.int64) * rows + r
+    xt = x + (p // n_used) * K
+    g = tl.zeros((BR,), dtype=tl.float32)
+    u = tl.zeros((BR,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        g += _qdot(gq, gd, row, rmask, xt, k0, K, KIND, BK)
+        u += _qdot(uq, ud, row, rmask, xt, k0, K, KIND, BK)
+    tl.store(h + p * rows + r, _act(g, ACT) * u, mask=rmask)
+
+
+@triton.jit
+def _moe_down(dq, dd, h, ids, weights, y, rows, K, n_used, KIND: tl.constexpr, BR: tl.constexpr,
+              BK: tl.constexpr):
+    """y[t, r] = sum over t's experts s of weights[t, s] * (down_e[r] . h[t * n_used + s]): the weighted sum of
+    the experts in a fixed order (no atomics: the same inputs give the same bits)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    t = tl.program_id(1).to(tl.int64)
+    rmask = r < rows
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    for s in range(0, n_used):
+        p = t * n_used + s
+        row = tl.load(ids + p).to(tl.int64) * rows + r
+        part = tl.zeros((BR,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            part += _qdot(dq, dd, row, rmask, h + p * K, k0, K, KIND, BK)
+        acc += tl.load(weights + p) * part
+    tl.store(y + t * rows + r, acc, mask=rmask)
+
+
+@triton.jit
+def _rms_norm(x, w, y, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    v = tl.load(x + row * n + i, mask=m, other=0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / n + eps)
+    tl.store(y + row * n + i, v * inv * tl.load(w + i, mask=m, other=0.0), mask=m)
+
+
+@triton.jit
+def _norm_rope(x, w, cos, sin, pos, y, n_heads, dim, n_rot, eps, HAS_NORM: tl.constexpr, NEOX: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """One head of one token: optional RMSNorm over the head, then rotate the first n_rot dims by the angles
+    of the token's position (row pos[t] of the cos/sin tables, n_rot / 2 wide)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row // n_heads
+    i = tl.arange(0, BLOCK)
+    m = i < dim
+    v = tl.load(x + row * dim + i, mask=m, other=0.0)
+    half = n_rot // 2
+    if NEOX:  # pairs (i, i + n_rot / 2)
+        pair = tl.where(i < half, i + half, i - half)
+        k = i % half
+        sign = tl.where(i < half, -1.0, 1.0)
+    else:  # adjacent pairs (2k, 2k + 1)
+        pair = i ^ 1
+        k = i // 2
+        sign = tl.where(i % 2 == 0, -1.0, 1.0)
+    rot = m & (i < n_rot)
+    other = tl.load(x + row * dim + pair, mask=rot, other=0.0)
+    if HAS_NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / dim + eps)
+        v = v * inv * tl.load(w + i, mask=m, other=0.0)
+        other = other * inv * tl.load(w + pair, mask=rot, other=0.0)
+    p = tl.load(pos + t).to(tl.int64)
+    c = tl.load(cos + p * half + k, mask=rot, other=1.0)
+    s = tl.load(sin + p * half + k, mask=rot, other=0.0)
+    out = tl.where(rot, v * c + sign * other * s, v)
+    tl.store(y + row * dim + i, out, mask=m)
+
+
+@triton.jit
+def _cache_row(cache, cell, col, row_stride, mask, Q8: tl.constexpr):
+    """Float values of a (cells, cols) block of cache rows: q8_0 bytes (34-byte blocks; row_stride in bytes)
+    or f16 (`cache` a float16 view; row_stride in elements)."""
+    if Q8:
+        base = cell.to(tl.int64)[:, None] * row_stride + (col // 32)[None, :] * 34
+        q = tl.load(cache + base + 2 + (col % 32)[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
+        return q.to(tl.float32) * _f16_at(cache, base, mask)
+    else:
+        return tl.load(cache + cell.to(tl.int64)[:, None] * row_stride + col[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _attn_decode(q, kc, vc, pos, base, out, n_heads, group, dk, dv, k_row, v_row, scale, window,
+                 K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """One query head of one token: softmax(q . k * scale) v over the cache cells base[t] + 0 .. pos[t] (the
+    last `window` of them when window > 0), online over blocks of BN cells."""
+    h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    kvh = h // group
+    d = tl.arange(0, BD)
+    qv = tl.load(q + (t * n_heads + h) * dk + d, mask=d < dk, other=0.0) * scale
+    p = tl.load(pos + t)
+    b0 = tl.load(base + t)
+    lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
+    m_i = -1e30
+    l_i = 0.0
+    acc = tl.zeros((BD,), dtype=tl.float32)
+    for n0 in range((lo // BN) * BN, p + 1, BN):
+        j = n0 + tl.arange(0, BN)
+        live = (j >= lo) & (j <= p)
+        kmask = live[:, None] & (d < dk)[None, :]
+        k = _cache_row(kc, b0 + j, kvh * dk + d, k_row, kmask, K_Q8)
+        s = tl.where(live, tl.sum(k * qv[None, :], axis=1), -1e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        w = tl.where(live, tl.exp(s - m_new), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        vmask = live[:, None] & (d < dv)[None, :]
+        v = _cache_row(vc, b0 + j, kvh * dv + d, v_row, vmask, V_Q8)
+        acc = acc * alpha + tl.sum(w[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(w, axis=0)
+        m_i = m_new
+    tl.store(out + (t * n_heads + h) * dv + d, acc / l_i, mask=d < dv)
+
+
+@triton.jit
+def _quantize_q8_0_rows(x, cache, cache16, cells, n_blocks, row_bytes, BLOCKS: tl.constexpr):
+    """Row t of x (n_blocks * 32 floats) as q8_0 into cache row cells[t], rounded as ggml does
+    (d = amax / 127 stored as f16, q = round(x / d) half away from zero)."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    live = b < n_blocks
+    j = tl.arange(0, 32)
+    v = tl.load(x + t * n_blocks * 32 + b[:, None] * 32 + j[None, :], mask=live[:, None], other=0.0)
+    d = tl.max(tl.abs(v), axis=1) / 127.0
+    inv = tl.where(d > 0, 1.0 / d, 0.0)
+    scaled = v * inv[:, None]
+    q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5)).to(tl.int8)
+    at = tl.load(cells + t).to(tl.int64) * row_bytes + b.to(tl.int64) * 34  # blocks start at even bytes
+    tl.store(cache16 + at // 2, d.to(tl.float16), mask=live)
+    tl.store(cache + at[:, None] + 2 + j[None, :], q.to(tl.uint8, bitcast=True), mask=live[:, None])
+
+
+@triton.jit
+def _moe_mm(x, qs, d, y, tile_expert, tile_row, tile_end, N, K, KIND: tl.constexpr, BM: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr):
+    """Grouped GEMM over rows sorted by expert: tile i covers rows tile_row[i] .. tile_end[i] (all of expert
+    tile_expert[i], -1: no work); y[rows, n] = x[rows] . W_e[n] with W_e (split Q8_0 / Q4_0) expanded to f16
+    tile by tile in registers, f32 accumulation (tensor cores). A Q4_0 byte is read once for both nibbles: the
+    weight tile holds columns in (byte, nibble) order and the activations are loaded in that same order."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert + tile)
+    if e >= 0:
+        r0 = tl.load(tile_row + tile)
+        r_end = tl.load(tile_end + tile)
+        rows = r0 + tl.arange(0, BM)
+        rmask = rows < r_end
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < N
+        wrow = (e.to(tl.int64) * N + n.to(tl.int64))[:, None]
+        NB: tl.constexpr = BK // 32
+        p = tl.arange(0, BK)
+        if KIND == 0:
+            col = p
+        else:  # position p of the tile is nibble p % 2 of byte (p % 32) // 2 of block p // 32
+            col = (p // 32) * 32 + (p % 2) * 16 + (p % 32) // 2
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            kmask = (k0 + p) < K
+            a = tl.load(x + rows.to(tl.int64)[:, None] * K + k0 + col[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = k0 // 32 + tl.arange(0, NB)
+            dv = tl.load(d + wrow * (K // 32) + b[None, :], mask=nmask[:, None] & (b < K // 32)[None, :],
+                         other=0.0).to(tl.float32)
+            if KIND == 0:
+                q = tl.load(qs + wrow * K + k0 + p[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+                vals = q.to(tl.float32)
+            else:
+                i = tl.arange(0, BK // 2)
+                bm = (k0 // 2 + i) < K // 2
+                byte = tl.load(qs + wrow * (K // 2) + k0 // 2 + i[None, :], mask=nmask[:, None] & bm[None, :],
+                               other=0).to(tl.int32)
+                vals = tl.reshape(tl.join(((byte & 0xF) - 8).to(tl.float32), ((byte >> 4) - 8).to(tl.float32)),
+                                  (BN, BK))
+            wt = tl.reshape(tl.reshape(vals, (BN, NB, 32)) * dv[:, :, None], (BN, BK)).to(tl.float16)
+            acc = tl.dot(a, tl.trans(wt), acc)
+        tl.store(y + rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+# ---- launchers ----
+
+def _bytes_per_row(qtype: Q, n: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return n // block * size
+
+
+@dataclass
+class Split:
+    """A Q8_0 / Q4_0 tensor on the GPU as two arrays: each block's quants (32 int8, or 16 bytes of nibbles) and
+    its f16 scale, in block order. The same bytes as the GGUF blocks, laid out for aligned vector loads."""
+
+    qtype: Q
+    ne: tuple[int, ...]
+    qs: torch.Tensor  # (n_blocks, 32) int8 or (n_blocks, 16) uint8
+    d: torch.Tensor  # (n_blocks,) float16
+
+    @classmethod
+    def of(cls, raw: torch.Tensor, qtype: Q, ne: tuple[int, ...]) -> "Split":
+        blocks = raw.view(-1, GGML_QUANT_SIZES[qtype][1])
+        qs = blocks[:, 2:].contiguous()
+        return cls(qtype, tuple(ne), qs.view(torch.int8) if qtype == Q.Q8_0 else qs,
+                   blocks[:, :2].contiguous().view(torch.float16).view(-1))
+
+    def rows(self, ids: torch.Tensor) -> "Split":
+        """Rows `ids` of a 2-D tensor."""
+        per_row = self.ne[0] // 32
+        n = ids.numel()
+        return Split(self.qtype, (self.ne[0], n), self.qs.view(-1, per_row, self.qs.shape[1])[ids].view(-1, self.qs.shape[1]),
+                     self.d.view(-1, per_row)[ids].view(-1))
+
+    def expert(self, e: int) -> "Split":
+        per = self.d.numel() // self.ne[2]
+        return Split(self.qtype, self.ne[:2], self.qs[e * per:(e + 1) * per], self.d[e * per:(e + 1) * per])
+
+    def floats(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(reversed ne) values of `dtype`: d * q rounded once (q and d are exact in f16, and a product is
+        rounded once in f16 or f32; bf16 goes through f32)."""
+        work = dtype if dtype in (torch.float16, torch.float32) else torch.float32
+        if self.qtype == Q.Q8_0:
+            q = self.qs.to(work)
+        else:
+            q = torch.cat([(self.qs & 0xF), (self.qs >> 4)], dim=1).to(work) - 8
+        shape = tuple(reversed(self.ne))
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=q.device)
+        if work == dtype:
+            torch.mul(q, self.d.to(work)[:, None], out=out.view(-1, 32))
+        else:
+            out.copy_((q * self.d.to(work)[:, None]).view(shape))
+        return out
+
+
+def gemv(w: Split, x: torch.Tensor) -> torch.Tensor:
+    """x (n, cols) float32 times the (rows, cols) matrix transposed: (n, rows) float32."""
+    cols, rows = w.ne[:2]
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
+    br = 16 if rows * x.shape[0] >= 16 * 528 else 4  # enough programs for every SM
+    _gemv[(triton.cdiv(rows, br), x.shape[0])](w.qs, w.d, x, y, rows, cols, KIND=GEMV_KINDS[w.qtype], BR=br,
+                                              BK=_BK)
+    return y
+
+
+ACTS = {"silu": 0, "gelu": 1}
+
+
+def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Split, up: Split, down: Split,
+             act: str) -> torch.Tensor:
+    """The routed experts of few tokens: x (n, n_embd), ids / weights (n, n_used) on the GPU; gate/up/down the
+    stacked expert tensors. Returns (n, n_embd) float32."""
+    n, n_used = ids.shape
+    n_embd, n_ff = gate.ne[0], gate.ne[1]
+    x = x.float().contiguous()
+    ids = ids.to(torch.int32).contiguous()
+    h = torch.empty(n * n_used, n_ff, dtype=torch.float32, device=x.device)
+    kind = GEMV_KINDS[gate.qtype]
+    _moe_gate_up[(triton.cdiv(n_ff, 4), n * n_used)](gate.qs, gate.d, up.qs, up.d, x, ids, h, n_ff, n_embd, n_used,
+                                                      KIND=kind, ACT=ACTS[act], BR=4, BK=_BK)
+    y = torch.empty(n, n_embd, dtype=torch.float32, device=x.device)
+    _moe_down[(triton.cdiv(n_embd, 4), n)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd, n_ff,
+                                           n_used, KIND=GEMV_KINDS[down.qtype], BR=4, BK=_BK)
+    return y
+
+
+def moe_tiles(ids: torch.Tensor, n_expert: int, block: int):
+    """Schedule of the grouped GEMM, computed on the GPU: (order, tile_expert, tile_row, tile_end) where order
+    sorts the flattened (token, slot) pairs by expert and tile i covers sorted rows tile_row[i] .. tile_end[i]
+    of expert tile_expert[i] (-1 for the unused tail of the worst-case tile count)."""
+    flat = ids.flatten().long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_expert, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts, 0)
+    tiles = (counts + block - 1) // block
+    tile_ends = torch.cumsum(tiles, 0)
+    n_tiles = triton.cdiv(flat.numel(), block) + n_expert  # a bound the host knows without a sync
+    t = torch.arange(n_tiles, device=ids.device)
+    e = torch.searchsorted(tile_ends, t, right=True).clamp_(max=n_expert - 1)
+    local = t - (tile_ends[e] - tiles[e])
+    row = ends[e] - counts[e] + local * block
+    used = t < tile_ends[-1]
+    return (order, torch.where(used, e, -1).to(torch.int32), row.to(torch.int32),
+            torch.minimum(row + block, ends[e]).to(torch.int32))
+
+
+def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int) -> torch.Tensor:
+    """Rows xs (pairs, cols) f16 sorted by expert times their expert's (rows, cols) matrix transposed."""
+    cols, rows, _ = w.ne
+    _, tile_expert, tile_row, tile_end = sched
+    y = torch.empty(xs.shape[0], rows, dtype=out_dtype, device=xs.device)
+    bn = 128 if block >= 64 else 64
+    _moe_mm[(tile_expert.numel(), triton.cdiv(rows, bn))](
+        xs, w.qs, w.d, y, tile_expert, tile_row, tile_end, rows, cols, KIND=GEMV_KINDS[w.qtype], BM=block, BN=bn,
+        BK=64, num_warps=8 if block >= 64 else 4, num_stages=3)
+    return y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Over the last dimension, float32."""
+    x = x.float().contiguous()
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    _rms_norm[(x.numel() // n,)](x, w, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return y
+
+
+def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+              pos: torch.Tensor, n_rot: int, neox: bool) -> torch.Tensor:
+    """x (n, heads, dim): optional per-head RMSNorm with w, then RoPE at positions pos (n,) from the tables."""
+    x = x.float().contiguous()
+    n, heads, dim = x.shape
+    y = torch.empty_like(x)
+    _norm_rope[(n * heads,)](x, w if w is not None else x, cos, sin, pos, y, heads, dim, n_rot, eps,
+                             HAS_NORM=w is not None, NEOX=neox, BLOCK=triton.next_power_of_2(dim))
+    return y
+
+
+def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_q8: bool, v_q8: bool,
+                     pos: torch.Tensor, base: torch.Tensor, n_head_kv: int, dv: int, scale: float,
+                     window: int) -> torch.Tensor:
+    """q (n, heads, dk) against cache rows (cells, bytes) of f16 or q8_0: (n, heads * dv) float32."""
+    q = q.float().contiguous()
+    n, heads, dk = q.shape
+    out = torch.empty(n, heads, dv, dtype=torch.float32, device=q.device)
+    kc, vc = (c if q8 else c.view(torch.float16) for c, q8 in ((k_cache, k_q8), (v_cache, v_q8)))
+    _attn_decode[(heads, n)](q, kc, vc, pos, base, out, heads, heads // n_head_kv, dk, dv,
+                             kc.shape[1], vc.shape[1], scale, window, K_Q8=k_q8, V_Q8=v_q8, BN=32,
+                             BD=triton.next_power_of_2(max(dk, dv)))
+    return out.view(n, heads * dv)
+
+
+def store_q8_0(x: torch.Tensor, cache: torch.Tensor, cells: torch.Tensor) -> None:
+    """Rows of x (n, width) quantized to q8_0 into cache rows `cells` (n,)."""
+    x = x.float().reshape(x.shape[0], -1).contiguous()
+    n_blocks = x.shape[1] // 32
+    _quantize_q8_0_rows[(x.shape[0], triton.cdiv(n_blocks, 16))](x, cache, cache.view(torch.float16), cells, n_blocks,
+                                                                 cache.shape[1],
+                                                                 BLOCKS=16)

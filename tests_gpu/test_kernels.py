@@ -1,0 +1,177 @@
+"""The generation kernels (ops/cuda/kernels.py) against float64 references on random inputs of many shapes,
+odd sizes too. On a GPU machine they run on the GPU; elsewhere under TRITON_INTERPRET=1 on the CPU."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants as gguf_quants
+from gguf.constants import GGMLQuantizationType as Q
+
+from ferry.ops.cuda import kernels as K
+from ferry.quant import dequantize as reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU: run with TRITON_INTERPRET=1", allow_module_level=True)
+
+
+def _quantized(rng, qtype, *shape):
+    """Random floats quantized by gguf-py: (raw bytes on DEV, float64 values they stand for)."""
+    values = (rng.standard_normal(shape) * rng.uniform(0.05, 3)).astype(np.float32)
+    raw = np.ascontiguousarray(gguf_quants.quantize(values, qtype)).view(np.uint8).reshape(-1)
+    ne = tuple(reversed(shape))
+    return torch.from_numpy(raw.copy()).to(DEV), torch.from_numpy(reference(raw, qtype, ne)).double()
+
+
+def _close(got, want, tol=2e-5):
+    got = got.double().cpu()
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err <= tol * max(want.abs().max().item(), 1.0), err
+
+
+@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("n,rows,cols", [(1, 1, 32), (1, 17, 96), (3, 33, 288), (1, 200, 2048), (5, 1000, 640)])
+def test_gemv_matches_float64(qtype, n, rows, cols):
+    rng = np.random.default_rng(rows + cols + n)
+    raw, w = _quantized(rng, qtype, rows, cols)
+    x = torch.from_numpy(rng.standard_normal((n, cols))).float()
+    _close(K.gemv(K.Split.of(raw, qtype, (cols, rows)), x.to(DEV)), x.double() @ w.T)
+
+
+@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_split_layout_expands_to_the_reference(qtype, dtype):
+    rng = np.random.default_rng(5)
+    raw, w = _quantized(rng, qtype, 3, 7, 96)
+    s = K.Split.of(raw, qtype, (96, 7, 3))
+    assert s.qs.numel() + 2 * s.d.numel() == raw.numel()  # the same bytes, rearranged
+    assert torch.equal(s.floats(dtype).cpu(), w.to(dtype))
+    assert torch.equal(s.expert(2).floats(dtype).cpu(), w[2].to(dtype))
+    flat = K.Split.of(raw, qtype, (96, 21))
+    ids = torch.tensor([20, 0, 5, 5]).to(DEV)
+    assert torch.equal(flat.rows(ids).floats(dtype).cpu(), w.view(21, 96)[ids.cpu()].to(dtype))
+
+
+@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (3, 8, 3, 96, 160), (2, 16, 8, 256, 64)])
+def test_moe_gemv_matches_float64(qtype, act, n, n_expert, n_used, n_embd, n_ff):
+    rng = np.random.default_rng(n_expert * n_embd + n)
+    (graw, g), (uraw, u), (draw, d) = (_quantized(rng, qtype, n_expert, a, b) for a, b in
+                                       ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff)))
+    x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
+    weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
+    got = K.moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), K.Split.of(graw, qtype, (n_embd, n_ff, n_expert)),
+                     K.Split.of(uraw, qtype, (n_embd, n_ff, n_expert)), K.Split.of(draw, qtype, (n_ff, n_embd, n_expert)),
+                     act)
+    f = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
+    want = torch.zeros(n, n_embd, dtype=torch.float64)
+    for t in range(n):
+        for s in range(n_used):
+            e = int(ids[t, s])
+            h = f(g[e] @ x[t].double()) * (u[e] @ x[t].double())
+            want[t] += weights[t, s].double() * (d[e] @ h)
+    _close(got, want, 5e-5)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 7), (5, 64), (3, 640), (2, 2048), (4, 33)])
+def test_rms_norm_matches_float64(rows, n):
+    rng = np.random.default_rng(n)
+    x, w = torch.from_numpy(rng.standard_normal((rows, n))), torch.from_numpy(rng.standard_normal(n))
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    _close(K.rms_norm(x.float().to(DEV), w.float().to(DEV), 1e-6), want)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("n,heads,dim,n_rot", [(1, 1, 64, 64), (3, 5, 128, 128), (2, 4, 96, 64), (7, 2, 80, 32)])
+def test_norm_rope_matches_float64(neox, norm, n, heads, dim, n_rot):
+    from ferry.layers.rope import Rope
+
+    rng = np.random.default_rng(dim + n)
+    x, w = torch.from_numpy(rng.standard_normal((n, heads, dim))), torch.from_numpy(rng.standard_normal(dim))
+    pos = torch.from_numpy(rng.integers(0, 300, n))
+    rope = Rope(n_rot, 10000.0, neox)
+    cos, sin = rope.angles(torch.arange(300))
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w if norm else x
+    want = rope(xn, cos[pos].double(), sin[pos].double())
+    got = K.norm_rope(x.float().to(DEV), w.float().to(DEV) if norm else None, 1e-6, cos.to(DEV), sin.to(DEV),
+                      pos.to(DEV), n_rot, neox)
+    _close(got, want)
+
+
+def _cache(rng, qtype, cells, width):
+    values = rng.standard_normal((cells, width)).astype(np.float32)
+    if qtype == Q.F16:
+        return torch.from_numpy(values.astype(np.float16).view(np.uint8).copy()).to(DEV), \
+            torch.from_numpy(values.astype(np.float16).astype(np.float64))
+    raw = np.ascontiguousarray(gguf_quants.quantize(values, Q.Q8_0)).view(np.uint8)
+    return torch.from_numpy(raw.copy()).to(DEV), torch.from_numpy(reference(raw.reshape(-1), Q.Q8_0, (width, cells))).double()
+
+
+@pytest.mark.parametrize("ktype,vtype", [(Q.F16, Q.F16), (Q.Q8_0, Q.Q8_0), (Q.Q8_0, Q.F16)], ids=str)
+@pytest.mark.parametrize("n,heads,heads_kv,dk,dv,window", [(1, 4, 4, 64, 64, 0), (3, 8, 2, 128, 128, 0),
+                                                             (2, 6, 3, 64, 32, 5), (4, 2, 1, 96, 96, 40)])
+def test_attention_decode_matches_float64(ktype, vtype, n, heads, heads_kv, dk, dv, window):
+    rng = np.random.default_rng(heads * dk + n + window)
+    cells = 100
+    kraw, k = _cache(rng, ktype, cells, heads_kv * dk)
+    vraw, v = _cache(rng, vtype, cells, heads_kv * dv)
+    q = torch.from_numpy(rng.standard_normal((n, heads, dk)))
+    pos = torch.from_numpy(rng.integers(0, 60, n))
+    base = torch.from_numpy(rng.integers(0, 40, n))
+    got = K.attention_decode(q.float().to(DEV), kraw, vraw, ktype == Q.Q8_0, vtype == Q.Q8_0, pos.to(DEV),
+                             base.to(DEV), heads_kv, dv, dk ** -0.5, window)
+    want = torch.empty(n, heads, dv, dtype=torch.float64)
+    for t in range(n):
+        lo = max(0, int(pos[t]) - window + 1) if window else 0
+        cell = torch.arange(lo, int(pos[t]) + 1) + int(base[t])
+        for h in range(heads):
+            kvh = h // (heads // heads_kv)
+            kk = k[cell].view(-1, heads_kv, dk)[:, kvh]
+            vv = v[cell].view(-1, heads_kv, dv)[:, kvh]
+            want[t, h] = torch.softmax(kk @ q[t, h] * dk ** -0.5, 0) @ vv
+    _close(got, want.view(n, -1), 1e-5)
+
+
+@pytest.mark.parametrize("n,width", [(1, 32), (3, 512), (2, 96 * 3), (5, 1024)])
+def test_store_q8_0_matches_ggml_rounding(n, width):
+    rng = np.random.default_rng(width + n)
+    x = (rng.standard_normal((n, width)) * rng.uniform(0.1, 10)).astype(np.float32)
+    x[0, :8] = 0.0  # an all-zero start of a block, and exact halves
+    x[-1, 8:10] = [2.5, -2.5]
+    cache = torch.zeros(10, width // 32 * 34, dtype=torch.uint8, device=DEV)
+    cells = torch.from_numpy(rng.permutation(10)[:n]).to(DEV)
+    K.store_q8_0(torch.from_numpy(x).to(DEV), cache, cells)
+    want = np.ascontiguousarray(gguf_quants.quantize(x, Q.Q8_0)).view(np.uint8).reshape(n, -1)
+    got = cache[cells].cpu().numpy()
+    assert (got != want).mean() < 1e-3  # a quotient within an ulp of .5 may round either way
+    assert np.abs(got.view(np.int8).astype(int) - want.view(np.int8).astype(int)).max() <= 1 or (got == want).all()
+
+
+@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("n,n_expert,n_used,rows,cols,block", [(1, 4, 2, 64, 64, 16), (37, 8, 3, 96, 160, 16),
+                                                               (50, 16, 4, 130, 96, 32), (129, 6, 2, 64, 256, 64)])
+def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, block):
+    """Every pair's row times its expert's matrix, through the GPU-built tile schedule: odd token counts, experts
+    with no tokens, tiles that straddle nothing."""
+    rng = np.random.default_rng(n * rows + cols)
+    raw, w = _quantized(rng, qtype, n_expert, rows, cols)
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert - 1)[:n_used]) for _ in range(n)])  # one idle expert
+    sched = K.moe_tiles(ids.to(DEV), n_expert, block)
+    order = sched[0].cpu()
+    x = torch.from_numpy(rng.standard_normal((n * n_used, cols))).half()
+    got = K.moe_mm(x[order].to(DEV), K.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block)
+    flat = ids.flatten()[order]
+    want = torch.stack([w[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
+    _close(got, want, 2e-3)  # f16 weights (one rounding each), float32 accumulation
+    covered = torch.zeros(n * n_used, dtype=torch.int64)
+    for e, r0, r1 in zip(*(t.cpu().tolist() for t in sched[1:])):
+        if e >= 0:
+            assert (flat[r0:r1] == e).all()
+            covered[r0:r1] += 1
+    assert (covered == 1).all()  # each sorted row in exactly one tile
