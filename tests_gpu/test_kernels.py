@@ -155,7 +155,8 @@ def test_store_q8_0_matches_ggml_rounding(n, width):
 
 @pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,n_expert,n_used,rows,cols,block", [(1, 4, 2, 64, 64, 16), (37, 8, 3, 96, 160, 16),
-                                                               (50, 16, 4, 130, 96, 32), (129, 6, 2, 64, 256, 64)])
+                                                               (50, 16, 4, 130, 96, 32), (129, 6, 2, 64, 256, 64),
+                                                               (300, 4, 2, 64, 384, 128)])
 def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, block):
     """Every pair's row times its expert's matrix, through the GPU-built tile schedule: odd token counts, experts
     with no tokens, tiles that straddle nothing."""

@@ -147,7 +147,7 @@ class CudaBackend:
         n_expert = gate.ne[2]
         if all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
             per_expert = n * k / n_expert
-            block = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+            block = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
             sched = kernels.moe_tiles(ids, n_expert, block)
             order = sched[0]
             xs = x.to(torch.float16)[order // k]

@@ -59,13 +59,12 @@ class CudaOps(TorchOps):
         values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
         q = q.to(keys.dtype).transpose(0, 1)
         keys, values = keys.transpose(0, 1), values.to(keys.dtype).transpose(0, 1)
+        group = q.shape[0] // kv.n_head_kv
+        if group > 1:  # every head's keys: torch's flash and memory-efficient kernels take no GQA here
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
         if self.batch.seq is None and self.batch.start == 0 and not window:  # causal from cell 0: flash
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale,
-                                                 enable_gqa=q.shape[0] != kv.n_head_kv)
-        else:  # a mask: the memory-efficient kernel, which needs every head's keys
-            group = q.shape[0] // kv.n_head_kv
-            if group > 1:
-                keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+        else:  # a mask: the memory-efficient kernel
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale)
         return out.transpose(0, 1).reshape(n, -1).float()

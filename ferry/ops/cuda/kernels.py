@@ -87,22 +87,17 @@ def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr,
 
 
 @triton.jit
-def _moe_down(dq, dd, h, ids, weights, y, rows, K, n_used, KIND: tl.constexpr, BR: tl.constexpr,
-              BK: tl.constexpr):
-    """y[t, r] = sum over t's experts s of weights[t, s] * (down_e[r] . h[t * n_used + s]): the weighted sum of
-    the experts in a fixed order (no atomics: the same inputs give the same bits)."""
+def _moe_down(dq, dd, h, ids, weights, y, rows, K, KIND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p]); the caller sums each token's pairs in a fixed order
+    (no atomics: the same inputs give the same bits)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
-    t = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
+    row = tl.load(ids + p).to(tl.int64) * rows + r
     acc = tl.zeros((BR,), dtype=tl.float32)
-    for s in range(0, n_used):
-        p = t * n_used + s
-        row = tl.load(ids + p).to(tl.int64) * rows + r
-        part = tl.zeros((BR,), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            part += _qdot(dq, dd, row, rmask, h + p * K, k0, K, KIND, BK)
-        acc += tl.load(weights + p) * part
-    tl.store(y + t * rows + r, acc, mask=rmask)
+    for k0 in range(0, K, BK):
+        acc += _qdot(dq, dd, row, rmask, h + p * K, k0, K, KIND, BK)
+    tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
 
 
 @triton.jit
@@ -337,10 +332,10 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Sp
     kind = GEMV_KINDS[gate.qtype]
     _moe_gate_up[(triton.cdiv(n_ff, 4), n * n_used)](gate.qs, gate.d, up.qs, up.d, x, ids, h, n_ff, n_embd, n_used,
                                                       KIND=kind, ACT=ACTS[act], BR=4, BK=_BK)
-    y = torch.empty(n, n_embd, dtype=torch.float32, device=x.device)
-    _moe_down[(triton.cdiv(n_embd, 4), n)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd, n_ff,
-                                           n_used, KIND=GEMV_KINDS[down.qtype], BR=4, BK=_BK)
-    return y
+    y = torch.empty(n * n_used, n_embd, dtype=torch.float32, device=x.device)
+    _moe_down[(triton.cdiv(n_embd, 4), n * n_used)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd,
+                                                     n_ff, KIND=GEMV_KINDS[down.qtype], BR=4, BK=_BK)
+    return y.view(n, n_used, n_embd).sum(1)
 
 
 def moe_tiles(ids: torch.Tensor, n_expert: int, block: int):
@@ -371,7 +366,7 @@ def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int) -> torch.Te
     bn = 128 if block >= 64 else 64
     _moe_mm[(tile_expert.numel(), triton.cdiv(rows, bn))](
         xs, w.qs, w.d, y, tile_expert, tile_row, tile_end, rows, cols, KIND=GEMV_KINDS[w.qtype], BM=block, BN=bn,
-        BK=64, num_warps=8 if block >= 64 else 4, num_stages=3)
+        BK=128 if block >= 64 else 64, num_warps=8 if block >= 64 else 4, num_stages=3)
     return y
 
 
