@@ -57,17 +57,19 @@ class CudaOps(TorchOps):
         n_kv = self.batch.n_kv  # a prompt: flash / memory-efficient attention over the cache as f16
         keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
         values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
-        q = q.to(keys.dtype).transpose(0, 1)
-        keys, values = keys.transpose(0, 1), values.to(keys.dtype).transpose(0, 1)
-        group = q.shape[0] // kv.n_head_kv
-        if group > 1:  # every head's keys: torch's flash and memory-efficient kernels take no GQA here
-            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        # (1, heads, tokens, dim): torch's flash and memory-efficient kernels take only 4-D inputs (3-D ones fall
+        # back to the math kernel, which materialises every score in float32) and no GQA here
+        q = q.to(keys.dtype).transpose(0, 1)[None]
+        keys, values = keys.transpose(0, 1)[None], values.to(keys.dtype).transpose(0, 1)[None]
+        group = q.shape[1] // kv.n_head_kv
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         if self.batch.seq is None and self.batch.start == 0 and not window:  # causal from cell 0: flash
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
         else:  # a mask: the memory-efficient kernel
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale)
-        return out.transpose(0, 1).reshape(n, -1).float()
+        return out[0].transpose(0, 1).reshape(n, -1).float()
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a + b
