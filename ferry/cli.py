@@ -73,7 +73,7 @@ def _check_gpu_layers(n_layer: int, n_gpu_layers: int) -> None:
         raise FerryError(f"-ngl {n_gpu_layers} needs a CUDA GPU and torch sees none; use -ngl 0")
 
 
-def _gpu_backend(f, model, n_gpu_layers: int):
+def _gpu_backend(f, model, n_gpu_layers: int, n_ctx: int = 4096, n_ubatch: int = 512):
     """All layers on one GPU (-ngl >= layers + 1): the GPU backend, after the memory plan says it fits."""
     import torch
 
@@ -82,14 +82,15 @@ def _gpu_backend(f, model, n_gpu_layers: int):
 
     _check_gpu_layers(model.args.n_layer, n_gpu_layers)
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, model.args, n_gpu_layers, [], ["CUDA0"],
-                       {"CUDA0": torch.cuda.mem_get_info(0)[0]}, 4096, 512)
+                       {"CUDA0": torch.cuda.mem_get_info(0)[0]}, n_ctx if n_ctx > 0 else model.args.n_ctx_train,
+                       n_ubatch)
     if not plan.fits:
         raise FerryError(plan.error())
     return CudaBackend("cuda:0")
 
 
 def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True,
-               quiet: bool = False, n_gpu_layers: int = 0):
+               quiet: bool = False, n_gpu_layers: int = 0, n_ctx: int = 4096, n_ubatch: int = 512):
     """Open, validate, build, and repack the CPU weights (or, with -ngl over every layer, put them on the GPU):
     returns (file, backend, model, load seconds). A progress bar shows the repack on a terminal unless quiet."""
     from ferry.gguf.file import GGUFFile
@@ -100,7 +101,7 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
     f = GGUFFile(path)
     model = load_model(f)
     if n_gpu_layers > 0:
-        backend = _gpu_backend(f, model, n_gpu_layers)
+        backend = _gpu_backend(f, model, n_gpu_layers, n_ctx, n_ubatch)
         for w in model.weights():
             backend.upload(w)
         return f, backend, model, time.perf_counter() - t0
@@ -130,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
     f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
-                                      args.quiet, args.n_gpu_layers)
+                                      args.quiet, args.n_gpu_layers, args.ctx_size, min(args.ubatch_size, args.batch_size))
     tok = Tokenizer(f)
     engine = Engine(model, backend, args.ctx_size, args.batch_size, args.ubatch_size, args.cache_type_k, args.cache_type_v)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,

@@ -130,7 +130,9 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
         raise FerryError("nothing to measure: give -p, -n or -pg a value above 0")
     rows = []
     for path, t, ngl in itertools.product(models, threads, n_gpu_layers):
-        f, backend, model, _ = open_model(path, t, repack, t, fused_moe, True, ngl)
+        ctx = max(depths) + max((p + n for p, n in tests), default=0) + 1  # the largest cache a test needs
+        ubatch = max(min(ub, b) for ub in n_ubatch for b in n_batch)
+        f, backend, model, _ = open_model(path, t, repack, t, fused_moe, True, ngl, ctx, ubatch)
         size = sum(info.nbytes for info in f.tensors.values())
         n_params = sum(math.prod(info.ne) for info in f.tensors.values())
         for b, ub, (p, n), d in itertools.product(n_batch, n_ubatch, tests, depths):
