@@ -21,10 +21,25 @@ _KEYS = {
 }
 
 
+def _converter():
+    """transformers' GGUF-metadata-to-tokenizer converter: integrations.ggml in 4.x, integrations.gguf in the
+    5.x releases that keep it (5.17, on the GPU machine's image, replaced it by a file-path API)."""
+    import transformers
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:
+        try:
+            from transformers.integrations.ggml import convert_gguf_tokenizer
+        except ImportError:
+            raise FerryError(f"transformers {transformers.__version__} has no convert_gguf_tokenizer, which ferry "
+                             "builds tokenizers with; install transformers 5.23 (pip install transformers==5.23.*)") from None
+    return convert_gguf_tokenizer
+
+
 class Tokenizer:
     def __init__(self, f: GGUFFile):
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
-
+        convert_gguf_tokenizer = _converter()
         meta = {v: f.get(f"tokenizer.ggml.{k}") for k, v in _KEYS.items() if f.get(f"tokenizer.ggml.{k}") is not None}
         if "tokens" not in meta or "tokenizer_type" not in meta:
             raise FerryError(f"{f.path}: no tokenizer in the metadata (tokenizer.ggml.tokens/model); re-convert the model with its tokenizer")

@@ -84,3 +84,13 @@ def test_info_says_which_cpu_tensors_are_repacked(tiny):
     assert set(layouts("--no-repack").values()) == {"mmap"}
     r = ferry("info", str(tiny))
     assert "never offloaded" in r.stdout
+
+
+def test_a_transformers_without_the_tokenizer_converter_is_one_clear_error(monkeypatch):
+    from ferry.errors import FerryError
+    from ferry.tokenizer import _converter
+
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", None)
+    monkeypatch.setitem(sys.modules, "transformers.integrations.ggml", None)
+    with pytest.raises(FerryError, match="no convert_gguf_tokenizer.*transformers==5.23"):
+        _converter()
