@@ -13,7 +13,6 @@ vector extensions as explicit flags, no AMX (llamacpp.cpu_flags). Usage:
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,14 +29,9 @@ def ferry_bench(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, 
 
 
 def llama_bench(exe: str, path: Path, threads: int, n_prompt: int, n_gen: int, reps: int) -> dict:
-    cmd = [exe, "-m", str(path), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps),
-           "-b", str(n_prompt), "-ub", str(n_prompt), "-o", "json"]
-    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    out = {}
-    for r in rows:
-        name = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-        out[name] = {"avg_ts": r["avg_ts"], "stddev_ts": r["stddev_ts"], "samples_ts": r["samples_ts"]}
-    return out
+    rows = llamacpp.llama_bench_rows([exe, "-m", str(path), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
+                                      "-r", str(reps), "-b", str(n_prompt), "-ub", str(n_prompt)])
+    return {f"pp{p}" if p else f"tg{n}": stats for (p, n, _), stats in rows.items()}
 
 
 def main() -> None:

@@ -9,10 +9,12 @@ Usage (on the GPU machine; scripts/gpu_check.sh with STAGES="big llama" builds l
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp  # noqa: E402
 
 
 def ferry_bench(path: Path, n_prompt: int, n_gen: int, ubatches: list[int], reps: int) -> dict:
@@ -29,17 +31,12 @@ def ferry_bench(path: Path, n_prompt: int, n_gen: int, ubatches: list[int], reps
 
 
 def llama_bench(exe: str, path: Path, n_prompt: int, n_gen: int, ubatches: list[int], reps: int) -> dict:
-    cmd = [exe, "-m", str(path), "-ngl", "99", "-fa", "1", "-p", str(n_prompt), "-n", "0", "-r", str(reps),
-           "-b", str(n_prompt), "-ub", ",".join(map(str, ubatches)), "-o", "json"]
-    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    base = [exe, "-m", str(path), "-ngl", "99", "-fa", "1", "-r", str(reps)]
+    rows = llamacpp.llama_bench_rows([*base, "-p", str(n_prompt), "-n", "0", "-b", str(n_prompt),
+                                      "-ub", ",".join(map(str, ubatches))])
     if n_gen:
-        cmd = [exe, "-m", str(path), "-ngl", "99", "-fa", "1", "-p", "0", "-n", str(n_gen), "-r", str(reps), "-o", "json"]
-        rows += json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-    out = {}
-    for r in rows:
-        name = f"pp{r['n_prompt']} ub{r['n_ubatch']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-        out[name] = {"avg_ts": r["avg_ts"], "stddev_ts": r["stddev_ts"], "samples_ts": r["samples_ts"]}
-    return out
+        rows |= llamacpp.llama_bench_rows([*base, "-p", "0", "-n", str(n_gen)])
+    return {f"pp{p} ub{ub}" if p else f"tg{n}": stats for (p, n, ub), stats in rows.items()}
 
 
 def main() -> None:

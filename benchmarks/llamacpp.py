@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -104,6 +105,13 @@ def build(src: Path, cuda: bool = False, cmake_args: list[str] | None = None) ->
         subprocess.run(["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *_TARGETS],
                        check=True, stdout=subprocess.DEVNULL)
     return exe
+
+
+def llama_bench_rows(cmd: list[str]) -> dict[str, dict]:
+    """Run llama-bench with `-o json`: per row, keyed by (n_prompt, n_gen, n_ubatch), its mean, std and samples."""
+    rows = json.loads(subprocess.run([*cmd, "-o", "json"], check=True, capture_output=True, text=True).stdout)
+    return {(r["n_prompt"], r["n_gen"], r["n_ubatch"]): {"avg_ts": r["avg_ts"], "stddev_ts": r["stddev_ts"],
+                                                         "samples_ts": r["samples_ts"]} for r in rows}
 
 
 def build_ggml_python(ggml_python_src: Path, src: Path) -> None:

@@ -3,7 +3,6 @@ file renamed into place only once complete, so a failed write never leaves a par
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -12,8 +11,8 @@ import numpy as np
 from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType, GGUFValueType
 
-from ferry.errors import FerryError
 from ferry.quant import row_bytes
+from ferry.tools.files import atomic_file
 
 
 @dataclass
@@ -52,8 +51,7 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: Iterabl
     """Write a GGUF atomically: metadata (general.architecture from `arch`), then each tensor in order."""
     path = Path(path)
     tensors = list(tensors)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
+    with atomic_file(path) as tmp:
         w = GGUFWriter(None, arch)
         for key, value in metadata.items():
             _add_value(w, key, value)
@@ -71,10 +69,3 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: Iterabl
             if on_tensor:
                 on_tensor(t)
         w.close()
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise FerryError(f"{path}: cannot write ({e.strerror}); check the folder exists, is writable and has space") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

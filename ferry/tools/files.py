@@ -19,7 +19,8 @@ def atomic_file(path: Path) -> Iterator[Path]:
         tmp.replace(path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise FerryError(f"cannot write {path}: {e.strerror}") from None
+        raise FerryError(f"{path}: cannot write ({e.strerror}); check the folder exists, is writable and has "
+                         "space") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

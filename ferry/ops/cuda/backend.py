@@ -164,11 +164,11 @@ class CudaBackend:
         return (out.view(n, k, -1) * weights[..., None]).sum(1)
 
     def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
+        from ferry.ops.cuda.kernels import sort_pairs
+
         k = ids.shape[1]
-        flat = ids.flatten().long()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(gate.ne[2], dtype=torch.int64, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        order, _, ends = sort_pairs(ids, gate.ne[2])
+        offs = ends.to(torch.int32)
         xs = x.to(torch.bfloat16)[order // k]  # (pairs, n_embd), grouped by expert
         g = self._group_mm(xs, self._experts(gate, 1), offs)
         u = self._group_mm(xs, self._experts(up, 1), offs)

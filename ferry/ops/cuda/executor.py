@@ -5,6 +5,7 @@ same); prompts run eagerly."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -71,9 +72,6 @@ class CudaOps(TorchOps):
                 q, keys, values, attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale)
         return out[0].transpose(0, 1).reshape(n, -1).float()
 
-    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a + b
-
 
 def _typed(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Cache rows as the kernels read them: q8_0 bytes, or the float type."""
@@ -90,12 +88,16 @@ def _floats(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
     return dequantize(rows.reshape(-1), qtype, (width, rows.shape[0]), torch.float16)
 
 
+@dataclass
 class _Captured:
     """A decode step of one shape as a CUDA graph: static inputs filled before each replay."""
 
-    def __init__(self, tokens, pos, cells, logits, expert_ids, graph):
-        self.tokens, self.pos, self.cells, self.logits, self.expert_ids, self.graph = \
-            tokens, pos, cells, logits, expert_ids, graph
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    cells: torch.Tensor
+    logits: torch.Tensor
+    expert_ids: list[torch.Tensor]
+    graph: torch.cuda.CUDAGraph
 
 
 class CudaExecutor:
@@ -106,39 +108,36 @@ class CudaExecutor:
         self.backend = backend
         self.device = backend.device
         self.graphs = graphs if graphs is not None else os.environ.get("FERRY_CUDA_GRAPHS", "1") != "0"
-        self._tables: dict[tuple[Rope, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[int, int], dict[Rope, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._captured: dict[tuple, _Captured] = {}
         self._pool = None
 
     def _rope_tables(self, model, n_ctx: int) -> dict:
-        """cos/sin of every cache position for each rope the model uses (the CPU path's angles, computed once)."""
-        out = {}
-        for rope in {getattr(b.attn, "rope", None) for b in model.blocks} - {None}:
-            key = (rope, n_ctx)
-            if key not in self._tables:
-                cos, sin = rope.angles(torch.arange(n_ctx))
-                self._tables[key] = (cos.to(self.device), sin.to(self.device))
-            out[rope] = self._tables[key]
-        return out
+        """cos/sin of every cache position for each rope the model uses (the CPU path's angles), once per model
+        and cache length."""
+        key = (id(model), n_ctx)
+        if key not in self._tables:
+            ropes = {getattr(b.attn, "rope", None) for b in model.blocks} - {None}
+            self._tables[key] = {r: tuple(t.to(self.device) for t in r.angles(torch.arange(n_ctx))) for r in ropes}
+        return self._tables[key]
 
     def _run(self, model, batch: Batch, tokens, pos, cells) -> torch.Tensor:
         ops = CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx))
         return model.forward(ops)
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        pos = batch.positions.to(self.device)
-        cells = batch.cells.to(self.device)
-        tokens = tokens.to(self.device)
-        if not self.graphs or not self.backend.graph_safe or batch.n_tokens > DECODE_MAX:
-            return self._run(model, batch, tokens, pos, cells)
+        eager = not self.graphs or not self.backend.graph_safe or batch.n_tokens > DECODE_MAX
         key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits)
-        c = self._captured.get(key)
+        c = None if eager else self._captured.get(key)
         if c is None:
+            tokens, pos, cells = (t.to(self.device) for t in (tokens, batch.positions, batch.cells))
+            if eager:
+                return self._run(model, batch, tokens, pos, cells)
             c = self._captured[key] = self._capture(model, batch, tokens, pos, cells)
-        else:
+        else:  # straight from the host into the graph's inputs
             c.tokens.copy_(tokens)
-            c.pos.copy_(pos)
-            c.cells.copy_(cells)
+            c.pos.copy_(batch.positions)
+            c.cells.copy_(batch.cells)
             c.graph.replay()
         batch.expert_ids = list(c.expert_ids)
         return c.logits.clone()

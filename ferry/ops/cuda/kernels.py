@@ -255,11 +255,6 @@ def _moe_mm(x, qs, d, y, tile_expert, tile_row, tile_end, N, K, KIND: tl.constex
 
 # ---- launchers ----
 
-def _bytes_per_row(qtype: Q, n: int) -> int:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return n // block * size
-
-
 @dataclass
 class Split:
     """A Q8_0 / Q4_0 tensor on the GPU as two arrays: each block's quants (32 int8, or 16 bytes of nibbles) and
@@ -338,17 +333,22 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Sp
     return y.view(n, n_used, n_embd).sum(1)
 
 
+def sort_pairs(ids: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flattened (token, slot) pairs sorted by expert, on the GPU without a host sync (no bincount):
+    (order, pairs per expert, cumulative ends)."""
+    flat = ids.flatten().long()
+    counts = torch.zeros(n_expert, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts, torch.cumsum(counts, 0)
+
+
 def moe_tiles(ids: torch.Tensor, n_expert: int, block: int):
     """Schedule of the grouped GEMM, computed on the GPU: (order, tile_expert, tile_row, tile_end) where order
     sorts the flattened (token, slot) pairs by expert and tile i covers sorted rows tile_row[i] .. tile_end[i]
     of expert tile_expert[i] (-1 for the unused tail of the worst-case tile count)."""
-    flat = ids.flatten().long()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_expert, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
-    ends = torch.cumsum(counts, 0)
+    order, counts, ends = sort_pairs(ids, n_expert)
     tiles = (counts + block - 1) // block
     tile_ends = torch.cumsum(tiles, 0)
-    n_tiles = triton.cdiv(flat.numel(), block) + n_expert  # a bound the host knows without a sync
+    n_tiles = triton.cdiv(ids.numel(), block) + n_expert  # a bound the host knows without a sync
     t = torch.arange(n_tiles, device=ids.device)
     e = torch.searchsorted(tile_ends, t, right=True).clamp_(max=n_expert - 1)
     local = t - (tile_ends[e] - tiles[e])
