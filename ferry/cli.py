@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ferry.errors import FerryError
@@ -57,42 +58,110 @@ def _add_context_args(p: argparse.ArgumentParser) -> None:
     _add_cache_type_args(p)
 
 
+def _add_gpu_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
+    p.add_argument("-ngl", "--n-gpu-layers", type=str if lists else int, default="0" if lists else 0,
+                   help="layers on the GPU (999: all); the rest stay in RAM" + (", comma list" if lists else ""))
+    p.add_argument("-ot", "--override-tensor", action="append", default=[],
+                   help="REGEX=DEVICE (CPU, CUDA0), repeatable, first match wins; e.g. -ot exps=CPU")
+    p.add_argument("--offload-policy", default="auto",
+                   help="ops on weights in RAM: auto (predicted from `ferry calibrate`), threshold, and/or "
+                        "NAME=on|off|auto for mul_mat, mul_mat_id, moe_up_gate, moe_down, all")
+    p.add_argument("--offload-min-batch", type=int, default=32, help="the threshold policy's batch size (llama.cpp: 32)")
+    p.add_argument("--verbose", action="store_true", help="log every offload decision, predicted and measured")
+
+
+def _gpu_options(args: argparse.Namespace, n_gpu_layers: int | None = None) -> GpuOptions:
+    return GpuOptions(args.n_gpu_layers if n_gpu_layers is None else n_gpu_layers, args.override_tensor,
+                      args.offload_policy, args.offload_min_batch, getattr(args, "verbose", False))
+
+
 def _add_cache_type_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type of keys: f16 (default), q8_0, q4_0, bf16, f32")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type of values (same choices)")
 
 
-def _check_gpu_layers(n_layer: int, n_gpu_layers: int) -> None:
-    """-ngl is 0 or covers every layer (the GPU backend runs whole models so far), and there is a GPU."""
+def _wants_gpu(n_gpu_layers: int, override_tensor: list[str]) -> bool:
+    from ferry.placement import parse_overrides
+
+    return n_gpu_layers > 0 or any(rule.device != "CPU" for rule in parse_overrides(override_tensor))
+
+
+def _check_gpu(n_gpu_layers: int, override_tensor: list[str]) -> None:
+    """A GPU placement needs a GPU torch can see."""
     import torch
 
-    if 0 < n_gpu_layers <= n_layer:
-        raise FerryError(f"-ngl {n_gpu_layers}: layers split between CPU and GPU come with the hybrid runtime; "
-                         f"use -ngl 0 (CPU) or -ngl {n_layer + 1} or more (all on the GPU)")
-    if n_gpu_layers > 0 and not torch.cuda.is_available():
-        raise FerryError(f"-ngl {n_gpu_layers} needs a CUDA GPU and torch sees none; use -ngl 0")
+    if _wants_gpu(n_gpu_layers, override_tensor) and not torch.cuda.is_available():
+        raise FerryError(f"-ngl {n_gpu_layers} / -ot needs a CUDA GPU and torch sees none; use -ngl 0 without -ot")
 
 
-def _gpu_backend(f, model, n_gpu_layers: int, n_ctx: int = 4096, n_ubatch: int = 512):
-    """All layers on one GPU (-ngl >= layers + 1): the GPU backend, after the memory plan says it fits."""
+@dataclass
+class GpuOptions:
+    """Where weights go and how ops on CPU-resident ones are decided (-ngl, -ot, --offload-policy)."""
+
+    n_gpu_layers: int = 0
+    override_tensor: list[str] = field(default_factory=list)
+    offload_policy: str = "auto"
+    offload_min_batch: int = 32
+    verbose: bool = False
+
+    @property
+    def wanted(self) -> bool:
+        return _wants_gpu(self.n_gpu_layers, self.override_tensor)
+
+
+def _calibration(threads: int, quiet: bool):
+    """This machine's stored calibration; measured quickly (and stored) the first time."""
+    from ferry import calibrate
+
+    path = calibrate.default_path()
+    if not path.exists() or calibrate.load(path) is None:  # none yet, or one from a run that saw no GPU
+        if not quiet:
+            print(f"ferry: calibrating this machine for the offload policy (once; stored in {path}, "
+                  "`ferry calibrate` measures it fully)", file=sys.stderr)
+        calibrate.save(calibrate.calibrate(threads, quick=True), path)
+    return calibrate.load(path)
+
+
+def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 512, cpu_backend=None,
+                 quiet: bool = True):
+    """The GPU backend when every weight is on the GPU, else the hybrid one; after the memory plan says it fits."""
     import torch
 
     from ferry.ops.cuda.backend import CudaBackend
-    from ferry.placement import memory_plan
+    from ferry.placement import layer_devices, memory_plan, parse_overrides, place
+    from ferry.policy import parse_policy
 
-    _check_gpu_layers(model.args.n_layer, n_gpu_layers)
-    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, model.args, n_gpu_layers, [], ["CUDA0"],
-                       {"CUDA0": torch.cuda.mem_get_info(0)[0]}, n_ctx if n_ctx > 0 else model.args.n_ctx_train,
-                       n_ubatch)
+    policy = parse_policy(gpu.offload_policy, gpu.offload_min_batch)
+    overrides = parse_overrides(gpu.override_tensor)
+    _check_gpu(gpu.n_gpu_layers, gpu.override_tensor)
+    a = model.args
+    layers = layer_devices(a.n_layer, gpu.n_gpu_layers, ["CUDA0"])
+    devices = {t: place(t, a.n_layer, gpu.n_gpu_layers, overrides, layers) for t in f.tensors}
+    if model.output is model.token_embd:  # tied output: the matrix goes where the output layer goes
+        devices["token_embd.weight"] = place("output.weight", a.n_layer, gpu.n_gpu_layers, overrides, layers)
+    others = sorted({d for d in devices.values()} - {"CPU", "CUDA0"})
+    if others:
+        raise FerryError(f"-ot places tensors on {', '.join(others)}, but ferry's runtime uses one GPU (CUDA0) so far; "
+                         "the plan (`ferry plan`) covers several")
+    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, a, gpu.n_gpu_layers, overrides, ["CUDA0"],
+                       {"CUDA0": torch.cuda.mem_get_info(0)[0]}, n_ctx if n_ctx > 0 else a.n_ctx_train, n_ubatch,
+                       kv_on_gpu=True)
     if not plan.fits:
         raise FerryError(plan.error())
-    return CudaBackend("cuda:0")
+    backend = CudaBackend("cuda:0")
+    if all(devices.get(w.name) == "CUDA0" for w in model.weights()):
+        return backend
+    from ferry.ops.hybrid import HybridBackend
+
+    return HybridBackend(backend, cpu_backend, devices, policy, _calibration(cpu_backend.n_threads, quiet),
+                         timed=gpu.verbose)
 
 
 def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True,
-               quiet: bool = False, n_gpu_layers: int = 0, n_ctx: int = 4096, n_ubatch: int = 512):
-    """Open, validate, build, and repack the CPU weights (or, with -ngl over every layer, put them on the GPU):
-    returns (file, backend, model, load seconds). A progress bar shows the repack on a terminal unless quiet."""
+               quiet: bool = False, gpu: GpuOptions | None = None, n_ctx: int = 4096, n_ubatch: int = 512):
+    """Open, validate, build, and place the weights: on the CPU (repacked into ggml's layout), on the GPU, or
+    split between them (-ngl, -ot): returns (file, backend, model, load seconds). A progress bar shows the
+    repack on a terminal unless quiet."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
     from ferry.ops.cpu import CpuBackend
@@ -100,24 +169,30 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
     t0 = time.perf_counter()
     f = GGUFFile(path)
     model = load_model(f)
-    if n_gpu_layers > 0:
-        backend = _gpu_backend(f, model, n_gpu_layers, n_ctx, n_ubatch)
-        for w in model.weights():
-            backend.upload(w)
-        return f, backend, model, time.perf_counter() - t0
-    backend = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch, fused_moe=fused_moe)
+    gpu = gpu or GpuOptions()
+    cpu = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch, fused_moe=fused_moe)
+    cpu_weights = model.weights()
+    backend = cpu
+    if gpu.wanted:
+        backend = _gpu_backend(f, model, gpu, n_ctx, n_ubatch, cpu, quiet)
+        if backend.name == "CUDA":
+            for w in model.weights():
+                backend.upload(w)
+            return f, backend, model, time.perf_counter() - t0
+        backend.prepare(model.weights())
+        cpu_weights = [w for w in model.weights() if not backend.on_gpu(w)]
     if repack:
         t1 = time.perf_counter()
         if quiet or not sys.stderr.isatty():
-            backend.repack(*model.weights())
+            cpu.repack(*cpu_weights)
         else:
             from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
             with Progress(TextColumn("repacking CPU weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                           transient=True) as bar:
                 task = bar.add_task("repack", total=None)
-                backend.repack(*model.weights(), progress=lambda done, total: bar.update(task, completed=done, total=total))
-        backend.repack_seconds = time.perf_counter() - t1
+                cpu.repack(*cpu_weights, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        cpu.repack_seconds = time.perf_counter() - t1
     return f, backend, model, time.perf_counter() - t0
 
 
@@ -131,7 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
     f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
-                                      args.quiet, args.n_gpu_layers, args.ctx_size, min(args.ubatch_size, args.batch_size))
+                                      args.quiet, _gpu_options(args), args.ctx_size, min(args.ubatch_size, args.batch_size))
     tok = Tokenizer(f)
     engine = Engine(model, backend, args.ctx_size, args.batch_size, args.ubatch_size, args.cache_type_k, args.cache_type_v)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -150,8 +225,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     gen.timings.load_ms = load_ms
     if not args.quiet:
-        where = (f"{backend.n_threads} threads ({backend.n_threads_batch} for batches)" if backend.name == "CPU"
-                 else f"all layers on {backend.device}")
+        if backend.name == "CPU":
+            where = f"{backend.n_threads} threads ({backend.n_threads_batch} for batches)"
+        else:
+            where = f"all layers on {backend.device}" if backend.name == "CUDA" else f"hybrid: {backend.summary}"
         print(f"ferry: model {f.path.name} ({model.args.arch}), {where}, seed {sampler.seed}, "
               f"stopped by {gen.stopped_by}", file=sys.stderr)
         if getattr(backend, "repacked_bytes", 0):
@@ -159,6 +236,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"layout in {backend.repack_seconds:.2f} s at load (--no-repack skips this)", file=sys.stderr)
         if gen.experts_hit:
             print(f"ferry: experts hit per layer in the first u-batch: {gen.experts_hit[0]}", file=sys.stderr)
+        if args.verbose and hasattr(backend, "report"):
+            print("ferry: offload decisions of this run (measured: synchronized around each op)", file=sys.stderr)
+            print("\n".join(backend.report()), file=sys.stderr)
         print("\n".join(gen.timings.lines()), file=sys.stderr)
     return 0
 
@@ -171,26 +251,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     lists = {flag: bench.parse_int_list(flag, v) for flag, v in
              (("-p", args.n_prompt), ("-n", args.n_gen), ("-b", args.batch_size), ("-ub", args.ubatch_size), ("-t", args.threads),
               ("-d", args.n_depth), ("-ngl", args.n_gpu_layers), ("-fa", args.flash_attn))}
-    if args.override_tensor:
-        raise FerryError("-ot: per-tensor placement comes with the hybrid runtime; use -ngl 0 or -ngl 999")
     if any(v != 1 for v in lists["-fa"]):
         raise FerryError("-fa 0: ferry's CPU path always uses flash attention; leave -fa out or pass -fa 1")
     pairs = bench.parse_pairs("-pg", args.pg)
     models = [Path(m) for m in args.model] if args.model else [default_model()]
-    if any(lists["-ngl"]):
-        from ferry.gguf.file import GGUFFile
-        from ferry.models.base import ModelArgs
-
-        for m in models:
-            n_layer = ModelArgs.from_gguf(GGUFFile(m)).n_layer
-            for ngl in lists["-ngl"]:
-                _check_gpu_layers(n_layer, ngl)
+    for ngl in lists["-ngl"]:
+        _check_gpu(ngl, args.override_tensor)
     if args.output == "md":  # rows appear as they are measured, like llama-bench
         print(bench.md_header(), flush=True)
     rows = bench.run_bench(models, lists["-p"], lists["-n"], lists["-b"], lists["-ub"], lists["-t"], args.repetitions,
                            args.repack, args.cache_type_k, args.cache_type_v, args.fused_moe,
                            on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None,
-                           pg=pairs, depths=lists["-d"], n_gpu_layers=lists["-ngl"])
+                           pg=pairs, depths=lists["-d"], gpus=[_gpu_options(args, ngl) for ngl in lists["-ngl"]])
     if args.output != "md":
         print(bench.render(rows, args.output))
     return 0
@@ -205,7 +277,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             raise FerryError("--no-run only plots: give --plot OUT.png and at least one --overlay FILE.json")
     else:
         path = _model_path(args)
-        f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, args.quiet)
+        f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, args.quiet,
+                                          _gpu_options(args), args.ctx_size, args.ubatch_size)
         if not args.quiet:
             print(sweep.HEADER, flush=True)
         from ferry.tools.progress import progress
@@ -246,7 +319,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         text = Path(args.file).read_text(encoding="utf-8", errors="replace")
     except OSError as e:
         raise FerryError(f"-f {args.file}: {e.strerror}") from None
-    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe, args.quiet)
+    f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
+                                      args.quiet, _gpu_options(args), args.ctx_size, args.ubatch_size)
     tok = Tokenizer(f)
     tokens = tok.encode(text)
     engine = Engine(model, backend, n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
@@ -287,7 +361,8 @@ def build_server(args: argparse.Namespace):
         raise FerryError(f"-np/--parallel must be at least 1 and -c/--ctx-size give each slot 2 tokens or more, got "
                          f"-np {args.parallel} -c {args.ctx_size}")
     path = _model_path(args)
-    f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, True)
+    f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, True,
+                                      _gpu_options(args), args.ctx_size, args.ubatch_size)
     tok = Tokenizer(f)
     seq_len = args.ctx_size // args.parallel
     engine = Engine(model, backend, n_ctx=seq_len * args.parallel, n_batch=args.ubatch_size,
@@ -363,8 +438,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     blocks = [GGML_QUANT_SIZES[kv_type(flag, t)]
               for flag, t in (("-ctk/--cache-type-k", args.cache_type_k), ("-ctv/--cache-type-v", args.cache_type_v))]
     kv = tuple(size / block for block, size in blocks)  # bytes per cached value
+    # one GPU: the runtime keeps every layer's KV cache and the expert staging there (several GPUs: planned only)
+    kv_on_gpu = len(gpus) == 1 and _wants_gpu(args.n_gpu_layers, args.override_tensor)
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,
-                       available, args.ctx_size, args.ubatch_size, kv, split)
+                       available, args.ctx_size, args.ubatch_size, kv, split, kv_on_gpu=kv_on_gpu)
     if args.json:
         print(json.dumps({"fits": plan.fits, "advice": plan.advice,
                           "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices]}, indent=1))
@@ -411,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", dest="prompt_opt", help="prompt text (same as the positional argument)")
     _add_model_args(p)
     _add_context_args(p)
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU: 0, or all (999)")
+    _add_gpu_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until end of generation)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
     p.add_argument("--top-k", type=int, default=40)
@@ -432,8 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-pg", action="append", default=[], help="PP,TG: a prompt then a generation in one timed run")
     p.add_argument("-d", "--n-depth", default="0", help="tokens in the cache before each test")
     p.add_argument("-t", "--threads", default="0", help="thread counts (0: the physical core count)")
-    p.add_argument("-ngl", "--n-gpu-layers", default="0", help="layers on the GPU: 0, or all (999)")
-    p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE (no GPU backend yet)")
+    _add_gpu_args(p, lists=True)
     p.add_argument("-fa", "--flash-attn", default="1", help="flash attention (the CPU path always uses it: 1)")
     p.add_argument("-r", "--repetitions", type=int, default=5)
     p.add_argument("-o", "--output", default="md", help="md, json, jsonl or csv")
@@ -451,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="draw S_PP and S_TG against N_KV into this PNG")
     p.add_argument("--overlay", action="append", default=[], help="another sweep's JSON to draw beside, repeatable")
     p.add_argument("--no-run", action="store_true", help="only plot the --overlay files")
+    _add_gpu_args(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no table")
     p.set_defaults(func=cmd_sweep)
 
@@ -466,6 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-divergence", action="store_true", help="compare with --kl-divergence-base")
     p.add_argument("-o", "--output", default="text", help="text or json")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
+    _add_gpu_args(p)
     p.set_defaults(func=cmd_ppl)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, ...)")
@@ -478,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("-a", "--alias", help="model name in the API (default: the file name)")
+    _add_gpu_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("calibrate", help="measure this machine for the offload policy and store the result")

@@ -135,10 +135,12 @@ class MemoryPlan:
 
 def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
                 available: dict[str, int], n_ctx: int, n_ubatch: int, kv_bytes_per_value: tuple[float, float] = (2, 2),
-                split: list[float] | None = None, advise: bool = True) -> MemoryPlan:
+                split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False) -> MemoryPlan:
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
-    weights; the compute estimate is a u-batch of float32 activations through the widest layer and the
-    logits. `available`: free bytes per device (CPU: RAM)."""
+    weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
+    estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
+    GPU, the staging buffers for routed experts left in RAM (three layers' worth: two sets of slots and the
+    buffer copies land in). `available`: free bytes per device (CPU: RAM)."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     needs: dict[str, DeviceNeed] = {}
 
@@ -150,7 +152,16 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     kb, vb = kv_bytes_per_value
     per_layer = int(n_ctx * args.n_head_kv * (args.head_dim_k * kb + args.head_dim_v * vb))
     for i in range(args.n_layer):
-        need(place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides, layers)).kv_cache += per_layer
+        kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
+                                                     layers)
+        need(kv_device).kv_cache += per_layer
+    if kv_on_gpu:
+        in_ram: dict[str, int] = {}
+        for name, size in tensors.items():
+            m = _LAYER_RE.match(name)
+            if m and "_exps" in name and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU":
+                in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
+        need(gpus[0]).compute += 3 * max(in_ram.values(), default=0)
     width = max(args.n_ff, args.n_ff_exp * max(args.n_expert_used, 1), args.n_head * args.head_dim_k)
     activations = 4 * n_ubatch * (4 * args.n_embd + 3 * width)
     for d in {place(f"blk.{i}.ffn_up.weight", args.n_layer, n_gpu_layers, overrides, layers) for i in range(args.n_layer)}:
@@ -159,15 +170,17 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:
         plan.advice = _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch,
-                              kv_bytes_per_value, split)
+                              kv_bytes_per_value, split, kv_on_gpu)
     return plan
 
 
-def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split) -> str:
+def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split,
+            kv_on_gpu) -> str:
     gpu_over = any(d.over for d in plan.devices if d.device != "CPU")
     if gpu_over:
         for ngl in range(min(n_gpu_layers, args.n_layer + 1) - 1, -1, -1):
-            if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False).fits:
+            if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False,
+                           kv_on_gpu and ngl > 0).fits:
                 return f"-ngl {ngl} fits; or keep the experts in RAM with -ot exps=CPU, or lower -c/--ctx-size"
         return "no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size or use a smaller quant type"
     return "not enough RAM: put more layers on the GPU (-ngl), lower -c/--ctx-size or use a smaller quant type"

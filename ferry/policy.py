@@ -103,3 +103,57 @@ def decide(op: str, n_tokens: int, rows: int, cols: int, bytes_per_weight: float
     device = "GPU" if gpu_s < cpu_s else "CPU"
     return Decision(op, device, cpu_s, gpu_s, f"auto: predicted CPU {1e3 * cpu_s:.3f} ms, GPU {1e3 * gpu_s:.3f} ms "
                                               f"(copy {1e3 * copy_s:.3f} ms)")
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """Where one MoE layer's routed experts run for one u-batch: the hot ones copied to the GPU, the cold ones on
+    the CPU, both sides at once; the predicted seconds of each side."""
+
+    gpu: tuple[int, ...]
+    cpu: tuple[int, ...]
+    gpu_s: float
+    cpu_s: float
+    why: str
+
+
+def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float, calib: Calibration,
+                  policy: Policy, n_expert_used: int) -> ExpertSplit:
+    """counts[e]: tokens of the u-batch routed to expert e; expert_bytes: its gate+up+down weights;
+    flops_per_token: its work per token. `on` / `off` / threshold move every expert hit one way; auto predicts
+    each side's time (a GPU expert costs its copy and its compute, a CPU expert the larger of reading its weights
+    and its FLOPs) and takes the split by token count (hottest first to the GPU) whose slower side is fastest."""
+    hit = sorted((e for e, c in enumerate(counts) if c), key=lambda e: (-counts[e], e))
+    n_tokens = sum(counts) // max(n_expert_used, 1)
+
+    def cpu_s(e: int) -> float:
+        return max(expert_bytes / calib.cpu_bytes_per_s, counts[e] * flops_per_token / calib.cpu_flops)
+
+    def gpu_s(e: int) -> float:
+        return (3 * calib.h2d_latency_s + expert_bytes / calib.h2d_bytes_per_s
+                + max(expert_bytes / calib.gpu_bytes_per_s, counts[e] * flops_per_token / calib.gpu_flops))
+
+    def split(n_gpu: int, why: str) -> ExpertSplit:
+        return ExpertSplit(tuple(sorted(hit[:n_gpu])), tuple(sorted(hit[n_gpu:])), sum(map(gpu_s, hit[:n_gpu])),
+                           sum(map(cpu_s, hit[n_gpu:])), why)
+
+    ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
+    if ug != "auto" or down != "auto":
+        if ug != down:
+            raise FerryError("--offload-policy: moe_up_gate and moe_down differ, but ferry moves a layer's experts "
+                             "whole so far; set mul_mat_id=on|off instead")
+        return split(len(hit) if ug == "on" else 0, f"mul_mat_id={ug} (override)")
+    if policy.mode == "threshold":
+        need = policy.min_batch * len(counts) / max(n_expert_used, 1)
+        on = n_tokens >= need
+        return split(len(hit) if on else 0, f"threshold: batch {n_tokens} {'>=' if on else '<'} {need:g}")
+    gpu_total, cpu_total = 0.0, sum(map(cpu_s, hit))
+    best, best_s = 0, cpu_total
+    for i, e in enumerate(hit):  # move the hottest remaining expert to the GPU
+        gpu_total += gpu_s(e)
+        cpu_total -= cpu_s(e)
+        if max(gpu_total, cpu_total) < best_s:
+            best, best_s = i + 1, max(gpu_total, cpu_total)
+    s = split(best, "")
+    return ExpertSplit(s.gpu, s.cpu, s.gpu_s, s.cpu_s, f"auto: {len(s.gpu)} of {len(hit)} experts hit to the GPU, "
+                                                       f"predicted GPU {1e3 * s.gpu_s:.3f} ms, CPU {1e3 * s.cpu_s:.3f} ms")

@@ -8,7 +8,9 @@
 #     tests   tests_gpu/ (kernels, model vs CPU)
 #     bench   ferry all-GPU on qwen3-moe-mid: pp512 and tg64, against the 16-thread CPU
 #     big     ferry all-GPU on the qwen3-30b-a3b synthetic model: pp4096 at u-batch 128/512/2048/4096, tg128
-#     llama   the same big run through llama.cpp's CUDA llama-bench (built here, sm_90, cached in .build/)
+#     hybrid  ferry with the experts in RAM (-ngl 999 -ot exps=CPU) on the same big model, every offload policy,
+#             pp4096 at u-batch 512..4096, pp512 at 64..256, tg128 (HYBRID_ARGS: more options)
+#     llama   the big runs through llama.cpp's CUDA llama-bench too (built here, sm_90, cached in .build/)
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests bench}
@@ -23,16 +25,17 @@ if has llama; then  # the CUDA build takes minutes: start it first
         2> "$OUT/llama_cpp_build.log" && mv "$OUT/llama_bench_path.tmp" "$OUT/llama_bench_path.txt" \
         || echo failed > "$OUT/llama_bench_path.txt") &
 fi
-if has big || has llama; then
+if has big || has llama || has hybrid; then
     [ -f /tmp/qwen3-30b-a3b.gguf ] || python3 -m ferry synth qwen3-30b-a3b -o /tmp/qwen3-30b-a3b.gguf -q &
     SYNTH=$!
 fi
+wait_synth() { if [ -n "${SYNTH:-}" ]; then wait "$SYNTH"; SYNTH=; fi; }
 python3 -c "import ggml" 2>/dev/null || python3 benchmarks/llamacpp.py ggml-python .whl/ggml_python-*.tar.gz \
     .whl/llama.cpp-src.tar.gz > "$OUT/ggml_python_build.log" 2>&1 || { tail -20 "$OUT/ggml_python_build.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if has tests; then
-    python3 -m pytest -q -s tests_gpu -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests_gpu.txt" \
+    python3 -m pytest -q -s ${GPU_TESTS:-tests_gpu} -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests_gpu.txt" \
         | grep -E "KL|passed|failed|Error|error" | tail -40 || true
 fi
 if has bench; then
@@ -40,10 +43,15 @@ if has bench; then
     python3 -m ferry bench -m /tmp/mid.gguf -ngl 999 -p 512 -n 64 -r 3 | tee "$OUT/bench_gpu_mid.md"
     python3 -m ferry bench -m /tmp/mid.gguf -ngl 0 -t 16 -p 512 -n 64 -r 3 | tail -2 | tee -a "$OUT/bench_gpu_mid.md"
 fi
-if has big || has llama; then
-    wait $SYNTH
-    LB=""
-    if has llama; then LB="--llama-bench-from $OUT/llama_bench_path.txt"; fi  # ferry runs first, then waits
+LB=""
+if has llama; then LB="--llama-bench-from $OUT/llama_bench_path.txt"; fi  # ferry runs first, then waits
+if has hybrid; then
+    wait_synth
+    python3 benchmarks/hybrid_vs_llamacpp.py $LB -m /tmp/qwen3-30b-a3b.gguf -t 16 ${HYBRID_ARGS:-} \
+        --out "$OUT/hybrid_vs_llamacpp.json" | tee "$OUT/hybrid_vs_llamacpp.md"
+fi
+if has big; then
+    wait_synth
     python3 benchmarks/gpu_vs_llamacpp.py $LB -m /tmp/qwen3-30b-a3b.gguf ${BIG_ARGS:-} --out "$OUT/gpu_vs_llamacpp.json" \
         | tee "$OUT/gpu_vs_llamacpp.md"
 fi

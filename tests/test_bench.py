@@ -62,8 +62,9 @@ def test_prompt_plus_generation_and_depth_rows(tiny):
 
 @pytest.mark.parametrize("args,message", [
     (["-fa", "0"], "always uses flash attention"),
-    (["-ngl", "2"], "layers split between CPU and GPU come with the hybrid runtime"),
-    (["-ot", "exps=CPU"], "per-tensor placement comes with the hybrid runtime"),
+    (["-ngl", "2"], "needs a CUDA GPU and torch sees none"),
+    (["-ot", "exps=CUDA0"], "needs a CUDA GPU and torch sees none"),
+    (["-ot", "exps=GPU"], "unknown device 'GPU'; use CPU, CUDA0, CUDA1"),
     (["-pg", "512"], "is not a pair like 512,128"),
 ])
 def test_bench_flags_it_cannot_honour_are_errors_before_any_output(tiny, args, message):

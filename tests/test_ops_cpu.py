@@ -79,6 +79,32 @@ def test_moe_block_matches_float64_reference(backend, n_expert, n_used, n_tokens
     assert np.linalg.norm(out.numpy() - ref) / np.linalg.norm(ref) < 2e-2
 
 
+@pytest.mark.parametrize("n_expert,n_used,n_tokens", [(4, 1, 1), (16, 4, 33), (128, 8, 3)])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
+def test_experts_chosen_elsewhere_match_float64_per_slot_and_summed(backend, n_expert, n_used, n_tokens, qtype):
+    """moe_experts: the hybrid runtime's CPU half, given ids (and weights) routed on the GPU."""
+    rng = np.random.default_rng(7 * n_expert + n_tokens)
+    d, ff = 256, 96
+    up, up64 = _weight(rng, qtype, n_expert, ff, d)
+    gate, gate64 = _weight(rng, qtype, n_expert, ff, d)
+    down, down64 = _weight(rng, Q.Q8_0, n_expert, d, ff)
+    x = rng.standard_normal((n_tokens, d)).astype(np.float32)
+    ids = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n_tokens)]).astype(np.int32)
+    weights = rng.random((n_tokens, n_used)).astype(np.float32)
+    ref = np.zeros((n_tokens, n_used, d))
+    for i in range(n_tokens):
+        for j, e in enumerate(ids[i]):
+            g = gate64[e] @ x[i]
+            ref[i, j] = down64[e] @ (g / (1 + np.exp(-g)) * (up64[e] @ x[i]))
+    slots = backend.moe_experts(torch.from_numpy(x), torch.from_numpy(ids), None, up, gate, down, "silu")
+    summed = backend.moe_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), up, gate,
+                                 down, "silu")
+    assert slots.shape == (n_tokens, n_used, d) and summed.shape == (n_tokens, d)
+    assert np.linalg.norm(slots.numpy() - ref) / np.linalg.norm(ref) < 2e-2
+    want = (ref * weights[..., None]).sum(1)
+    assert np.linalg.norm(summed.numpy() - want) / np.linalg.norm(want) < 2e-2
+
+
 def test_get_rows_returns_dequantized_rows(backend):
     rng = np.random.default_rng(0)
     w, w64 = _weight(rng, Q.Q6_K, 50, 256)

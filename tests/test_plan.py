@@ -25,12 +25,28 @@ def test_sizes_parse():
     assert parse_size("80GiB") == 80 * 2**30 and parse_size("512 MiB") == 512 * 2**20 and parse_size("1.5G") == 3 * 2**29
 
 
-def _plan(tiny, ngl, available, ot=(), n_ctx=4096, kv=(2, 2)):
+def _plan(tiny, ngl, available, ot=(), n_ctx=4096, kv=(2, 2), kv_on_gpu=False):
     from ferry.placement import parse_overrides
 
     f = GGUFFile(tiny)
     sizes = {t.name: t.nbytes for t in f.tensors.values()}
-    return memory_plan(sizes, ModelArgs.from_gguf(f), ngl, parse_overrides(list(ot)), ["CUDA0"], available, n_ctx, 512, kv)
+    return memory_plan(sizes, ModelArgs.from_gguf(f), ngl, parse_overrides(list(ot)), ["CUDA0"], available, n_ctx, 512, kv,
+                       kv_on_gpu=kv_on_gpu)
+
+
+def test_the_hybrid_runtime_plans_every_kv_cache_and_three_layers_of_expert_staging_on_the_gpu(tiny):
+    """With one GPU, ferry keeps activations and the whole KV cache there; experts left in RAM need staging
+    buffers: two alternating sets of slots and the buffer copies land in, each one layer's experts."""
+    f = GGUFFile(tiny)
+    a = ModelArgs.from_gguf(f)
+    dev = lambda p, d: next((x for x in p.devices if x.device == d), None)  # noqa: E731
+    partial = _plan(tiny, 2, {}, kv_on_gpu=True)
+    per_layer_kv = dev(_plan(tiny, 999, {}), "CUDA0").kv_cache / a.n_layer
+    assert dev(partial, "CPU").kv_cache == 0 and dev(partial, "CUDA0").kv_cache == pytest.approx(per_layer_kv * a.n_layer)
+    plain, hybrid = dev(_plan(tiny, 999, {}, ot=["exps=CPU"]), "CUDA0"), dev(_plan(tiny, 999, {}, ot=["exps=CPU"],
+                                                                                   kv_on_gpu=True), "CUDA0")
+    layer0 = sum(t.nbytes for t in f.tensors.values() if t.name.startswith("blk.0.") and "_exps" in t.name)
+    assert hybrid.compute - plain.compute == 3 * layer0 and hybrid.weights == plain.weights
 
 
 def test_the_plan_counts_every_byte_and_advises_an_ngl_that_fits(tiny):

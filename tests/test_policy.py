@@ -3,7 +3,7 @@
 import pytest
 
 from ferry.errors import FerryError
-from ferry.policy import Calibration, decide, experts_hit, parse_policy
+from ferry.policy import Calibration, decide, experts_hit, parse_policy, split_experts
 
 # qwen3-30b-a3b's experts: 768 x 2048 Q4_0 (0.5625 bytes per weight), 128 experts, 8 used
 EXPERT = dict(rows=768, cols=2048, bytes_per_weight=0.5625, n_expert=128, n_expert_used=8)
@@ -82,3 +82,52 @@ def test_overrides_win_over_the_prediction():
     on = decide("moe_down", 1, **EXPERT, calib=SLOW_PCIE, policy=parse_policy("mul_mat_id=on"))
     assert on.device == "GPU" and "override" in on.why
     assert decide("mul_mat_id", 4096, **EXPERT, calib=FAST_PCIE, policy=parse_policy("all=off")).device == "CPU"
+
+
+# one qwen3-30b-a3b expert: gate + up + down, 3 x 768 x 2048 Q4_0
+EXPERT_BYTES = 3 * 768 * 2048 * 0.5625
+EXPERT_FLOPS = 2 * 3 * 768 * 2048
+
+
+def _split(counts, machine, text="auto"):
+    return split_experts(counts, EXPERT_BYTES, EXPERT_FLOPS, machine, parse_policy(text), 8)
+
+
+def test_a_generated_token_splits_its_experts_between_pcie_and_cpu_when_both_are_fast():
+    """Eight experts of one token: a 55 GB/s copy and a 40 GB/s CPU read cost about the same, so running both
+    sides at once beats either alone; hot experts go first and the predicted time is the slower side's."""
+    counts = [0] * 128
+    for e in (3, 9, 17, 30, 64, 65, 100, 127):
+        counts[e] = 1
+    s = _split(counts, FAST_PCIE)
+    assert 0 < len(s.gpu) < 8 and sorted(s.gpu + s.cpu) == [3, 9, 17, 30, 64, 65, 100, 127]
+    all_cpu, all_gpu = _split(counts, FAST_PCIE, "all=off"), _split(counts, FAST_PCIE, "all=on")
+    assert max(s.gpu_s, s.cpu_s) < min(all_cpu.cpu_s, all_gpu.gpu_s)
+    assert not all_cpu.gpu and not all_gpu.cpu and "override" in all_gpu.why
+
+
+def test_slow_pcie_keeps_few_token_experts_home_and_a_slow_cpu_sends_them_away():
+    counts = [1] * 8 + [0] * 120
+    assert not _split(counts, SLOW_PCIE).gpu
+    assert len(_split(counts, SLOW_CPU).gpu) > len(_split(counts, FAST_PCIE).gpu)
+
+
+def test_the_hottest_experts_are_the_ones_copied():
+    counts = [0] * 128
+    counts[:40] = [200] * 8 + [1] * 32  # a skewed u-batch: eight experts carry most tokens
+    s = _split(counts, FAST_PCIE)
+    assert set(range(8)) <= set(s.gpu)
+    assert all(counts[e] <= min(counts[g] for g in s.gpu) for e in s.cpu)
+
+
+def test_a_large_u_batch_sends_every_expert_to_the_gpu_and_threshold_follows_llama_cpp():
+    big = [4096 * 8 // 128] * 128  # 256 tokens per expert: the CPU's FLOPs, not its reads, bound its share
+    s = _split(big, FAST_PCIE)
+    assert len(s.gpu) >= 0.9 * 128 and max(s.gpu_s, s.cpu_s) <= _split(big, FAST_PCIE, "all=on").gpu_s
+    small = [1] * 8 + [0] * 120  # one token: 1 < 32 * 128 / 8
+    assert not _split(small, FAST_PCIE, "threshold").gpu and len(_split(big, FAST_PCIE, "threshold").gpu) == 128
+
+
+def test_halves_of_the_experts_set_apart_are_a_user_error_until_the_runtime_splits_them():
+    with pytest.raises(FerryError, match="moe_up_gate and moe_down differ"):
+        _split([1] * 8 + [0] * 120, FAST_PCIE, "moe_up_gate=on,moe_down=off")

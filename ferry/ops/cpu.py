@@ -311,6 +311,13 @@ class CpuBackend:
         if norm_topk:
             w2 = ggml.ggml_reshape_2d(c, weights, n_used, n)
             weights = ggml.ggml_reshape_3d(c, ggml.ggml_div(c, w2, ggml.ggml_sum_rows(c, w2)), 1, n_used, n)
+        return self.expert_nodes(g, x, ids, weights, up, gate, down, act), ids
+
+    def expert_nodes(self, g: _Graph, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str):
+        """The selected experts of x (n_embd, 1, n) for ids (n_used, n) (mul_mat_id, fused up/gate + activation):
+        with weights (1, n_used, n), their weighted sum (n_embd, n); without, each slot's output (n_embd, n_used, n)."""
+        c = g.ctx
+        n_embd, n, n_used = x.contents.ne[0], x.contents.ne[2], ids.contents.ne[0]
         u = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, up), x, ids)
         gt = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, gate), x, ids)
         if self.fused_moe:
@@ -318,6 +325,8 @@ class CpuBackend:
         else:
             h = ggml.ggml_mul(c, _ACT[act](c, gt), u)
         experts = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, down), h, ids)  # (n_embd, n_used, n)
+        if weights is None:
+            return experts
         experts = ggml.ggml_mul(c, experts, weights)
         nb1, nb2 = experts.contents.nb[1], experts.contents.nb[2]
         out = ggml.ggml_view_2d(c, experts, n_embd, n, nb2, 0)
@@ -325,7 +334,7 @@ class CpuBackend:
             out = ggml.ggml_add(c, out, ggml.ggml_view_2d(c, experts, n_embd, n, nb2, j * nb1))
         if n_used == 1:
             out = ggml.ggml_cont(c, out)
-        return out, ids
+        return out
 
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         """A small float model tensor where this backend computes: already there."""
@@ -389,6 +398,26 @@ class CpuBackend:
         ids = torch.empty(n, n_used, dtype=torch.int32)
         self._graph(up, ("moe block", id(router), id(gate), id(down), n, n_used, norm_topk, act), build).run([x], out, ids)
         return out, ids
+
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, up: Weight, gate: Weight,
+                    down: Weight, act: str) -> torch.Tensor:
+        """Routed experts chosen elsewhere: x (n, n_embd) float32, ids (n, j) int32. With weights (n, j): their
+        weighted sum (n, n_embd); without: each slot's output (n, j, n_embd)."""
+        x = x.contiguous().float()
+        ids = ids.to(torch.int32).contiguous()
+        n, n_embd = x.shape
+        j = ids.shape[1]
+
+        def build() -> _Graph:
+            g = _Graph(self, n)
+            w = None if weights is None else g.input(ggml.GGML_TYPE_F32, (1, j, n))
+            xs = g.input(ggml.GGML_TYPE_F32, (n_embd, 1, n))
+            g.finish(self.expert_nodes(g, xs, g.input(ggml.GGML_TYPE_I32, (j, n)), w, up, gate, down, act))
+            return g
+
+        inputs = [x, ids] if weights is None else [weights.contiguous().float(), x, ids]
+        out = torch.empty((n, n_embd) if weights is not None else (n, j, n_embd), dtype=torch.float32)
+        return self._graph(up, ("experts", id(gate), id(down), n, j, weights is None, act), build).run(inputs, out)
 
     def close(self) -> None:
         self.allocated = None

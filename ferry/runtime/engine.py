@@ -63,7 +63,7 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
-        gpu = getattr(backend, "name", "") == "CUDA"
+        gpu = getattr(backend, "name", "CPU") != "CPU"  # CUDA, or CUDA+CPU (hybrid): activations on the GPU
         self.kv = KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim_k, a.head_dim_v, type_k, type_v,
                           str(backend.device) if gpu else None)
         if gpu:

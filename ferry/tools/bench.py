@@ -120,7 +120,7 @@ def parse_pairs(flag: str, texts: list[str]) -> list[tuple[int, int]]:
 def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch: list[int], n_ubatch: list[int],
               threads: list[int], reps: int, repack: bool, type_k: str = "f16", type_v: str = "f16",
               fused_moe: bool = True, on_row=None, pg: list[tuple[int, int]] = (), depths: list[int] = (0,),
-              n_gpu_layers: list[int] = (0,)) -> list[BenchRow]:
+              gpus: list | None = None) -> list[BenchRow]:
     from ferry.cli import open_model
 
     if reps < 1:
@@ -129,15 +129,17 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
     if not tests:
         raise FerryError("nothing to measure: give -p, -n or -pg a value above 0")
     rows = []
-    for path, t, ngl in itertools.product(models, threads, n_gpu_layers):
+    from ferry.cli import GpuOptions
+
+    for path, t, gpu in itertools.product(models, threads, gpus or [GpuOptions()]):
         ctx = max(depths) + max((p + n for p, n in tests), default=0) + 1  # the largest cache a test needs
         ubatch = max(min(ub, b) for ub in n_ubatch for b in n_batch)
-        f, backend, model, _ = open_model(path, t, repack, t, fused_moe, True, ngl, ctx, ubatch)
+        f, backend, model, _ = open_model(path, t, repack, t, fused_moe, True, gpu, ctx, ubatch)
         size = sum(info.nbytes for info in f.tensors.values())
         n_params = sum(math.prod(info.ne) for info in f.tensors.values())
         for b, ub, (p, n), d in itertools.product(n_batch, n_ubatch, tests, depths):
             row = BenchRow(path.name, size, n_params, backend.name, getattr(backend, "n_threads", 0), b, min(ub, b),
-                           repack and ngl == 0, type_k,
+                           repack and backend.name != "CUDA", type_k,
                            type_v, p, n, d)
             row.samples_ts, row.experts_hit = measure(model, backend, p, n, b, ub, reps, type_k, type_v, d)
             rows.append(row)

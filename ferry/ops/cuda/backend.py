@@ -88,15 +88,19 @@ class CudaBackend:
         return dequantize(raw, qtype, ne, out=out)
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """x (n, cols) @ W.T as float32: GEMV on the bytes for few tokens, bf16 cuBLAS for many."""
+        """x (n, cols) @ W.T as float32: GEMV on the bytes for few tokens, f16 cuBLAS for many."""
+        return self.matmul(x, w.qtype, self.upload(w), w.ne)
+
+    def matmul(self, x: torch.Tensor, qtype, raw, ne: tuple[int, ...]) -> torch.Tensor:
+        """linear() on a weight already on the GPU: its GGUF bytes or a Split (uploaded, or staged by the
+        hybrid runtime)."""
         from ferry.ops.cuda import kernels
 
-        raw = self.upload(w)
         if x.shape[0] <= GEMV_MAX:
-            if w.qtype in kernels.GEMV_KINDS:
+            if not isinstance(raw, torch.Tensor):
                 return kernels.gemv(raw, x)
-            return x.float() @ self._expand(w.qtype, raw, w.ne, torch.float32).T
-        return _mm(x.to(torch.float16), self._expand(w.qtype, raw, w.ne, torch.float16).T)
+            return x.float() @ self._expand(qtype, raw, ne, torch.float32).T
+        return _mm(x.to(torch.float16), self._expand(qtype, raw, ne, torch.float16).T)
 
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
         h = _ACT[act](self.linear(x, gate)) * self.linear(x, up)
@@ -112,11 +116,7 @@ class CudaBackend:
 
     def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool):
         """Softmax router and top-k: (weights (n, k) float32, ids (n, k) int32), on the GPU."""
-        probs = torch.softmax(self.linear(x, router), -1)
-        weights, ids = probs.topk(n_used, -1)
-        if norm_topk:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, ids.to(torch.int32)
+        return top_k_route(self.linear(x, router), n_used, norm_topk)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
             norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,24 +144,41 @@ class CudaBackend:
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
-        n_expert = gate.ne[2]
         if all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
-            per_expert = n * k / n_expert
-            block = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
-            sched = kernels.moe_tiles(ids, n_expert, block)
-            order = sched[0]
-            xs = x.to(torch.float16)[order // k]
-
-            def mm(a, w: Weight, dtype):
-                return kernels.moe_mm(a, self.upload(w), sched, dtype, block)
-
-            h = (_ACT[act](mm(xs, gate, torch.float32)) * mm(xs, up, torch.float32)).to(torch.float16)
-            y = mm(h, down, torch.float32)
+            y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act)
         else:
-            order, y = self._moe_grouped_bf16(x, ids, up, gate, down, act)
-        out = torch.empty_like(y)
-        out[order] = y  # back to (token, slot) order
-        return (out.view(n, k, -1) * weights[..., None]).sum(1)
+            order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
+            y = torch.empty_like(y_sorted)
+            y[order] = y_sorted  # back to (token, slot) order
+        return (y.view(n, k, -1) * weights[..., None]).sum(1)
+
+    def expert_pairs(self, x: torch.Tensor, ids: torch.Tensor, gate, up, down, act: str,
+                     wait_down: torch.cuda.Event | None = None) -> torch.Tensor:
+        """Each (token, slot) pair's expert output, unweighted, (n * k, n_embd) float32 in pair order: x (n, n_embd),
+        ids (n, k) on the GPU; gate / up / down stacked Splits (uploaded or staged; only the experts in ids are
+        read). Expert GEMVs for few pairs, else the grouped GEMM, as moe() chooses. wait_down: an event the down
+        projection waits for (its weights still being copied by the hybrid runtime)."""
+        from ferry.ops.cuda import kernels
+
+        n, k = ids.shape
+        n_expert = gate.ne[2]
+        if n * k <= MOE_GEMV_MAX and self.moe_strategy in ("auto", "gemv"):
+            ones = torch.ones(n * k, 1, dtype=torch.float32, device=x.device)
+            xs = x.float()[torch.arange(n, device=x.device).repeat_interleave(k)] if k > 1 else x
+            return kernels.moe_gemv(xs, ids.reshape(-1, 1), ones, gate, up, down, act, wait_down)
+        per_expert = n * k / n_expert
+        block = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
+        sched = kernels.moe_tiles(ids, n_expert, block)
+        order = sched[0]
+        xs = x.to(torch.float16)[order // k]
+        h = (_ACT[act](kernels.moe_mm(xs, gate, sched, torch.float32, block))
+             * kernels.moe_mm(xs, up, sched, torch.float32, block)).to(torch.float16)
+        if wait_down is not None:
+            torch.cuda.current_stream(x.device).wait_event(wait_down)
+        y_sorted = kernels.moe_mm(h, down, sched, torch.float32, block)
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted  # back to (token, slot) order
+        return y
 
     def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
         from ferry.ops.cuda.kernels import sort_pairs
@@ -206,6 +223,15 @@ class CudaBackend:
             y = _mm(h, expert(down, e))
             out.index_add_(0, tok, y * weights[tok, slot, None])
         return out
+
+
+def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the router's logits, the top n_used (renormalised if norm_topk): (weights float32, ids int32)."""
+    probs = torch.softmax(logits, -1)
+    weights, ids = probs.topk(n_used, -1)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
 
 
 _MM_DTYPE = [True]  # whether torch.mm takes out_dtype (torch >= 2.8 on CUDA)

@@ -316,7 +316,7 @@ ACTS = {"silu": 0, "gelu": 1}
 
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Split, up: Split, down: Split,
-             act: str) -> torch.Tensor:
+             act: str, wait_down: torch.cuda.Event | None = None) -> torch.Tensor:
     """The routed experts of few tokens: x (n, n_embd), ids / weights (n, n_used) on the GPU; gate/up/down the
     stacked expert tensors. Returns (n, n_embd) float32."""
     n, n_used = ids.shape
@@ -328,6 +328,8 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Sp
     _moe_gate_up[(triton.cdiv(n_ff, 4), n * n_used)](gate.qs, gate.d, up.qs, up.d, x, ids, h, n_ff, n_embd, n_used,
                                                       KIND=kind, ACT=ACTS[act], BR=4, BK=_BK)
     y = torch.empty(n * n_used, n_embd, dtype=torch.float32, device=x.device)
+    if wait_down is not None:  # the down projection's weights are still being copied
+        torch.cuda.current_stream(x.device).wait_event(wait_down)
     _moe_down[(triton.cdiv(n_embd, 4), n * n_used)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd,
                                                      n_ff, KIND=GEMV_KINDS[down.qtype], BR=4, BK=_BK)
     return y.view(n, n_used, n_embd).sum(1)

@@ -1,0 +1,133 @@
+"""Experts in RAM, the rest on the GPU: ferry (`-ngl 999 -ot exps=CPU`, each offload policy) against llama.cpp's
+CUDA llama-bench with the same placement and pinned weights (`-ngl 99 -ot exps=CPU -fa 1 -mmp 0`), on the same GGUF,
+in the same run: issue 5's targets (pp4096 at u-batch 512..4096, pp512 at u-batch 64..256, tg128).
+
+ferry loads the model once and measures every policy on it (`auto` and the manual ones: all experts streamed to the
+GPU, all computed by the CPU, llama.cpp's threshold rule); `auto` is also compared with the best manual one per test.
+Both engines measure llama-bench's way (a warm-up, then -r repetitions; mean ± std). The experts hit per layer in
+the first u-batch stand beside every number. Without --llama-bench, only ferry runs.
+  python benchmarks/hybrid_vs_llamacpp.py --llama-bench PATH -m qwen3-30b-a3b.gguf -t 16
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp  # noqa: E402
+
+POLICIES = ["auto", "all=on", "all=off", "threshold"]
+
+
+def tests(pp_big: int, ub_big: list[int], pp_small: int, ub_small: list[int], n_gen: int) -> list[tuple[int, int, int]]:
+    """(prompt, generated, u-batch) per test."""
+    return [(pp_big, 0, ub) for ub in ub_big] + [(pp_small, 0, ub) for ub in ub_small] + ([(0, n_gen, 512)] if n_gen else [])
+
+
+def name(p: int, n: int, ub: int) -> str:
+    return f"pp{p} ub{ub}" if p else f"tg{n}"
+
+
+def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str], skip_slow_cpu: bool) -> dict:
+    from ferry.cli import GpuOptions, open_model
+    from ferry.policy import parse_policy
+    from ferry.tools.bench import measure
+
+    ub_max = max(ub for _, _, ub in cases)
+    t0 = time.perf_counter()
+    _, backend, model, _ = open_model(path, threads, True, threads, True, True, GpuOptions(999, ["exps=CPU"]),
+                                      max(p + n for p, n, _ in cases) + 1, ub_max)
+    print(f"ferry: loaded in {time.perf_counter() - t0:.1f} s; {backend.summary}", file=sys.stderr, flush=True)
+    out: dict = {}
+    for policy in policies:
+        backend.policy = parse_policy(policy)
+        for p, n, ub in cases:
+            if skip_slow_cpu and policy == "all=off" and p > 512:
+                continue  # every expert by the CPU at 4096 tokens: minutes, and never the best
+            samples, hit = measure(model, backend, p, n, p or 512, ub, reps)
+            row = {"samples_ts": samples, "avg_ts": sum(samples) / len(samples),
+                   "stddev_ts": (sum((s - sum(samples) / len(samples)) ** 2 for s in samples) / max(len(samples) - 1, 1)) ** 0.5,
+                   "experts_hit": hit}
+            out.setdefault(name(p, n, ub), {})[policy] = row
+            print(f"ferry {policy:9s} {name(p, n, ub):14s} {row['avg_ts']:9.2f} t/s  hit {min(hit) if hit else ''}-"
+                  f"{max(hit) if hit else ''}", file=sys.stderr, flush=True)
+    backend.close()
+    return out
+
+
+def llama_bench(exe: str, path: Path, threads: int, cases, reps: int) -> dict:
+    base = [exe, "-m", str(path), "-ngl", "99", "-ot", "exps=CPU", "-fa", "1", "-mmp", "0", "-t", str(threads),
+            "-r", str(reps)]
+    out = {}
+    for p in sorted({p for p, _, _ in cases if p}):
+        ubs = [ub for q, _, ub in cases if q == p]
+        rows = llamacpp.llama_bench_rows([*base, "-p", str(p), "-n", "0", "-b", str(p), "-ub", ",".join(map(str, ubs))])
+        out |= {name(q, 0, ub): stats for (q, _, ub), stats in rows.items()}
+    for n in sorted({n for _, n, _ in cases if n}):
+        rows = llamacpp.llama_bench_rows([*base, "-p", "0", "-n", str(n)])
+        out |= {name(0, m, 0): stats for (_, m, _), stats in rows.items()}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-bench", help="path of a CUDA llama-bench binary")
+    ap.add_argument("--llama-bench-from", help="a file that will hold that path once a build finishes")
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-t", "--threads", type=int, default=16)
+    ap.add_argument("--pp-big", type=int, default=4096)
+    ap.add_argument("--ub-big", default="512,1024,2048,4096")
+    ap.add_argument("--pp-small", type=int, default=512)
+    ap.add_argument("--ub-small", default="64,128,256")
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-r", type=int, default=2)
+    ap.add_argument("--policies", default=",".join(POLICIES), help="ferry's policies to measure (';'-separated "
+                    "when one has commas)")
+    ap.add_argument("--all-cpu-big", action="store_true", help="also time all=off at the big prompt (slow)")
+    ap.add_argument("--out", default="hybrid_vs_llamacpp.json")
+    a = ap.parse_args()
+    path = Path(a.model)
+    cases = tests(a.pp_big, [int(v) for v in a.ub_big.split(",") if v], a.pp_small,
+                  [int(v) for v in a.ub_small.split(",") if v], a.n)
+    policies = a.policies.split(";") if ";" in a.policies else a.policies.split(",")
+    fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big)
+    if a.llama_bench_from:
+        src = Path(a.llama_bench_from)
+        while not (src.is_file() and src.read_text().strip()):
+            time.sleep(2)
+        a.llama_bench = src.read_text().strip()
+        if a.llama_bench == "failed":
+            print("llama.cpp's build failed: its log says why", file=sys.stderr)
+            a.llama_bench = None
+    lc = llama_bench(a.llama_bench, path, a.threads, cases, a.r) if a.llama_bench else {}
+    results = []
+    for test, by_policy in fe.items():
+        manual = {k: v["avg_ts"] for k, v in by_policy.items() if k != "auto"}
+        best = max(manual, key=manual.get) if manual else None
+        auto = by_policy.get("auto", {}).get("avg_ts")
+        ref = lc.get(test)
+        results.append({"model": path.name, "test": test, "ferry": by_policy, "llama.cpp": ref,
+                        "ratio_auto": auto / ref["avg_ts"] if auto and ref else None,
+                        "best_manual": best, "auto_vs_best_manual": auto / manual[best] if auto and best else None})
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    print("| test | experts hit/layer | " + " | ".join(f"ferry {p} t/s" for p in policies)
+          + " | llama.cpp t/s | auto / llama.cpp | auto / best manual |")
+    print("| --- | --- | " + " | ".join("---:" for _ in policies) + " | ---: | ---: | ---: |")
+    for r in results:
+        cells = []
+        for p in policies:
+            v = r["ferry"].get(p)
+            cells.append(f"{v['avg_ts']:.1f} ± {v['stddev_ts']:.1f}" if v else "")
+        hits = next((v["experts_hit"] for v in r["ferry"].values() if v["experts_hit"]), [])
+        hit = f"{min(hits)}-{max(hits)}" if hits else ""
+        ref = r["llama.cpp"]
+        lt = f"{ref['avg_ts']:.1f} ± {ref['stddev_ts']:.1f}" if ref else "not run"
+        ra = f"{r['ratio_auto']:.2f}" if r["ratio_auto"] else ""
+        rb = f"{r['auto_vs_best_manual']:.2f} ({r['best_manual']})" if r["auto_vs_best_manual"] else ""
+        print(f"| {r['test']} | {hit} | " + " | ".join(cells) + f" | {lt} | {ra} | {rb} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""The hybrid backend: weights placed on the GPU run there (CudaBackend); weights left in CPU RAM (-ngl, -ot) are
+computed where the offload policy predicts it is faster, per op and u-batch: by ggml on the CPU, or on the GPU after
+the streamer copies them over PCIe. A MoE layer whose experts are in RAM splits them per u-batch: the hottest experts
+are copied to the GPU while the CPU computes the cold ones, at the same time (policy.split_experts).
+
+Activations, the KV cache, norms, rope and attention stay on the GPU; only the tensors an op needs cross PCIe."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES
+
+from ferry.ops import Weight
+from ferry.ops.cuda.backend import CudaBackend, top_k_route
+from ferry.policy import Calibration, Policy, decide, split_experts
+from ferry.runtime.streamer import Streamer
+
+
+@dataclass
+class OpRecord:
+    """One decision of a forward, for --verbose and `ferry plan`: predicted and (when timed) measured seconds."""
+
+    op: str
+    weight: str
+    n_tokens: int
+    device: str  # CPU, GPU, or "GPU a / CPU b" for a split MoE
+    predicted_s: float
+    measured_s: float | None
+    why: str
+
+
+@dataclass
+class HybridStats:
+    records: list[OpRecord] = field(default_factory=list)
+    keep: bool = False  # record every decision (verbose); otherwise only count
+
+    def add(self, r: OpRecord) -> None:
+        if self.keep:
+            self.records.append(r)
+
+
+def _bytes_per_weight(w: Weight) -> float:
+    block, size = GGML_QUANT_SIZES[w.qtype]
+    return size / block
+
+
+class HybridBackend:
+    """`devices`: weight name -> its device ("CPU" or "CUDA0"); `timed`: synchronize around each decision to
+    measure it (verbose runs only: it costs the overlap)."""
+
+    name = "CUDA+CPU"  # activations and the KV cache live on the GPU: the engine uses the GPU executor
+    graph_safe = False  # ops on CPU weights go through the host
+
+    def __init__(self, gpu: CudaBackend, cpu, devices: dict[str, str], policy: Policy, calib: Calibration,
+                 timed: bool = False):
+        from ferry.errors import FerryError
+        from ferry.ops.cuda.kernels import GEMV_KINDS
+
+        if policy.setting("moe_up_gate") != policy.setting("moe_down"):
+            raise FerryError("--offload-policy: moe_up_gate and moe_down differ, but ferry moves a layer's experts "
+                             "whole so far; set mul_mat_id=on|off instead")
+        self.gpu, self.cpu, self.devices = gpu, cpu, devices
+        self.device = gpu.device
+        self.policy, self.calib = policy, calib
+        self.stats = HybridStats(keep=timed)
+        self.timed = timed
+        self._streamable = GEMV_KINDS
+        self._slot = 0  # the staging set ("moe", 0 or 1) the current MoE layer uses; layers alternate
+        self._dense_slot = 0
+        self._prefetched: tuple | None = None  # (the next layer's gate weight, its staged experts)
+        self._next_experts: dict[int, tuple[Weight, Weight, Weight]] = {}
+        self.streamer: Streamer | None = None
+
+    def prepare(self, weights: list[Weight]) -> None:
+        """Upload the GPU's weights, register the CPU's with the streamer."""
+        cpu_weights = []
+        for w in weights:
+            if self.on_gpu(w):
+                self.gpu.upload(w)
+            else:
+                cpu_weights.append(w)
+        self.streamer = Streamer(self.device, cpu_weights)
+        by_name = {w.name: w for w in cpu_weights}
+        layers = []
+        for i in range(len(weights)):
+            names = [f"blk.{i}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+            if all(n in by_name for n in names):
+                layers.append(tuple(by_name[n] for n in names))
+        for a, b in zip(layers, layers[1:]):
+            self._next_experts[id(a[0])] = b
+
+    def on_gpu(self, w: Weight) -> bool:
+        return self.devices.get(w.name, "CPU") != "CPU"
+
+    def upload(self, w: Weight):
+        return self.gpu.upload(w) if self.on_gpu(w) else None
+
+    def vector(self, t: torch.Tensor) -> torch.Tensor:
+        return self.gpu.vector(t)
+
+    def synchronize(self) -> None:
+        self.gpu.synchronize()
+
+    def _timer(self):
+        if self.timed:
+            self.gpu.synchronize()
+        return time.perf_counter()
+
+    def _measured(self, t0: float) -> float | None:
+        if not self.timed:
+            return None
+        self.gpu.synchronize()
+        return time.perf_counter() - t0
+
+    # ---- dense ops ---------------------------------------------------------------------------------------
+
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        if self.on_gpu(w):
+            return self.gpu.linear(x, w)
+        t0 = self._timer()
+        n = x.shape[0]
+        d = decide("mul_mat", n, w.ne[1], w.ne[0], _bytes_per_weight(w), self.calib, self.policy)
+        if d.device == "GPU":
+            self._dense_slot ^= 1
+            slot = ("dense", self._dense_slot)
+            raw, done = self.streamer.stage(w, slot)
+            torch.cuda.current_stream(self.device).wait_event(done)
+            if w.qtype in self._streamable:
+                from ferry.ops.cuda.kernels import Split
+
+                raw = Split.of(raw, w.qtype, w.ne)
+            y = self.gpu.matmul(x, w.qtype, raw, w.ne)
+            self.streamer.release(slot)
+        else:
+            y = self.cpu.linear(x.float().cpu(), w).to(self.device, non_blocking=True)
+        self.stats.add(OpRecord("mul_mat", w.name, n, d.device, d.gpu_s if d.device == "GPU" else d.cpu_s,
+                                self._measured(t0), d.why))
+        return y
+
+    def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
+        if all(map(self.on_gpu, (gate, up, down))):
+            return self.gpu.ffn(x, gate, up, down, act)
+        from ferry.ops.cuda.backend import _ACT
+
+        h = _ACT[act](self.linear(x, gate)) * self.linear(x, up)
+        return self.linear(h, down)
+
+    def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
+        if self.on_gpu(w):
+            return self.gpu.get_rows(w, ids)
+        return self.cpu.get_rows(w, ids.cpu()).to(self.device)
+
+    # ---- routed experts ----------------------------------------------------------------------------------
+
+    def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool):
+        return top_k_route(self.linear(x, router), n_used, norm_topk)
+
+    def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
+            norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = (gate, up, down)
+        if all(map(self.on_gpu, experts)):
+            return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act)
+        t0 = self._timer()
+        weights, ids = self.route(x, router, n_used, norm_topk)
+        n, k = ids.shape
+        n_expert = gate.ne[2]
+        counts_gpu = torch.zeros(n_expert, dtype=torch.int32, device=self.device)
+        counts_gpu.index_add_(0, ids.flatten(), torch.ones(n * k, dtype=torch.int32, device=self.device))
+        host = torch.cat([counts_gpu, ids.flatten()]).cpu()  # the one sync: which experts, how many tokens
+        counts, ids_host = host[:n_expert], host[n_expert:].view(n, k)
+        expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
+        flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
+        if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
+            split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, self.policy, n_used)
+        else:
+            split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, Policy(overrides={"all": "off"}),
+                                  n_used)
+            split = type(split)(split.gpu, split.cpu, split.gpu_s, split.cpu_s,
+                                "experts of a type (or a placement) the GPU cannot stream: on the CPU")
+        if not split.gpu:  # all on the CPU: ggml sums each token's experts
+            y = self.cpu.moe_experts(x.float().cpu(), ids_host, weights.cpu(), up, gate, down, act)
+            out = y.to(self.device, non_blocking=True)
+        else:
+            out = self._split_moe(x, ids, ids_host, weights, split, up, gate, down, act)
+        self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
+                                max(split.gpu_s, split.cpu_s), self._measured(t0), split.why))
+        return out, ids
+
+    def _split_moe(self, x, ids, ids_host, weights, split, up: Weight, gate: Weight, down: Weight, act: str):
+        """Hot experts copied and computed on the GPU while the CPU computes the cold ones; each token's expert
+        outputs summed on the GPU in slot order."""
+        n, k = ids.shape
+        on_gpu = torch.zeros(gate.ne[2], dtype=torch.bool)
+        on_gpu[list(split.gpu)] = True
+        pair_gpu = on_gpu[ids_host.long()].flatten()
+        hot, cold = pair_gpu.nonzero().flatten(), (~pair_gpu).nonzero().flatten()
+        x_cold = x.float()[cold.to(self.device) // k].cpu() if len(cold) else None  # before the GPU work is queued
+        staged = self._staged_experts(gate, up, down, list(split.gpu))
+        stream = torch.cuda.current_stream(self.device)
+        (g, _), (u, up_done), (dn, down_done) = staged
+        stream.wait_event(up_done)  # gate and up are there; down may still be on its way
+        if len(cold):
+            hot_d = hot.to(self.device, non_blocking=True)
+            xs, es = x[hot_d // k], ids.flatten()[hot_d].view(-1, 1)
+        else:
+            xs, es = x, ids
+        y_gpu = self.gpu.expert_pairs(xs, es, g, u, dn, act, wait_down=down_done)
+        self.streamer.release(("moe", self._slot))
+        if not len(cold):
+            out = (y_gpu.view(n, k, -1) * weights[..., None]).sum(1)
+        else:
+            y = torch.empty(n * k, x.shape[1], dtype=torch.float32, device=self.device)
+            y.index_copy_(0, hot_d, y_gpu)
+            padded = _bucket(len(cold))  # few distinct graph shapes: pad with copies of the last pair
+            xc = torch.cat([x_cold, x_cold[-1:].expand(padded - len(cold), -1)])
+            ec = ids_host.flatten()[cold]
+            ec = torch.cat([ec, ec[-1:].expand(padded - len(cold))])
+            y_cpu = self.cpu.moe_experts(xc, ec.view(-1, 1), None, up, gate, down, act)[:len(cold), 0]
+            y.index_copy_(0, cold.to(self.device), y_cpu.to(self.device))
+            out = (y.view(n, k, -1) * weights[..., None]).sum(1)
+        if not split.cpu and len(split.gpu) >= 0.9 * gate.ne[2]:
+            self._prefetch_after(gate)  # a u-batch this large will want (nearly) all of the next layer's experts
+        return out
+
+    def _staged_experts(self, gate: Weight, up: Weight, down: Weight, experts: list[int]):
+        """This layer's experts on the GPU: prefetched while the previous layer computed, or copied now."""
+        self._slot ^= 1
+        pre = self._prefetched
+        self._prefetched = None
+        if pre is not None and pre[0] is gate:  # every expert of this layer was prefetched
+            return pre[1]
+        return self.streamer.stage_experts([gate, up, down], experts, ("moe", self._slot))
+
+    def _prefetch_after(self, gate: Weight) -> None:
+        nxt = self._next_experts.get(id(gate))
+        if nxt is not None:
+            staged = self.streamer.stage_experts(list(nxt), list(range(nxt[0].ne[2])), ("moe", self._slot ^ 1))
+            self._prefetched = (nxt[0], staged)
+
+    @property
+    def summary(self) -> str:
+        """One line for the run's report: what stays in RAM, the policy, whether the pages are pinned."""
+        in_ram = [n for n, d in self.devices.items() if d == "CPU"]
+        pinned = self.streamer.why if self.streamer else "nothing registered yet"
+        return (f"{len(in_ram)} tensors in RAM, the rest on {self.device}; offload policy {self.policy.mode}"
+                + "".join(f",{k}={v}" for k, v in self.policy.overrides.items()) + f"; {pinned}")
+
+    def report(self) -> list[str]:
+        """The recorded decisions (--verbose) as table lines: predicted against measured milliseconds."""
+        lines = ["| op | weight | tokens | where | predicted ms | measured ms | why |", "| --- | --- | ---: | --- | ---: | ---: | --- |"]
+        for r in self.stats.records:
+            measured = "" if r.measured_s is None else f"{1e3 * r.measured_s:.3f}"
+            lines.append(f"| {r.op} | {r.weight} | {r.n_tokens} | {r.device} | {1e3 * r.predicted_s:.3f} | {measured} | "
+                         f"{r.why} |")
+        return lines
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+        self.cpu.close()
+
+
+def _bucket(m: int) -> int:
+    """Rows padded to 8, 16, 32, 64, then multiples of 64: each distinct count builds a ggml graph."""
+    if m <= 64:
+        return max(8, 1 << (m - 1).bit_length())
+    return -(-m // 64) * 64

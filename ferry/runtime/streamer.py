@@ -1,0 +1,178 @@
+"""CPU-resident weights on their way to the GPU: their mmap pages registered as page-locked memory where they lie
+(cudaHostRegister, read-only: no second copy in RAM), copies on a side stream into reused GPU staging buffers, and
+events the compute stream waits on, so copies overlap compute.
+
+A stacked expert tensor is staged into a buffer with a slot for every expert: only the experts a u-batch routes
+to are copied (runs of neighbours as one copy), into a compact buffer, then spread to their slots in the split
+Q8_0 / Q4_0 layout the GPU kernels read (kernels.Split). Two sets of slots alternate between MoE layers, so one
+layer's copies can run while the previous layer still computes."""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES
+
+from ferry.ops import Weight
+
+_READ_ONLY = 8  # cudaHostRegisterReadOnly: the mmap is mapped read-only
+PAGE = mmap.PAGESIZE
+
+
+def page_ranges(weights: list[Weight]) -> list[tuple[int, int]]:
+    """The page-aligned address ranges the weights' bytes lie in, overlapping and touching ones merged."""
+    spans = sorted((w.data.ctypes.data // PAGE * PAGE, -(-(w.data.ctypes.data + w.data.nbytes) // PAGE) * PAGE)
+                   for w in weights if w.data.nbytes)
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed cudaHostRegister leaves the runtime's last-error set, and torch's next kernel launch check would
+    report it as its own failure: read it once from the process's libcudart."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as fh:
+            lib = next(line.split()[-1] for line in fh if "libcudart.so" in line)
+        ctypes.CDLL(lib).cudaGetLastError()
+    except (OSError, StopIteration):
+        pass
+
+
+def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
+    """Sorted expert ids as [first, last + 1) runs of neighbours: one copy per run."""
+    runs: list[tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], e + 1)
+        else:
+            runs.append((e, e + 1))
+    return runs
+
+
+class Streamer:
+    def __init__(self, device: torch.device, weights: list[Weight]):
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        self._host: dict[int, torch.Tensor] = {}
+        self._splits: dict[tuple, object] = {}  # (slot, role, qtype, ne) -> a Split with a slot per expert
+        self._raw: dict[tuple, torch.Tensor] = {}  # compact buffers copies land in (stream-ordered: shared by slots)
+        self._released: dict[object, torch.cuda.Event] = {}
+        self._registered: list[int] = []
+        self.bytes_copied = 0
+        self.pinned, self.why = self._register(weights)
+
+    def _register(self, weights: list[Weight]) -> tuple[bool, str]:
+        """Page-lock the weights' pages in place; on failure copies still work, from pageable memory (7x slower
+        here), and `why` says so."""
+        cudart = torch.cuda.cudart()
+        ranges = page_ranges(weights)
+        for start, end in ranges:
+            rc = cudart.cudaHostRegister(start, end - start, _READ_ONLY)
+            if int(rc) != 0:
+                self.close()
+                _clear_last_cuda_error()
+                return False, (f"cudaHostRegister failed ({rc}): copies come from pageable memory; "
+                               "check `ulimit -l` and free RAM")
+            self._registered.append(start)
+        total = sum(e - s for s, e in ranges)
+        return True, f"{total / 2 ** 30:.2f} GiB of mmap pages registered in {len(ranges)} ranges"
+
+    def close(self) -> None:
+        cudart = torch.cuda.cudart()
+        while self._registered:
+            cudart.cudaHostUnregister(self._registered.pop())
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def host(self, w: Weight) -> torch.Tensor:
+        """The weight's bytes in the mmap as a uint8 CPU tensor (no copy)."""
+        t = self._host.get(id(w))
+        if t is None:
+            with warnings.catch_warnings():  # read-only mmap; torch only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                t = self._host[id(w)] = torch.from_numpy(w.data)
+        return t
+
+    def _buffer(self, key: tuple, nbytes: int) -> torch.Tensor:
+        t = self._raw.get(key)
+        if t is None:
+            t = self._raw[key] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return t
+
+    def _split_for(self, w: Weight, key: tuple):
+        from ferry.ops.cuda.kernels import Split
+
+        s = self._splits.get(key)
+        if s is None:
+            s = self._splits[key] = Split.of(torch.empty(w.data.nbytes, dtype=torch.uint8, device=self.device),
+                                             w.qtype, w.ne)
+        return s
+
+    def stage_experts(self, weights: list[Weight], experts: list[int], slot) -> list[tuple[object, torch.cuda.Event]]:
+        """Copy `experts` (sorted) of each stacked tensor into staging set `slot`, in order, on the copy stream:
+        per tensor, (a Split with those experts' slots filled, the event after which they are there)."""
+        out = []
+        stream = self.copy_stream
+        ids = torch.tensor(experts, dtype=torch.int64).pin_memory()
+        with torch.cuda.stream(stream):
+            if slot in self._released:  # the layer that used these slots last has finished with them
+                stream.wait_event(self._released.pop(slot))
+            ids = ids.to(self.device, non_blocking=True)
+            for i, w in enumerate(weights):
+                split = self._split_for(w, (slot, i, w.qtype, w.ne))
+                n_expert = w.ne[2]
+                raw = self._buffer((i, w.qtype, w.ne), w.data.nbytes).view(n_expert, -1)
+                host = self.host(w).view(n_expert, -1)
+                j = 0
+                for a, b in expert_runs(experts):
+                    raw[j:j + b - a].copy_(host[a:b], non_blocking=True)
+                    j += b - a
+                self.bytes_copied += j * raw.shape[1]
+                block = GGML_QUANT_SIZES[w.qtype][1]
+                blocks = raw[:j].view(j, -1, block)
+                per_expert = blocks.shape[1]
+                split.d.view(-1, per_expert).index_copy_(0, ids, blocks[:, :, :2].contiguous().view(torch.float16)
+                                                         .view(j, per_expert))
+                split.qs.view(-1, per_expert, block - 2).index_copy_(0, ids, blocks[:, :, 2:].view(split.qs.dtype))
+                done = torch.cuda.Event()
+                done.record(stream)
+                out.append((split, done))
+        return out
+
+    def stage(self, w: Weight, slot) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A whole (dense) weight's GGUF bytes copied to a reused GPU buffer in staging set `slot`."""
+        key = (slot, w.data.nbytes)
+        stream = self.copy_stream
+        with torch.cuda.stream(stream):
+            if slot in self._released:
+                stream.wait_event(self._released.pop(slot))
+            raw = self._buffer(key, w.data.nbytes)
+            raw.copy_(self.host(w), non_blocking=True)
+            self.bytes_copied += w.data.nbytes
+            done = torch.cuda.Event()
+            done.record(stream)
+        return raw, done
+
+    def release(self, slot) -> None:
+        """The compute stream has been given all work that reads staging set `slot`: the next copy into it waits."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._released[slot] = ev
+
+    def staging_bytes(self) -> int:
+        """GPU bytes held for staging so far."""
+        return sum(t.numel() for t in self._raw.values()) + sum(
+            s.qs.numel() * s.qs.element_size() + 2 * s.d.numel() for s in self._splits.values())

@@ -1,0 +1,91 @@
+"""The hybrid runtime (weights in RAM, the rest on the GPU) against the all-CPU result: KL-divergence and top-1
+agreement for every way an op on a RAM-resident weight can run (ggml on the CPU, streamed to the GPU, the MoE split
+between both), at prompt u-batches and token by token, with experts in RAM (-ot exps=CPU) and with whole layers in
+RAM (-ngl N)."""
+
+import numpy as np
+import pytest
+import torch
+
+from ferry.cli import GpuOptions, main, open_model
+from ferry.ops.hybrid import HybridBackend
+from ferry.policy import Calibration
+from ferry.runtime.engine import Engine
+
+# a made-up machine on which a copy and a CPU read of an expert cost the same: auto splits every MoE layer
+BALANCED = Calibration(h2d_bytes_per_s=40e9, h2d_latency_s=1e-6, cpu_bytes_per_s=40e9, cpu_flops=1e12,
+                       gpu_bytes_per_s=3e12, gpu_flops=400e12)
+
+
+def _kl(want: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
+    lp, lq = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double().cpu(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1), (want.argmax(-1) == got.cpu().argmax(-1)).double().mean().item()
+
+
+@pytest.fixture(scope="module")
+def mid(tmp_path_factory):
+    """qwen3-moe-mid (Q4_0 experts, Q8_0 rest, 64 experts): its CPU logits over a 300-token prompt."""
+    path = tmp_path_factory.mktemp("m") / "mid.gguf"
+    assert main(["synth", "qwen3-moe-mid", "-o", str(path), "-q"]) == 0
+    _, cpu, model, _ = open_model(path, 8)
+    tokens = np.random.default_rng(0).integers(0, model.args.n_vocab, 300).tolist()
+    want = Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
+    return path, tokens, want
+
+
+def _hybrid(path, gpu: GpuOptions, calib: Calibration | None = None):
+    _, backend, model, _ = open_model(path, 8, quiet=True, gpu=gpu, n_ctx=512)
+    assert isinstance(backend, HybridBackend)
+    backend.stats.keep = True
+    if calib is not None:
+        backend.calib = calib
+    return backend, model
+
+
+def _check(want, got, label: str) -> None:
+    kl, top1 = _kl(want, got)
+    print(f"\n{label}: KL median {kl.median():.2e}, max {kl.max():.2e}, top-1 {top1:.4f}")
+    # the same rounding differences as the all-GPU path (tests_gpu/test_model_gpu.py): bf16/f16 prompt activations
+    # on the GPU against ggml's 8-bit activations on the CPU
+    assert kl.median() < 2e-3 and kl.max() < 3e-2 and top1 >= 0.95
+
+
+@pytest.mark.parametrize("policy", ["all=off", "all=on", "threshold", "auto", "balanced"])
+@pytest.mark.parametrize("ubatch", [512, 64, 5])
+def test_experts_in_ram_match_the_cpu(mid, policy, ubatch):
+    path, tokens, want = mid
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
+                             BALANCED if policy == "balanced" else None)
+    assert backend.streamer.pinned, backend.streamer.why
+    n = 300 if ubatch > 8 else 60
+    got = Engine(model, backend, n_ctx=512, n_ubatch=ubatch).decode(tokens[:n], all_logits=True)
+    _check(want[:n], got, f"-ot exps=CPU {policy} ub {ubatch}")
+    where = {r.device for r in backend.stats.records if r.op == "mul_mat_id"}
+    if policy == "all=off":
+        assert all(d.startswith("GPU 0 /") for d in where)
+    if policy == "all=on":
+        assert all(d.endswith("/ CPU 0") for d in where)
+    if policy == "balanced":  # both sides at once
+        assert any(not d.startswith("GPU 0 /") and not d.endswith("/ CPU 0") for d in where), where
+
+
+@pytest.mark.parametrize("policy", ["all=off", "balanced"])
+def test_generation_with_experts_in_ram_matches_the_cpu_token_by_token(mid, policy):
+    path, tokens, want = mid
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
+                             BALANCED if policy == "balanced" else None)
+    e = Engine(model, backend, n_ctx=512)
+    e.decode(tokens[:200])
+    got = torch.cat([e.decode([t]) for t in tokens[200:240]])
+    _check(want[200:240], got, f"decode -ot exps=CPU {policy}")
+
+
+@pytest.mark.parametrize("policy", ["all=off", "all=on"])
+def test_layers_left_in_ram_by_ngl_match_the_cpu(mid, policy):
+    """-ngl 3: most layers' weights in RAM, computed by ggml or streamed whole to the GPU; the output on the GPU."""
+    path, tokens, want = mid
+    backend, model = _hybrid(path, GpuOptions(3, [], policy))
+    got = Engine(model, backend, n_ctx=512, n_ubatch=128).decode(tokens, all_logits=True)
+    _check(want, got, f"-ngl 3 {policy}")
+    dense = {r.device for r in backend.stats.records if r.op == "mul_mat"}
+    assert dense == {"CPU" if policy == "all=off" else "GPU"}
