@@ -10,7 +10,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ferry.cli import open_model
+from ferry.cli import GpuOptions, open_model
 from ferry.ops.cuda.executor import CudaExecutor
 from ferry.runtime.engine import Engine
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=16, help="decode steps")
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args()
-    _, backend, model, _ = open_model(a.model, 1, n_gpu_layers=999, quiet=True)
+    _, backend, model, _ = open_model(a.model, 1, quiet=True, gpu=GpuOptions(999))
     vocab = model.args.n_vocab
     for ub in [int(v) for v in a.ub.split(",")]:
         e = Engine(model, backend, n_ctx=ub + 1, n_batch=ub, n_ubatch=ub)

@@ -30,6 +30,7 @@ class OpRecord:
     predicted_s: float
     measured_s: float | None
     why: str
+    parts: dict = field(default_factory=dict)  # timed runs: seconds of the route + host sync, the CPU's ggml work
 
 
 @dataclass
@@ -170,6 +171,7 @@ class HybridBackend:
         counts_gpu = torch.zeros(n_expert, dtype=torch.int32, device=self.device)
         counts_gpu.index_add_(0, ids.flatten(), torch.ones(n * k, dtype=torch.int32, device=self.device))
         host = torch.cat([counts_gpu, ids.flatten()]).cpu()  # the one sync: which experts, how many tokens
+        parts = {"route": time.perf_counter() - t0} if self.timed else {}
         counts, ids_host = host[:n_expert], host[n_expert:].view(n, k)
         expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
         flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
@@ -181,15 +183,20 @@ class HybridBackend:
             split = type(split)(split.gpu, split.cpu, split.gpu_s, split.cpu_s,
                                 "experts of a type (or a placement) the GPU cannot stream: on the CPU")
         if not split.gpu:  # all on the CPU: ggml sums each token's experts
-            y = self.cpu.moe_experts(x.float().cpu(), ids_host, weights.cpu(), up, gate, down, act)
+            xh, wh = x.float().cpu(), weights.cpu()
+            t1 = time.perf_counter()
+            y = self.cpu.moe_experts(xh, ids_host, wh, up, gate, down, act)
+            if self.timed:
+                parts["cpu"] = time.perf_counter() - t1
             out = y.to(self.device, non_blocking=True)
         else:
-            out = self._split_moe(x, ids, ids_host, weights, split, up, gate, down, act)
+            out = self._split_moe(x, ids, ids_host, weights, split, up, gate, down, act, parts)
         self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
-                                max(split.gpu_s, split.cpu_s), self._measured(t0), split.why))
+                                max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
         return out, ids
 
-    def _split_moe(self, x, ids, ids_host, weights, split, up: Weight, gate: Weight, down: Weight, act: str):
+    def _split_moe(self, x, ids, ids_host, weights, split, up: Weight, gate: Weight, down: Weight, act: str,
+                   parts: dict):
         """Hot experts copied and computed on the GPU while the CPU computes the cold ones; each token's expert
         outputs summed on the GPU in slot order."""
         n, k = ids.shape
@@ -218,7 +225,10 @@ class HybridBackend:
             xc = torch.cat([x_cold, x_cold[-1:].expand(padded - len(cold), -1)])
             ec = ids_host.flatten()[cold]
             ec = torch.cat([ec, ec[-1:].expand(padded - len(cold))])
+            t1 = time.perf_counter()
             y_cpu = self.cpu.moe_experts(xc, ec.view(-1, 1), None, up, gate, down, act)[:len(cold), 0]
+            if self.timed:
+                parts["cpu"] = time.perf_counter() - t1
             y.index_copy_(0, cold.to(self.device), y_cpu.to(self.device))
             out = (y.view(n, k, -1) * weights[..., None]).sum(1)
         if not split.cpu and len(split.gpu) >= 0.9 * gate.ne[2]:

@@ -19,12 +19,13 @@ _ACT = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}
 _FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 GEMV_MAX = 8  # tokens up to which a matmul runs as quantized GEMV
 MOE_GEMV_MAX = 64  # (token, expert) pairs up to which the MoE runs as expert GEMVs
-MOE_STRATEGIES = ("auto", "gemv", "grouped", "loop")
+MOE_STRATEGIES = ("auto", "gemv", "grouped", "dense", "loop")
 
 
 class CudaBackend:
     """`moe`: how many-token MoE layers run: 'auto' (GEMV for few pairs, else grouped), or one strategy
-    everywhere ('loop' is one matmul per expert hit, the reference the grouped GEMM is tested against)."""
+    everywhere ('dense': every expert expanded to bf16 and torch's grouped GEMM; 'loop' is one matmul per expert
+    hit, the reference the grouped GEMM is tested against)."""
 
     name = "CUDA"
 
@@ -39,7 +40,7 @@ class CudaBackend:
             torch.cuda.get_device_capability(self.device) >= (9, 0)
         # whether a forward needs nothing from the host (a CUDA graph can record it): not where the host must
         # learn which experts were hit
-        self.graph_safe = moe != "loop" and (moe != "grouped" or self._grouped)
+        self.graph_safe = moe != "loop" and (moe not in ("grouped", "dense") or self._grouped)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -131,6 +132,12 @@ class CudaBackend:
             return kernels.moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act), ids
         if strategy == "loop":
             return self._moe_loop(x, ids, weights, up, gate, down, act), ids
+        if strategy == "dense":  # every expert expanded to bf16, then torch's grouped GEMM
+            n, k = ids.shape
+            order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
+            y = torch.empty_like(y_sorted)
+            y[order] = y_sorted
+            return (y.view(n, k, -1) * weights[..., None]).sum(1), ids
         return self._moe_grouped(x, ids, weights, up, gate, down, act), ids
 
     def _experts(self, w: Weight, slot: int) -> torch.Tensor:
