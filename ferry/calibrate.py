@@ -35,8 +35,8 @@ def _best(fn, reps: int) -> float:
 
 
 def measure_cpu(threads: int, quick: bool = False) -> dict:
-    """ggml on this CPU: Q4_0 GEMV bytes/s over a weight larger than the caches (smaller with quick), and
-    Q4_0 x 512-token matmul FLOP/s."""
+    """ggml on this CPU: Q4_0 GEMV bytes/s over a weight larger than the caches, Q4_0 x 512-token matmul FLOP/s,
+    and the routed experts' table (measure_cpu_moe); quick: fewer sizes and repetitions."""
     from ferry.gguf.synth import random_tensor
     from ferry.ops import Weight
     from ferry.ops.cpu import CpuBackend
@@ -44,7 +44,7 @@ def measure_cpu(threads: int, quick: bool = False) -> dict:
 
     backend = CpuBackend(threads)
     rng = np.random.default_rng(0)
-    rows, cols = (4096, 4096) if quick else (65536, 16384)  # 9 MB / 604 MB of Q4_0
+    rows, cols = (16384, 16384) if quick else (65536, 16384)  # 151 MB / 604 MB of Q4_0: beyond the caches
     w = Weight("calibration", Q.Q4_0, (cols, rows), random_tensor(Q.Q4_0, (cols, rows), 1.0, rng))
     backend.repack(w)
     x1 = torch.randn(1, cols)
@@ -54,8 +54,32 @@ def measure_cpu(threads: int, quick: bool = False) -> dict:
     backend.repack(wb)
     xb = torch.randn(n, k)
     gemm_s = _best(lambda: backend.linear(xb, wb), 2 if quick else 3)
+    moe = measure_cpu_moe(backend, rng, quick)
     backend.close()
-    return {"cpu_bytes_per_s": w.data.nbytes / gemv_s, "cpu_flops": 2.0 * n * k * m / gemm_s, "threads": backend.n_threads}
+    return {"cpu_bytes_per_s": w.data.nbytes / gemv_s, "cpu_flops": 2.0 * n * k * m / gemm_s, "threads": backend.n_threads,
+            "cpu_moe": moe}
+
+
+def measure_cpu_moe(backend, rng, quick: bool = False) -> list[list[float]]:
+    """ggml's routed experts (mul_mat_id, repacked like a run's) on a Qwen3-30B-A3B-shaped layer, 64 Q4_0 experts of
+    2048 x 768 (170 MB, beyond the caches): seconds per byte of expert weights when each expert gets c tokens."""
+    from ferry.gguf.synth import random_tensor
+    from ferry.ops import Weight
+    from ferry.quant import Q
+
+    n_expert, d, ff = 64, 2048, 768
+    up, gate = (Weight(f"calibration-{n}", Q.Q4_0, (d, ff, n_expert), random_tensor(Q.Q4_0, (d, ff, n_expert), 1.0, rng))
+                for n in ("up", "gate"))
+    down = Weight("calibration-down", Q.Q4_0, (ff, d, n_expert), random_tensor(Q.Q4_0, (ff, d, n_expert), 1.0, rng))
+    backend.repack(up, gate, down)
+    total = sum(w.data.nbytes for w in (up, gate, down))
+    table = []
+    for c in ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):  # tokens per expert
+        ids = torch.arange(n_expert, dtype=torch.int32).repeat(c).view(-1, 1)
+        x = torch.randn(ids.shape[0], d)
+        t = _best(lambda: backend.moe_experts(x, ids, None, up, gate, down, "silu"), 2 if quick else 3)
+        table.append([float(c), t / total])
+    return table
 
 
 def measure_gpu(quick: bool = False) -> dict | None:
@@ -79,8 +103,10 @@ def measure_gpu(quick: bool = False) -> dict | None:
     n = 4096 if quick else 8192
     a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
     mm_s = timed(lambda: a @ a)
+    one = torch.zeros(1, device=dev)
+    launch_s = timed(lambda: [one.add_(1) for _ in range(200)]) / 200
     return {"h2d_bytes_per_s": size / h2d_s, "h2d_latency_s": lat_s, "gpu_bytes_per_s": size / d2d_s,
-            "gpu_flops": 2.0 * n ** 3 / mm_s, "gpu_name": torch.cuda.get_device_name(0)}
+            "gpu_flops": 2.0 * n ** 3 / mm_s, "launch_s": launch_s, "gpu_name": torch.cuda.get_device_name(0)}
 
 
 def calibrate(threads: int, quick: bool = False) -> dict:
@@ -105,6 +131,8 @@ def load(path: Path) -> Calibration | None:
             return None
         fields = {**{k: cpu[k] for k in ("cpu_bytes_per_s", "cpu_flops")},
                   **{k: gpu[k] for k in ("h2d_bytes_per_s", "h2d_latency_s", "gpu_bytes_per_s", "gpu_flops")}}
+        fields["cpu_moe"] = tuple((float(c), float(s)) for c, s in cpu.get("cpu_moe", ()))  # older files: none
+        fields["launch_s"] = float(gpu.get("launch_s", 0.0))
     except FileNotFoundError:
         raise FerryError(f"{path}: no calibration; run `ferry calibrate`") from None
     except (ValueError, KeyError, TypeError) as e:
@@ -117,11 +145,14 @@ def table(result: dict) -> str:
     lines = ["| what | measured |", "| --- | --- |",
              f"| CPU Q4_0 GEMV ({cpu['threads']} threads) | {cpu['cpu_bytes_per_s'] / 1e9:.1f} GB/s of weights |",
              f"| CPU Q4_0 x 512 tokens | {cpu['cpu_flops'] / 1e12:.2f} TFLOP/s |"]
+    for c, spb in cpu.get("cpu_moe", ()):
+        lines.append(f"| CPU Q4_0 routed experts, {c:g} tokens each | {1 / spb / 1e9:.1f} GB/s of expert weights |")
     if gpu:
         lines += [f"| H2D pinned ({gpu['gpu_name']}) | {gpu['h2d_bytes_per_s'] / 1e9:.1f} GB/s, "
                   f"{gpu['h2d_latency_s'] * 1e6:.1f} us per small copy |",
                   f"| GPU device copy | {gpu['gpu_bytes_per_s'] / 1e9:.0f} GB/s |",
-                  f"| GPU bf16 matmul | {gpu['gpu_flops'] / 1e12:.0f} TFLOP/s |"]
+                  f"| GPU bf16 matmul | {gpu['gpu_flops'] / 1e12:.0f} TFLOP/s |",
+                  f"| GPU kernel launch from Python | {gpu.get('launch_s', 0) * 1e6:.1f} us |"]
     else:
         lines.append("| GPU | none visible: every op stays on the CPU |")
     return "\n".join(lines)

@@ -30,6 +30,26 @@ class Calibration:
     cpu_flops: float  # dense matmul throughput (large batches)
     gpu_bytes_per_s: float
     gpu_flops: float
+    # ggml's routed experts, measured: (tokens per expert, seconds per byte of expert weights), rising tokens; a
+    # batched mul_mat_id is neither GEMV- nor FLOP-bound on a CPU, so the policy interpolates this table
+    cpu_moe: tuple[tuple[float, float], ...] = ()
+    launch_s: float = 0.0  # one GPU kernel launch from Python: the GPU side of a split MoE costs a few dozen
+
+    def cpu_expert_s(self, expert_bytes: float, tokens: int, flops_per_token: float) -> float:
+        """One expert's weights times `tokens` tokens by ggml: from the measured table where there is one."""
+        if not self.cpu_moe:
+            return max(expert_bytes / self.cpu_bytes_per_s, tokens * flops_per_token / self.cpu_flops)
+        pts = self.cpu_moe
+        if tokens <= pts[0][0]:
+            return expert_bytes * pts[0][1]
+        for (c0, s0), (c1, s1) in zip(pts, pts[1:]):
+            if tokens <= c1:
+                return expert_bytes * (s0 + (s1 - s0) * (tokens - c0) / (c1 - c0))
+        c, s_ = pts[-1]
+        return expert_bytes * s_ * tokens / c  # beyond the table: compute-bound, linear in tokens
+
+
+GPU_SIDE_LAUNCHES = 30  # launches a split MoE's GPU side adds (staging per tensor, the expert kernels, the sum)
 
 
 @dataclass
@@ -127,15 +147,18 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     n_tokens = sum(counts) // max(n_expert_used, 1)
 
     def cpu_s(e: int) -> float:
-        return max(expert_bytes / calib.cpu_bytes_per_s, counts[e] * flops_per_token / calib.cpu_flops)
+        return calib.cpu_expert_s(expert_bytes, counts[e], flops_per_token)
 
     def gpu_s(e: int) -> float:
-        return (3 * calib.h2d_latency_s + expert_bytes / calib.h2d_bytes_per_s
+        return (calib.h2d_latency_s + expert_bytes / calib.h2d_bytes_per_s
                 + max(expert_bytes / calib.gpu_bytes_per_s, counts[e] * flops_per_token / calib.gpu_flops))
 
+    gpu_fixed = GPU_SIDE_LAUNCHES * calib.launch_s
+
     def split(n_gpu: int, why: str) -> ExpertSplit:
-        return ExpertSplit(tuple(sorted(hit[:n_gpu])), tuple(sorted(hit[n_gpu:])), sum(map(gpu_s, hit[:n_gpu])),
-                           sum(map(cpu_s, hit[n_gpu:])), why)
+        return ExpertSplit(tuple(sorted(hit[:n_gpu])), tuple(sorted(hit[n_gpu:])),
+                           sum(map(gpu_s, hit[:n_gpu])) + (gpu_fixed if n_gpu else 0.0), sum(map(cpu_s, hit[n_gpu:])),
+                           why)
 
     ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
     if ug != "auto" or down != "auto":
@@ -147,7 +170,7 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
         need = policy.min_batch * len(counts) / max(n_expert_used, 1)
         on = n_tokens >= need
         return split(len(hit) if on else 0, f"threshold: batch {n_tokens} {'>=' if on else '<'} {need:g}")
-    gpu_total, cpu_total = 0.0, sum(map(cpu_s, hit))
+    gpu_total, cpu_total = gpu_fixed, sum(map(cpu_s, hit))
     best, best_s = 0, cpu_total
     for i, e in enumerate(hit):  # move the hottest remaining expert to the GPU
         gpu_total += gpu_s(e)

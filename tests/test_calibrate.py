@@ -18,14 +18,22 @@ def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys):
     assert data["cpu"]["threads"] == 1
     # a GEMV reads weights at well over 100 MB/s on any machine, a 512-token matmul does over 1 GFLOP/s
     assert data["cpu"]["cpu_bytes_per_s"] > 1e8 and data["cpu"]["cpu_flops"] > 1e9
-
+    # the experts' table: tokens per expert rising, and more tokens never cost less time per expert
+    table = data["cpu"]["cpu_moe"]
+    assert [c for c, _ in table] == [1, 4, 16, 64]
+    assert all(c1 * s1 >= 0.5 * c0 * s0 for (c0, s0), (c1, s1) in zip(table, table[1:]))
+    assert all(s0 <= s1 * 1.5 for (_, s0), (_, s1) in zip(table, table[1:]))
 
 def test_the_policy_reads_a_stored_calibration(tmp_path):
     path = tmp_path / "c.json"
     gpu = {"h2d_bytes_per_s": 55e9, "h2d_latency_s": 2.3e-5, "gpu_bytes_per_s": 3e12, "gpu_flops": 8e14, "gpu_name": "x"}
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 16}, "gpu": gpu}))
     assert load(path) == Calibration(h2d_bytes_per_s=55e9, h2d_latency_s=2.3e-5, cpu_bytes_per_s=4e10,
-                                     cpu_flops=1e12, gpu_bytes_per_s=3e12, gpu_flops=8e14)
+                                     cpu_flops=1e12, gpu_bytes_per_s=3e12, gpu_flops=8e14)  # an older file: no table
+    path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 16,
+                                        "cpu_moe": [[1, 2e-11], [64, 1e-9]]}, "gpu": {**gpu, "launch_s": 1e-5}}))
+    c = load(path)
+    assert c.cpu_moe == ((1.0, 2e-11), (64.0, 1e-9)) and c.launch_s == 1e-5
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 2}, "gpu": None}))
     assert load(path) is None  # no GPU: nothing to offload to
     path.write_text("{}")

@@ -131,3 +131,30 @@ def test_a_large_u_batch_sends_every_expert_to_the_gpu_and_threshold_follows_lla
 def test_halves_of_the_experts_set_apart_are_a_user_error_until_the_runtime_splits_them():
     with pytest.raises(FerryError, match="moe_up_gate and moe_down differ"):
         _split([1] * 8 + [0] * 120, FAST_PCIE, "moe_up_gate=on,moe_down=off")
+
+
+# the H100 machine's measured experts (ggml, 16 threads, session 5): 54 GB/s at one token per expert, then
+# compute-bound; and its 15 us launches from Python
+MEASURED = Calibration(h2d_bytes_per_s=52e9, h2d_latency_s=15e-6, cpu_bytes_per_s=54e9, cpu_flops=0.4e12,
+                       gpu_bytes_per_s=1.4e12, gpu_flops=700e12,
+                       cpu_moe=((1, 1 / 54e9), (4, 1 / 25e9), (16, 1 / 8e9), (64, 1 / 2.2e9)), launch_s=15e-6)
+
+
+def test_the_measured_expert_table_replaces_the_two_number_cpu_model():
+    assert MEASURED.cpu_expert_s(1e6, 1, EXPERT_FLOPS) == pytest.approx(1e6 / 54e9)
+    assert MEASURED.cpu_expert_s(1e6, 10, EXPERT_FLOPS) == pytest.approx(1e6 * (1 / 25e9 + (1 / 8e9 - 1 / 25e9) * 0.5))
+    assert MEASURED.cpu_expert_s(1e6, 128, EXPERT_FLOPS) == pytest.approx(2 * 1e6 / 2.2e9)  # linear beyond
+
+
+def test_a_cpu_slow_at_batched_experts_keeps_fewer_of_them_at_u_batch_128():
+    counts = [8] * 128  # u-batch 128, 8 of 128 experts per token: 8 tokens per expert
+    fast_table = Calibration(**{**MEASURED.__dict__, "cpu_moe": ((1, 1 / 54e9), (64, 1 / 50e9))})
+    assert len(_split(counts, MEASURED).cpu) < len(_split(counts, fast_table).cpu)
+
+
+def test_the_gpu_side_costs_its_launches_so_a_single_token_stays_on_the_cpu_when_launches_are_slow():
+    counts = [1] * 8 + [0] * 120
+    slow_launch = Calibration(**{**MEASURED.__dict__, "launch_s": 50e-6})
+    assert not _split(counts, slow_launch).gpu
+    no_launch_cost = Calibration(**{**MEASURED.__dict__, "launch_s": 0.0})
+    assert _split(counts, no_launch_cost).gpu

@@ -89,3 +89,26 @@ def test_layers_left_in_ram_by_ngl_match_the_cpu(mid, policy):
     _check(want, got, f"-ngl 3 {policy}")
     dense = {r.device for r in backend.stats.records if r.op == "mul_mat"}
     assert dense == {"CPU" if policy == "all=off" else "GPU"}
+
+
+@pytest.mark.parametrize("policy", ["all=off", "balanced"])
+def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid, policy):
+    """A decode step with experts in RAM replays CUDA graphs cut at each MoE layer's host step: the same bits as
+    running it op by op."""
+    from ferry.ops.cuda.executor import CudaExecutor, _Recorder
+
+    path, tokens, _ = mid
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
+                             BALANCED if policy == "balanced" else None)
+    backend.stats.keep = False
+    out = []
+    for graphs in (True, False):
+        e = Engine(model, backend, n_ctx=512)
+        e.executor = CudaExecutor(backend, graphs=graphs)
+        e.decode(tokens[:50])
+        out.append(torch.cat([e.decode([t]) for t in tokens[50:70]]))
+        if graphs:
+            recorded = list(e.executor._captured.values())
+            assert recorded and isinstance(recorded[0].graph, _Recorder)
+            assert len(recorded[0].graph.graphs) == model.args.n_layer + 2  # cut at the embedding and each layer
+    assert torch.equal(out[0], out[1])

@@ -74,6 +74,12 @@ class HybridBackend:
         self._prefetched: tuple | None = None  # (the next layer's gate weight, its staged experts)
         self._next_experts: dict[int, tuple[Weight, Weight, Weight]] = {}
         self.streamer: Streamer | None = None
+        self.recorder = None  # set by the executor while it records a step as CUDA graphs cut at host steps
+
+    @property
+    def host_steps(self) -> bool:
+        """Whether a step may be recorded as CUDA graphs between host steps (not while timing each op)."""
+        return not self.timed
 
     def prepare(self, weights: list[Weight]) -> None:
         """Upload the GPU's weights, register the CPU's with the streamer."""
@@ -121,6 +127,11 @@ class HybridBackend:
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         if self.on_gpu(w):
             return self.gpu.linear(x, w)
+        if self.recorder is not None:  # inside a CUDA graph capture: run it as a host step at replay
+            return self.recorder.defer(lambda: self._linear_in_ram(x, w), (x.shape[0], w.ne[1]), self.device)
+        return self._linear_in_ram(x, w)
+
+    def _linear_in_ram(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         t0 = self._timer()
         n = x.shape[0]
         d = decide("mul_mat", n, w.ne[1], w.ne[0], _bytes_per_weight(w), self.calib, self.policy)
@@ -152,6 +163,9 @@ class HybridBackend:
     def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         if self.on_gpu(w):
             return self.gpu.get_rows(w, ids)
+        if self.recorder is not None:  # the embedding of a captured step: its tokens come from the host at replay
+            return self.recorder.defer(lambda: self.cpu.get_rows(w, self.recorder.host_tokens),
+                                       (ids.shape[0], w.ne[0]), self.device)
         return self.cpu.get_rows(w, ids.cpu()).to(self.device)
 
     # ---- routed experts ----------------------------------------------------------------------------------
@@ -166,13 +180,26 @@ class HybridBackend:
             return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act)
         t0 = self._timer()
         weights, ids = self.route(x, router, n_used, norm_topk)
+        if self.recorder is not None:
+            out = self.recorder.defer(lambda: self._experts(x, ids, weights, up, gate, down, n_used, act, t0),
+                                      (x.shape[0], down.ne[1]), self.device)
+            return out, ids
+        return self._experts(x, ids, weights, up, gate, down, n_used, act, t0), ids
+
+    def _experts(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, n_used: int, act: str,
+                 t0: float) -> torch.Tensor:
+        """The routed experts of x, whose router chose ids / weights on the GPU: the host learns the choice (one
+        sync), the policy splits the experts hit, and the CPU, the GPU or both compute them."""
+        experts = (gate, up, down)
         n, k = ids.shape
         n_expert = gate.ne[2]
-        counts_gpu = torch.zeros(n_expert, dtype=torch.int32, device=self.device)
-        counts_gpu.index_add_(0, ids.flatten(), torch.ones(n * k, dtype=torch.int32, device=self.device))
-        host = torch.cat([counts_gpu, ids.flatten()]).cpu()  # the one sync: which experts, how many tokens
+        small = n <= 64  # few tokens: bring x along now (pinned, async) rather than after the decision
+        ids_host = ids.to("cpu", non_blocking=True)
+        weights_host = weights.to("cpu", non_blocking=True)
+        x_host = x.float().to("cpu", non_blocking=True) if small else None
+        torch.cuda.current_stream(self.device).synchronize()  # the one wait: which experts, how many tokens
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
-        counts, ids_host = host[:n_expert], host[n_expert:].view(n, k)
+        counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert)
         expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
         flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
         if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
@@ -183,19 +210,20 @@ class HybridBackend:
             split = type(split)(split.gpu, split.cpu, split.gpu_s, split.cpu_s,
                                 "experts of a type (or a placement) the GPU cannot stream: on the CPU")
         if not split.gpu:  # all on the CPU: ggml sums each token's experts
-            xh, wh = x.float().cpu(), weights.cpu()
+            if x_host is None:
+                x_host = x.float().cpu()
             t1 = time.perf_counter()
-            y = self.cpu.moe_experts(xh, ids_host, wh, up, gate, down, act)
+            y = self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act)
             if self.timed:
                 parts["cpu"] = time.perf_counter() - t1
             out = y.to(self.device, non_blocking=True)
         else:
-            out = self._split_moe(x, ids, ids_host, weights, split, up, gate, down, act, parts)
+            out = self._split_moe(x, x_host, ids, ids_host, weights, split, up, gate, down, act, parts)
         self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
                                 max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
-        return out, ids
+        return out
 
-    def _split_moe(self, x, ids, ids_host, weights, split, up: Weight, gate: Weight, down: Weight, act: str,
+    def _split_moe(self, x, x_host, ids, ids_host, weights, split, up: Weight, gate: Weight, down: Weight, act: str,
                    parts: dict):
         """Hot experts copied and computed on the GPU while the CPU computes the cold ones; each token's expert
         outputs summed on the GPU in slot order."""
@@ -204,7 +232,9 @@ class HybridBackend:
         on_gpu[list(split.gpu)] = True
         pair_gpu = on_gpu[ids_host.long()].flatten()
         hot, cold = pair_gpu.nonzero().flatten(), (~pair_gpu).nonzero().flatten()
-        x_cold = x.float()[cold.to(self.device) // k].cpu() if len(cold) else None  # before the GPU work is queued
+        x_cold = None
+        if len(cold):  # before the GPU work is queued
+            x_cold = x_host[cold // k] if x_host is not None else x.float()[cold.to(self.device) // k].cpu()
         staged = self._staged_experts(gate, up, down, list(split.gpu))
         stream = torch.cuda.current_stream(self.device)
         (g, _), (u, up_done), (dn, down_done) = staged

@@ -5,6 +5,7 @@ same); prompts run eagerly."""
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -88,16 +89,53 @@ def _floats(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
     return dequantize(rows.reshape(-1), qtype, (width, rows.shape[0]), torch.float16)
 
 
+class _Recorder:
+    """Records a step as CUDA graphs cut wherever the backend must run host code (ops on weights in RAM, in the
+    hybrid runtime): the backend calls defer(fn, shape) and gets a tensor into which fn's result is copied at
+    replay, between the graph before and the graph after."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.steps: list = []  # graph replays and host steps, in order
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.host_tokens: torch.Tensor | None = None  # the replayed step's tokens, for a host-side embedding
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        with warnings.catch_warnings():  # a cut right at the start leaves an empty graph: harmless
+            warnings.simplefilter("ignore", UserWarning)
+            self._graph.capture_end()
+        self.graphs.append(self._graph)
+        self.steps.append(self._graph.replay)
+        self._graph = None
+
+    def defer(self, fn, shape: tuple[int, ...], device) -> torch.Tensor:
+        self.end()
+        out = torch.empty(shape, dtype=torch.float32, device=device)  # outside any capture: a fixed address
+        self.steps.append(lambda: out.copy_(fn(), non_blocking=True))
+        self.begin()
+        return out
+
+    def replay(self) -> None:
+        for step in self.steps:
+            step()
+
+
 @dataclass
 class _Captured:
-    """A decode step of one shape as a CUDA graph: static inputs filled before each replay."""
+    """A decode step of one shape as a CUDA graph (or, with host steps, graphs and host steps in turn): static
+    inputs filled before each replay."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
     cells: torch.Tensor
     logits: torch.Tensor
     expert_ids: list[torch.Tensor]
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | _Recorder
 
 
 class CudaExecutor:
@@ -126,7 +164,8 @@ class CudaExecutor:
         return model.forward(ops)
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        eager = not self.graphs or not self.backend.graph_safe or batch.n_tokens > DECODE_MAX
+        recordable = self.backend.graph_safe or getattr(self.backend, "host_steps", False)
+        eager = not self.graphs or not recordable or batch.n_tokens > DECODE_MAX
         key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits)
         c = None if eager else self._captured.get(key)
         if c is None:
@@ -138,6 +177,8 @@ class CudaExecutor:
             c.tokens.copy_(tokens)
             c.pos.copy_(batch.positions)
             c.cells.copy_(batch.cells)
+            if isinstance(c.graph, _Recorder):
+                c.graph.host_tokens = tokens.cpu()
             c.graph.replay()
         batch.expert_ids = list(c.expert_ids)
         return c.logits.clone()
@@ -151,10 +192,24 @@ class CudaExecutor:
             self._run(model, batch, tokens, pos, cells)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         batch.expert_ids = []
-        graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._run(model, batch, tokens, pos, cells)
+        if self.backend.graph_safe:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._run(model, batch, tokens, pos, cells)
+        else:  # graphs between the backend's host steps
+            graph = _Recorder(self._pool)
+            graph.host_tokens = tokens.cpu()
+            torch.cuda.synchronize(self.device)
+            with torch.cuda.stream(stream):
+                self.backend.recorder = graph
+                graph.begin()
+                try:
+                    logits = self._run(model, batch, tokens, pos, cells)
+                    graph.end()
+                finally:
+                    self.backend.recorder = None
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         graph.replay()
         return _Captured(tokens, pos, cells, logits, list(batch.expert_ids), graph)
