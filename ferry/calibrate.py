@@ -48,7 +48,7 @@ def measure_cpu(threads: int, quick: bool = False) -> dict:
     w = Weight("calibration", Q.Q4_0, (cols, rows), random_tensor(Q.Q4_0, (cols, rows), 1.0, rng))
     backend.repack(w)
     x1 = torch.randn(1, cols)
-    gemv_s = _best(lambda: backend.linear(x1, w), 3 if quick else 5)
+    gemv_s = _best(lambda: backend.linear(x1, w), 5)
     n, k, m = 512, 4096, 4096
     wb = Weight("calibration-batch", Q.Q4_0, (k, m), random_tensor(Q.Q4_0, (k, m), 1.0, rng))
     backend.repack(wb)
@@ -77,7 +77,7 @@ def measure_cpu_moe(backend, rng, quick: bool = False) -> list[list[float]]:
     for c in ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):  # tokens per expert
         ids = torch.arange(n_expert, dtype=torch.int32).repeat(c).view(-1, 1)
         x = torch.randn(ids.shape[0], d)
-        t = _best(lambda: backend.moe_experts(x, ids, None, up, gate, down, "silu"), 2 if quick else 3)
+        t = _best(lambda: backend.moe_experts(x, ids, None, up, gate, down, "silu"), 3 if quick else 5)
         table.append([float(c), t / total])
     return table
 

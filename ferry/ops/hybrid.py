@@ -163,9 +163,9 @@ class HybridBackend:
     def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         if self.on_gpu(w):
             return self.gpu.get_rows(w, ids)
-        if self.recorder is not None:  # the embedding of a captured step: its tokens come from the host at replay
-            return self.recorder.defer(lambda: self.cpu.get_rows(w, self.recorder.host_tokens),
-                                       (ids.shape[0], w.ne[0]), self.device)
+        rec = self.recorder
+        if rec is not None:  # the embedding of a captured step: its tokens come from the host at replay
+            return rec.defer(lambda: self.cpu.get_rows(w, rec.host_tokens), (ids.shape[0], w.ne[0]), self.device)
         return self.cpu.get_rows(w, ids.cpu()).to(self.device)
 
     # ---- routed experts ----------------------------------------------------------------------------------
