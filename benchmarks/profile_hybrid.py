@@ -60,6 +60,29 @@ def main() -> None:
     nbytes = sum(t_.data.nbytes for t_ in (blk.up_exps, blk.gate_exps, blk.down_exps)) / model.args.n_expert
     print(f"floor: ggml, one token's {model.args.n_expert_used} experts alone: {1e3 * t:.3f} ms "
           f"({model.args.n_expert_used * nbytes / t / 1e9:.1f} GB/s)")
+    # can a PCIe copy from the registered mmap run while ggml computes? (the split MoE assumes so)
+    stream = backend.streamer
+    n_e = model.args.n_expert
+    hot, cold = list(range(0, n_e, 2)), torch.arange(1, n_e, 2, dtype=torch.int32)
+    xc = torch.randn(4 * len(cold), model.args.n_embd)
+    ec = cold.repeat(4).view(-1, 1)
+
+    def copy():
+        staged = stream.stage_experts([blk.gate_exps, blk.up_exps, blk.down_exps], hot, ("moe", 0))
+        staged[-1][1].synchronize()
+
+    def compute():
+        backend.cpu.moe_experts(xc, ec, None, blk.up_exps, blk.gate_exps, blk.down_exps, "silu")
+
+    def both():
+        staged = stream.stage_experts([blk.gate_exps, blk.up_exps, blk.down_exps], hot, ("moe", 0))
+        compute()
+        staged[-1][1].synchronize()
+
+    tc, tg_, tb = best(copy, 10), best(compute, 10), best(both, 10)
+    print(f"overlap: copy {len(hot)} experts {1e3 * tc:.3f} ms ({len(hot) * nbytes / tc / 1e9:.1f} GB/s), "
+          f"ggml on {len(cold)} experts x 4 tokens {1e3 * tg_:.3f} ms, both at once {1e3 * tb:.3f} ms "
+          f"(sum {1e3 * (tc + tg_):.3f}, max {1e3 * max(tc, tg_):.3f})")
     g = torch.zeros(8, device=backend.device)
     print(f"floor: GPU->host round trip of 8 numbers: {1e6 * best(lambda: g.cpu()):.1f} us")
     for policy in a.policy.split(";"):
