@@ -6,6 +6,7 @@ and the all-GPU part of a decode step.
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -43,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-t", "--threads", type=int, default=16)
-    ap.add_argument("--policy", default="all=off;auto;all=on")
+    ap.add_argument("--policy", default="all=off;auto;auto0;all=on")
     ap.add_argument("-n", type=int, default=16)
     ap.add_argument("-ub", default="128")
     a = ap.parse_args()
@@ -85,8 +86,11 @@ def main() -> None:
           f"(sum {1e3 * (tc + tg_):.3f}, max {1e3 * max(tc, tg_):.3f})")
     g = torch.zeros(8, device=backend.device)
     print(f"floor: GPU->host round trip of 8 numbers: {1e6 * best(lambda: g.cpu()):.1f} us")
+    measured = backend.calib
     for policy in a.policy.split(";"):
-        backend.policy = parse_policy(policy)
+        # "auto0": auto as if GPU launches were free, so that it splits: what a split really costs
+        backend.calib = dataclasses.replace(measured, launch_s=0.0) if policy == "auto0" else measured
+        backend.policy = parse_policy("auto" if policy == "auto0" else policy)
         e = Engine(model, backend, n_ctx=4096, n_batch=4096, n_ubatch=max(int(u) for u in a.ub.split(",")))
         e.decode(torch.randint(0, vocab, (64,)).tolist())
         for _ in range(2):

@@ -49,7 +49,9 @@ class Calibration:
         return expert_bytes * s_ * tokens / c  # beyond the table: compute-bound, linear in tokens
 
 
-GPU_SIDE_LAUNCHES = 30  # launches a split MoE's GPU side adds (staging per tensor, the expert kernels, the sum)
+# launches' worth of host time a MoE layer's GPU side adds (staging, the expert kernels, the sum): 1.1 ms beyond its
+# copies on the H100 machine at 9 us per launch (benchmarks/profile_hybrid.py, session 5)
+GPU_SIDE_LAUNCHES = 120
 
 
 @dataclass

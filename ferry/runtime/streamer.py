@@ -34,17 +34,25 @@ def page_ranges(weights: list[Weight]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in merged]
 
 
-def _clear_last_cuda_error() -> None:
-    """A failed cudaHostRegister leaves the runtime's last-error set, and torch's next kernel launch check would
-    report it as its own failure: read it once from the process's libcudart."""
+def _cudart():
+    """The process's libcudart (loaded by torch), for the calls torch does not expose; None if not found."""
     import ctypes
 
     try:
         with open("/proc/self/maps") as fh:
-            lib = next(line.split()[-1] for line in fh if "libcudart.so" in line)
-        ctypes.CDLL(lib).cudaGetLastError()
+            lib = ctypes.CDLL(next(line.split()[-1] for line in fh if "libcudart.so" in line))
     except (OSError, StopIteration):
-        pass
+        return None
+    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed cudaHostRegister leaves the runtime's last-error set, and torch's next kernel launch check would
+    report it as its own failure: read it once."""
+    lib = _cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
 
 
 def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
@@ -68,6 +76,9 @@ class Streamer:
         self._released: dict[object, torch.cuda.Event] = {}
         self._registered: list[int] = []
         self.bytes_copied = 0
+        # one cudaMemcpyAsync through ctypes costs ~1 us of host time, a torch copy_ ~10: a u-batch that hits 100
+        # scattered experts issues 300 copies, and the host issues them while its cores should be computing
+        self._lib = _cudart()
         self.pinned, self.why = self._register(weights)
 
     def _register(self, weights: list[Weight]) -> tuple[bool, str]:
@@ -138,7 +149,7 @@ class Streamer:
                 host = self.host(w).view(n_expert, -1)
                 j = 0
                 for a, b in expert_runs(experts):
-                    raw[j:j + b - a].copy_(host[a:b], non_blocking=True)
+                    self._copy(raw[j:j + b - a], host[a:b])
                     j += b - a
                 self.bytes_copied += j * raw.shape[1]
                 block = GGML_QUANT_SIZES[w.qtype][1]
@@ -160,11 +171,21 @@ class Streamer:
             if slot in self._released:
                 stream.wait_event(self._released.pop(slot))
             raw = self._buffer(key, w.data.nbytes)
-            raw.copy_(self.host(w), non_blocking=True)
+            self._copy(raw, self.host(w))
             self.bytes_copied += w.data.nbytes
             done = torch.cuda.Event()
             done.record(stream)
         return raw, done
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host -> GPU on the copy stream (the caller has made it current); both contiguous, and both outlive the
+        copy (the mmap and the staging buffers are never freed while the streamer lives)."""
+        if self._lib is None:
+            dst.copy_(src, non_blocking=True)
+            return
+        rc = self._lib.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel(), 1, self.copy_stream.cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"cudaMemcpyAsync failed with error {rc}")
 
     def release(self, slot) -> None:
         """The compute stream has been given all work that reads staging set `slot`: the next copy into it waits."""
