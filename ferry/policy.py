@@ -34,6 +34,9 @@ class Calibration:
     # batched mul_mat_id is neither GEMV- nor FLOP-bound on a CPU, so the policy interpolates this table
     cpu_moe: tuple[tuple[float, float], ...] = ()
     launch_s: float = 0.0  # one GPU kernel launch from Python: the GPU side of a split MoE costs a few dozen
+    # the share of the shorter side's time that running both sides at once does not hide: PCIe copies and ggml's
+    # experts slow each other (H100 machine: copy 4.3 ms, ggml 6.7 ms, both 9.9 ms; benchmarks/profile_hybrid.py)
+    overlap: float = 0.73
 
     def cpu_expert_s(self, expert_bytes: float, tokens: int, flops_per_token: float) -> float:
         """One expert's weights times `tokens` tokens by ggml: from the measured table where there is one."""
@@ -144,7 +147,8 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     """counts[e]: tokens of the u-batch routed to expert e; expert_bytes: its gate+up+down weights;
     flops_per_token: its work per token. `on` / `off` / threshold move every expert hit one way; auto predicts
     each side's time (a GPU expert costs its copy and its compute, a CPU expert the larger of reading its weights
-    and its FLOPs) and takes the split by token count (hottest first to the GPU) whose slower side is fastest."""
+    and its FLOPs) and takes the split by token count (hottest first to the GPU) predicted fastest: the slower side,
+    plus what overlapping does not hide of the faster one."""
     hit = sorted((e for e, c in enumerate(counts) if c), key=lambda e: (-counts[e], e))
     n_tokens = sum(counts) // max(n_expert_used, 1)
 
@@ -172,13 +176,16 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
         need = policy.min_batch * len(counts) / max(n_expert_used, 1)
         on = n_tokens >= need
         return split(len(hit) if on else 0, f"threshold: batch {n_tokens} {'>=' if on else '<'} {need:g}")
+    def both(g: float, c: float) -> float:
+        return max(g, c) + calib.overlap * min(g, c)
+
     gpu_total, cpu_total = gpu_fixed, sum(map(cpu_s, hit))
     best, best_s = 0, cpu_total
     for i, e in enumerate(hit):  # move the hottest remaining expert to the GPU
         gpu_total += gpu_s(e)
         cpu_total -= cpu_s(e)
-        if max(gpu_total, cpu_total) < best_s:
-            best, best_s = i + 1, max(gpu_total, cpu_total)
+        if both(gpu_total, cpu_total) < best_s:
+            best, best_s = i + 1, both(gpu_total, cpu_total)
     s = split(best, "")
     return ExpertSplit(s.gpu, s.cpu, s.gpu_s, s.cpu_s, f"auto: {len(s.gpu)} of {len(hit)} experts hit to the GPU, "
                                                        f"predicted GPU {1e3 * s.gpu_s:.3f} ms, CPU {1e3 * s.cpu_s:.3f} ms")
