@@ -93,6 +93,7 @@ def main() -> None:
                   [int(v) for v in a.ub_small.split(",") if v], a.n)
     policies = a.policies.split(";") if ";" in a.policies else a.policies.split(",")
     fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big)
+    Path(a.out).with_suffix(".ferry.json").write_text(json.dumps(fe, indent=1))  # kept if llama.cpp's part fails
     if a.llama_bench_from:
         src = Path(a.llama_bench_from)
         while not (src.is_file() and src.read_text().strip()):
