@@ -1,5 +1,6 @@
 """Experts in RAM, the rest on the GPU: ferry (`-ngl 999 -ot exps=CPU`, each offload policy) against llama.cpp's
-CUDA llama-bench with the same placement and pinned weights (`-ngl 99 -ot exps=CPU -fa 1 -mmp 0`), on the same GGUF,
+CUDA llama-bench with the same placement and pinned weights (`-ngl 99 -ot exps=CPU -fa 1 -lm none`: no mmap, the
+weights in CUDA host buffers), on the same GGUF,
 in the same run: issue 5's targets (pp4096 at u-batch 512..4096, pp512 at u-batch 64..256, tg128).
 
 ferry loads the model once and measures every policy on it (`auto` and the manual ones: all experts streamed to the
@@ -32,7 +33,7 @@ def name(p: int, n: int, ub: int) -> str:
 
 def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str], skip_slow_cpu: bool) -> dict:
     from ferry.cli import GpuOptions, open_model
-    from ferry.policy import parse_policy
+    from ferry.policy import Explorer, parse_policy
     from ferry.tools.bench import measure
 
     ub_max = max(ub for _, _, ub in cases)
@@ -43,6 +44,7 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
     out: dict = {}
     for policy in policies:
         backend.policy = parse_policy(policy)
+        backend.explorer = Explorer()  # auto measures afresh
         for p, n, ub in cases:
             if skip_slow_cpu and policy == "all=off" and p > 512:
                 continue  # every expert by the CPU at 4096 tokens: minutes, and never the best
@@ -58,16 +60,17 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
 
 
 def llama_bench(exe: str, path: Path, threads: int, cases, reps: int) -> dict:
-    base = [exe, "-m", str(path), "-ngl", "99", "-ot", "exps=CPU", "-fa", "1", "-mmp", "0", "-t", str(threads),
+    base = [exe, "-m", str(path), "-ngl", "99", "-ot", "exps=CPU", "-fa", "1", "-lm", "none", "-t", str(threads),
             "-r", str(reps)]
     out = {}
-    for p in sorted({p for p, _, _ in cases if p}):
-        ubs = [ub for q, _, ub in cases if q == p]
-        rows = llamacpp.llama_bench_rows([*base, "-p", str(p), "-n", "0", "-b", str(p), "-ub", ",".join(map(str, ubs))])
-        out |= {name(q, 0, ub): stats for (q, _, ub), stats in rows.items()}
-    for n in sorted({n for _, n, _ in cases if n}):
-        rows = llamacpp.llama_bench_rows([*base, "-p", "0", "-n", str(n)])
-        out |= {name(0, m, 0): stats for (_, m, _), stats in rows.items()}
+    runs = [([*base, "-p", str(p), "-n", "0", "-b", str(p), "-ub", ",".join(str(ub) for q, _, ub in cases if q == p)])
+            for p in sorted({p for p, _, _ in cases if p})]
+    runs += [[*base, "-p", "0", "-n", str(n)] for n in sorted({n for _, n, _ in cases if n})]
+    for cmd in runs:
+        try:
+            out |= {name(p, n, ub): stats for (p, n, ub), stats in llamacpp.llama_bench_rows(cmd).items()}
+        except RuntimeError as e:  # one failed configuration does not lose the others
+            print(e, file=sys.stderr)
     return out
 
 

@@ -109,7 +109,10 @@ def build(src: Path, cuda: bool = False, cmake_args: list[str] | None = None) ->
 
 def llama_bench_rows(cmd: list[str]) -> dict[str, dict]:
     """Run llama-bench with `-o json`: per row, keyed by (n_prompt, n_gen, n_ubatch), its mean, std and samples."""
-    rows = json.loads(subprocess.run([*cmd, "-o", "json"], check=True, capture_output=True, text=True).stdout)
+    r = subprocess.run([*cmd, "-o", "json"], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"llama-bench failed ({r.returncode}): {' '.join(cmd)}\n" + "\n".join(r.stderr.splitlines()[-15:]))
+    rows = json.loads(r.stdout)
     return {(r["n_prompt"], r["n_gen"], r["n_ubatch"]): {"avg_ts": r["avg_ts"], "stddev_ts": r["stddev_ts"],
                                                          "samples_ts": r["samples_ts"]} for r in rows}
 

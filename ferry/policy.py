@@ -189,3 +189,46 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     s = split(best, "")
     return ExpertSplit(s.gpu, s.cpu, s.gpu_s, s.cpu_s, f"auto: {len(s.gpu)} of {len(hit)} experts hit to the GPU, "
                                                        f"predicted GPU {1e3 * s.gpu_s:.3f} ms, CPU {1e3 * s.cpu_s:.3f} ms")
+
+
+def size_class(n_tokens: int) -> int:
+    """u-batches of similar size share one measured choice: 1, 2, 4, ... (the next power of two)."""
+    return 1 << max(n_tokens - 1, 0).bit_length()
+
+
+@dataclass
+class Explorer:
+    """auto's measurement, on top of the prediction: the first u-batches of each size class run their MoE layers
+    each plausible way in turn (every expert hit streamed to the GPU, all on the CPU, the predicted split), timed,
+    `samples` layers per way in a row (so that streamed layers prefetch as they will), and the fastest way is
+    kept for that size. The prediction only rules out ways it expects to be over `margin` times the best."""
+
+    samples: int = 2
+    margin: float = 3.0
+    trials: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    chosen: dict[int, str] = field(default_factory=dict)
+
+    def mode(self, n_tokens: int, predicted: dict[str, float]) -> tuple[str, bool]:
+        """(the way to run this layer, whether it is a trial to be timed and recorded)."""
+        size = size_class(n_tokens)
+        if size in self.chosen:
+            return self.chosen[size], False
+        best = min(predicted.values())
+        trials = self.trials.setdefault(size, {k: [] for k, v in predicted.items() if v <= self.margin * best})
+        if len(trials) == 1:
+            self.chosen[size] = next(iter(trials))
+            return self.chosen[size], False
+        return next(k for k, v in trials.items() if len(v) < self.samples), True
+
+    def record(self, n_tokens: int, mode: str, seconds: float) -> None:
+        size = size_class(n_tokens)
+        trials = self.trials[size]
+        trials[mode].append(seconds)
+        if all(len(v) >= self.samples for v in trials.values()):
+            self.chosen[size] = min(trials, key=lambda k: min(trials[k]))
+
+    def why(self, n_tokens: int) -> str:
+        size = size_class(n_tokens)
+        t = self.trials.get(size, {})
+        measured = ", ".join(f"{k} {1e3 * min(v):.3f} ms" for k, v in t.items() if v)
+        return f"measured for u-batches up to {size}: {measured}" if measured else "the only plausible way"

@@ -166,3 +166,33 @@ def test_copies_and_ggml_that_slow_each_other_keep_a_u_batch_on_one_side():
     counts = [4] * 128
     assert not _split(counts, MEASURED).cpu
     assert _split(counts, Calibration(**{**MEASURED.__dict__, "overlap": 0.0})).cpu
+
+
+def test_auto_measures_each_plausible_way_in_a_row_and_keeps_the_fastest_per_size_class():
+    from ferry.policy import Explorer, size_class
+
+    assert [size_class(n) for n in (1, 2, 3, 64, 65, 4096)] == [1, 2, 4, 64, 128, 4096]
+    e = Explorer(samples=2)
+    predicted = {"gpu": 1.0, "cpu": 2.0, "split": 0.8}
+    seen = []
+    for measured in ({"gpu": 5.0, "cpu": 2.0, "split": 3.0}, {"gpu": 4.0, "cpu": 2.5, "split": 3.0}):
+        for _ in range(3):
+            mode, trial = e.mode(100, predicted)
+            assert trial
+            seen.append(mode)
+            e.record(100, mode, measured[mode])
+        if measured["gpu"] == 5.0:
+            assert size_class(100) not in e.chosen
+    assert seen == ["gpu", "gpu", "cpu", "cpu", "split", "split"]  # each way twice in a row
+    assert e.mode(128, predicted) == ("cpu", False)  # the same size class: measured fastest, though predicted slower
+    assert "cpu 2.000 ms" not in e.why(100) and "cpu 2000.000 ms" in e.why(100)
+    assert e.mode(129, predicted)[1]  # another size class starts its own trials
+
+
+def test_auto_does_not_try_a_way_predicted_far_slower_than_the_best():
+    from ferry.policy import Explorer
+
+    e = Explorer()
+    assert e.mode(4096, {"gpu": 1.0, "cpu": 40.0}) == ("gpu", False)
+    mode, trial = e.mode(1, {"gpu": 1.0, "cpu": 2.9, "split": 10.0})
+    assert trial and set(e.trials[1]) == {"gpu", "cpu"}

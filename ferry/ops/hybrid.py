@@ -15,7 +15,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.ops import Weight
 from ferry.ops.cuda.backend import CudaBackend, top_k_route
-from ferry.policy import Calibration, Policy, decide, split_experts
+from ferry.policy import Calibration, Explorer, Policy, decide, split_experts
 from ferry.runtime.streamer import Streamer
 
 
@@ -43,6 +43,9 @@ class HybridStats:
             self.records.append(r)
 
 
+_ALL_ON, _ALL_OFF = Policy(overrides={"all": "on"}), Policy(overrides={"all": "off"})
+
+
 def _bytes_per_weight(w: Weight) -> float:
     block, size = GGML_QUANT_SIZES[w.qtype]
     return size / block
@@ -67,6 +70,7 @@ class HybridBackend:
         self.device = gpu.device
         self.policy, self.calib = policy, calib
         self.stats = HybridStats(keep=timed)
+        self.explorer = Explorer()  # auto's measured choice per u-batch size class
         self.timed = timed
         self._streamable = GEMV_KINDS
         self._slot = 0  # the staging set ("moe", 0 or 1) the current MoE layer uses; layers alternate
@@ -200,10 +204,14 @@ class HybridBackend:
         torch.cuda.current_stream(self.device).synchronize()  # the one wait: which experts, how many tokens
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
         counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert)
+        t_decided = time.perf_counter()
         expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
         flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
+        trial = None
         if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
             split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, self.policy, n_used)
+            if split.why.startswith("auto"):  # measure between the plausible ways, then keep the fastest
+                split, trial = self._measured_choice(n, counts.tolist(), split, expert_bytes, flops, n_used)
         else:
             split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, Policy(overrides={"all": "off"}),
                                   n_used)
@@ -219,9 +227,25 @@ class HybridBackend:
             out = y.to(self.device, non_blocking=True)
         else:
             out = self._split_moe(x, x_host, ids, ids_host, weights, split, up, gate, down, act, parts)
+        if trial is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+            self.explorer.record(n, trial, time.perf_counter() - t_decided)
         self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
                                 max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
         return out
+
+    def _measured_choice(self, n: int, counts: list[int], predicted, expert_bytes: float, flops: float,
+                         n_used: int):
+        """auto: the way this u-batch's size class was measured fastest (policy.Explorer), or a timed trial of one."""
+        ways = {"gpu": split_experts(counts, expert_bytes, flops, self.calib, _ALL_ON, n_used),
+                "cpu": split_experts(counts, expert_bytes, flops, self.calib, _ALL_OFF, n_used)}
+        if predicted.gpu and predicted.cpu:
+            ways["split"] = predicted
+        cost = {k: max(v.gpu_s, v.cpu_s) + self.calib.overlap * min(v.gpu_s, v.cpu_s) for k, v in ways.items()}
+        mode, trial = self.explorer.mode(n, cost)
+        chosen = ways.get(mode, predicted)
+        why = f"auto, {mode}: " + ("trial" if trial else self.explorer.why(n)) + f"; {predicted.why[6:]}"
+        return type(chosen)(chosen.gpu, chosen.cpu, chosen.gpu_s, chosen.cpu_s, why), (mode if trial else None)
 
     def _split_moe(self, x, x_host, ids, ids_host, weights, split, up: Weight, gate: Weight, down: Weight, act: str,
                    parts: dict):
