@@ -15,7 +15,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.ops import Weight
 from ferry.ops.cuda.backend import CudaBackend, top_k_route
-from ferry.policy import Calibration, Explorer, Policy, decide, split_experts
+from ferry.policy import Calibration, Explorer, Policy, decide, size_class, split_experts
 from ferry.runtime.streamer import Streamer
 
 
@@ -71,6 +71,7 @@ class HybridBackend:
         self.policy, self.calib = policy, calib
         self.stats = HybridStats(keep=timed)
         self.explorer = Explorer()  # auto's measured choice per u-batch size class
+        self._seen: set[tuple[int, int]] = set()  # (layer's expert tensor, u-batch size) run at least once
         self.timed = timed
         self._streamable = GEMV_KINDS
         self._slot = 0  # the staging set ("moe", 0 or 1) the current MoE layer uses; layers alternate
@@ -211,7 +212,7 @@ class HybridBackend:
         if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
             split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, self.policy, n_used)
             if split.why.startswith("auto"):  # measure between the plausible ways, then keep the fastest
-                split, trial = self._measured_choice(n, counts.tolist(), split, expert_bytes, flops, n_used)
+                split, trial = self._measured_choice(gate, n, counts.tolist(), split, expert_bytes, flops, n_used)
         else:
             split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, Policy(overrides={"all": "off"}),
                                   n_used)
@@ -234,9 +235,13 @@ class HybridBackend:
                                 max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
         return out
 
-    def _measured_choice(self, n: int, counts: list[int], predicted, expert_bytes: float, flops: float,
-                         n_used: int):
+    def _measured_choice(self, gate: Weight, n: int, counts: list[int], predicted, expert_bytes: float,
+                         flops: float, n_used: int):
         """auto: the way this u-batch's size class was measured fastest (policy.Explorer), or a timed trial of one."""
+        first = (id(gate), n) not in self._seen  # a layer's first call of a size builds graphs, compiles kernels:
+        self._seen.add((id(gate), n))              # no trial there, the prediction decides
+        if first and size_class(n) not in self.explorer.chosen:
+            return predicted, None
         ways = {"gpu": split_experts(counts, expert_bytes, flops, self.calib, _ALL_ON, n_used),
                 "cpu": split_experts(counts, expert_bytes, flops, self.calib, _ALL_OFF, n_used)}
         if predicted.gpu and predicted.cpu:
