@@ -4,6 +4,7 @@ same); prompts run eagerly."""
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 from dataclasses import dataclass
@@ -103,7 +104,8 @@ class _Recorder:
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
-        self._graph.capture_begin(pool=self.pool)
+        # thread-local: what other threads do (ggml's pool, torch's host allocator) cannot break this capture
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
 
     def end(self) -> None:
         with warnings.catch_warnings():  # a cut right at the start leaves an empty graph: harmless
@@ -202,6 +204,8 @@ class CudaExecutor:
             graph = _Recorder(self._pool)
             graph.host_tokens = tokens.cpu()
             torch.cuda.synchronize(self.device)
+            gc.collect()  # as torch.cuda.graph does: no collection (freeing events, pinned buffers) mid-capture
+            gc.disable()
             with torch.cuda.stream(stream):
                 self.backend.recorder = graph
                 graph.begin()
@@ -210,6 +214,7 @@ class CudaExecutor:
                     graph.end()
                 finally:
                     self.backend.recorder = None
+                    gc.enable()
             torch.cuda.current_stream(self.device).wait_stream(stream)
         graph.replay()
         return _Captured(tokens, pos, cells, logits, list(batch.expert_ids), graph)
