@@ -101,7 +101,8 @@ def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid
     backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
                              BALANCED if policy == "balanced" else None)
     backend.stats.keep = False
-    backend.explorer.chosen[1] = "split" if policy == "balanced" else "cpu"  # no trials: the same way in both runs
+    for size in (1, 64):  # the prompt (50 tokens) and each decode step: no trials, the same way in both runs
+        backend.explorer.chosen[size] = "split" if policy == "balanced" else "cpu"
     out = []
     for graphs in (True, False):
         e = Engine(model, backend, n_ctx=512)
