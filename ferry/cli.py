@@ -442,9 +442,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kv_on_gpu = len(gpus) == 1 and _wants_gpu(args.n_gpu_layers, args.override_tensor)
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,
                        available, args.ctx_size, args.ubatch_size, kv, split, kv_on_gpu=kv_on_gpu)
+    ops, ops_note = _op_view(f, margs, args, overrides) if kv_on_gpu else ([], "")
     if args.json:
         print(json.dumps({"fits": plan.fits, "advice": plan.advice,
-                          "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices]}, indent=1))
+                          "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices],
+                          "ops": ops, "ops_note": ops_note}, indent=1))
     else:
         print("| device | weights GiB | KV cache GiB | compute GiB | total GiB | available GiB |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -452,9 +454,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
             avail = "?" if d.available is None else f"{d.available / GIB:.2f}"
             print(f"| {d.device} | {d.weights / GIB:.2f} | {d.kv_cache / GIB:.2f} | {d.compute / GIB:.2f} | "
                   f"{d.total / GIB:.2f} | {avail} |")
+        if ops:
+            from ferry.tools.offload_plan import render
+
+            print()
+            print(render(ops))
+        if ops_note:
+            print(ops_note)
     if not plan.fits:
         raise FerryError(plan.error())
     return 0
+
+
+def _op_view(f, margs, args, overrides) -> tuple[list[dict], str]:
+    """Where the ops on weights left in RAM run per u-batch (plan's second table), from a calibration with a GPU."""
+    from ferry import calibrate
+    from ferry.tools.bench import parse_int_list
+    from ferry.policy import parse_policy
+    from ferry.tools.offload_plan import op_plan
+
+    policy = parse_policy(args.offload_policy, args.offload_min_batch)
+    path = Path(args.calibration) if args.calibration else calibrate.default_path()
+    if not path.exists():
+        return [], f"no calibration at {path}: run `ferry calibrate` on the GPU machine (or pass --calibration FILE) to see where each op runs"
+    calib = calibrate.load(path)
+    if calib is None:
+        return [], f"{path} was measured without a GPU: nothing to offload to"
+    ubatches = parse_int_list("--ubatches", args.ubatches or f"1,{args.ubatch_size}")
+    rows = op_plan(f, margs, args.n_gpu_layers, overrides, calib, policy, ubatches)
+    note = ("auto predicts here; a run also times the plausible ways on its first u-batches of each size and keeps "
+            "the fastest (--verbose prints them)") if rows and policy.mode == "auto" else ""
+    return rows, note or ("" if rows else "every matmul weight is on the GPU: nothing to decide")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -573,7 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="md", help="md or json")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("plan", help="memory per device for -ngl/-ot/-c before loading; says what to change")
+    p = sub.add_parser("plan", help="memory per device for -ngl/-ot/-c before loading, and where each op on weights "
+                                    "in RAM runs per u-batch and why")
     p.add_argument("-m", "--model", help="GGUF file; default: the embedded Gemma 3 270M")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (999: all)")
     p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE, repeatable")
@@ -583,6 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_type_args(p)
     p.add_argument("--gpu-memory", action="append", default=[],
                    help="CUDA0=80GiB[,CUDA1=...]: plan for these sizes instead of the free memory reported here")
+    p.add_argument("--offload-policy", default="auto", help="as for run: auto, threshold, NAME=on|off|auto, ...")
+    p.add_argument("--offload-min-batch", type=int, default=32)
+    p.add_argument("--ubatches", help="u-batch sizes for the op table, e.g. 1,64,512,4096 (default: 1 and -ub)")
+    p.add_argument("--calibration", help="a `ferry calibrate` result (default: this machine's)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

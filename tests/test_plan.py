@@ -79,3 +79,33 @@ def test_plan_command_prints_the_table_and_fails_with_advice(tiny):
     assert len(bad.stderr.strip().splitlines()) == 1 and "does not fit" in bad.stderr and "-ot exps=CPU" in bad.stderr
     wrong = plan("--gpu-memory", "GPU0=8GiB")
     assert wrong.returncode == 2 and "is not CUDAn=SIZE" in wrong.stderr
+
+
+H100_LIKE = {"cpu": {"cpu_bytes_per_s": 5.4e10, "cpu_flops": 5e11, "threads": 16,
+                     "cpu_moe": [[1, 2.95e-11], [4, 4.65e-11], [16, 1.93e-10], [64, 7.0e-10]]},
+             "gpu": {"h2d_bytes_per_s": 5.5e10, "h2d_latency_s": 1.3e-5, "gpu_bytes_per_s": 2.8e12,
+                     "gpu_flops": 7.4e14, "launch_s": 9e-6, "gpu_name": "H100"}}
+
+
+def test_plan_shows_where_each_op_on_weights_in_ram_runs_per_u_batch_and_why(tiny, tmp_path):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(H100_LIKE))
+
+    def plan(*args):
+        return subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(tiny), "--gpu-memory", "CUDA0=80GiB",
+                               *args], capture_output=True, text=True)
+
+    r = plan("-ngl", "999", "-ot", "exps=CPU", "--calibration", str(cal), "--ubatches", "1,4096", "--json")
+    assert r.returncode == 0
+    ops = json.loads(r.stdout)["ops"]
+    assert [(o["op"], o["n_ubatch"]) for o in ops] == [("mul_mat_id", 1), ("mul_mat_id", 4096)]
+    one, big = ops
+    assert one["where"].startswith("GPU 0 /") and one["cpu_ms"] > 0  # a token's few experts: read where they lie
+    assert big["where"].endswith("/ CPU 0 of 16 hit") and "predicted GPU" in big["why"]
+    forced = json.loads(plan("-ngl", "999", "-ot", "exps=CPU", "--calibration", str(cal), "--ubatches", "1",
+                             "--offload-policy", "mul_mat_id=on", "--json").stdout)["ops"][0]
+    assert forced["where"].startswith("GPU 4 /") and "override" in forced["why"]
+    text = plan("-ngl", "2", "--calibration", str(cal)).stdout  # whole layers in RAM: their dense ops too
+    assert "| mul_mat | blk.0.attn_q.weight | 1 | CPU |" in text and "| mul_mat | blk.0.attn_q.weight | 512 | GPU |" in text
+    missing = plan("-ngl", "999", "-ot", "exps=CPU", "--calibration", str(tmp_path / "none.json"))
+    assert missing.returncode == 0 and "no calibration at" in missing.stdout
