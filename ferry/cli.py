@@ -71,6 +71,12 @@ def _add_gpu_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
 
 
 def _gpu_options(args: argparse.Namespace, n_gpu_layers: int | None = None) -> GpuOptions:
+    """The placement and policy flags, checked now (a bad one is an error even where no GPU is used)."""
+    from ferry.placement import parse_overrides
+    from ferry.policy import parse_policy
+
+    parse_policy(args.offload_policy, args.offload_min_batch)
+    parse_overrides(args.override_tensor)
     return GpuOptions(args.n_gpu_layers if n_gpu_layers is None else n_gpu_layers, args.override_tensor,
                       args.offload_policy, args.offload_min_batch, getattr(args, "verbose", False))
 
@@ -412,11 +418,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ferry.gguf.file import GGUFFile
     from ferry.models.base import ModelArgs
     from ferry.placement import GIB, memory_plan, parse_gpu_memory, parse_overrides
+    from ferry.policy import parse_policy
     from ferry.runtime.kv_cache import kv_type
 
     f = GGUFFile(_model_path(args))
     margs = ModelArgs.from_gguf(f)
     overrides = parse_overrides(args.override_tensor)
+    parse_policy(args.offload_policy, args.offload_min_batch)  # a bad flag is an error even with nothing to offload
     available = parse_gpu_memory(args.gpu_memory)
     if not available:
         try:

@@ -44,6 +44,10 @@ def test_seeded_sampling_is_reproducible(tiny):
     (["bench", "-m", "{tiny}", "-ctv", "f8"], "-ctv/--cache-type-v: unknown KV cache type 'f8'"),
     (["info", "{tiny}", "-ot", "exps"], "is not REGEX=DEVICE"),
     (["info", "{tiny}", "-ot", "exps=GPU"], "unknown device"),
+    (["run", "-m", "{tiny}", "hi", "--offload-policy", "mul_mat_idd=on"], "unknown op 'mul_mat_idd'; valid names: all"),
+    (["run", "-m", "{tiny}", "hi", "--offload-min-batch", "0"], "--offload-min-batch must be at least 1"),
+    (["bench", "-m", "{tiny}", "-ngl", "999", "-ot", "exps=CUDA1"], "needs a CUDA GPU"),
+    (["plan", "-m", "{tiny}", "--offload-policy", "27,0"], "is neither a mode"),
     (["synth", "no-such-preset", "-o", "x.gguf"], "unknown preset"),
     (["synth", "qwen3-moe-tiny", "-o", "x.gguf", "--type", "q9_9"], "unknown quant type"),
 ])
