@@ -10,7 +10,6 @@ Usage (on the GPU machine; scripts/gpu_check.sh with STAGES="big llama" builds l
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,13 +53,7 @@ def main() -> None:
     path, ubs = Path(a.model), [int(v) for v in a.ub.split(",")]
     fe = ferry_bench(path, a.p, a.n, ubs, a.r)
     if a.llama_bench_from:
-        src = Path(a.llama_bench_from)
-        while not (src.is_file() and src.read_text().strip()):
-            time.sleep(2)
-        a.llama_bench = src.read_text().strip()
-        if a.llama_bench == "failed":
-            print("llama.cpp's build failed: its log says why", file=sys.stderr)
-            a.llama_bench = None
+        a.llama_bench = llamacpp.wait_for_build(a.llama_bench_from)
     lc = llama_bench(a.llama_bench, path, a.p, a.n, ubs, a.r) if a.llama_bench else {}
     results = [{"model": path.name, "test": t, "ferry": fe[t], "llama.cpp": lc.get(t),
                 "ratio": fe[t]["avg_ts"] / lc[t]["avg_ts"] if t in lc else None} for t in fe]

@@ -98,13 +98,7 @@ def main() -> None:
     fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big)
     Path(a.out).with_suffix(".ferry.json").write_text(json.dumps(fe, indent=1))  # kept if llama.cpp's part fails
     if a.llama_bench_from:
-        src = Path(a.llama_bench_from)
-        while not (src.is_file() and src.read_text().strip()):
-            time.sleep(2)
-        a.llama_bench = src.read_text().strip()
-        if a.llama_bench == "failed":
-            print("llama.cpp's build failed: its log says why", file=sys.stderr)
-            a.llama_bench = None
+        a.llama_bench = llamacpp.wait_for_build(a.llama_bench_from)
     lc = llama_bench(a.llama_bench, path, a.threads, cases, a.r) if a.llama_bench else {}
     results = []
     for test, by_policy in fe.items():

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 import tempfile
 from pathlib import Path
 
@@ -104,6 +105,19 @@ def build(src: Path, cuda: bool = False, cmake_args: list[str] | None = None) ->
         subprocess.run(["cmake", "-S", str(tree), "-B", str(build_dir), *args], check=True, stdout=subprocess.DEVNULL)
         subprocess.run(["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2), "--target", *_TARGETS],
                        check=True, stdout=subprocess.DEVNULL)
+    return exe
+
+
+def wait_for_build(path_file: str) -> str | None:
+    """The llama-bench path a background build writes into `path_file` (scripts/gpu_check.sh), once it is there;
+    None if the build failed."""
+    src = Path(path_file)
+    while not (src.is_file() and src.read_text().strip()):
+        time.sleep(2)
+    exe = src.read_text().strip()
+    if exe == "failed":
+        print("llama.cpp's build failed: its log says why", file=sys.stderr)
+        return None
     return exe
 
 

@@ -27,6 +27,16 @@ def best(fn, reps: int = 30) -> float:
     return statistics.median(out)
 
 
+def decode_rate(engine, backend, n: int) -> float:
+    """Tokens per second of n single-token decode steps."""
+    backend.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.decode([1])
+    backend.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
 def summary(records, label: str) -> None:
     moe = [r for r in records if r.op == "mul_mat_id"]
     if not moe:
@@ -96,21 +106,10 @@ def main() -> None:
         for _ in range(2):
             e.decode([1])
         backend.stats.records.clear()
-        backend.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(a.n):
-            e.decode([1])
-        backend.synchronize()
-        print(f"{policy} decode, timed per op: {a.n / (time.perf_counter() - t0):.2f} t/s")
+        print(f"{policy} decode, timed per op: {decode_rate(e, backend, a.n):.2f} t/s")
         summary(backend.stats.records, f"  {policy} decode")
-        backend.stats.keep = False
-        backend.timed = False
-        backend.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(a.n):
-            e.decode([1])
-        backend.synchronize()
-        print(f"{policy} decode, untimed: {a.n / (time.perf_counter() - t0):.2f} t/s")
+        backend.stats.keep = backend.timed = False
+        print(f"{policy} decode, untimed: {decode_rate(e, backend, a.n):.2f} t/s")
         backend.stats.keep = backend.timed = True
         for ub in [int(u) for u in a.ub.split(",")]:
             e = Engine(model, backend, n_ctx=4096, n_batch=ub, n_ubatch=ub)

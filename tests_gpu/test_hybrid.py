@@ -3,11 +3,11 @@ agreement for every way an op on a RAM-resident weight can run (ggml on the CPU,
 between both), at prompt u-batches and token by token, with experts in RAM (-ot exps=CPU) and with whole layers in
 RAM (-ngl N)."""
 
-import numpy as np
 import pytest
 import torch
 
-from ferry.cli import GpuOptions, main, open_model
+from conftest import kl_top1
+from ferry.cli import GpuOptions, open_model
 from ferry.ops.hybrid import HybridBackend
 from ferry.policy import Calibration
 from ferry.runtime.engine import Engine
@@ -15,22 +15,6 @@ from ferry.runtime.engine import Engine
 # a made-up machine on which a copy and a CPU read of an expert cost the same: auto splits every MoE layer
 BALANCED = Calibration(h2d_bytes_per_s=40e9, h2d_latency_s=1e-6, cpu_bytes_per_s=40e9, cpu_flops=1e12,
                        gpu_bytes_per_s=3e12, gpu_flops=400e12)
-
-
-def _kl(want: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
-    lp, lq = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double().cpu(), -1)
-    return (lp.exp() * (lp - lq)).sum(-1), (want.argmax(-1) == got.cpu().argmax(-1)).double().mean().item()
-
-
-@pytest.fixture(scope="module")
-def mid(tmp_path_factory):
-    """qwen3-moe-mid (Q4_0 experts, Q8_0 rest, 64 experts): its CPU logits over a 300-token prompt."""
-    path = tmp_path_factory.mktemp("m") / "mid.gguf"
-    assert main(["synth", "qwen3-moe-mid", "-o", str(path), "-q"]) == 0
-    _, cpu, model, _ = open_model(path, 8)
-    tokens = np.random.default_rng(0).integers(0, model.args.n_vocab, 300).tolist()
-    want = Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
-    return path, tokens, want
 
 
 def _hybrid(path, gpu: GpuOptions, calib: Calibration | None = None):
@@ -43,7 +27,7 @@ def _hybrid(path, gpu: GpuOptions, calib: Calibration | None = None):
 
 
 def _check(want, got, label: str) -> None:
-    kl, top1 = _kl(want, got)
+    kl, top1 = kl_top1(want, got)
     print(f"\n{label}: KL median {kl.median():.2e}, max {kl.max():.2e}, top-1 {top1:.4f}")
     # the same rounding differences as the all-GPU path (tests_gpu/test_model_gpu.py): bf16/f16 prompt activations
     # on the GPU against ggml's 8-bit activations on the CPU

@@ -6,28 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.cli import main, open_model
+from conftest import kl_top1
+from ferry.cli import open_model
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.ops.cuda.backend import CudaBackend
 from ferry.ops.cuda.executor import CudaExecutor
 from ferry.runtime.engine import Engine
-
-
-def _kl(want: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
-    lp, lq = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double().cpu(), -1)
-    return (lp.exp() * (lp - lq)).sum(-1), (want.argmax(-1) == got.cpu().argmax(-1)).double().mean().item()
-
-
-@pytest.fixture(scope="module")
-def mid(tmp_path_factory):
-    """qwen3-moe-mid (Q4_0 experts, Q8_0 rest, 64 experts): its CPU logits over a 300-token prompt."""
-    path = tmp_path_factory.mktemp("m") / "mid.gguf"
-    assert main(["synth", "qwen3-moe-mid", "-o", str(path), "-q"]) == 0
-    _, cpu, model, _ = open_model(path, 8)
-    tokens = np.random.default_rng(0).integers(0, model.args.n_vocab, 300).tolist()
-    want = Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
-    return path, tokens, want
 
 
 @pytest.mark.parametrize("moe,ubatch", [("grouped", 512), ("grouped", 64), ("grouped", 37), ("loop", 512),
@@ -39,7 +24,7 @@ def test_gpu_prompt_matches_the_cpu(mid, moe, ubatch, ctk):
     n = 300 if ubatch > 8 else 40  # one token at a time is slow eagerly: a shorter prompt
     got = Engine(model, CudaBackend(moe=moe), n_ctx=512, n_ubatch=ubatch, type_k=ctk, type_v=ctk).decode(
         tokens[:n], all_logits=True)
-    kl, top1 = _kl(want[:n], got)
+    kl, top1 = kl_top1(want[:n], got)
     print(f"\n{moe} ub {ubatch} {ctk}: KL median {kl.median():.2e}, p99 {kl.quantile(0.99):.2e}, max {kl.max():.2e}, "
           f"top-1 {top1:.4f}")
     # the CPU rounds activations to 8 bits before its quantized dot products, the GPU multiplies bf16 (prompts)
@@ -55,7 +40,7 @@ def test_grouped_gemm_matches_the_per_expert_loop(mid):
     for ub in (512, 129, 33):
         ref = Engine(model, CudaBackend(moe="loop"), n_ctx=512, n_ubatch=ub).decode(tokens, all_logits=True)
         got = Engine(model, CudaBackend(moe="grouped"), n_ctx=512, n_ubatch=ub).decode(tokens, all_logits=True)
-        kl, top1 = _kl(ref.cpu(), got)
+        kl, top1 = kl_top1(ref.cpu(), got)
         print(f"\ngrouped vs loop, ub {ub}: KL median {kl.median():.2e}, max {kl.max():.2e}, top-1 {top1:.4f}")
         assert kl.max() < 1e-3 and top1 >= 0.99
 
@@ -80,7 +65,7 @@ def test_gpu_decode_matches_the_cpu_token_by_token(mid):
     e = Engine(model, CudaBackend(), n_ctx=512)
     e.decode(tokens[:200])
     got = torch.cat([e.decode([t]) for t in tokens[200:260]])
-    kl, top1 = _kl(want[200:260], got)
+    kl, top1 = kl_top1(want[200:260], got)
     print(f"\ndecode (graphs, GEMV): KL median {kl.median():.2e}, max {kl.max():.2e}, top-1 {top1:.4f}")
     assert kl.median() < 1e-3 and top1 >= 0.95
 
@@ -93,7 +78,7 @@ def test_gemma_on_the_gpu_matches_the_cpu():
     tokens = np.random.default_rng(2).integers(0, model.args.n_vocab, 700).tolist()
     want = Engine(model, cpu, n_ctx=1024).decode(tokens, all_logits=True)
     got = Engine(load_model(GGUFFile(path)), CudaBackend(), n_ctx=1024).decode(tokens, all_logits=True)
-    kl, top1 = _kl(want, got)
+    kl, top1 = kl_top1(want, got)
     print(f"\nGemma 3 270M GPU vs CPU, 700 tokens: KL median {kl.median():.2e}, mean {kl.mean():.2e}, "
           f"max {kl.max():.2e}, top-1 {top1:.4f}")
     assert kl.mean() < 1e-2 and top1 >= 0.97

@@ -1,0 +1,26 @@
+"""Shared by the GPU tests: the mid model's all-CPU logits (the reference every GPU path is held to) and the
+KL-divergence / top-1 agreement against them."""
+
+import numpy as np
+import pytest
+import torch
+
+from ferry.cli import main, open_model
+from ferry.runtime.engine import Engine
+
+
+def kl_top1(want: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per-position KL(want || got) in float64, and the share of positions whose top token agrees."""
+    lp, lq = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double().cpu(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1), (want.argmax(-1) == got.cpu().argmax(-1)).double().mean().item()
+
+
+@pytest.fixture(scope="module")
+def mid(tmp_path_factory):
+    """qwen3-moe-mid (Q4_0 experts, Q8_0 rest, 64 experts): its CPU logits over a 300-token prompt."""
+    path = tmp_path_factory.mktemp("m") / "mid.gguf"
+    assert main(["synth", "qwen3-moe-mid", "-o", str(path), "-q"]) == 0
+    _, cpu, model, _ = open_model(path, 8)
+    tokens = np.random.default_rng(0).integers(0, model.args.n_vocab, 300).tolist()
+    want = Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
+    return path, tokens, want
