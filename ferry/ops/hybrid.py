@@ -36,7 +36,7 @@ class OpRecord:
 @dataclass
 class HybridStats:
     records: list[OpRecord] = field(default_factory=list)
-    keep: bool = False  # record every decision (verbose); otherwise only count
+    keep: bool = False  # record every decision (verbose); otherwise keep none
 
     def add(self, r: OpRecord) -> None:
         if self.keep:
@@ -214,8 +214,7 @@ class HybridBackend:
             if split.why.startswith("auto"):  # measure between the plausible ways, then keep the fastest
                 split, trial = self._measured_choice(gate, n, counts.tolist(), split, expert_bytes, flops, n_used)
         else:
-            split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, Policy(overrides={"all": "off"}),
-                                  n_used)
+            split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, _ALL_OFF, n_used)
             split = type(split)(split.gpu, split.cpu, split.gpu_s, split.cpu_s,
                                 "experts of a type (or a placement) the GPU cannot stream: on the CPU")
         if not split.gpu:  # all on the CPU: ggml sums each token's experts
