@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ferry.ops import Weight
 
 
@@ -18,9 +20,19 @@ class DenseFFN:
         return ops.ffn(x, self.gate, self.up, self.down, self.act)
 
 
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """How a router's logits become expert weights when it is not a plain softmax (GLM-4.5, DeepSeek-V3): sigmoid
+    scores, experts chosen by score + bias (the correction bias), weights from the unbiased scores, scaled."""
+
+    gating: str = "softmax"  # or "sigmoid"
+    bias: torch.Tensor | None = None  # (n_expert,) float32, added for the choice only
+    scale: float = 1.0  # routed_scaling_factor / expert_weights_scale
+
+
 @dataclass
 class SparseMoE:
-    """softmax router -> top-k -> (optionally) renormalise -> experts -> weighted sum."""
+    """router -> top-k -> (optionally) renormalise -> experts -> weighted sum, plus a shared expert if any."""
 
     router: Weight
     up_exps: Weight
@@ -29,7 +41,10 @@ class SparseMoE:
     n_expert_used: int
     norm_topk: bool
     act: str
+    routing: Routing | None = None  # None: softmax
+    shared: DenseFFN | None = None
 
     def __call__(self, ops, x):
-        return ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
-                       self.norm_topk, self.act)
+        out = ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
+                      self.norm_topk, self.act, self.routing)
+        return out if self.shared is None else ops.add(out, self.shared(ops, x))

@@ -40,6 +40,14 @@ class ModelArgs:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     sliding_window: int = 0
+    n_expert_shared: int = 0
+    n_layer_dense_lead: int = 0  # leading layers with a dense FFN instead of experts (GLM-4.5, DeepSeek)
+    expert_gating: str = "softmax"  # or "sigmoid"
+    expert_weights_scale: float = 1.0
+    expert_weights_norm: bool = True
+    n_expert_groups: int = 1
+    n_expert_groups_used: int = 1
+    n_nextn: int = 0  # multi-token-prediction blocks after the last layer: in the file, not run
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
@@ -86,7 +94,16 @@ class ModelArgs:
             n_expert_used=key("expert_used_count", 0),
             n_ff_exp=key("expert_feed_forward_length", 0),
             sliding_window=key("attention.sliding_window", 0),
+            n_expert_shared=key("expert_shared_count", 0),
+            n_layer_dense_lead=key("leading_dense_block_count", 0),
+            expert_gating={1: "softmax", 2: "sigmoid"}.get(key("expert_gating_func", 1), "unknown"),
+            expert_weights_scale=key("expert_weights_scale", 1.0, float),
+            expert_weights_norm=bool(f.get(f"{arch}.expert_weights_norm", True)),
+            n_expert_groups=key("expert_group_count", 1),
+            n_expert_groups_used=key("expert_group_used_count", 1),
+            n_nextn=key("nextn_predict_layers", 0),
         )
+        args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
         args.validate(f)
         return args
 
@@ -107,6 +124,10 @@ class ModelArgs:
             raise bad(f"expert_used_count {self.n_expert_used} is not in 1..expert_count {self.n_expert}")
         if self.rope_scale <= 0 or self.rope_base <= 0:
             raise bad("rope base and scale must be positive")
+        if self.expert_gating == "unknown":
+            raise bad("expert_gating_func is neither 1 (softmax) nor 2 (sigmoid)")
+        if self.n_layer <= 0 or self.n_nextn < 0:
+            raise bad(f"nextn_predict_layers {self.n_nextn} leaves no layer to run")
 
 
 class WeightLoader:
@@ -118,6 +139,10 @@ class WeightLoader:
 
     def has(self, name: str) -> bool:
         return name in self.f.tensors
+
+    def skip(self, prefix: str) -> None:
+        """Tensors the file carries but ferry does not run (multi-token-prediction blocks): known, not unused."""
+        self.used.update(n for n in self.f.tensors if n.startswith(prefix))
 
     def _checked(self, name: str, shape: tuple[int, ...]):
         t = self.f.tensor(name)

@@ -298,19 +298,27 @@ class CpuBackend:
         return ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, down), _GLU[act](g.ctx, gt, u))
 
     def moe_nodes(self, g: _Graph, x, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-                  norm_topk: bool, act: str):
-        """The sparse MoE block for x (n_embd, n): softmax router, top-k, the selected experts (mul_mat_id,
-        fused up/gate + activation), weighted sum. Returns (out (n_embd, n), expert ids (n_used, n))."""
+                  norm_topk: bool, act: str, routing=None):
+        """The sparse MoE block for x (n_embd, n): router (softmax, or layers.ffn.Routing's sigmoid + choice bias +
+        scale), top-k, the selected experts (mul_mat_id, fused up/gate + activation), weighted sum. Returns
+        (out (n_embd, n), expert ids (n_used, n))."""
         c = g.ctx
         n_embd, n = x.contents.ne[0], x.contents.ne[1]
         n_expert = router.ne[1]
         x = ggml.ggml_reshape_3d(c, x, n_embd, 1, n)
-        probs = ggml.ggml_soft_max(c, ggml.ggml_mul_mat(c, self._weight_leaf(g, router), x))  # (n_expert, 1, n)
-        ids = ggml.ggml_top_k(c, ggml.ggml_reshape_2d(c, probs, n_expert, n), n_used)  # (n_used, n)
+        logits = ggml.ggml_mul_mat(c, self._weight_leaf(g, router), x)  # (n_expert, 1, n)
+        sigmoid = routing is not None and routing.gating == "sigmoid"
+        probs = ggml.ggml_sigmoid(c, logits) if sigmoid else ggml.ggml_soft_max(c, logits)
+        choice = probs
+        if routing is not None and routing.bias is not None:
+            choice = ggml.ggml_add(c, probs, g.leaf(ggml.GGML_TYPE_F32, (n_expert,), routing.bias.data_ptr()))
+        ids = ggml.ggml_top_k(c, ggml.ggml_reshape_2d(c, choice, n_expert, n), n_used)  # (n_used, n)
         weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, n_expert, n), ids)  # (1, n_used, n)
         if norm_topk:
             w2 = ggml.ggml_reshape_2d(c, weights, n_used, n)
             weights = ggml.ggml_reshape_3d(c, ggml.ggml_div(c, w2, ggml.ggml_sum_rows(c, w2)), 1, n_used, n)
+        if routing is not None and routing.scale != 1.0:
+            weights = ggml.ggml_scale(c, weights, routing.scale)
         return self.expert_nodes(g, x, ids, weights, up, gate, down, act), ids
 
     def expert_nodes(self, g: _Graph, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str):
@@ -381,7 +389,7 @@ class CpuBackend:
         return self._graph(w, ("get_rows", n), build).run([ids], out)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-            norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+            norm_topk: bool, act: str, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole sparse MoE block as one graph: softmax router, top-k, the selected experts (mul_mat_id,
         fused up/gate + activation), weighted sum. x (n, n_embd) float32 -> ((n, n_embd), ids (n, n_used))."""
         x = x.contiguous().float()
@@ -390,13 +398,14 @@ class CpuBackend:
         def build() -> _Graph:
             g = _Graph(self, n)
             out, ids = self.moe_nodes(g, g.input(ggml.GGML_TYPE_F32, (n_embd, n)), router, up, gate, down, n_used,
-                                      norm_topk, act)
+                                      norm_topk, act, routing)
             g.finish(out, g.copy_out(ids, ggml.GGML_TYPE_I32, (n_used, n)))
             return g
 
         out = torch.empty(n, n_embd, dtype=torch.float32)
         ids = torch.empty(n, n_used, dtype=torch.int32)
-        self._graph(up, ("moe block", id(router), id(gate), id(down), n, n_used, norm_topk, act), build).run([x], out, ids)
+        self._graph(up, ("moe block", id(router), id(gate), id(down), n, n_used, norm_topk, act, id(routing)),
+                    build).run([x], out, ids)
         return out, ids
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, up: Weight, gate: Weight,

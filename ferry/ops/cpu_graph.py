@@ -97,8 +97,9 @@ class GraphOps:
     def ffn(self, x, gate: Weight, up: Weight, down: Weight, act: str):
         return self.backend.ffn_nodes(self.g, x, gate, up, down, act)
 
-    def moe(self, x, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int, norm_topk: bool, act: str):
-        out, ids = self.backend.moe_nodes(self.g, x, router, up, gate, down, n_used, norm_topk, act)
+    def moe(self, x, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int, norm_topk: bool, act: str,
+            routing=None):
+        out, ids = self.backend.moe_nodes(self.g, x, router, up, gate, down, n_used, norm_topk, act, routing)
         self.expert_ids.append(self.g.copy_out(ids, I32, (n_used, self.n)))
         self.n_used = n_used
         return out

@@ -175,16 +175,16 @@ class HybridBackend:
 
     # ---- routed experts ----------------------------------------------------------------------------------
 
-    def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool):
-        return top_k_route(self.linear(x, router), n_used, norm_topk)
+    def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool, routing=None):
+        return top_k_route(self.linear(x, router), n_used, norm_topk, routing, self.vector)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-            norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+            norm_topk: bool, act: str, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
         experts = (gate, up, down)
         if all(map(self.on_gpu, experts)):
-            return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act)
+            return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act, routing)
         t0 = self._timer()
-        weights, ids = self.route(x, router, n_used, norm_topk)
+        weights, ids = self.route(x, router, n_used, norm_topk, routing)
         if self.recorder is not None:
             out = self.recorder.defer(lambda: self._experts(x, ids, weights, up, gate, down, n_used, act, t0),
                                       (x.shape[0], down.ne[1]), self.device)

@@ -67,8 +67,8 @@ class TorchOps:
         return self.backend.ffn(x, gate, up, down, act)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-            norm_topk: bool, act: str) -> torch.Tensor:
-        out, ids = self.backend.moe(x, router, up, gate, down, n_used, norm_topk, act)
+            norm_topk: bool, act: str, routing=None) -> torch.Tensor:
+        out, ids = self.backend.moe(x, router, up, gate, down, n_used, norm_topk, act, routing)
         self.batch.expert_ids.append(ids)
         return out
 

@@ -115,16 +115,16 @@ class CudaBackend:
         rows = t.view(w.ne[1], w.ne[0] // block * size)[ids]
         return self._expand(w.qtype, rows.reshape(-1), (w.ne[0], len(ids)), torch.float32).clone()
 
-    def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool):
-        """Softmax router and top-k: (weights (n, k) float32, ids (n, k) int32), on the GPU."""
-        return top_k_route(self.linear(x, router), n_used, norm_topk)
+    def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool, routing=None):
+        """Router and top-k: (weights (n, k) float32, ids (n, k) int32), on the GPU."""
+        return top_k_route(self.linear(x, router), n_used, norm_topk, routing, self.vector)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-            norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+            norm_topk: bool, act: str, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Router, top-k, each routed expert over its tokens, weighted sum: ((n, n_embd) float32, ids (n, k))."""
         from ferry.ops.cuda import kernels
 
-        weights, ids = self.route(x, router, n_used, norm_topk)
+        weights, ids = self.route(x, router, n_used, norm_topk, routing)
         strategy = self.moe_strategy
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
@@ -232,12 +232,22 @@ class CudaBackend:
         return out
 
 
-def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the router's logits, the top n_used (renormalised if norm_topk): (weights float32, ids int32)."""
-    probs = torch.softmax(logits, -1)
-    weights, ids = probs.topk(n_used, -1)
+def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
+                on_device=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's scores (softmax, or layers.ffn.Routing's sigmoid), the top n_used by score (+ the choice bias),
+    their unbiased scores renormalised if norm_topk and scaled: (weights float32, ids int32). on_device: the
+    backend's way of putting the bias where the logits are."""
+    sigmoid = routing is not None and routing.gating == "sigmoid"
+    probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, -1)
+    if routing is not None and routing.bias is not None:
+        ids = (probs + on_device(routing.bias)).topk(n_used, -1).indices
+        weights = probs.gather(-1, ids)
+    else:
+        weights, ids = probs.topk(n_used, -1)
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
+    if routing is not None and routing.scale != 1.0:
+        weights = weights * routing.scale
     return weights, ids.to(torch.int32)
 
 
