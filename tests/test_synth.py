@@ -19,9 +19,10 @@ def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
     assert abs(values.mean()) < 0.01 and 0.04 < values.std() < 0.06
 
 
-def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend):
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny"])
+def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend, preset):
     path = tmp_path / "tiny.gguf"
-    synth(PRESETS["qwen3-moe-tiny"], path, Q.Q4_0, Q.Q8_0, quiet=True)
+    synth(PRESETS[preset], path, Q.Q4_0, Q.Q8_0, quiet=True)
     model = load_model(GGUFFile(path))
     engine = Engine(model, backend, n_ctx=512, n_ubatch=512)
     tokens = torch.randint(0, model.args.n_vocab, (512,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -29,7 +30,7 @@ def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_p
     assert torch.isfinite(logits).all()
     hit = engine.experts_hit[0]
     n_expert = model.args.n_expert
-    assert len(hit) == model.args.n_layer
+    assert len(hit) == model.args.n_layer - model.args.n_layer_dense_lead
     assert min(hit) >= 0.9 * n_expert, f"experts hit per layer: {hit} of {n_expert}"
 
 
@@ -37,3 +38,12 @@ def test_qwen3_30b_a3b_preset_has_the_real_shapes():
     p = PRESETS["qwen3-30b-a3b"]
     assert (p.n_layer, p.n_embd, p.n_head, p.n_head_kv, p.head_dim) == (48, 2048, 32, 4, 128)
     assert (p.n_expert, p.n_expert_used, p.n_ff_exp, p.n_vocab) == (128, 8, 768, 151936)
+
+
+def test_deepseek_presets_have_the_real_shapes():
+    lite, v3 = PRESETS["deepseek-v2-lite"], PRESETS["deepseek-v3-6l"]
+    assert (lite.n_layer, lite.n_embd, lite.n_head, lite.kv_lora_rank, lite.q_lora_rank) == (27, 2048, 16, 512, 0)
+    assert (lite.n_expert, lite.n_expert_used, lite.n_expert_shared, lite.n_ff_exp, lite.n_layer_dense_lead) == \
+        (64, 6, 2, 1408, 1)
+    assert (lite.head_dim, lite.head_dim_rope, lite.head_dim_v) == (128, 64, 128)
+    assert (v3.n_embd, v3.n_head, v3.q_lora_rank, v3.n_expert, v3.n_expert_used, v3.gating) == (7168, 128, 1536, 256, 8, 2)

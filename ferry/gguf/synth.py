@@ -50,6 +50,16 @@ class Preset:
     n_ctx: int = 40960
     rope_base: float = 1_000_000.0
     norm_eps: float = 1e-6
+    # deepseek2 (multi-head latent attention): head_dim is the no-rope part of a key
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    head_dim_rope: int = 0
+    head_dim_v: int = 0
+    n_expert_shared: int = 0
+    n_layer_dense_lead: int = 0
+    gating: int = 1  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (with a correction bias)
+    expert_weights_scale: float = 1.0
+    expert_weights_norm: bool = False
 
 
 PRESETS = {
@@ -59,6 +69,21 @@ PRESETS = {
     "qwen3-moe-mid": Preset("qwen3moe", 24, 1024, 16, 4, 64, 64, 8, 512, 3072, 32000),
     # a few MB: for tests
     "qwen3-moe-tiny": Preset("qwen3moe", 4, 256, 4, 2, 64, 16, 4, 256, 768, 2048, n_ctx=4096),
+    # DeepSeek-V2-Lite's shapes (15.7B, about 9 GB with Q4_0 experts): no low-rank query, first layer dense;
+    # its YaRN rope scaling is left out (ferry has no YaRN yet)
+    "deepseek-v2-lite": Preset("deepseek2", 27, 2048, 16, 16, 128, 64, 6, 1408, 10944, 102400, n_ctx=163840,
+                               rope_base=10000.0, kv_lora_rank=512, head_dim_rope=64, head_dim_v=128,
+                               n_expert_shared=2, n_layer_dense_lead=1),
+    # DeepSeek-V3 / R1's layer shapes in 6 layers (3 dense, 3 MoE; about 30 GB with Q4_0 experts): low-rank query,
+    # sigmoid routing with a correction bias, weights renormalised and scaled by 2.5; group-limited routing off
+    "deepseek-v3-6l": Preset("deepseek2", 6, 7168, 128, 128, 128, 256, 8, 2048, 18432, 129280, n_ctx=163840,
+                             rope_base=10000.0, q_lora_rank=1536, kv_lora_rank=512, head_dim_rope=64, head_dim_v=128,
+                             n_expert_shared=1, n_layer_dense_lead=3, gating=2, expert_weights_scale=2.5,
+                             expert_weights_norm=True),
+    # a few MB of the same kinds, for tests
+    "deepseek2-tiny": Preset("deepseek2", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
+                             q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
+                             n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True),
 }
 
 
@@ -126,6 +151,39 @@ def byte_level_vocab(n_vocab: int, specials: list[str], rng: np.random.Generator
     return tokens + specials, token_type, merges
 
 
+def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_type, rng) -> list[TensorSpec]:
+    """One deepseek2 block: latent attention, then a dense FFN (leading layers) or routed + shared experts."""
+    d, h, qk = p.n_embd, p.n_head, p.head_dim + p.head_dim_rope
+    specs = [named(ones(d), b + "attn_norm.weight")]
+    if p.q_lora_rank:
+        specs += [mat(b + "attn_q_a.weight", other_type, (d, p.q_lora_rank)),
+                  named(ones(p.q_lora_rank), b + "attn_q_a_norm.weight"),
+                  mat(b + "attn_q_b.weight", other_type, (p.q_lora_rank, h * qk))]
+    else:
+        specs.append(mat(b + "attn_q.weight", other_type, (d, h * qk)))
+    specs += [mat(b + "attn_kv_a_mqa.weight", other_type, (d, p.kv_lora_rank + p.head_dim_rope)),
+              named(ones(p.kv_lora_rank), b + "attn_kv_a_norm.weight"),
+              mat(b + "attn_kv_b.weight", other_type, (p.kv_lora_rank, h * (p.head_dim + p.head_dim_v))),
+              mat(b + "attn_output.weight", other_type, (h * p.head_dim_v, d), OUTPUT_PROJECTION_SCALE),
+              named(ones(d), b + "ffn_norm.weight")]
+    if i < p.n_layer_dense_lead:
+        return specs + [mat(b + "ffn_gate.weight", other_type, (d, p.n_ff)),
+                        mat(b + "ffn_up.weight", other_type, (d, p.n_ff)),
+                        mat(b + "ffn_down.weight", other_type, (p.n_ff, d), OUTPUT_PROJECTION_SCALE)]
+    shared = p.n_ff_exp * p.n_expert_shared
+    specs += [mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)),
+              mat(b + "ffn_gate_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
+              mat(b + "ffn_up_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
+              mat(b + "ffn_down_exps.weight", expert_type, (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
+              mat(b + "ffn_gate_shexp.weight", other_type, (d, shared)),
+              mat(b + "ffn_up_shexp.weight", other_type, (d, shared)),
+              mat(b + "ffn_down_shexp.weight", other_type, (shared, d), OUTPUT_PROJECTION_SCALE)]
+    if p.gating == 2:  # the correction bias: small, so the choice stays the scores' but not exactly
+        specs.append(TensorSpec(b + "exp_probs_b.bias", Q.F32, (p.n_expert,),
+                                lambda: (0.01 * rng.standard_normal(p.n_expert)).astype(np.float32)))
+    return specs
+
+
 def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: GGMLQuantizationType,
           seed: int = 0, layers: int = 0, quiet: bool = False) -> None:
     rng = np.random.default_rng(seed)
@@ -160,6 +218,16 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
         "tokenizer.ggml.padding_token_id": len(tokens) - 3,
         "tokenizer.ggml.add_bos_token": False,
     }
+    mla = a == "deepseek2"
+    if mla:
+        metadata.update({f"{a}.attention.key_length": p.head_dim + p.head_dim_rope,
+                         f"{a}.attention.value_length": p.head_dim_v, f"{a}.rope.dimension_count": p.head_dim_rope,
+                         f"{a}.attention.kv_lora_rank": p.kv_lora_rank, f"{a}.expert_shared_count": p.n_expert_shared,
+                         f"{a}.leading_dense_block_count": p.n_layer_dense_lead, f"{a}.expert_gating_func": p.gating,
+                         f"{a}.expert_weights_scale": p.expert_weights_scale,
+                         f"{a}.expert_weights_norm": p.expert_weights_norm})
+        if p.q_lora_rank:
+            metadata[f"{a}.attention.q_lora_rank"] = p.q_lora_rank
     d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
     ones = lambda n: TensorSpec("", Q.F32, (n,), lambda: np.ones(n, np.float32))  # noqa: E731
 
@@ -173,6 +241,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
     specs = [mat("token_embd.weight", other_type, (d, p.n_vocab), scale=np.sqrt(d))]
     for i in range(n_layer):
         b = f"blk.{i}."
+        if mla:
+            specs += _mla_layer(p, b, i, mat, named, ones, expert_type, other_type, rng)
+            continue
         specs += [
             named(ones(d), b + "attn_norm.weight"),
             mat(b + "attn_q.weight", other_type, (d, q_dim)),

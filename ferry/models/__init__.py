@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.models import gemma3, glm4moe, llama, qwen3moe
+from ferry.models import deepseek2, gemma3, glm4moe, llama, qwen3moe
 from ferry.models.base import Model, ModelArgs, WeightLoader
 
 ARCHITECTURES = {
@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "qwen3": llama.build,
     "qwen3moe": qwen3moe.build,
     "gemma3": gemma3.build,
+    "deepseek2": deepseek2.build,
     "glm4moe": glm4moe.build,
 }
 

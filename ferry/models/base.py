@@ -48,6 +48,8 @@ class ModelArgs:
     n_expert_groups: int = 1
     n_expert_groups_used: int = 1
     n_nextn: int = 0  # multi-token-prediction blocks after the last layer: in the file, not run
+    q_lora_rank: int = 0  # DeepSeek's latent attention: 0 = a plain q projection
+    kv_lora_rank: int = 0
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
@@ -102,6 +104,8 @@ class ModelArgs:
             n_expert_groups=key("expert_group_count", 1),
             n_expert_groups_used=key("expert_group_used_count", 1),
             n_nextn=key("nextn_predict_layers", 0),
+            q_lora_rank=key("attention.q_lora_rank", 0),
+            kv_lora_rank=key("attention.kv_lora_rank", 0),
         )
         args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
         args.validate(f)

@@ -54,6 +54,8 @@ class GraphOps:
         return ggml.ggml_add(self.c, a, b)
 
     def rms_norm(self, x, weight: torch.Tensor, eps: float):
+        if not ggml.ggml_is_contiguous(x):  # a piece of a split
+            x = ggml.ggml_cont(self.c, x)
         return ggml.ggml_mul(self.c, ggml.ggml_rms_norm(self.c, x, eps), self._vector(weight))
 
     def linear(self, x, w: Weight, bias: torch.Tensor | None = None):
@@ -61,7 +63,27 @@ class GraphOps:
         return y if bias is None else ggml.ggml_add(self.c, y, self._vector(bias))
 
     def heads(self, x, n_head: int, head_dim: int):
+        if not ggml.ggml_is_contiguous(x):
+            x = ggml.ggml_cont(self.c, x)
         return ggml.ggml_reshape_3d(self.c, x, head_dim, n_head, self.n)
+
+    def split(self, x, sizes: list[int]) -> list:
+        """Pieces of ggml dimension 0 (torch's last), as views: (d, n) or (d, heads, n)."""
+        t, out, offset = x.contents, [], 0
+        for size in sizes:
+            if ggml.ggml_n_dims(x) <= 2:
+                out.append(ggml.ggml_view_2d(self.c, x, size, t.ne[1], t.nb[1], offset))
+            else:
+                out.append(ggml.ggml_view_3d(self.c, x, size, t.ne[1], t.ne[2], t.nb[1], t.nb[2], offset))
+            offset += size * t.nb[0]
+        return out
+
+    def concat(self, a, b):
+        return ggml.ggml_concat(self.c, a, b, 0)
+
+    def expand_heads(self, x, n_head: int):
+        t = x.contents
+        return ggml.ggml_repeat_4d(self.c, x, t.ne[0], n_head, t.ne[2], 1)
 
     def rope(self, x, rope: Rope):
         mode = ggml.GGML_ROPE_TYPE_NEOX if rope.neox else 0
@@ -78,6 +100,8 @@ class GraphOps:
         (dim, n_kv, heads), a view that depends on the write."""
         c = self.c
         n_heads = x.contents.ne[1]
+        if not ggml.ggml_is_contiguous(x):  # a piece of a split (MLA's values)
+            x = ggml.ggml_cont(c, x)
         leaf = self.g.leaf(qtype.value, (dim * n_heads, self.kv.n_ctx), cache.ctypes.data)
         stored = ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.cells)
         view = ggml.ggml_view_3d(c, stored, dim, self.n_kv, n_heads, leaf.contents.nb[1],

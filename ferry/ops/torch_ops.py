@@ -45,7 +45,19 @@ class TorchOps:
         return y if bias is None else y + self.backend.vector(bias)
 
     def heads(self, x: torch.Tensor, n_head: int, head_dim: int) -> torch.Tensor:
-        return x.view(x.shape[0], n_head, head_dim)
+        return x.reshape(x.shape[0], n_head, head_dim)
+
+    def split(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """Pieces of the last dimension, in order (views)."""
+        return list(torch.split(x, sizes, dim=-1))
+
+    def concat(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a and b side by side in the last dimension."""
+        return torch.cat([a, b], dim=-1)
+
+    def expand_heads(self, x: torch.Tensor, n_head: int) -> torch.Tensor:
+        """(n, 1, d) -> (n, n_head, d): one head shared by all."""
+        return x.expand(x.shape[0], n_head, x.shape[2])
 
     def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         cos, sin = self.batch.rope_angles(rope)

@@ -1,0 +1,68 @@
+"""deepseek2 (DeepSeek-V2/V2-Lite, V3/R1, Kimi K2): multi-head latent attention (expanded form, with or without
+the low-rank query), leading dense layers, then routed experts (softmax or sigmoid scores, an optional correction
+bias, weights scaled) plus shared experts. Rope is the 'normal' (adjacent pairs) layout, on the rope part only."""
+
+from __future__ import annotations
+
+from ferry.errors import FerryError
+from ferry.layers.attention import LatentAttention
+from ferry.layers.ffn import DenseFFN, Routing
+from ferry.layers.rope import Rope
+from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
+from ferry.models.llama import Block, dense_ffn, sparse_moe
+
+
+def latent_attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope) -> LatentAttention:
+    p = f"blk.{i}."
+    rot = a.n_rot
+    nope = a.head_dim_k - rot
+    q_dim = a.n_head * a.head_dim_k
+    low_rank_q = a.q_lora_rank > 0
+    if w.has(p + "attn_k_b.weight"):
+        raise FerryError(f"{w.f.path}: this file splits attn_kv_b into attn_k_b / attn_v_b (newer converters); "
+                         "ferry reads the attn_kv_b layout so far")
+    return LatentAttention(
+        layer=i,
+        wq=None if low_rank_q else w.weight(p + "attn_q.weight", q_dim, a.n_embd),
+        wq_a=w.weight(p + "attn_q_a.weight", a.q_lora_rank, a.n_embd) if low_rank_q else None,
+        q_a_norm=w.vector(p + "attn_q_a_norm.weight", a.q_lora_rank) if low_rank_q else None,
+        wq_b=w.weight(p + "attn_q_b.weight", q_dim, a.q_lora_rank) if low_rank_q else None,
+        wkv_a=w.weight(p + "attn_kv_a_mqa.weight", a.kv_lora_rank + rot, a.n_embd),
+        kv_a_norm=w.vector(p + "attn_kv_a_norm.weight", a.kv_lora_rank),
+        wkv_b=w.weight(p + "attn_kv_b.weight", a.n_head * (nope + a.head_dim_v), a.kv_lora_rank),
+        wo=w.weight(p + "attn_output.weight", a.n_embd, a.n_head * a.head_dim_v),
+        n_head=a.n_head, kv_lora_rank=a.kv_lora_rank, head_dim_nope=nope, head_dim_rope=rot,
+        head_dim_v=a.head_dim_v, rope=rope, scale=a.head_dim_k ** -0.5, norm_eps=a.norm_eps)
+
+
+def build(w: WeightLoader, a: ModelArgs) -> Model:
+    if a.kv_lora_rank <= 0:
+        raise FerryError(f"{w.f.path}: deepseek2 without attention.kv_lora_rank; re-convert the model")
+    if a.n_head_kv != a.n_head:
+        raise FerryError(f"{w.f.path}: head_count_kv {a.n_head_kv} != head_count {a.n_head}: a compressed-MLA "
+                         "conversion, which ferry does not read yet")
+    if a.n_expert_groups_used < a.n_expert_groups:
+        raise FerryError(f"{w.f.path}: group-limited routing ({a.n_expert_groups_used} of {a.n_expert_groups} expert "
+                         "groups) is not supported yet")
+    rope = Rope(a.n_rot, a.rope_base, neox=False, scale=a.rope_scale)
+    blocks = []
+    for i in range(a.n_layer):
+        p = f"blk.{i}."
+        if i < a.n_layer_dense_lead:
+            ffn = dense_ffn(w, a, i, "silu")
+        else:
+            ffn = sparse_moe(w, a, i, a.n_ff_exp)
+            ffn.norm_topk = a.expert_weights_norm
+            ffn.routing = Routing(a.expert_gating, w.optional_vector(p + "exp_probs_b.bias", a.n_expert),
+                                  a.expert_weights_scale)
+            if a.n_expert_shared:
+                n_shared = a.n_ff_exp * a.n_expert_shared
+                ffn.shared = DenseFFN(gate=w.weight(p + "ffn_gate_shexp.weight", n_shared, a.n_embd),
+                                      up=w.weight(p + "ffn_up_shexp.weight", n_shared, a.n_embd),
+                                      down=w.weight(p + "ffn_down_shexp.weight", a.n_embd, n_shared), act="silu")
+        blocks.append(Block(attn_norm=w.vector(p + "attn_norm.weight", a.n_embd), attn=latent_attention(w, a, i, rope),
+                            ffn_norm=w.vector(p + "ffn_norm.weight", a.n_embd), ffn=ffn, eps=a.norm_eps))
+    for i in range(a.n_layer, a.n_layer + a.n_nextn):
+        w.skip(f"blk.{i}.")
+    embd, norm, out = load_head(w, a)
+    return Model(a, embd, blocks, norm, out)
