@@ -108,6 +108,11 @@ class ModelArgs:
             kv_lora_rank=key("attention.kv_lora_rank", 0),
         )
         args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
+        if f.get(f"{arch}.attention.key_length_mla") is not None:
+            # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; ferry
+            # runs the expanded form, whose per-head key and value sizes these are
+            args.head_dim_k, args.head_dim_v = key("attention.key_length_mla"), key("attention.value_length_mla")
+            args.n_head_kv = args.n_head
         args.validate(f)
         return args
 

@@ -4,12 +4,30 @@ bias, weights scaled) plus shared experts. Rope is the 'normal' (adjacent pairs)
 
 from __future__ import annotations
 
+import numpy as np
+
 from ferry.errors import FerryError
 from ferry.layers.attention import LatentAttention
 from ferry.layers.ffn import DenseFFN, Routing
 from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
 from ferry.models.llama import Block, dense_ffn, sparse_moe
+from ferry.ops import Weight
+from ferry.quant import Q
+
+
+def _kv_b(w: WeightLoader, a: ModelArgs, i: int, nope: int) -> Weight:
+    """The latent's expansion into every head's no-rope key and value: attn_kv_b, or, in files that split it
+    (llama.cpp's converters since 2025), attn_k_b (per head, transposed) and attn_v_b joined back in float32
+    (n_head * (nope + v) x kv_lora_rank floats per layer: the expanded form's price until the latent form exists)."""
+    p, h, lora, v = f"blk.{i}.", a.n_head, a.kv_lora_rank, a.head_dim_v
+    if not w.has(p + "attn_k_b.weight"):
+        return w.weight(p + "attn_kv_b.weight", h * (nope + v), lora)
+    k_b = w.weight(p + "attn_k_b.weight", h, lora, nope).dequantize().reshape(h, lora, nope)
+    v_b = w.weight(p + "attn_v_b.weight", h, v, lora).dequantize().reshape(h, v, lora)
+    kv_b = np.ascontiguousarray(np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(h * (nope + v), lora),
+                                dtype=np.float32)
+    return Weight(p + "attn_kv_b.weight", Q.F32, (lora, h * (nope + v)), kv_b.view(np.uint8).reshape(-1))
 
 
 def latent_attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope) -> LatentAttention:
@@ -18,9 +36,6 @@ def latent_attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope) -> Laten
     nope = a.head_dim_k - rot
     q_dim = a.n_head * a.head_dim_k
     low_rank_q = a.q_lora_rank > 0
-    if w.has(p + "attn_k_b.weight"):
-        raise FerryError(f"{w.f.path}: this file splits attn_kv_b into attn_k_b / attn_v_b (newer converters); "
-                         "ferry reads the attn_kv_b layout so far")
     return LatentAttention(
         layer=i,
         wq=None if low_rank_q else w.weight(p + "attn_q.weight", q_dim, a.n_embd),
@@ -29,7 +44,7 @@ def latent_attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope) -> Laten
         wq_b=w.weight(p + "attn_q_b.weight", q_dim, a.q_lora_rank) if low_rank_q else None,
         wkv_a=w.weight(p + "attn_kv_a_mqa.weight", a.kv_lora_rank + rot, a.n_embd),
         kv_a_norm=w.vector(p + "attn_kv_a_norm.weight", a.kv_lora_rank),
-        wkv_b=w.weight(p + "attn_kv_b.weight", a.n_head * (nope + a.head_dim_v), a.kv_lora_rank),
+        wkv_b=_kv_b(w, a, i, nope),
         wo=w.weight(p + "attn_output.weight", a.n_embd, a.n_head * a.head_dim_v),
         n_head=a.n_head, kv_lora_rank=a.kv_lora_rank, head_dim_nope=nope, head_dim_rope=rot,
         head_dim_v=a.head_dim_v, rope=rope, scale=a.head_dim_k ** -0.5, norm_eps=a.norm_eps)
@@ -39,8 +54,8 @@ def build(w: WeightLoader, a: ModelArgs) -> Model:
     if a.kv_lora_rank <= 0:
         raise FerryError(f"{w.f.path}: deepseek2 without attention.kv_lora_rank; re-convert the model")
     if a.n_head_kv != a.n_head:
-        raise FerryError(f"{w.f.path}: head_count_kv {a.n_head_kv} != head_count {a.n_head}: a compressed-MLA "
-                         "conversion, which ferry does not read yet")
+        raise FerryError(f"{w.f.path}: head_count_kv {a.n_head_kv} != head_count {a.n_head} without "
+                         "attention.key_length_mla; re-convert the model with a current llama.cpp")
     if a.n_expert_groups_used < a.n_expert_groups:
         raise FerryError(f"{w.f.path}: group-limited routing ({a.n_expert_groups_used} of {a.n_expert_groups} expert "
                          "groups) is not supported yet")
