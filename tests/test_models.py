@@ -239,3 +239,18 @@ def test_group_limited_routing_is_refused_in_one_line(tmp_path):
                                            for t in f.tensors.values()])
     with pytest.raises(FerryError, match="group-limited routing \\(2 of 4 expert groups\\) is not supported yet"):
         load_model(GGUFFile(grouped))
+
+
+def test_an_unsupported_rope_scaling_is_refused_not_ignored(tmp_path):
+    from ferry.gguf.writer import TensorSpec, write_gguf
+
+    plain = tmp_path / "plain.gguf"
+    to_gguf(tiny_hf_model("deepseek2"), "deepseek2", plain, Q.F32)
+    f = GGUFFile(plain)
+    meta = {k: v for k, v in f.metadata.items() if not k.startswith("general.")}
+    meta.update({"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": 40.0})
+    yarn = tmp_path / "yarn.gguf"
+    write_gguf(yarn, "deepseek2", meta, [TensorSpec(t.name, t.qtype, t.ne, lambda t=t: f.data(t))
+                                         for t in f.tensors.values()])
+    with pytest.raises(FerryError, match="rope scaling 'yarn' is not supported yet"):
+        load_model(GGUFFile(yarn))

@@ -77,6 +77,10 @@ class ModelArgs:
         n_vocab = key("vocab_size", len(tokens) if tokens is not None else f.tensor("token_embd.weight").ne[1])
         head_dim_k = key("attention.key_length", n_embd // max(n_head, 1))
         scaling = f.get(f"{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", "linear") and f.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+            # running without it would change every position's angles: refuse rather than lose quality silently
+            raise FerryError(f"{f.path}: rope scaling '{scaling}' is not supported yet (only linear); "
+                             "use a conversion without it, or another model")
         args = cls(
             arch=arch,
             n_vocab=n_vocab,
