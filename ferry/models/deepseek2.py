@@ -8,10 +8,9 @@ import numpy as np
 
 from ferry.errors import FerryError
 from ferry.layers.attention import LatentAttention
-from ferry.layers.ffn import DenseFFN, Routing
 from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
-from ferry.models.llama import Block, dense_ffn, sparse_moe
+from ferry.models.llama import Block, dense_ffn, routed_moe
 from ferry.ops import Weight
 from ferry.quant import Q
 
@@ -56,25 +55,11 @@ def build(w: WeightLoader, a: ModelArgs) -> Model:
     if a.n_head_kv != a.n_head:
         raise FerryError(f"{w.f.path}: head_count_kv {a.n_head_kv} != head_count {a.n_head} without "
                          "attention.key_length_mla; re-convert the model with a current llama.cpp")
-    if a.n_expert_groups_used < a.n_expert_groups:
-        raise FerryError(f"{w.f.path}: group-limited routing ({a.n_expert_groups_used} of {a.n_expert_groups} expert "
-                         "groups) is not supported yet")
     rope = Rope(a.n_rot, a.rope_base, neox=False, scale=a.rope_scale)
     blocks = []
     for i in range(a.n_layer):
         p = f"blk.{i}."
-        if i < a.n_layer_dense_lead:
-            ffn = dense_ffn(w, a, i, "silu")
-        else:
-            ffn = sparse_moe(w, a, i, a.n_ff_exp)
-            ffn.norm_topk = a.expert_weights_norm
-            ffn.routing = Routing(a.expert_gating, w.optional_vector(p + "exp_probs_b.bias", a.n_expert),
-                                  a.expert_weights_scale)
-            if a.n_expert_shared:
-                n_shared = a.n_ff_exp * a.n_expert_shared
-                ffn.shared = DenseFFN(gate=w.weight(p + "ffn_gate_shexp.weight", n_shared, a.n_embd),
-                                      up=w.weight(p + "ffn_up_shexp.weight", n_shared, a.n_embd),
-                                      down=w.weight(p + "ffn_down_shexp.weight", a.n_embd, n_shared), act="silu")
+        ffn = dense_ffn(w, a, i, "silu") if i < a.n_layer_dense_lead else routed_moe(w, a, i)
         blocks.append(Block(attn_norm=w.vector(p + "attn_norm.weight", a.n_embd), attn=latent_attention(w, a, i, rope),
                             ffn_norm=w.vector(p + "ffn_norm.weight", a.n_embd), ffn=ffn, eps=a.norm_eps))
     for i in range(a.n_layer, a.n_layer + a.n_nextn):

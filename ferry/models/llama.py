@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ferry.layers.attention import Attention
-from ferry.layers.ffn import DenseFFN, SparseMoE
+from ferry.errors import FerryError
+from ferry.layers.ffn import DenseFFN, Routing, SparseMoE
 from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
 
@@ -66,6 +67,24 @@ def sparse_moe(w: WeightLoader, a: ModelArgs, i: int, n_ff_exp: int) -> SparseMo
         gate_exps=w.weight(p + "ffn_gate_exps.weight", a.n_expert, n_ff_exp, a.n_embd),
         down_exps=w.weight(p + "ffn_down_exps.weight", a.n_expert, a.n_embd, n_ff_exp),
         n_expert_used=a.n_expert_used, norm_topk=True, act="silu")
+
+
+def routed_moe(w: WeightLoader, a: ModelArgs, i: int) -> SparseMoE:
+    """GLM-4.5's and DeepSeek's MoE block: routing from the metadata (softmax or sigmoid, the correction bias when
+    the file has one, the weights' scale and renormalisation) and the shared experts."""
+    p = f"blk.{i}."
+    if a.n_expert_groups_used < a.n_expert_groups:
+        raise FerryError(f"{w.f.path}: group-limited routing ({a.n_expert_groups_used} of {a.n_expert_groups} expert "
+                         "groups) is not supported yet")
+    moe = sparse_moe(w, a, i, a.n_ff_exp)
+    moe.norm_topk = a.expert_weights_norm
+    moe.routing = Routing(a.expert_gating, w.optional_vector(p + "exp_probs_b.bias", a.n_expert), a.expert_weights_scale)
+    if a.n_expert_shared:
+        n_shared = a.n_ff_exp * a.n_expert_shared
+        moe.shared = DenseFFN(gate=w.weight(p + "ffn_gate_shexp.weight", n_shared, a.n_embd),
+                              up=w.weight(p + "ffn_up_shexp.weight", n_shared, a.n_embd),
+                              down=w.weight(p + "ffn_down_shexp.weight", a.n_embd, n_shared), act="silu")
+    return moe
 
 
 def build(w: WeightLoader, a: ModelArgs) -> Model:
