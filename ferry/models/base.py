@@ -11,10 +11,12 @@ import torch
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
+from ferry.layers.rope import Yarn
 from ferry.ops import Weight
 from ferry.quant import dequantize
 
 MAX_LAYERS = 4096
+YARN_ARCHS = ("deepseek2",)  # where YaRN is checked against transformers
 MAX_HEADS = 4096
 
 
@@ -50,6 +52,7 @@ class ModelArgs:
     n_nextn: int = 0  # multi-token-prediction blocks after the last layer: in the file, not run
     q_lora_rank: int = 0  # DeepSeek's latent attention: 0 = a plain q projection
     kv_lora_rank: int = 0
+    yarn: "Yarn | None" = None  # YaRN rope scaling (DeepSeek)
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
@@ -77,10 +80,11 @@ class ModelArgs:
         n_vocab = key("vocab_size", len(tokens) if tokens is not None else f.tensor("token_embd.weight").ne[1])
         head_dim_k = key("attention.key_length", n_embd // max(n_head, 1))
         scaling = f.get(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", "linear") and f.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
+        yarn = scaling == "yarn" and arch in YARN_ARCHS
+        if scaling not in ("none", "linear") and not yarn and f.get(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
             # running without it would change every position's angles: refuse rather than lose quality silently
-            raise FerryError(f"{f.path}: rope scaling '{scaling}' is not supported yet (only linear); "
-                             "use a conversion without it, or another model")
+            raise FerryError(f"{f.path}: rope scaling '{scaling}' is not supported yet for {arch} (only linear"
+                             f"{', and yarn for ' + ', '.join(YARN_ARCHS)}); use a conversion without it, or another model")
         args = cls(
             arch=arch,
             n_vocab=n_vocab,
@@ -111,6 +115,12 @@ class ModelArgs:
             q_lora_rank=key("attention.q_lora_rank", 0),
             kv_lora_rank=key("attention.kv_lora_rank", 0),
         )
+        if yarn:
+            args.yarn = Yarn(factor=key("rope.scaling.factor", 1.0, float),
+                             n_ctx_orig=key("rope.scaling.original_context_length", args.n_ctx_train),
+                             beta_fast=key("rope.scaling.yarn_beta_fast", 32.0, float),
+                             beta_slow=key("rope.scaling.yarn_beta_slow", 1.0, float),
+                             log_mul=key("rope.scaling.yarn_log_multiplier", 0.0, float))
         args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
         if f.get(f"{arch}.attention.key_length_mla") is not None:
             # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; ferry

@@ -46,7 +46,8 @@ def latent_attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope) -> Laten
         wkv_b=_kv_b(w, a, i, nope),
         wo=w.weight(p + "attn_output.weight", a.n_embd, a.n_head * a.head_dim_v),
         n_head=a.n_head, kv_lora_rank=a.kv_lora_rank, head_dim_nope=nope, head_dim_rope=rot,
-        head_dim_v=a.head_dim_v, rope=rope, scale=a.head_dim_k ** -0.5, norm_eps=a.norm_eps)
+        head_dim_v=a.head_dim_v, rope=rope, scale=a.head_dim_k ** -0.5 * (a.yarn.attn_scale if a.yarn else 1.0),
+        norm_eps=a.norm_eps)
 
 
 def build(w: WeightLoader, a: ModelArgs) -> Model:
@@ -55,7 +56,7 @@ def build(w: WeightLoader, a: ModelArgs) -> Model:
     if a.n_head_kv != a.n_head:
         raise FerryError(f"{w.f.path}: head_count_kv {a.n_head_kv} != head_count {a.n_head} without "
                          "attention.key_length_mla; re-convert the model with a current llama.cpp")
-    rope = Rope(a.n_rot, a.rope_base, neox=False, scale=a.rope_scale)
+    rope = Rope(a.n_rot, a.rope_base, neox=False, scale=a.rope_scale, yarn=a.yarn)
     blocks = []
     for i in range(a.n_layer):
         p = f"blk.{i}."

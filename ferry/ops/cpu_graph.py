@@ -87,8 +87,13 @@ class GraphOps:
 
     def rope(self, x, rope: Rope):
         mode = ggml.GGML_ROPE_TYPE_NEOX if rope.neox else 0
-        return ggml.ggml_rope_ext(self.c, x, self.positions, None, rope.n_rot, mode, 0, rope.base, 1.0 / rope.scale,
-                                  0.0, 1.0, 32.0, 1.0)
+        y = rope.yarn
+        if y is None:
+            return ggml.ggml_rope_ext(self.c, x, self.positions, None, rope.n_rot, mode, 0, rope.base,
+                                      1.0 / rope.scale, 0.0, 1.0, 32.0, 1.0)
+        # ggml scales cos/sin by 1 + 0.1 ln(factor) under YaRN; attn_factor cancels it (llama.cpp's deepseek2 does so)
+        return ggml.ggml_rope_ext(self.c, x, self.positions, None, rope.n_rot, mode, y.n_ctx_orig, rope.base,
+                                  1.0 / y.factor, 1.0, 1.0 / (1.0 + 0.1 * math.log(y.factor)), y.beta_fast, y.beta_slow)
 
     def _mask(self, window: int):
         if window not in self.masks:
