@@ -12,7 +12,7 @@ from ferry.runtime.engine import Engine
 from tests.fixtures.hf import VOCAB, load_stored_weights, tiny_hf_model, to_gguf
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "glm4moe", "deepseek2", "deepseek2-lite",
-            "deepseek2-split", "deepseek2-yarn"]
+            "deepseek2-split", "deepseek2-yarn", "deepseek2-grouped", "glm4moe-grouped"]
 N_TOKENS = 37  # > gemma3's test sliding window of 8, and not a multiple of the u-batch
 
 
@@ -50,7 +50,9 @@ def test_f32_logits_match_transformers(family, graph, tmp_path, backend):
 
 
 @EXECUTORS
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "deepseek2-yarn"])  # YaRN: the f32 test checks it
+# YaRN and group-limited routing change no rounding: the f32 test checks them
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("deepseek2-yarn", "deepseek2-grouped",
+                                                                     "glm4moe-grouped")])
 def test_q8_0_weights_and_f16_cache_stay_close_to_transformers(family, graph, tmp_path, backend):
     # Q8_0 weights given to both sides; ggml also rounds activations to q8 and the cache to f16,
     # which moves logits by about 1%: bound the KL divergence, and require the same top-1 token
@@ -201,7 +203,8 @@ def test_glm4moe_multi_token_prediction_blocks_are_loaded_past_and_not_run(tmp_p
     assert torch.equal(want, got)
 
 
-def test_the_gpu_router_picks_and_weights_experts_as_glm4moe_does():
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2), (8, 3)])
+def test_the_gpu_router_picks_and_weights_experts_as_glm4moe_does(n_group, topk_group):
     """top_k_route (the GPU and hybrid backends' router, plain torch) against transformers' GLM-4.5 router on the
     same logits: sigmoid scores, the choice by score + correction bias, unbiased weights renormalised and scaled."""
     import transformers as T
@@ -210,7 +213,7 @@ def test_the_gpu_router_picks_and_weights_experts_as_glm4moe_does():
     from ferry.ops.cuda.backend import top_k_route
 
     cfg = T.Glm4MoeConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.5,
-                          n_group=1, topk_group=1, norm_topk_prob=True)
+                          n_group=n_group, topk_group=topk_group, norm_topk_prob=True)
     router = T.models.glm4_moe.modeling_glm4_moe.Glm4MoeTopkRouter(cfg)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -219,13 +222,14 @@ def test_the_gpu_router_picks_and_weights_experts_as_glm4moe_does():
     x = torch.randn(23, 16)
     with torch.no_grad():
         _, want_w, want_ids = router(x)
-    got_w, got_ids = top_k_route(x @ router.weight.T, 4, True, Routing("sigmoid", router.e_score_correction_bias, 2.5))
+    got_w, got_ids = top_k_route(x @ router.weight.T, 4, True, Routing("sigmoid", router.e_score_correction_bias, 2.5,
+                                                                       n_group, topk_group))
     order_want, order_got = want_ids.argsort(-1), got_ids.long().argsort(-1)
     assert torch.equal(want_ids.gather(-1, order_want), got_ids.long().gather(-1, order_got))
     assert torch.allclose(want_w.gather(-1, order_want), got_w.gather(-1, order_got), rtol=1e-5, atol=1e-6)
 
 
-def test_group_limited_routing_is_refused_in_one_line(tmp_path):
+def test_expert_groups_that_do_not_divide_the_experts_are_a_corrupt_file(tmp_path):
     from ferry.gguf.writer import TensorSpec, write_gguf
 
     hf = tiny_hf_model("glm4moe")
@@ -233,11 +237,11 @@ def test_group_limited_routing_is_refused_in_one_line(tmp_path):
     to_gguf(hf, "glm4moe", plain, Q.F32)
     f = GGUFFile(plain)
     meta = {k: v for k, v in f.metadata.items() if not k.startswith("general.")}
-    meta.update({"glm4moe.expert_group_count": 4, "glm4moe.expert_group_used_count": 2})
+    meta.update({"glm4moe.expert_group_count": 3, "glm4moe.expert_group_used_count": 2})
     grouped = tmp_path / "grouped.gguf"
     write_gguf(grouped, "glm4moe", meta, [TensorSpec(t.name, t.qtype, t.ne, lambda t=t: f.data(t))
                                            for t in f.tensors.values()])
-    with pytest.raises(FerryError, match="group-limited routing \\(2 of 4 expert groups\\) is not supported yet"):
+    with pytest.raises(FerryError, match="8 experts do not form 3 groups of which 2 are used"):
         load_model(GGUFFile(grouped))
 
 

@@ -28,6 +28,19 @@ class Routing:
     gating: str = "softmax"  # or "sigmoid"
     bias: torch.Tensor | None = None  # (n_expert,) float32, added for the choice only
     scale: float = 1.0  # routed_scaling_factor / expert_weights_scale
+    # group-limited routing (DeepSeek-V2/V3, GLM): experts only from the n_group_used best of n_group groups, a
+    # group scored by its best expert (softmax, DeepSeek-V2) or its two best summed (sigmoid, V3 and GLM)
+    n_group: int = 1
+    n_group_used: int = 1
+
+    @property
+    def grouped(self) -> bool:
+        return self.n_group_used < self.n_group
+
+    @property
+    def group_top(self) -> int:
+        """Experts whose scores make a group's score."""
+        return 2 if self.gating == "sigmoid" else 1
 
 
 @dataclass

@@ -73,12 +73,13 @@ def routed_moe(w: WeightLoader, a: ModelArgs, i: int) -> SparseMoE:
     """GLM-4.5's and DeepSeek's MoE block: routing from the metadata (softmax or sigmoid, the correction bias when
     the file has one, the weights' scale and renormalisation) and the shared experts."""
     p = f"blk.{i}."
-    if a.n_expert_groups_used < a.n_expert_groups:
-        raise FerryError(f"{w.f.path}: group-limited routing ({a.n_expert_groups_used} of {a.n_expert_groups} expert "
-                         "groups) is not supported yet")
+    if a.n_expert_groups > 1 and (a.n_expert % a.n_expert_groups or not 0 < a.n_expert_groups_used <= a.n_expert_groups):
+        raise FerryError(f"{w.f.path}: {a.n_expert} experts do not form {a.n_expert_groups} groups of which "
+                         f"{a.n_expert_groups_used} are used; the metadata is corrupt, re-convert the model")
     moe = sparse_moe(w, a, i, a.n_ff_exp)
     moe.norm_topk = a.expert_weights_norm
-    moe.routing = Routing(a.expert_gating, w.optional_vector(p + "exp_probs_b.bias", a.n_expert), a.expert_weights_scale)
+    moe.routing = Routing(a.expert_gating, w.optional_vector(p + "exp_probs_b.bias", a.n_expert), a.expert_weights_scale,
+                          a.n_expert_groups, a.n_expert_groups_used)
     if a.n_expert_shared:
         n_shared = a.n_ff_exp * a.n_expert_shared
         moe.shared = DenseFFN(gate=w.weight(p + "ffn_gate_shexp.weight", n_shared, a.n_embd),

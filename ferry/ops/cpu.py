@@ -312,6 +312,8 @@ class CpuBackend:
         choice = probs
         if routing is not None and routing.bias is not None:
             choice = ggml.ggml_add(c, probs, g.leaf(ggml.GGML_TYPE_F32, (n_expert,), routing.bias.data_ptr()))
+        if routing is not None and routing.grouped:
+            choice = self._group_mask(g, choice, routing, n_expert, n)
         ids = ggml.ggml_top_k(c, ggml.ggml_reshape_2d(c, choice, n_expert, n), n_used)  # (n_used, n)
         weights = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, probs, 1, n_expert, n), ids)  # (1, n_used, n)
         if norm_topk:
@@ -320,6 +322,20 @@ class CpuBackend:
         if routing is not None and routing.scale != 1.0:
             weights = ggml.ggml_scale(c, weights, routing.scale)
         return self.expert_nodes(g, x, ids, weights, up, gate, down, act), ids
+
+    @staticmethod
+    def _group_mask(g: _Graph, choice, routing, n_expert: int, n: int):
+        """The choice scores (n_expert, 1, n) with every expert outside the n_group_used best groups at -inf."""
+        c = g.ctx
+        per, groups = n_expert // routing.n_group, routing.n_group
+        by_group = ggml.ggml_cont(c, ggml.ggml_reshape_3d(c, choice, per, groups, n))  # (per, groups, n)
+        best = ggml.ggml_top_k(c, by_group, routing.group_top)  # (top, groups, n) indices within each group
+        best = ggml.ggml_get_rows(c, ggml.ggml_reshape_4d(c, by_group, 1, per, groups, n), best)  # (1, top, groups, n)
+        score = ggml.ggml_sum_rows(c, ggml.ggml_reshape_3d(c, best, routing.group_top, groups, n))  # (1, groups, n)
+        kept = ggml.ggml_top_k(c, ggml.ggml_reshape_2d(c, score, groups, n), routing.n_group_used)  # (used, n)
+        rows = ggml.ggml_get_rows(c, by_group, kept)  # (per, used, n)
+        masked = ggml.ggml_set_rows(c, ggml.ggml_fill(c, by_group, float("-inf")), rows, kept)
+        return ggml.ggml_reshape_3d(c, masked, n_expert, 1, n)
 
     def expert_nodes(self, g: _Graph, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str):
         """The selected experts of x (n_embd, 1, n) for ids (n_used, n) (mul_mat_id, fused up/gate + activation):

@@ -239,8 +239,15 @@ def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None
     backend's way of putting the bias where the logits are."""
     sigmoid = routing is not None and routing.gating == "sigmoid"
     probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, -1)
-    if routing is not None and routing.bias is not None:
-        ids = (probs + on_device(routing.bias)).topk(n_used, -1).indices
+    choice = probs if routing is None or routing.bias is None else probs + on_device(routing.bias)
+    if routing is not None and routing.grouped:  # experts only from the best groups
+        n, n_expert = choice.shape
+        by_group = choice.view(n, routing.n_group, n_expert // routing.n_group)
+        score = by_group.topk(routing.group_top, -1).values.sum(-1)
+        kept = torch.zeros_like(score, dtype=torch.bool).scatter_(1, score.topk(routing.n_group_used, -1).indices, True)
+        choice = by_group.masked_fill(~kept[..., None], float("-inf")).view(n, n_expert)
+    if choice is not probs:
+        ids = choice.topk(n_used, -1).indices
         weights = probs.gather(-1, ids)
     else:
         weights, ids = probs.topk(n_used, -1)
