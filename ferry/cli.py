@@ -413,12 +413,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """The memory plan per device, before loading anything; exit 2 with what to change when it does not fit."""
-    from gguf.constants import GGML_QUANT_SIZES
-
     from ferry.gguf.file import GGUFFile
     from ferry.models.base import ModelArgs
     from ferry.placement import GIB, memory_plan, parse_gpu_memory, parse_overrides
     from ferry.policy import parse_policy
+    from ferry.quant import bytes_per_weight
     from ferry.runtime.kv_cache import kv_type
 
     f = GGUFFile(_model_path(args))
@@ -443,9 +442,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     split = [float(x) for x in args.tensor_split.split(",")] if args.tensor_split else None
     if split and (len(split) != len(gpus) or any(x < 0 for x in split) or sum(split) <= 0):
         raise FerryError(f"-ts/--tensor-split needs {len(gpus)} non-negative numbers (one per GPU: {', '.join(gpus)})")
-    blocks = [GGML_QUANT_SIZES[kv_type(flag, t)]
-              for flag, t in (("-ctk/--cache-type-k", args.cache_type_k), ("-ctv/--cache-type-v", args.cache_type_v))]
-    kv = tuple(size / block for block, size in blocks)  # bytes per cached value
+    kv = tuple(bytes_per_weight(kv_type(flag, t))  # bytes per cached value
+               for flag, t in (("-ctk/--cache-type-k", args.cache_type_k), ("-ctv/--cache-type-v", args.cache_type_v)))
     # one GPU: the runtime keeps every layer's KV cache and the expert staging there (several GPUs: planned only)
     kv_on_gpu = len(gpus) == 1 and _wants_gpu(args.n_gpu_layers, args.override_tensor)
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,

@@ -19,6 +19,7 @@ GIB = 2 ** 30
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+EXPERTS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")  # a layer's stacked routed experts
 _DEVICE_RE = re.compile(r"^(CPU|CUDA\d+)$")
 
 

@@ -160,11 +160,11 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
                 + max(expert_bytes / calib.gpu_bytes_per_s, counts[e] * flops_per_token / calib.gpu_flops))
 
     gpu_fixed = GPU_SIDE_LAUNCHES * calib.launch_s
+    on_cpu, on_gpu = [cpu_s(e) for e in hit], [gpu_s(e) for e in hit]  # each expert's cost, hottest first
 
     def split(n_gpu: int, why: str) -> ExpertSplit:
         return ExpertSplit(tuple(sorted(hit[:n_gpu])), tuple(sorted(hit[n_gpu:])),
-                           sum(map(gpu_s, hit[:n_gpu])) + (gpu_fixed if n_gpu else 0.0), sum(map(cpu_s, hit[n_gpu:])),
-                           why)
+                           sum(on_gpu[:n_gpu]) + (gpu_fixed if n_gpu else 0.0), sum(on_cpu[n_gpu:]), why)
 
     ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
     if ug != "auto" or down != "auto":
@@ -179,11 +179,11 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     def both(g: float, c: float) -> float:
         return max(g, c) + calib.overlap * min(g, c)
 
-    gpu_total, cpu_total = gpu_fixed, sum(map(cpu_s, hit))
+    gpu_total, cpu_total = gpu_fixed, sum(on_cpu)
     best, best_s = 0, cpu_total
-    for i, e in enumerate(hit):  # move the hottest remaining expert to the GPU
-        gpu_total += gpu_s(e)
-        cpu_total -= cpu_s(e)
+    for i in range(len(hit)):  # move the hottest remaining expert to the GPU
+        gpu_total += on_gpu[i]
+        cpu_total -= on_cpu[i]
         if both(gpu_total, cpu_total) < best_s:
             best, best_s = i + 1, both(gpu_total, cpu_total)
     s = split(best, "")

@@ -26,6 +26,12 @@ def parse_qtype(name: str) -> GGMLQuantizationType:
         raise FerryError(f"unknown quant type '{name}'; valid types: {valid}") from None
 
 
+def bytes_per_weight(qtype: GGMLQuantizationType) -> float:
+    """Bytes one value takes in a type's blocks (Q4_0: 18 / 32)."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    return type_size / block
+
+
 def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
     block, type_size = GGML_QUANT_SIZES[qtype]
     if n % block:

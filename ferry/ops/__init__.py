@@ -6,9 +6,11 @@ float work between those ops (norms, rope, attention) is plain torch.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from gguf.constants import GGMLQuantizationType
 
 from ferry.quant import dequantize
@@ -30,6 +32,12 @@ class Weight:
     def shape(self) -> tuple[int, ...]:
         """torch order: (n_expert, rows, cols) or (rows, cols)."""
         return tuple(reversed(self.ne))
+
+    def host_tensor(self) -> torch.Tensor:
+        """The raw bytes as a uint8 CPU tensor over the mmap (no copy; the mmap is read-only and torch only reads)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(self.data)
 
     def dequantize(self) -> np.ndarray:
         """float32 copy in torch order, by the reference dequantizer (tests and fallbacks only)."""

@@ -11,11 +11,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.ops import Weight
 from ferry.ops.cuda.backend import CudaBackend, top_k_route
+from ferry.placement import EXPERTS_RE
 from ferry.policy import Calibration, Explorer, Policy, decide, size_class, split_experts
+from ferry.quant import bytes_per_weight
 from ferry.runtime.streamer import Streamer
 
 
@@ -44,11 +45,6 @@ class HybridStats:
 
 
 _ALL_ON, _ALL_OFF = Policy(overrides={"all": "on"}), Policy(overrides={"all": "off"})
-
-
-def _bytes_per_weight(w: Weight) -> float:
-    block, size = GGML_QUANT_SIZES[w.qtype]
-    return size / block
 
 
 class HybridBackend:
@@ -95,12 +91,12 @@ class HybridBackend:
             else:
                 cpu_weights.append(w)
         self.streamer = Streamer(self.device, cpu_weights)
-        by_name = {w.name: w for w in cpu_weights}
-        layers = []
-        for i in range(len(weights)):
-            names = [f"blk.{i}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
-            if all(n in by_name for n in names):
-                layers.append(tuple(by_name[n] for n in names))
+        by_layer: dict[int, dict[str, Weight]] = {}
+        for w in cpu_weights:
+            m = EXPERTS_RE.match(w.name)
+            if m:
+                by_layer.setdefault(int(m.group(1)), {})[m.group(2)] = w
+        layers = [(d["gate"], d["up"], d["down"]) for _, d in sorted(by_layer.items()) if len(d) == 3]
         for a, b in zip(layers, layers[1:]):
             self._next_experts[id(a[0])] = b
 
@@ -139,7 +135,7 @@ class HybridBackend:
     def _linear_in_ram(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         t0 = self._timer()
         n = x.shape[0]
-        d = decide("mul_mat", n, w.ne[1], w.ne[0], _bytes_per_weight(w), self.calib, self.policy)
+        d = decide("mul_mat", n, w.ne[1], w.ne[0], bytes_per_weight(w.qtype), self.calib, self.policy)
         if d.device == "GPU":
             self._dense_slot ^= 1
             slot = ("dense", self._dense_slot)
@@ -239,12 +235,17 @@ class HybridBackend:
         """auto: the way this u-batch's size class was measured fastest (policy.Explorer), or a timed trial of one."""
         first = (id(gate), n) not in self._seen  # a layer's first call of a size builds graphs, compiles kernels:
         self._seen.add((id(gate), n))              # no trial there, the prediction decides
-        if first and size_class(n) not in self.explorer.chosen:
+        decided = self.explorer.chosen.get(size_class(n))
+        if first and decided is None:
             return predicted, None
-        ways = {"gpu": split_experts(counts, expert_bytes, flops, self.calib, _ALL_ON, n_used),
-                "cpu": split_experts(counts, expert_bytes, flops, self.calib, _ALL_OFF, n_used)}
-        if predicted.gpu and predicted.cpu:
-            ways["split"] = predicted
+        others = {"gpu": _ALL_ON, "cpu": _ALL_OFF}
+        if decided is not None:  # measured already: only that way is built, every MoE layer of every u-batch
+            ways = {decided: predicted if decided == "split" else
+                    split_experts(counts, expert_bytes, flops, self.calib, others[decided], n_used)}
+        else:
+            ways = {k: split_experts(counts, expert_bytes, flops, self.calib, p, n_used) for k, p in others.items()}
+            if predicted.gpu and predicted.cpu:
+                ways["split"] = predicted
         cost = {k: max(v.gpu_s, v.cpu_s) + self.calib.overlap * min(v.gpu_s, v.cpu_s) for k, v in ways.items()}
         mode, trial = self.explorer.mode(n, cost)
         chosen = ways.get(mode, predicted)

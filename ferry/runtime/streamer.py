@@ -10,7 +10,6 @@ layer's copies can run while the previous layer still computes."""
 from __future__ import annotations
 
 import mmap
-import warnings
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES
@@ -112,9 +111,7 @@ class Streamer:
         """The weight's bytes in the mmap as a uint8 CPU tensor (no copy)."""
         t = self._host.get(id(w))
         if t is None:
-            with warnings.catch_warnings():  # read-only mmap; torch only reads it
-                warnings.simplefilter("ignore", UserWarning)
-                t = self._host[id(w)] = torch.from_numpy(w.data)
+            t = self._host[id(w)] = w.host_tensor()
         return t
 
     def _buffer(self, key: tuple, nbytes: int) -> torch.Tensor:

@@ -4,15 +4,10 @@ plausible ways on its first u-batches of each size (`--verbose` prints what it m
 
 from __future__ import annotations
 
-import re
-
-from gguf.constants import GGML_QUANT_SIZES
-
 from ferry.gguf.file import GGUFFile
-from ferry.placement import layer_devices, place
+from ferry.placement import EXPERTS_RE, layer_devices, place
 from ferry.policy import Calibration, Policy, decide, experts_hit, split_experts
-
-_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+from ferry.quant import bytes_per_weight
 
 
 def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration, policy: Policy,
@@ -26,14 +21,13 @@ def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
         return []
     layer = min(int(t.name.split(".")[1]) for t in in_ram)
     mine = [t for t in in_ram if t.name.startswith(f"blk.{layer}.")]
-    experts = [t for t in mine if _EXPERTS.match(t.name)]
+    experts = [t for t in mine if EXPERTS_RE.match(t.name)]
     rows = []
     for n in ubatches:
         for t in mine:
             if t in experts:
                 continue
-            block, size = GGML_QUANT_SIZES[t.qtype]
-            d = decide("mul_mat", n, t.ne[1], t.ne[0], size / block, calib, policy)
+            d = decide("mul_mat", n, t.ne[1], t.ne[0], bytes_per_weight(t.qtype), calib, policy)
             rows.append({"layer": layer, "op": "mul_mat", "tensor": t.name, "n_ubatch": n, "where": d.device,
                          "cpu_ms": 1e3 * d.cpu_s, "gpu_ms": 1e3 * d.gpu_s, "why": d.why})
         if len(experts) == 3:

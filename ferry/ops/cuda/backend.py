@@ -6,8 +6,6 @@ registers; torch._grouped_mm on bf16 copies for other types), without the host l
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from gguf.constants import GGML_QUANT_SIZES
@@ -52,9 +50,7 @@ class CudaBackend:
 
         t = self._raw.get(id(w))
         if t is None:
-            with warnings.catch_warnings():  # the mmap is read-only and torch only reads it here
-                warnings.simplefilter("ignore", UserWarning)
-                t = torch.from_numpy(w.data).to(self.device)
+            t = w.host_tensor().to(self.device)
             if w.qtype in GEMV_KINDS:
                 t = Split.of(t, w.qtype, w.ne)
             self._raw[id(w)] = t
