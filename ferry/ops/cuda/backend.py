@@ -128,26 +128,22 @@ class CudaBackend:
             return kernels.moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act), ids
         if strategy == "loop":
             return self._moe_loop(x, ids, weights, up, gate, down, act), ids
-        if strategy == "dense":  # every expert expanded to bf16, then torch's grouped GEMM
-            n, k = ids.shape
-            order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
-            y = torch.empty_like(y_sorted)
-            y[order] = y_sorted
-            return (y.view(n, k, -1) * weights[..., None]).sum(1), ids
-        return self._moe_grouped(x, ids, weights, up, gate, down, act), ids
+        # 'dense': every expert expanded to bf16, then torch's grouped GEMM, whatever the type
+        return self._moe_grouped(x, ids, weights, up, gate, down, act, dense=strategy == "dense"), ids
 
     def _experts(self, w: Weight, slot: int) -> torch.Tensor:
         """Every expert of a stacked tensor as bf16 (n_expert, rows, cols), in scratch `slot`."""
         return self._expand(w.qtype, self.upload(w), w.ne, torch.bfloat16, slot)
 
-    def _moe_grouped(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str) -> torch.Tensor:
+    def _moe_grouped(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str,
+                     dense: bool = False) -> torch.Tensor:
         """Pairs sorted by expert, every expert's rows in one grouped GEMM launch per projection (the schedule
         computed on the GPU), each token's experts summed in a fixed order. Q8_0 / Q4_0 experts: the Triton
         kernel that expands weights in registers; other types: bf16 copies and torch's grouped GEMM."""
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
-        if all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
+        if not dense and all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
             y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act)
         else:
             order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
