@@ -42,6 +42,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="keep CPU weights in the mmap instead of ggml's interleaved layout (-rtr is the default)")
     p.add_argument("-rtr", "--run-time-repack", dest="repack", action="store_true", help=argparse.SUPPRESS)
     _add_fused_moe_args(p)
+    _add_mla_args(p)
+
+
+def _add_mla_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
+    p.add_argument("-mla", "--mla-use", dest="mla", type=str if lists else int, default=None,
+                   help="DeepSeek's latent attention (ik_llama.cpp's modes): 0 caches expanded keys and values; 1 and 2 "
+                        "cache the latent (kv_lora_rank + rope values per token) and attend in it; 3 (default) caches "
+                        "the latent, expands it for prompts and attends in it for generation" +
+                        (", comma list" if lists else ""))
+    p.add_argument("-amb", "--attention-max-batch", dest="amb", type=int, default=0,
+                   help="MiB: bound on the keys and values mode 3 expands at once, by expanding a group of heads at "
+                        "a time (0: no bound)")
 
 
 def _add_fused_moe_args(p: argparse.ArgumentParser) -> None:
@@ -151,7 +163,7 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
                          "the plan (`ferry plan`) covers several")
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, a, gpu.n_gpu_layers, overrides, ["CUDA0"],
                        {"CUDA0": torch.cuda.mem_get_info(0)[0]}, n_ctx if n_ctx > 0 else a.n_ctx_train, n_ubatch,
-                       kv_on_gpu=True)
+                       kv_on_gpu=True, cache=model.cache_layout())
     if not plan.fits:
         raise FerryError(plan.error())
     backend = CudaBackend("cuda:0")
@@ -164,17 +176,18 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
 
 
 def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True,
-               quiet: bool = False, gpu: GpuOptions | None = None, n_ctx: int = 4096, n_ubatch: int = 512):
+               quiet: bool = False, gpu: GpuOptions | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
+               mla: int | None = None, amb: int = 0):
     """Open, validate, build, and place the weights: on the CPU (repacked into ggml's layout), on the GPU, or
     split between them (-ngl, -ot): returns (file, backend, model, load seconds). A progress bar shows the
-    repack on a terminal unless quiet."""
+    repack on a terminal unless quiet. mla, amb: DeepSeek's latent attention mode and bound (-mla, -amb)."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
     from ferry.ops.cpu import CpuBackend
 
     t0 = time.perf_counter()
     f = GGUFFile(path)
-    model = load_model(f)
+    model = load_model(f, mla, amb)
     gpu = gpu or GpuOptions()
     cpu = CpuBackend(threads, repack=repack, n_threads_batch=threads_batch, fused_moe=fused_moe)
     cpu_weights = model.weights()
@@ -212,7 +225,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise FerryError("no prompt; pass one: ferry run \"The capital of France is\"")
     t0 = time.perf_counter()
     f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
-                                      args.quiet, _gpu_options(args), args.ctx_size, min(args.ubatch_size, args.batch_size))
+                                      args.quiet, _gpu_options(args), args.ctx_size, min(args.ubatch_size, args.batch_size),
+                                      args.mla, args.amb)
     tok = Tokenizer(f)
     engine = Engine(model, backend, args.ctx_size, args.batch_size, args.ubatch_size, args.cache_type_k, args.cache_type_v)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -257,6 +271,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     lists = {flag: bench.parse_int_list(flag, v) for flag, v in
              (("-p", args.n_prompt), ("-n", args.n_gen), ("-b", args.batch_size), ("-ub", args.ubatch_size), ("-t", args.threads),
               ("-d", args.n_depth), ("-ngl", args.n_gpu_layers), ("-fa", args.flash_attn))}
+    mla = bench.parse_int_list("-mla", args.mla) if args.mla is not None else [None]
     if any(v != 1 for v in lists["-fa"]):
         raise FerryError("-fa 0: ferry's CPU path always uses flash attention; leave -fa out or pass -fa 1")
     pairs = bench.parse_pairs("-pg", args.pg)
@@ -268,7 +283,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows = bench.run_bench(models, lists["-p"], lists["-n"], lists["-b"], lists["-ub"], lists["-t"], args.repetitions,
                            args.repack, args.cache_type_k, args.cache_type_v, args.fused_moe,
                            on_row=(lambda r: print(bench.md_row(r), flush=True)) if args.output == "md" else None,
-                           pg=pairs, depths=lists["-d"], gpus=[_gpu_options(args, ngl) for ngl in lists["-ngl"]])
+                           pg=pairs, depths=lists["-d"], gpus=[_gpu_options(args, ngl) for ngl in lists["-ngl"]],
+                           mla=mla, amb=args.amb)
     if args.output != "md":
         print(bench.render(rows, args.output))
     return 0
@@ -284,7 +300,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     else:
         path = _model_path(args)
         f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, args.quiet,
-                                          _gpu_options(args), args.ctx_size, args.ubatch_size)
+                                          _gpu_options(args), args.ctx_size, args.ubatch_size, args.mla, args.amb)
         if not args.quiet:
             print(sweep.HEADER, flush=True)
         from ferry.tools.progress import progress
@@ -326,7 +342,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     except OSError as e:
         raise FerryError(f"-f {args.file}: {e.strerror}") from None
     f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
-                                      args.quiet, _gpu_options(args), args.ctx_size, args.ubatch_size)
+                                      args.quiet, _gpu_options(args), args.ctx_size, args.ubatch_size, args.mla, args.amb)
     tok = Tokenizer(f)
     tokens = tok.encode(text)
     engine = Engine(model, backend, n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
@@ -368,7 +384,7 @@ def build_server(args: argparse.Namespace):
                          f"-np {args.parallel} -c {args.ctx_size}")
     path = _model_path(args)
     f, backend, model, _ = open_model(path, args.threads, args.repack, args.threads_batch, args.fused_moe, True,
-                                      _gpu_options(args), args.ctx_size, args.ubatch_size)
+                                      _gpu_options(args), args.ctx_size, args.ubatch_size, args.mla, args.amb)
     tok = Tokenizer(f)
     seq_len = args.ctx_size // args.parallel
     engine = Engine(model, backend, n_ctx=seq_len * args.parallel, n_batch=args.ubatch_size,
@@ -418,7 +434,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ferry.placement import GIB, memory_plan, parse_gpu_memory, parse_overrides
     from ferry.policy import parse_policy
     from ferry.quant import bytes_per_weight
-    from ferry.runtime.kv_cache import kv_type
+    from ferry.runtime.kv_cache import cache_layout, kv_type, mla_mode
 
     f = GGUFFile(_model_path(args))
     margs = ModelArgs.from_gguf(f)
@@ -446,13 +462,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
                for flag, t in (("-ctk/--cache-type-k", args.cache_type_k), ("-ctv/--cache-type-v", args.cache_type_v)))
     # one GPU: the runtime keeps every layer's KV cache and the expert staging there (several GPUs: planned only)
     kv_on_gpu = len(gpus) == 1 and _wants_gpu(args.n_gpu_layers, args.override_tensor)
+    mla = mla_mode(margs, args.mla)
+    cache = cache_layout(margs, mla)
+    per_token = cache.bytes_per_token(margs.n_layer, args.cache_type_k, args.cache_type_v)
+    cache_note = (f"KV cache: {per_token} bytes per token ({per_token / 1024:.1f} KiB)" +
+                  (f", -mla {mla}: " + ("the latent and rope key" if cache.v_in_k else "expanded keys and values")
+                   if margs.kv_lora_rank > 0 else ""))
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,
-                       available, args.ctx_size, args.ubatch_size, kv, split, kv_on_gpu=kv_on_gpu)
+                       available, args.ctx_size, args.ubatch_size, kv, split, kv_on_gpu=kv_on_gpu, cache=cache)
     ops, ops_note = _op_view(f, margs, args, overrides) if kv_on_gpu else ([], "")
     if args.json:
         print(json.dumps({"fits": plan.fits, "advice": plan.advice,
                           "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices],
-                          "ops": ops, "ops_note": ops_note}, indent=1))
+                          "kv_bytes_per_token": per_token, "mla": mla, "ops": ops, "ops_note": ops_note}, indent=1))
     else:
         print("| device | weights GiB | KV cache GiB | compute GiB | total GiB | available GiB |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -460,6 +482,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             avail = "?" if d.available is None else f"{d.available / GIB:.2f}"
             print(f"| {d.device} | {d.weights / GIB:.2f} | {d.kv_cache / GIB:.2f} | {d.compute / GIB:.2f} | "
                   f"{d.total / GIB:.2f} | {avail} |")
+        print(cache_note)
         if ops:
             from ferry.tools.offload_plan import render
 
@@ -552,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-repack", dest="repack", action="store_false")
     _add_cache_type_args(p)
     _add_fused_moe_args(p)
+    _add_mla_args(p, lists=True)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("sweep", help="PP and TG speed as the cache fills (llama-sweep-bench's table)")
@@ -618,6 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
     _add_cache_type_args(p)
+    _add_mla_args(p)
     p.add_argument("--gpu-memory", action="append", default=[],
                    help="CUDA0=80GiB[,CUDA1=...]: plan for these sizes instead of the free memory reported here")
     p.add_argument("--offload-policy", default="auto", help="as for run: auto, threshold, NAME=on|off|auto, ...")

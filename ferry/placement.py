@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from ferry.errors import FerryError
+from ferry.runtime.kv_cache import CacheLayout, cache_layout
 
 GIB = 2 ** 30
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -136,12 +137,14 @@ class MemoryPlan:
 
 def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
                 available: dict[str, int], n_ctx: int, n_ubatch: int, kv_bytes_per_value: tuple[float, float] = (2, 2),
-                split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False) -> MemoryPlan:
+                split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False,
+                cache: CacheLayout | None = None) -> MemoryPlan:
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
     GPU, the staging buffers for routed experts left in RAM (three layers' worth: two sets of slots and the
-    buffer copies land in). `available`: free bytes per device (CPU: RAM)."""
+    buffer copies land in). `available`: free bytes per device (CPU: RAM). `cache`: what the KV cache holds per
+    position (default: the model's keys and values; MLA's latent: Model.cache_layout)."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     needs: dict[str, DeviceNeed] = {}
 
@@ -151,7 +154,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     for name, size in tensors.items():
         need(place(name, args.n_layer, n_gpu_layers, overrides, layers)).weights += size
     kb, vb = kv_bytes_per_value
-    per_layer = int(n_ctx * args.n_head_kv * (args.head_dim_k * kb + args.head_dim_v * vb))
+    cache = cache or cache_layout(args, 0)
+    per_layer = int(n_ctx * cache.n_head_kv * (cache.head_dim_k * kb + (0 if cache.v_in_k else cache.head_dim_v * vb)))
     for i in range(args.n_layer):
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)
@@ -171,17 +175,17 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:
         plan.advice = _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch,
-                              kv_bytes_per_value, split, kv_on_gpu)
+                              kv_bytes_per_value, split, kv_on_gpu, cache)
     return plan
 
 
 def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split,
-            kv_on_gpu) -> str:
+            kv_on_gpu, cache) -> str:
     gpu_over = any(d.over for d in plan.devices if d.device != "CPU")
     if gpu_over:
         for ngl in range(min(n_gpu_layers, args.n_layer + 1) - 1, -1, -1):
             if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False,
-                           kv_on_gpu and ngl > 0).fits:
+                           kv_on_gpu and ngl > 0, cache).fits:
                 return f"-ngl {ngl} fits; or keep the experts in RAM with -ot exps=CPU, or lower -c/--ctx-size"
         return "no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size or use a smaller quant type"
     return "not enough RAM: put more layers on the GPU (-ngl), lower -c/--ctx-size or use a smaller quant type"

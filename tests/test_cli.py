@@ -98,3 +98,18 @@ def test_a_transformers_without_the_tokenizer_converter_is_one_clear_error(monke
     monkeypatch.setitem(sys.modules, "transformers.integrations.ggml", None)
     with pytest.raises(FerryError, match="no convert_gguf_tokenizer.*transformers==5.23"):
         _converter()
+
+
+def test_mla_modes_from_the_command_line(tmp_path):
+    path = tmp_path / "ds.gguf"
+    assert ferry("synth", "deepseek2-tiny", "-o", str(path), "-q").returncode == 0
+    plans = {m: json.loads(ferry("plan", "-m", str(path), "-mla", m, "--json").stdout) for m in ("0", "2")}
+    # deepseek2-tiny: 4 layers; expanded: 4 heads x (48 + 32) values, latent: 64 + 16, both f16
+    assert plans["0"]["kv_bytes_per_token"] == 4 * 2 * 4 * (48 + 32)
+    assert plans["2"]["kv_bytes_per_token"] == 4 * 2 * (64 + 16) and plans["2"]["mla"] == 2
+    assert json.loads(ferry("plan", "-m", str(path), "--json").stdout)["mla"] == 3  # no flag: ferry's choice
+    r = ferry("run", "-m", str(path), "hi", "-n", "3", "--temp", "0", "-mla", "1", "-amb", "64")
+    assert r.returncode == 0, r.stderr
+    for bad, says in ((["-mla", "5"], "-mla 5: valid modes"), (["-amb", "-2"], "-amb -2")):
+        r = ferry("run", "-m", str(path), "hi", *bad)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

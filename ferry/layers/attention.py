@@ -3,12 +3,13 @@ a sliding window (gemma3's local layers); and DeepSeek's multi-head latent atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ferry.layers.rope import Rope
 from ferry.ops import Weight
+from ferry.quant import row_bytes
 
 
 @dataclass
@@ -45,10 +46,17 @@ class Attention:
 
 @dataclass
 class LatentAttention:
-    """DeepSeek's multi-head latent attention (MLA), expanded form: queries (through a low-rank q_a / norm / q_b
-    when q_lora_rank is set), one latent per token (kv_a: kv_lora_rank values, normed, and a shared rope key),
-    expanded by kv_b into every head's key (no-rope part) and value; each head's key is that part beside the
-    shared rope key. The cache holds the expanded keys and values."""
+    """DeepSeek's multi-head latent attention (MLA): queries (through a low-rank q_a / norm / q_b when q_lora_rank
+    is set); one latent per token (kv_a: kv_lora_rank values, normed, and a shared rope key), which kv_b expands
+    into every head's key (no-rope part, beside the shared rope key) and value.
+
+    `mla` (ik_llama.cpp's -mla): 0 caches the expanded keys and values; 1, 2 and 3 cache only the latent and the
+    rope key (kv_lora_rank + rope values per token and layer; the values are the latent itself). With that cache,
+    attention runs absorbed: each head's query is taken into latent space through its slice of kv_b (k_b), every
+    head attends to the one shared latent row, and its output leaves latent space through v_b. 1 and 2 always do
+    so (ferry keeps one copy of the latent, so the two are the same); 3 instead expands the cached latents through
+    kv_b for u-batches of at least `expand_from` tokens, where that costs fewer operations (prompts), and runs
+    absorbed below (generation)."""
 
     layer: int
     wq: Weight | None
@@ -58,6 +66,8 @@ class LatentAttention:
     wkv_a: Weight
     kv_a_norm: torch.Tensor
     wkv_b: Weight
+    k_b: torch.Tensor  # (n_head, kv_lora_rank, nope) float32: latent <- each head's no-rope query
+    v_b: torch.Tensor  # (n_head, head_dim_v, kv_lora_rank) float32: each head's value <- latent
     wo: Weight
     n_head: int
     kv_lora_rank: int
@@ -67,18 +77,75 @@ class LatentAttention:
     rope: Rope
     scale: float
     norm_eps: float
+    mla: int = 0
+    max_batch_mib: int = 0  # -amb: bound on one head group's expanded keys and values in mode 3 (0: all heads at once)
+    _kv_b_rows: dict = field(default_factory=dict, repr=False)  # (first head, heads) -> those heads' rows of kv_b
+
+    @property
+    def expand_from(self) -> int:
+        """Tokens per u-batch from which expanding the cache costs fewer multiply-adds than absorbing: per head,
+        absorbing costs n * lora * (nope + v) for the query and output projections and n * n_kv * (2 lora + rope)
+        in attention; expanding costs n_kv * lora * (nope + v) and n * n_kv * (nope + rope + v). For a long cache
+        (n_kv >> n) expanding wins once n * (2 lora - nope - v) > lora * (nope + v): from 171 tokens on for
+        DeepSeek's shapes."""
+        lora, nope, v = self.kv_lora_rank, self.head_dim_nope, self.head_dim_v
+        saved = 2 * lora - nope - v
+        return 1 if saved <= 0 else -(-lora * (nope + v) // saved)
 
     def __call__(self, ops, x):
-        h, nope, rot = self.n_head, self.head_dim_nope, self.head_dim_rope
+        h, nope, rot, lora = self.n_head, self.head_dim_nope, self.head_dim_rope, self.kv_lora_rank
         if self.wq is not None:
             q = ops.linear(x, self.wq)
         else:
             q = ops.linear(ops.rms_norm(ops.linear(x, self.wq_a), self.q_a_norm, self.norm_eps), self.wq_b)
         q_nope, q_pe = ops.split(ops.heads(q, h, nope + rot), [nope, rot])
-        latent, k_pe = ops.split(ops.linear(x, self.wkv_a), [self.kv_lora_rank, rot])
-        kv = ops.linear(ops.rms_norm(latent, self.kv_a_norm, self.norm_eps), self.wkv_b)
-        k_nope, v = ops.split(ops.heads(kv, h, nope + self.head_dim_v), [nope, self.head_dim_v])
+        q_pe = ops.rope(q_pe, self.rope)
+        latent, k_pe = ops.split(ops.linear(x, self.wkv_a), [lora, rot])
+        latent = ops.rms_norm(latent, self.kv_a_norm, self.norm_eps)
         k_pe = ops.rope(ops.heads(k_pe, 1, rot), self.rope)
-        q = ops.concat(q_nope, ops.rope(q_pe, self.rope))
-        k = ops.concat(k_nope, ops.expand_heads(k_pe, h))
-        return ops.linear(ops.attention(self.layer, q, k, v, self.scale, 0), self.wo)
+        if self.mla == 0:  # the expanded keys and values are cached
+            k_nope, v = self._expand(ops, latent)
+            q, k = ops.concat(q_nope, q_pe), ops.concat(k_nope, ops.expand_heads(k_pe, h))
+            return ops.linear(ops.attention(self.layer, q, k, v, self.scale, 0), self.wo)
+        row = ops.concat(ops.heads(latent, 1, lora), k_pe)  # what is cached: (n, 1, lora + rope)
+        if self.mla == 3 and ops.n_tokens >= self.expand_from:
+            latents, k_pe = ops.split(ops.cached_rows(self.layer, row), [lora, rot])  # every cached position
+            k_pe, q = ops.heads(k_pe, 1, rot), ops.concat(q_nope, q_pe)
+            group = self.heads_at_once(ops.n_kv)
+            out = None
+            for first in range(0, h, group):
+                count = min(group, h - first)
+                k_nope, v = self._expand(ops, latents, first, count)
+                k = ops.concat(k_nope, ops.expand_heads(k_pe, count))
+                part = ops.attend(q if count == h else ops.head_slice(q, first, count), k, v, self.scale)
+                out = part if out is None else ops.concat(out, part)
+            return ops.linear(out, self.wo)
+        q = ops.concat(ops.head_linear(q_nope, self.k_b), q_pe)  # (n, h, lora + rope)
+        out = ops.heads(ops.attention(self.layer, q, row, None, self.scale, 0), h, lora)
+        return ops.linear(ops.merge_heads(ops.head_linear(out, self.v_b)), self.wo)
+
+    def heads_at_once(self, n_kv: int) -> int:
+        """Heads whose keys and values over n_kv positions fit -amb (at least one)."""
+        if not self.max_batch_mib:
+            return self.n_head
+        per_head = 6 * n_kv * (self.head_dim_nope + self.head_dim_rope + self.head_dim_v)
+        return max(1, min(self.n_head, self.max_batch_mib * 2**20 // per_head))
+
+    def _expand(self, ops, latents, first: int = 0, count: int | None = None):
+        """Heads [first, first + count)'s no-rope keys and values from latents (rows, lora): (rows, count, nope),
+        (rows, count, v)."""
+        count = self.n_head if count is None else count
+        kv = ops.linear(latents, self._kv_b_heads(first, count))
+        return ops.split(ops.heads(kv, count, self.head_dim_nope + self.head_dim_v),
+                         [self.head_dim_nope, self.head_dim_v])
+
+    def _kv_b_heads(self, first: int, count: int) -> Weight:
+        """kv_b's rows of heads [first, first + count): a view of its bytes, as a weight of its own."""
+        if count == self.n_head:
+            return self.wkv_b
+        if (first, count) not in self._kv_b_rows:
+            w, per_head = self.wkv_b, self.head_dim_nope + self.head_dim_v
+            row = row_bytes(w.qtype, w.ne[0])
+            data = w.data[first * per_head * row:(first + count) * per_head * row]
+            self._kv_b_rows[first, count] = Weight(w.name, w.qtype, (w.ne[0], count * per_head), data)
+        return self._kv_b_rows[first, count]

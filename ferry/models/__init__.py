@@ -18,8 +18,9 @@ ARCHITECTURES = {
 }
 
 
-def load_model(f: GGUFFile) -> Model:
-    """Build the model described by an open GGUF file; every tensor is checked against the metadata."""
+def load_model(f: GGUFFile, mla: int | None = None, max_batch_mib: int = 0) -> Model:
+    """Build the model described by an open GGUF file; every tensor is checked against the metadata. `mla`, `max_batch_mib`:
+    the latent attention mode of deepseek2 models and its -amb (Model.use_mla)."""
     arch = f.architecture
     if arch not in ARCHITECTURES:
         raise FerryError(f"{f.path}: architecture '{arch}' is not supported; supported: {', '.join(sorted(ARCHITECTURES))}")
@@ -29,4 +30,5 @@ def load_model(f: GGUFFile) -> Model:
     unused = sorted(set(f.tensors) - loader.used)
     if unused:
         raise FerryError(f"{f.path}: {len(unused)} tensors are not used by '{arch}' (first: '{unused[0]}'); the file does not match its architecture")
+    model.use_mla(mla, max_batch_mib)
     return model

@@ -11,9 +11,11 @@ import torch
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
+from ferry.layers.attention import LatentAttention
 from ferry.layers.rope import Yarn
 from ferry.ops import Weight
 from ferry.quant import dequantize
+from ferry.runtime.kv_cache import CacheLayout, cache_layout, mla_mode
 
 MAX_LAYERS = 4096
 YARN_ARCHS = ("deepseek2",)  # where YaRN is checked against transformers
@@ -220,6 +222,26 @@ class Model:
             walk(block)
         walk(self.output)
         return list(found.values())
+
+    def latent_layers(self) -> list:
+        """The blocks' latent attentions (DeepSeek's MLA), if any."""
+        return [b.attn for b in self.blocks if isinstance(getattr(b, "attn", None), LatentAttention)]
+
+    def use_mla(self, mode: int | None, max_batch_mib: int = 0) -> int:
+        """Set the latent attention mode (-mla, ik_llama.cpp's meaning; None: ferry's choice, 3) and -amb (MiB; 0:
+        no bound) and return the mode; a model without latent attention ignores both, as ik_llama.cpp does, and
+        reports 0."""
+        if max_batch_mib < 0:
+            raise FerryError(f"-amb {max_batch_mib}: give a size in MiB, or 0 for no bound")
+        chosen = mla_mode(self.args, mode)
+        for attn in self.latent_layers():
+            attn.mla, attn.max_batch_mib = chosen, max_batch_mib
+        return chosen
+
+    def cache_layout(self) -> CacheLayout:
+        """What the KV cache holds per position and layer: the latent and rope key in MLA modes 1-3."""
+        layers = self.latent_layers()
+        return cache_layout(self.args, layers[0].mla if layers else 0)
 
     def forward(self, ops):
         """Logits (n_out, n_vocab) of one u-batch, through `ops` (eager torch ops or a ggml graph builder)."""

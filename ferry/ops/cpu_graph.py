@@ -26,9 +26,12 @@ _MAX_GRAPHS = 16
 class GraphOps:
     """Builds one u-batch's forward: tensors are ggml nodes in ggml order ((n_embd, n_tokens), (d, heads, n))."""
 
-    def __init__(self, backend: CpuBackend, g: _Graph, n_tokens: int, kv: KVCache, all_logits: bool):
+    def __init__(self, backend: CpuBackend, g: _Graph, n_tokens: int, kv: KVCache, all_logits: bool, n_kv: int):
         self.backend, self.g, self.c = backend, g, g.ctx
-        self.n, self.n_kv, self.kv, self.all_logits = n_tokens, kv.n_ctx, kv, all_logits  # built for a full cache
+        self.n, self.n_ctx, self.kv, self.all_logits = n_tokens, kv.n_ctx, kv, all_logits  # built for a full cache
+        self.n_kv_now = n_kv  # the cache length of the batch it is built for
+        self.per_length = False  # whether nodes past the cache views have that length (cached_rows): then the
+        # graph serves that length only
         self.tokens = g.input(I32, (n_tokens,))
         self.positions = g.input(I32, (n_tokens,))
         self.cells = g.input(I32, (n_tokens,))  # the cache row of each token (its position, for one sequence)
@@ -43,6 +46,15 @@ class GraphOps:
         if id(t) not in self._vectors:
             self._vectors[id(t)] = self.g.leaf(F32, tuple(reversed(t.shape)), t.data_ptr())
         return self._vectors[id(t)]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n
+
+    @property
+    def n_kv(self) -> int:
+        """Cache positions the batch it is built for attends to."""
+        return self.n_kv_now
 
     def embed(self, w: Weight):
         return ggml.ggml_get_rows(self.c, self.backend._weight_leaf(self.g, w, rows=True), self.tokens)
@@ -65,7 +77,25 @@ class GraphOps:
     def heads(self, x, n_head: int, head_dim: int):
         if not ggml.ggml_is_contiguous(x):
             x = ggml.ggml_cont(self.c, x)
-        return ggml.ggml_reshape_3d(self.c, x, head_dim, n_head, self.n)
+        return ggml.ggml_reshape_3d(self.c, x, head_dim, n_head, ggml.ggml_nelements(x) // (head_dim * n_head))
+
+    def merge_heads(self, x):
+        if not ggml.ggml_is_contiguous(x):
+            x = ggml.ggml_cont(self.c, x)
+        t = x.contents
+        return ggml.ggml_reshape_2d(self.c, x, t.ne[0] * t.ne[1], t.ne[2])
+
+    def head_slice(self, x, first: int, count: int):
+        """Heads [first, first + count) of x (d, heads, n), a view."""
+        t = x.contents
+        return ggml.ggml_view_3d(self.c, x, t.ne[0], count, t.ne[2], t.nb[1], t.nb[2], first * t.nb[1])
+
+    def head_linear(self, x, w: torch.Tensor):
+        """Each head through its own matrix: x (k, heads, n), w (heads, m, k) -> (m, heads, n)."""
+        c = self.c
+        per_head = ggml.ggml_cont(c, ggml.ggml_permute(c, x, 0, 2, 1, 3))  # (k, n, heads)
+        y = ggml.ggml_mul_mat(c, self._vector(w), per_head)  # (m, n, heads)
+        return ggml.ggml_cont(c, ggml.ggml_permute(c, y, 0, 2, 1, 3))
 
     def split(self, x, sizes: list[int]) -> list:
         """Pieces of ggml dimension 0 (torch's last), as views: (d, n) or (d, heads, n)."""
@@ -97,31 +127,61 @@ class GraphOps:
 
     def _mask(self, window: int):
         if window not in self.masks:
-            self.masks[window] = self.g.input(F16, (self.n_kv, self.n))
+            self.masks[window] = self.g.input(F16, (self.n_ctx, self.n))
         return self.masks[window]
 
     def _store(self, cache, x, dim: int, qtype):
         """Write this u-batch's rows of x (dim, heads, n) into the cache; the cache's first n_kv positions as
-        (dim, n_kv, heads), a view that depends on the write."""
+        (dim, n_kv, heads), a view that depends on the write (its length is set at each run)."""
         c = self.c
         n_heads = x.contents.ne[1]
         if not ggml.ggml_is_contiguous(x):  # a piece of a split (MLA's values)
             x = ggml.ggml_cont(c, x)
         leaf = self.g.leaf(qtype.value, (dim * n_heads, self.kv.n_ctx), cache.ctypes.data)
         stored = ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.cells)
-        view = ggml.ggml_view_3d(c, stored, dim, self.n_kv, n_heads, leaf.contents.nb[1],
+        view = ggml.ggml_view_3d(c, stored, dim, self.n_ctx, n_heads, leaf.contents.nb[1],
                                  ggml.ggml_row_size(qtype.value, dim), 0)
         self.cache_views.append(view)
         return view
 
     def attention(self, layer: int, q, k, v, scale: float, window: int):
+        """Store k and v (v None: a cache whose values are the first of each key row, MLA's latent) and attend."""
         c, kv = self.c, self.kv
         keys = self._store(kv.k[layer], k, kv.head_dim_k, kv.type_k)
-        values = self._store(kv.v[layer], v, kv.head_dim_v, kv.type_v)
+        if v is None:
+            t = keys.contents
+            values = ggml.ggml_view_3d(c, keys, kv.head_dim_v, t.ne[1], t.ne[2], t.nb[1], t.nb[2], 0)
+            self.cache_views.append(values)
+        else:
+            values = self._store(kv.v[layer], v, kv.head_dim_v, kv.type_v)
+        return self._flash(q, keys, values, scale, self._mask(window))
+
+    def _flash(self, q, keys, values, scale: float, mask):
+        """q (d, heads, n) against keys and values (d, n_kv, heads): (d_v * heads, n)."""
+        c = self.c
         q = ggml.ggml_permute(c, q, 0, 2, 1, 3)  # (d, n, heads)
-        out = ggml.ggml_flash_attn_ext(c, q, keys, values, self._mask(window), scale, 0.0, 0.0)  # (d_v, heads, n)
+        out = ggml.ggml_flash_attn_ext(c, q, keys, values, mask, scale, 0.0, 0.0)  # (d_v, heads, n)
         ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
         return ggml.ggml_reshape_2d(c, out, out.contents.ne[0] * out.contents.ne[1], self.n)
+
+    def cached_rows(self, layer: int, k):
+        """Store k (d, 1, n) in a values-in-keys cache; every cached row up to this batch's last as f32 (d, n_kv).
+        What follows has that length: the graph then serves this cache length only."""
+        c, kv = self.c, self.kv
+        rows = self._store(kv.k[layer], k, kv.head_dim_k, kv.type_k)
+        self.cache_views.pop()  # its length is this batch's, not set per run
+        rows.contents.ne[1] = self.n_kv_now
+        self.per_length = True
+        return ggml.ggml_cast(c, ggml.ggml_reshape_2d(c, ggml.ggml_cont(c, rows), kv.head_dim_k, self.n_kv_now), F32)
+
+    def attend(self, q, k, v, scale: float):
+        """q (d, heads, n) to keys and values of every cached position (d, heads, n_kv) given here, under the
+        causal mask: (d_v * heads, n). Keys and values go in as f16, as a cache would hold them (f32 under an f32
+        cache)."""
+        c = self.c
+        qtype = F32 if self.kv.type_k.value == F32 else F16
+        keys, values = (ggml.ggml_cast(c, ggml.ggml_permute(c, t, 0, 2, 1, 3), qtype) for t in (k, v))
+        return self._flash(q, keys, values, scale, self._mask(0))
 
     def ffn(self, x, gate: Weight, up: Weight, down: Weight, act: str):
         return self.backend.ffn_nodes(self.g, x, gate, up, down, act)
@@ -158,12 +218,13 @@ class CpuGraphExecutor:
     def __init__(self, backend: CpuBackend):
         self.backend = backend
         self.graphs: dict[tuple, tuple[_Graph, GraphOps]] = {}
+        self.per_length: set[tuple] = set()  # keys of graphs built for one cache length
 
-    def _build(self, model, n: int, kv: KVCache, all_logits: bool) -> tuple[_Graph, GraphOps]:
+    def _build(self, model, n: int, kv: KVCache, all_logits: bool, n_kv: int) -> tuple[_Graph, GraphOps]:
         a = model.args
         n_nodes = (128 + 4 * max(a.n_expert_used, 1)) * a.n_layer + 256
         g = _Graph(self.backend, n, max_nodes=n_nodes)
-        ops = GraphOps(self.backend, g, n, kv, all_logits)
+        ops = GraphOps(self.backend, g, n, kv, all_logits, n_kv)
         logits = model.forward(ops)
         g.finish(logits, *ops.expert_ids)
         return g, ops
@@ -171,10 +232,16 @@ class CpuGraphExecutor:
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         n, kv, n_kv = batch.n_tokens, batch.kv, batch.n_kv
         key = (n, batch.all_logits, id(kv))
+        if key in self.per_length:  # a graph whose nodes have the cache length (MLA's expanded latents)
+            key += (n_kv,)
         if key not in self.graphs:
             if len(self.graphs) >= _MAX_GRAPHS:
                 self.graphs.pop(next(iter(self.graphs)))
-            self.graphs[key] = self._build(model, n, kv, batch.all_logits)
+            built = self._build(model, n, kv, batch.all_logits, n_kv)
+            if built[1].per_length and len(key) == 3:
+                self.per_length.add(key)
+                key += (n_kv,)
+            self.graphs[key] = built
         g, ops = self.graphs[key]
         ops.set_cache_length(n_kv)
         positions = batch.positions.to(torch.int32).contiguous()

@@ -28,6 +28,15 @@ class TorchOps:
             self._moved[key] = t.to(device)
         return self._moved[key]
 
+    @property
+    def n_tokens(self) -> int:
+        return self.batch.n_tokens
+
+    @property
+    def n_kv(self) -> int:
+        """Cache positions this batch attends to."""
+        return self.batch.n_kv
+
     def embed(self, w: Weight) -> torch.Tensor:
         return self.backend.get_rows(w, self.tokens)
 
@@ -55,6 +64,18 @@ class TorchOps:
         """a and b side by side in the last dimension."""
         return torch.cat([a, b], dim=-1)
 
+    def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, heads, d) -> (n, heads * d)."""
+        return x.reshape(x.shape[0], -1)
+
+    def head_slice(self, x: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        """Heads [first, first + count) of x (n, heads, d)."""
+        return x[:, first:first + count]
+
+    def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Each head through its own matrix: x (n, heads, k), w (heads, m, k) float -> (n, heads, m)."""
+        return torch.einsum("nhk,hmk->nhm", x, self.backend.vector(w))
+
     def expand_heads(self, x: torch.Tensor, n_head: int) -> torch.Tensor:
         """(n, 1, d) -> (n, n_head, d): one head shared by all."""
         return x.expand(x.shape[0], n_head, x.shape[2])
@@ -63,17 +84,34 @@ class TorchOps:
         cos, sin = self.batch.rope_angles(rope)
         return rope(x, self._on(("cos", rope), cos, x.device), self._on(("sin", rope), sin, x.device))
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
                   window: int) -> torch.Tensor:
-        """Store k, v in the cache, attend q (n, n_head, d) to every cached position: (n, n_head * d_v)."""
-        n, n_head = q.shape[:2]
+        """Store k, v in the cache (v None: a cache whose values are the first of each key row, MLA's latent),
+        attend q (n, n_head, d) to every cached position: (n, n_head * d_v)."""
         if self.batch.seq is not None:
             raise NotImplementedError("batches of several sequences run through the CPU graph executor only")
         keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
+        return self._sdpa(q, keys, values, scale, window)
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int):
+        n, n_head = q.shape[:2]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale, enable_gqa=n_head != k.shape[1])
+            attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale,
+            enable_gqa=n_head != keys.shape[1])
         return out.transpose(0, 1).reshape(n, -1)
+
+    def cached_rows(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Store k (n, 1, d) in a values-in-keys cache; every cached row up to this batch's last: (n_kv, d)."""
+        if self.batch.seq is not None:
+            raise NotImplementedError("batches of several sequences run through the CPU graph executor only")
+        keys, _ = self.batch.kv.store(layer, self.batch.start, k, None)
+        return keys.reshape(keys.shape[0], -1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of q (n, heads, d) to keys and values of every cached position given here (n_kv, heads, d),
+        under this batch's causal mask: (n, heads * d_v)."""
+        return self._sdpa(q, k, v, scale, 0)
 
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
         return self.backend.ffn(x, gate, up, down, act)

@@ -64,8 +64,8 @@ class Engine:
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
         gpu = getattr(backend, "name", "CPU") != "CPU"  # CUDA, or CUDA+CPU (hybrid): activations on the GPU
-        self.kv = KVCache(a.n_layer, n_ctx, a.n_head_kv, a.head_dim_k, a.head_dim_v, type_k, type_v,
-                          str(backend.device) if gpu else None)
+        self.kv = KVCache.of(model.cache_layout(), a.n_layer, n_ctx, type_k, type_v,
+                             str(backend.device) if gpu else None)
         if gpu:
             from ferry.ops.cuda.executor import CudaExecutor
 

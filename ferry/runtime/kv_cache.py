@@ -1,7 +1,11 @@
 """KV cache for one sequence: per layer, the keys and values of every position as rows of a ggml type
-(`-ctk` / `-ctv`: f16 by default, as in llama.cpp; q8_0 halves it again)."""
+(`-ctk` / `-ctv`: f16 by default, as in llama.cpp; q8_0 halves it again). In DeepSeek's latent attention
+(-mla 1/2/3) a position's key is its latent and rope key, and its value the latent: the first values of the key
+row, so no value rows are stored."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -11,6 +15,44 @@ from ferry.errors import FerryError
 
 KV_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # types torch reads directly
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one layer caches per position: n_head_kv keys of head_dim_k and values of head_dim_v; v_in_k: the
+    values are the first head_dim_v of each key row (MLA's latent), not stored apart."""
+
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    v_in_k: bool = False
+
+    def bytes_per_token(self, n_layer: int, type_k: str = "f16", type_v: str = "f16") -> int:
+        k = row_bytes(kv_type("-ctk", type_k), self.n_head_kv * self.head_dim_k)
+        v = 0 if self.v_in_k else row_bytes(kv_type("-ctv", type_v), self.n_head_kv * self.head_dim_v)
+        return n_layer * (k + v)
+
+
+MLA_MODES = (0, 1, 2, 3)
+
+
+def mla_mode(args, flag: int | None) -> int:
+    """The latent attention mode a model runs in: -mla as given (ik_llama.cpp's meaning), 3 when it is absent, 0 for
+    a model without latent attention (which ignores the flag, as ik_llama.cpp does)."""
+    if flag is not None and flag not in MLA_MODES:
+        raise FerryError(f"-mla {flag}: valid modes are 0 (expanded cache), 1 and 2 (latent cache, absorbed "
+                         "attention), 3 (latent cache; expanded for prompts, absorbed for generation)")
+    if args.kv_lora_rank <= 0:
+        return 0
+    return 3 if flag is None else flag
+
+
+def cache_layout(args, mla: int) -> CacheLayout:
+    """What a model's KV cache holds per position and layer (ModelArgs): in MLA modes 1-3, the latent (also the
+    value) and the rope key."""
+    if args.kv_lora_rank > 0 and mla:
+        return CacheLayout(1, args.kv_lora_rank + args.n_rot, args.kv_lora_rank, v_in_k=True)
+    return CacheLayout(args.n_head_kv, args.head_dim_k, args.head_dim_v)
 
 
 def kv_type(flag: str, name: str) -> Q:
@@ -28,8 +70,11 @@ class KVCache:
     """Layer i's keys are `k[i]`: (n_ctx, row_bytes) uint8, one row per position holding every KV head."""
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                 type_k: str = "f16", type_v: str = "f16", device: str | None = None):
+                 type_k: str = "f16", type_v: str = "f16", device: str | None = None, v_in_k: bool = False):
         self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
+        self.v_in_k = v_in_k
+        if v_in_k:  # the values are read from the key rows, in the keys' type
+            self.type_v = self.type_k
         for flag, qtype, dim in (("-ctk", self.type_k, head_dim_k), ("-ctv", self.type_v, head_dim_v)):
             block = GGML_QUANT_SIZES[qtype][0]
             if dim % block:
@@ -40,14 +85,15 @@ class KVCache:
         self.device = device
         if device is None:  # host memory: ggml's graphs read it by address
             self.k = [np.zeros((n_ctx, kb), dtype=np.uint8) for _ in range(n_layer)]
-            self.v = [np.zeros((n_ctx, vb), dtype=np.uint8) for _ in range(n_layer)]
+            self.v = [] if v_in_k else [np.zeros((n_ctx, vb), dtype=np.uint8) for _ in range(n_layer)]
         else:  # a GPU: float types or q8_0, read by the GPU attention kernels
             for flag, qtype in (("-ctk", self.type_k), ("-ctv", self.type_v)):
                 if qtype not in TORCH_TYPES and qtype != Q.Q8_0:
                     raise FerryError(f"{flag} {qtype.name.lower()}: the GPU keeps f16, bf16, f32 or q8_0 caches; "
                                      "use -ctk/-ctv q8_0 or f16")
             self.k = [torch.zeros(n_ctx, kb, dtype=torch.uint8, device=device) for _ in range(n_layer)]
-            self.v = [torch.zeros(n_ctx, vb, dtype=torch.uint8, device=device) for _ in range(n_layer)]
+            self.v = [] if v_in_k else [torch.zeros(n_ctx, vb, dtype=torch.uint8, device=device)
+                                        for _ in range(n_layer)]
 
     @property
     def n_bytes(self) -> int:
@@ -60,11 +106,21 @@ class KVCache:
         rows = torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
         return rows.view(TORCH_TYPES[qtype]).view(self.n_ctx, self.n_head_kv, dim)
 
-    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (n, n_head_kv, dim) at `start`; return all keys and values up to there, as float32."""
+    @classmethod
+    def of(cls, layout: CacheLayout, n_layer: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
+           device: str | None = None) -> "KVCache":
+        return cls(n_layer, n_ctx, layout.n_head_kv, layout.head_dim_k, layout.head_dim_v, type_k, type_v, device,
+                   layout.v_in_k)
+
+    def store(self, layer: int, start: int, k: torch.Tensor,
+              v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (n, n_head_kv, dim) at `start` (v None: a cache whose values are in the keys); return all
+        keys and values up to there, as float32."""
         end = start + k.shape[0]
         keys = self._float_view(self.k[layer], self.type_k, self.head_dim_k)
-        values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
         keys[start:end] = k
+        if self.v_in_k:
+            return keys[:end].float(), keys[:end, :, :self.head_dim_v].float()
+        values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
         values[start:end] = v
         return keys[:end].float(), values[:end].float()

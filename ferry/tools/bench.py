@@ -57,13 +57,15 @@ class BenchRow:
     n_prompt: int
     n_gen: int
     n_depth: int = 0  # tokens in the cache before each timed run (llama-bench's -d)
+    mla: int = 0  # the latent attention mode it ran in (deepseek2; 0 elsewhere)
     samples_ts: list[float] = field(default_factory=list)
     experts_hit: list[int] = field(default_factory=list)  # pp: distinct experts per MoE layer, first u-batch
 
     @property
     def test(self) -> str:
         name = "+".join(([f"pp{self.n_prompt}"] if self.n_prompt else []) + ([f"tg{self.n_gen}"] if self.n_gen else []))
-        return f"{name} @ d{self.n_depth}" if self.n_depth else name
+        name = f"{name} @ d{self.n_depth}" if self.n_depth else name
+        return f"{name} mla{self.mla}" if self.mla else name
 
     @property
     def avg_ts(self) -> float:
@@ -120,7 +122,7 @@ def parse_pairs(flag: str, texts: list[str]) -> list[tuple[int, int]]:
 def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch: list[int], n_ubatch: list[int],
               threads: list[int], reps: int, repack: bool, type_k: str = "f16", type_v: str = "f16",
               fused_moe: bool = True, on_row=None, pg: list[tuple[int, int]] = (), depths: list[int] = (0,),
-              gpus: list | None = None) -> list[BenchRow]:
+              gpus: list | None = None, mla: list[int | None] = (None,), amb: int = 0) -> list[BenchRow]:
     from ferry.cli import open_model
 
     if reps < 1:
@@ -137,10 +139,10 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
         f, backend, model, _ = open_model(path, t, repack, t, fused_moe, True, gpu, ctx, ubatch)
         size = sum(info.nbytes for info in f.tensors.values())
         n_params = sum(math.prod(info.ne) for info in f.tensors.values())
-        for b, ub, (p, n), d in itertools.product(n_batch, n_ubatch, tests, depths):
+        for mode, b, ub, (p, n), d in itertools.product(mla, n_batch, n_ubatch, tests, depths):
             row = BenchRow(path.name, size, n_params, backend.name, getattr(backend, "n_threads", 0), b, min(ub, b),
                            repack and backend.name != "CUDA", type_k,
-                           type_v, p, n, d)
+                           type_v, p, n, d, mla=model.use_mla(mode, amb))
             row.samples_ts, row.experts_hit = measure(model, backend, p, n, b, ub, reps, type_k, type_v, d)
             rows.append(row)
             if on_row:
