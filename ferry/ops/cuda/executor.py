@@ -41,31 +41,52 @@ class CudaOps(TorchOps):
         cos, sin = self.tables[rope]
         return kernels.norm_rope(x, None, 0.0, cos, sin, self.pos, rope.n_rot, rope.neox)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  window: int) -> torch.Tensor:
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """This batch's keys and values into their cache cells (v None: a cache whose values are in the keys)."""
         from ferry.ops.cuda import kernels
 
-        kv, n = self.batch.kv, q.shape[0]
-        for cache, qtype, x in ((kv.k[layer], kv.type_k, k), (kv.v[layer], kv.type_v, v)):
+        kv, n = self.batch.kv, k.shape[0]
+        pairs = [(kv.k[layer], kv.type_k, k)] + ([] if v is None else [(kv.v[layer], kv.type_v, v)])
+        for cache, qtype, x in pairs:
             if qtype == Q.Q8_0:
                 kernels.store_q8_0(x, cache, self.cells)
             else:
                 cache.view(TORCH_TYPES[qtype]).view(kv.n_ctx, -1).index_copy_(
                     0, self.cells, x.reshape(n, -1).to(TORCH_TYPES[qtype]))
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
+                  window: int) -> torch.Tensor:
+        from ferry.ops.cuda import kernels
+
+        kv, n = self.batch.kv, q.shape[0]
+        self._store(layer, k, v)
+        v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
         k_q8, v_q8 = kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0
         if n <= DECODE_MAX:
-            return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(kv.v[layer], kv.type_v),
+            return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
                                             k_q8, v_q8, self.pos, self.cells - self.pos, kv.n_head_kv,
                                             kv.head_dim_v, scale, window)
         n_kv = self.batch.n_kv  # a prompt: flash / memory-efficient attention over the cache as f16
         keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
-        values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
+        if kv.v_in_k:
+            values = keys[..., :kv.head_dim_v]
+        else:
+            values = _floats(v_rows[:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
+        return self._sdpa_f16(q, keys, values, scale, window)
+
+    def _sdpa_f16(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                  window: int) -> torch.Tensor:
+        """q (n, heads, d) to keys and values (n_kv, heads_kv, d) of every attended cell, in f16: (n, heads * d_v)."""
+        n = q.shape[0]
+        keys = keys.to(torch.float16)
         # (1, heads, tokens, dim): torch's flash and memory-efficient kernels take only 4-D inputs (3-D ones fall
         # back to the math kernel, which materialises every score in float32) and no GQA here
         q = q.to(keys.dtype).transpose(0, 1)[None]
         keys, values = keys.transpose(0, 1)[None], values.to(keys.dtype).transpose(0, 1)[None]
-        group = q.shape[1] // kv.n_head_kv
-        if group > 1:
+        group = q.shape[1] // keys.shape[1]
+        if group > 1 and keys.shape[1] == 1:  # one head shared by all (MLA's latent): a broadcast view, no copies
+            keys, values = keys.expand(-1, q.shape[1], -1, -1), values.expand(-1, q.shape[1], -1, -1)
+        elif group > 1:
             keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         if self.batch.seq is None and self.batch.start == 0 and not window:  # causal from cell 0: flash
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
@@ -73,6 +94,14 @@ class CudaOps(TorchOps):
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale)
         return out[0].transpose(0, 1).reshape(n, -1).float()
+
+    def cached_rows(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        kv = self.batch.kv
+        self._store(layer, k, None)
+        return _floats(kv.k[layer][:self.batch.n_kv], kv.type_k).float()
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return self._sdpa_f16(q, k, v, scale, 0)
 
 
 def _typed(rows: torch.Tensor, qtype: Q) -> torch.Tensor:

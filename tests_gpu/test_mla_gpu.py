@@ -1,0 +1,81 @@
+"""DeepSeek's latent attention on the GPU against the all-CPU result, on DeepSeek-V2-Lite's shapes (4 layers: one
+dense, three with 64 routed experts and 2 shared; kv_lora_rank 512, rope 64): every -mla mode, f16 and q8_0 caches,
+prompts above and below mode 3's expansion crossover, token-by-token generation through CUDA graphs, and the hybrid
+runtime with the experts in RAM."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import kl_top1
+from ferry.cli import GpuOptions, main, open_model
+from ferry.gguf.file import GGUFFile
+from ferry.models import load_model
+from ferry.ops.cuda.backend import CudaBackend
+from ferry.ops.cuda.executor import CudaExecutor
+from ferry.runtime.engine import Engine
+
+N_PROMPT, N_GEN = 300, 30
+
+
+@pytest.fixture(scope="module")
+def lite(tmp_path_factory):
+    """deepseek-v2-lite cut to 4 layers: its CPU logits (mode 3, f16 cache) over a prompt, then token by token."""
+    path = tmp_path_factory.mktemp("ds") / "lite4.gguf"
+    assert main(["synth", "deepseek-v2-lite", "--layers", "4", "-o", str(path), "-q"]) == 0
+    _, cpu, model, _ = open_model(path, 8)
+    tokens = np.random.default_rng(0).integers(0, model.args.n_vocab, N_PROMPT + N_GEN).tolist()
+    e = Engine(model, cpu, n_ctx=512)
+    want = torch.cat([e.decode(tokens[:N_PROMPT], all_logits=True)] + [e.decode([t]) for t in tokens[N_PROMPT:]])
+    return path, tokens, want
+
+
+def _check(want, got, label: str) -> None:
+    kl, top1 = kl_top1(want, got)
+    print(f"\n{label}: KL median {kl.median():.2e}, max {kl.max():.2e}, top-1 {top1:.4f}")
+    # rounding only: bf16/f16 activations on the GPU against ggml's 8-bit ones (as tests_gpu/test_model_gpu.py)
+    assert kl.median() < 2e-3 and kl.max() < 3e-2 and top1 >= 0.95
+
+
+def _run(engine, tokens):
+    return torch.cat([engine.decode(tokens[:N_PROMPT], all_logits=True)] +
+                     [engine.decode([t]) for t in tokens[N_PROMPT:]])
+
+
+@pytest.mark.parametrize("mla", [0, 1, 3])
+@pytest.mark.parametrize("ubatch", [512, 64])  # mode 3: expanded (300 tokens >= 171), absorbed (64 < 171)
+@pytest.mark.parametrize("ctk", ["f16", "q8_0"])
+def test_all_gpu_matches_the_cpu(lite, mla, ubatch, ctk):
+    path, tokens, want = lite
+    model = load_model(GGUFFile(path), mla=mla)
+    engine = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=ubatch, type_k=ctk, type_v=ctk)
+    if mla:
+        assert engine.kv.v_in_k and engine.kv.n_bytes == 512 * 4 * {"f16": 2 * 576, "q8_0": 576 // 32 * 34}[ctk]
+    _check(want, _run(engine, tokens), f"GPU -mla {mla} ub {ubatch} {ctk}")
+
+
+@pytest.mark.parametrize("mla", [1, 3])
+def test_graph_decoding_equals_eager_decoding(lite, mla):
+    path, tokens, _ = lite
+    model = load_model(GGUFFile(path), mla=mla)
+    backend = CudaBackend()
+    out = []
+    for graphs in (True, False):
+        e = Engine(model, backend, n_ctx=512)
+        e.executor = CudaExecutor(backend, graphs=graphs)
+        out.append(_run(e, tokens))
+    assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("policy", ["all=off", "all=on"])
+def test_experts_in_ram_match_the_cpu(lite, policy):
+    path, tokens, want = lite
+    _, backend, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, ["exps=CPU"], policy), n_ctx=512)
+    _check(want, _run(Engine(model, backend, n_ctx=512, n_ubatch=512), tokens), f"-ot exps=CPU {policy} -mla 3")
+
+
+def test_amb_splits_heads_on_the_gpu(lite):
+    path, tokens, want = lite
+    model = load_model(GGUFFile(path), mla=3, max_batch_mib=1)  # 6 * 300 * 320 bytes per head: 1 head at a time
+    assert model.latent_layers()[0].heads_at_once(300) == 1
+    _check(want, _run(Engine(model, CudaBackend(), n_ctx=512, n_ubatch=512), tokens), "GPU -mla 3 -amb 1")
