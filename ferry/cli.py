@@ -532,7 +532,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     out = Path(args.output)
     t0 = time.perf_counter()
     synth(PRESETS[args.preset], out, parse_qtype(args.expert_type), parse_qtype(args.type), seed=args.seed,
-          layers=args.layers, quiet=args.quiet)
+          layers=args.layers, quiet=args.quiet, legacy_mla=args.legacy_mla)
     if not args.quiet:
         print(f"ferry: wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0
@@ -667,6 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="q8_0", help="quant type of every other matrix (default q8_0)")
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--legacy-mla", action="store_true",
+                   help="deepseek2: one attn_kv_b per layer, as files converted before 2025 hold it (default: "
+                        "attn_k_b and attn_v_b, as llama.cpp's converters write it now)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_synth)
     return parser

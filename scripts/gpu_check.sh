@@ -11,6 +11,7 @@
 #     hybrid  ferry with the experts in RAM (-ngl 999 -ot exps=CPU) on the same big model, every offload policy,
 #             pp4096 at u-batch 512..4096, pp512 at 64..256, tg128 (HYBRID_ARGS: more options)
 #     llama   the big runs through llama.cpp's CUDA llama-bench too (built here, sm_90, cached in .build/)
+#   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests bench}
@@ -25,8 +26,10 @@ if has llama; then  # the CUDA build takes minutes: start it first
         2> "$OUT/llama_cpp_build.log" && mv "$OUT/llama_bench_path.tmp" "$OUT/llama_bench_path.txt" \
         || echo failed > "$OUT/llama_bench_path.txt") &
 fi
+PRESET=${PRESET:-qwen3-30b-a3b}
+BIG=/tmp/$PRESET.gguf
 if has big || has llama || has hybrid; then
-    [ -f /tmp/qwen3-30b-a3b.gguf ] || python3 -m ferry synth qwen3-30b-a3b -o /tmp/qwen3-30b-a3b.gguf -q &
+    [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" -o "$BIG" -q &
     SYNTH=$!
 fi
 wait_synth() { if [ -n "${SYNTH:-}" ]; then wait "$SYNTH"; SYNTH=; fi; }
@@ -47,11 +50,11 @@ LB=""
 if has llama; then LB="--llama-bench-from $OUT/llama_bench_path.txt"; fi  # ferry runs first, then waits
 if has hybrid; then
     wait_synth
-    python3 benchmarks/hybrid_vs_llamacpp.py $LB -m /tmp/qwen3-30b-a3b.gguf -t 16 ${HYBRID_ARGS:-} \
+    python3 benchmarks/hybrid_vs_llamacpp.py $LB -m "$BIG" -t 16 ${HYBRID_ARGS:-} \
         --out "$OUT/hybrid_vs_llamacpp.json" | tee "$OUT/hybrid_vs_llamacpp.md"
 fi
 if has big; then
     wait_synth
-    python3 benchmarks/gpu_vs_llamacpp.py $LB -m /tmp/qwen3-30b-a3b.gguf ${BIG_ARGS:-} --out "$OUT/gpu_vs_llamacpp.json" \
+    python3 benchmarks/gpu_vs_llamacpp.py $LB -m "$BIG" ${BIG_ARGS:-} --out "$OUT/gpu_vs_llamacpp.json" \
         | tee "$OUT/gpu_vs_llamacpp.md"
 fi

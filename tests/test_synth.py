@@ -47,3 +47,19 @@ def test_deepseek_presets_have_the_real_shapes():
         (64, 6, 2, 1408, 1)
     assert (lite.head_dim, lite.head_dim_rope, lite.head_dim_v) == (128, 64, 128)
     assert (v3.n_embd, v3.n_head, v3.q_lora_rank, v3.n_expert, v3.n_expert_used, v3.gating) == (7168, 128, 1536, 256, 8, 2)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_deepseek_files_carry_the_latent_split_as_llama_cpp_writes_it_or_the_legacy_kv_b(tmp_path, backend, legacy):
+    path = tmp_path / "ds.gguf"
+    synth(PRESETS["deepseek2-tiny"], path, Q.Q4_0, Q.Q8_0, quiet=True, legacy_mla=legacy)
+    f = GGUFFile(path)
+    assert ("blk.0.attn_kv_b.weight" in f.tensors) == legacy
+    assert ("blk.0.attn_k_b.weight" in f.tensors) != legacy
+    if not legacy:  # the latent's sizes as the cache's, the expanded per-head ones apart
+        assert tuple(f.tensors["blk.0.attn_k_b.weight"].ne) == (32, 64, 4)
+        assert (f.get("deepseek2.attention.key_length"), f.get("deepseek2.attention.key_length_mla")) == (80, 48)
+    model = load_model(f)
+    assert (model.args.n_head_kv, model.args.head_dim_k, model.args.head_dim_v) == (4, 48, 32)
+    logits = Engine(model, backend, n_ctx=64).decode(list(range(20)))
+    assert torch.isfinite(logits).all()

@@ -151,8 +151,11 @@ def byte_level_vocab(n_vocab: int, specials: list[str], rng: np.random.Generator
     return tokens + specials, token_type, merges
 
 
-def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_type, rng) -> list[TensorSpec]:
-    """One deepseek2 block: latent attention, then a dense FFN (leading layers) or routed + shared experts."""
+def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_type, rng,
+               legacy: bool) -> list[TensorSpec]:
+    """One deepseek2 block: latent attention, then a dense FFN (leading layers) or routed + shared experts. The
+    latent's expansion is split per head into attn_k_b (transposed) and attn_v_b as llama.cpp's converters write it
+    since 2025, or (legacy) one attn_kv_b as older files hold it."""
     d, h, qk = p.n_embd, p.n_head, p.head_dim + p.head_dim_rope
     specs = [named(ones(d), b + "attn_norm.weight")]
     if p.q_lora_rank:
@@ -162,9 +165,13 @@ def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_t
     else:
         specs.append(mat(b + "attn_q.weight", other_type, (d, h * qk)))
     specs += [mat(b + "attn_kv_a_mqa.weight", other_type, (d, p.kv_lora_rank + p.head_dim_rope)),
-              named(ones(p.kv_lora_rank), b + "attn_kv_a_norm.weight"),
-              mat(b + "attn_kv_b.weight", other_type, (p.kv_lora_rank, h * (p.head_dim + p.head_dim_v))),
-              mat(b + "attn_output.weight", other_type, (h * p.head_dim_v, d), OUTPUT_PROJECTION_SCALE),
+              named(ones(p.kv_lora_rank), b + "attn_kv_a_norm.weight")]
+    if legacy:
+        specs.append(mat(b + "attn_kv_b.weight", other_type, (p.kv_lora_rank, h * (p.head_dim + p.head_dim_v))))
+    else:
+        specs += [mat(b + "attn_k_b.weight", other_type, (p.head_dim, p.kv_lora_rank, h)),
+                  mat(b + "attn_v_b.weight", other_type, (p.kv_lora_rank, p.head_dim_v, h))]
+    specs += [mat(b + "attn_output.weight", other_type, (h * p.head_dim_v, d), OUTPUT_PROJECTION_SCALE),
               named(ones(d), b + "ffn_norm.weight")]
     if i < p.n_layer_dense_lead:
         return specs + [mat(b + "ffn_gate.weight", other_type, (d, p.n_ff)),
@@ -185,7 +192,7 @@ def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_t
 
 
 def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: GGMLQuantizationType,
-          seed: int = 0, layers: int = 0, quiet: bool = False) -> None:
+          seed: int = 0, layers: int = 0, quiet: bool = False, legacy_mla: bool = False) -> None:
     rng = np.random.default_rng(seed)
     n_layer = layers or p.n_layer
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -228,6 +235,12 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
                          f"{a}.expert_weights_norm": p.expert_weights_norm})
         if p.q_lora_rank:
             metadata[f"{a}.attention.q_lora_rank"] = p.q_lora_rank
+        if not legacy_mla:  # the cache's sizes are the latent's; the expanded per-head sizes apart (llama.cpp's MLA)
+            metadata.update({f"{a}.attention.head_count_kv": 1,
+                             f"{a}.attention.key_length": p.kv_lora_rank + p.head_dim_rope,
+                             f"{a}.attention.value_length": p.kv_lora_rank,
+                             f"{a}.attention.key_length_mla": p.head_dim + p.head_dim_rope,
+                             f"{a}.attention.value_length_mla": p.head_dim_v})
     d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
     ones = lambda n: TensorSpec("", Q.F32, (n,), lambda: np.ones(n, np.float32))  # noqa: E731
 
@@ -242,7 +255,7 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
     for i in range(n_layer):
         b = f"blk.{i}."
         if mla:
-            specs += _mla_layer(p, b, i, mat, named, ones, expert_type, other_type, rng)
+            specs += _mla_layer(p, b, i, mat, named, ones, expert_type, other_type, rng, legacy_mla)
             continue
         specs += [
             named(ones(d), b + "attn_norm.weight"),
