@@ -155,6 +155,8 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
     a = model.args
     layers = layer_devices(a.n_layer, gpu.n_gpu_layers, ["CUDA0"])
     devices = {t: place(t, a.n_layer, gpu.n_gpu_layers, overrides, layers) for t in f.tensors}
+    for w in model.weights():  # weights built at load (deepseek2's kv_b joined from k_b / v_b) go with their layer
+        devices.setdefault(w.name, place(w.name, a.n_layer, gpu.n_gpu_layers, overrides, layers))
     if model.output is model.token_embd:  # tied output: the matrix goes where the output layer goes
         devices["token_embd.weight"] = place("output.weight", a.n_layer, gpu.n_gpu_layers, overrides, layers)
     others = sorted({d for d in devices.values()} - {"CPU", "CUDA0"})

@@ -109,3 +109,21 @@ def test_plan_shows_where_each_op_on_weights_in_ram_runs_per_u_batch_and_why(tin
     assert "| mul_mat | blk.0.attn_q.weight | 1 | CPU |" in text and "| mul_mat | blk.0.attn_q.weight | 512 | GPU |" in text
     missing = plan("-ngl", "999", "-ot", "exps=CPU", "--calibration", str(tmp_path / "none.json"))
     assert missing.returncode == 0 and "no calibration at" in missing.stdout
+
+
+def test_weights_joined_at_load_are_placed_with_their_layer(tmp_path):
+    """deepseek2's kv_b, joined from the file's attn_k_b / attn_v_b, is no tensor of the file: with -ngl 999 it goes
+    to the GPU like the rest of its layer, not to RAM."""
+    from ferry.cli import main
+    from ferry.gguf.file import GGUFFile
+    from ferry.models import load_model
+    from ferry.placement import layer_devices, place
+
+    path = tmp_path / "ds.gguf"
+    assert main(["synth", "deepseek2-tiny", "-o", str(path), "-q"]) == 0
+    f = GGUFFile(path)
+    model = load_model(f)
+    joined = [w for w in model.weights() if w.name not in f.tensors]
+    assert [w.name for w in joined] == [f"blk.{i}.attn_kv_b.weight" for i in range(4)]
+    layers = layer_devices(4, 999, ["CUDA0"])
+    assert {place(w.name, 4, 999, [], layers) for w in joined} == {"CUDA0"}

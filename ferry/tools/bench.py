@@ -64,8 +64,7 @@ class BenchRow:
     @property
     def test(self) -> str:
         name = "+".join(([f"pp{self.n_prompt}"] if self.n_prompt else []) + ([f"tg{self.n_gen}"] if self.n_gen else []))
-        name = f"{name} @ d{self.n_depth}" if self.n_depth else name
-        return f"{name} mla{self.mla}" if self.mla else name
+        return f"{name} @ d{self.n_depth}" if self.n_depth else name
 
     @property
     def avg_ts(self) -> float:
@@ -159,7 +158,8 @@ def md_header() -> str:
 
 def md_row(r: BenchRow) -> str:
     hit = f"{min(r.experts_hit)}-{max(r.experts_hit)}" if r.experts_hit else ""
-    return (f"| {r.model} | {r.size_bytes / 2**20:.2f} MiB | {r.n_params / 1e6:.2f} M | {r.backend} | {r.n_threads} | "
+    backend = f"{r.backend} mla{r.mla}" if r.mla else r.backend  # ik_llama-bench's mla column, where it applies
+    return (f"| {r.model} | {r.size_bytes / 2**20:.2f} MiB | {r.n_params / 1e6:.2f} M | {backend} | {r.n_threads} | "
             f"{r.n_ubatch} | {r.type_k} | {r.type_v} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} | {hit} |")
 
 
