@@ -63,7 +63,7 @@ def main() -> None:
     print(backend.summary)
     print("calibration:", backend.calib)
     vocab = model.args.n_vocab
-    blk = model.blocks[0].ffn
+    blk = next(b.ffn for b in model.blocks if hasattr(b.ffn, "up_exps"))  # the first MoE layer (after dense ones)
     x = torch.randn(1, model.args.n_embd)
     ids = torch.randperm(model.args.n_expert)[:model.args.n_expert_used].view(1, -1).int()
     w = torch.full((1, model.args.n_expert_used), 1.0 / model.args.n_expert_used)
