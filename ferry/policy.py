@@ -200,13 +200,20 @@ def size_class(n_tokens: int) -> int:
 class Explorer:
     """auto's measurement, on top of the prediction: the first u-batches of each size class run their MoE layers
     each plausible way in turn (every expert hit streamed to the GPU, all on the CPU, the predicted split), timed,
-    `samples` layers per way in a row (so that streamed layers prefetch as they will), and the fastest way is
-    kept for that size. The prediction only rules out ways it expects to be over `margin` times the best."""
+    `warmup` + `samples` layers per way in a row (so that streamed layers prefetch as they will), and the fastest
+    way is kept for that size. A way's first `warmup` layers are run but not counted: the first CPU layers after a
+    stretch on the GPU were measured 10x slower than the next ones (9.8 against 1.0 ms), which made auto stream
+    generation that the CPU computes faster. Generation's layers (up to 8 tokens) are short and noisy: they take
+    `samples` x 2. The prediction only rules out ways it expects to be over `margin` times the best."""
 
     samples: int = 2
     margin: float = 3.0
+    warmup: int = 1
     trials: dict[int, dict[str, list[float]]] = field(default_factory=dict)
     chosen: dict[int, str] = field(default_factory=dict)
+
+    def _needed(self, size: int) -> int:
+        return self.warmup + self.samples * (2 if size <= 8 else 1)
 
     def mode(self, n_tokens: int, predicted: dict[str, float]) -> tuple[str, bool]:
         """(the way to run this layer, whether it is a trial to be timed and recorded)."""
@@ -218,17 +225,17 @@ class Explorer:
         if len(trials) == 1:
             self.chosen[size] = next(iter(trials))
             return self.chosen[size], False
-        return next(k for k, v in trials.items() if len(v) < self.samples), True
+        return next(k for k, v in trials.items() if len(v) < self._needed(size)), True
 
     def record(self, n_tokens: int, mode: str, seconds: float) -> None:
         size = size_class(n_tokens)
         trials = self.trials[size]
         trials[mode].append(seconds)
-        if all(len(v) >= self.samples for v in trials.values()):
-            self.chosen[size] = min(trials, key=lambda k: min(trials[k]))
+        if all(len(v) >= self._needed(size) for v in trials.values()):
+            self.chosen[size] = min(trials, key=lambda k: min(trials[k][self.warmup:]))
 
     def why(self, n_tokens: int) -> str:
         size = size_class(n_tokens)
         t = self.trials.get(size, {})
-        measured = ", ".join(f"{k} {1e3 * min(v):.3f} ms" for k, v in t.items() if v)
+        measured = ", ".join(f"{k} {1e3 * min(v[self.warmup:]):.3f} ms" for k, v in t.items() if v[self.warmup:])
         return f"measured for u-batches up to {size}: {measured}" if measured else "the only plausible way"

@@ -172,7 +172,7 @@ def test_auto_measures_each_plausible_way_in_a_row_and_keeps_the_fastest_per_siz
     from ferry.policy import Explorer, size_class
 
     assert [size_class(n) for n in (1, 2, 3, 64, 65, 4096)] == [1, 2, 4, 64, 128, 4096]
-    e = Explorer(samples=2)
+    e = Explorer(samples=2, warmup=0)
     predicted = {"gpu": 1.0, "cpu": 2.0, "split": 0.8}
     seen = []
     for measured in ({"gpu": 5.0, "cpu": 2.0, "split": 3.0}, {"gpu": 4.0, "cpu": 2.5, "split": 3.0}):
@@ -187,6 +187,27 @@ def test_auto_measures_each_plausible_way_in_a_row_and_keeps_the_fastest_per_siz
     assert e.mode(128, predicted) == ("cpu", False)  # the same size class: measured fastest, though predicted slower
     assert "cpu 2.000 ms" not in e.why(100) and "cpu 2000.000 ms" in e.why(100)
     assert e.mode(129, predicted)[1]  # another size class starts its own trials
+
+
+def test_auto_does_not_count_a_ways_first_layers_and_samples_generation_longer():
+    from ferry.policy import Explorer
+
+    e = Explorer(samples=2, warmup=1)
+    predicted = {"gpu": 1.0, "cpu": 1.0}
+    # generation (1 token): 1 warm-up + 4 counted layers per way; the CPU's first layer is slow, as measured on the
+    # H100 machine after a prompt that ran on the GPU: counted, it would make auto stream
+    measured = {"gpu": [1.5, 1.5, 1.5, 1.5, 1.5], "cpu": [9.8, 1.0, 1.1, 0.9, 1.0]}
+    for way in ("gpu", "cpu"):
+        for t in measured[way]:
+            assert e.mode(1, predicted) == (way, True)
+            e.record(1, way, t)
+    assert e.chosen[1] == "cpu" and e.mode(1, predicted) == ("cpu", False)
+    assert "cpu 900.000 ms" in e.why(1) and "9800" not in e.why(1)  # seconds in, milliseconds out
+    big = Explorer(samples=2, warmup=1)  # a prompt u-batch: 1 + 2 per way
+    for way in ("gpu", "gpu", "gpu", "cpu", "cpu", "cpu"):
+        assert big.mode(512, predicted) == (way, True)
+        big.record(512, way, 1.0 if way == "gpu" else 2.0)
+    assert big.chosen[512] == "gpu"
 
 
 def test_auto_does_not_try_a_way_predicted_far_slower_than_the_best():
