@@ -19,7 +19,7 @@ def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
     assert abs(values.mean()) < 0.01 and 0.04 < values.std() < 0.06
 
 
-@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny", "glm4moe-tiny"])
 def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend, preset):
     path = tmp_path / "tiny.gguf"
     synth(PRESETS[preset], path, Q.Q4_0, Q.Q8_0, quiet=True)
@@ -63,3 +63,15 @@ def test_deepseek_files_carry_the_latent_split_as_llama_cpp_writes_it_or_the_leg
     assert (model.args.n_head_kv, model.args.head_dim_k, model.args.head_dim_v) == (4, 48, 32)
     logits = Engine(model, backend, n_ctx=64).decode(list(range(20)))
     assert torch.isfinite(logits).all()
+
+
+def test_glm_preset_has_glm_4_5_air_shapes(tmp_path):
+    p = PRESETS["glm-4.5-air"]
+    assert (p.n_layer, p.n_embd, p.n_head, p.n_head_kv, p.head_dim, p.n_rot) == (46, 4096, 96, 8, 128, 64)
+    assert (p.n_expert, p.n_expert_used, p.n_expert_shared, p.n_ff_exp, p.n_layer_dense_lead, p.gating) == \
+        (128, 8, 1, 1408, 1, 2)
+    path = tmp_path / "glm.gguf"
+    synth(PRESETS["glm4moe-tiny"], path, Q.Q4_0, Q.Q8_0, quiet=True)
+    model = load_model(GGUFFile(path))  # rope on half of each head, biases, a shared expert, sigmoid + bias
+    assert model.args.n_rot == 32 and model.blocks[0].attn.bq is not None and model.blocks[0].attn.q_norm is None
+    assert model.blocks[1].ffn.shared is not None and model.blocks[1].ffn.routing.gating == "sigmoid"

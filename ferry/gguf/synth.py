@@ -60,6 +60,7 @@ class Preset:
     gating: int = 1  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (with a correction bias)
     expert_weights_scale: float = 1.0
     expert_weights_norm: bool = False
+    n_rot: int = 0  # glm4moe: rope on the first n_rot values of each head (0: all)
 
 
 PRESETS = {
@@ -80,7 +81,15 @@ PRESETS = {
                              rope_base=10000.0, q_lora_rank=1536, kv_lora_rank=512, head_dim_rope=64, head_dim_v=128,
                              n_expert_shared=1, n_layer_dense_lead=3, gating=2, expert_weights_scale=2.5,
                              expert_weights_norm=True),
+    # GLM-4.5-Air's shapes (106B, 46 layers: about 60 GB with Q4_0 experts; --layers cuts it): q/k/v biases, no q/k
+    # norms, rope on half of each head, first layer dense, sigmoid routing with a correction bias, one shared expert
+    "glm-4.5-air": Preset("glm4moe", 46, 4096, 96, 8, 128, 128, 8, 1408, 10944, 151552, n_ctx=131072,
+                          n_expert_shared=1, n_layer_dense_lead=1, gating=2, expert_weights_scale=1.0,
+                          expert_weights_norm=True, n_rot=64),
     # a few MB of the same kinds, for tests
+    "glm4moe-tiny": Preset("glm4moe", 4, 256, 4, 2, 64, 16, 4, 128, 512, 2048, n_ctx=4096, n_expert_shared=1,
+                           n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True,
+                           n_rot=32),
     "deepseek2-tiny": Preset("deepseek2", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
                              q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
                              n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True),
@@ -177,14 +186,37 @@ def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_t
         return specs + [mat(b + "ffn_gate.weight", other_type, (d, p.n_ff)),
                         mat(b + "ffn_up.weight", other_type, (d, p.n_ff)),
                         mat(b + "ffn_down.weight", other_type, (p.n_ff, d), OUTPUT_PROJECTION_SCALE)]
-    shared = p.n_ff_exp * p.n_expert_shared
-    specs += [mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)),
-              mat(b + "ffn_gate_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
-              mat(b + "ffn_up_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
-              mat(b + "ffn_down_exps.weight", expert_type, (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
-              mat(b + "ffn_gate_shexp.weight", other_type, (d, shared)),
-              mat(b + "ffn_up_shexp.weight", other_type, (d, shared)),
-              mat(b + "ffn_down_shexp.weight", other_type, (shared, d), OUTPUT_PROJECTION_SCALE)]
+    return specs + _routed(p, b, mat, expert_type, other_type, rng)
+
+
+def _glm_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_type, rng) -> list[TensorSpec]:
+    """One glm4moe block: attention with q/k/v biases, then a dense FFN (leading layers) or routed experts with a
+    correction bias and a shared expert."""
+    d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+    small = lambda n, name: TensorSpec(name, Q.F32, (n,), lambda: (0.02 * rng.standard_normal(n)).astype(np.float32))  # noqa: E731
+    specs = [named(ones(d), b + "attn_norm.weight"),
+             mat(b + "attn_q.weight", other_type, (d, q_dim)), small(q_dim, b + "attn_q.bias"),
+             mat(b + "attn_k.weight", other_type, (d, kv_dim)), small(kv_dim, b + "attn_k.bias"),
+             mat(b + "attn_v.weight", other_type, (d, kv_dim)), small(kv_dim, b + "attn_v.bias"),
+             mat(b + "attn_output.weight", other_type, (q_dim, d), OUTPUT_PROJECTION_SCALE),
+             named(ones(d), b + "post_attention_norm.weight")]
+    if i < p.n_layer_dense_lead:
+        return specs + [mat(b + "ffn_gate.weight", other_type, (d, p.n_ff)),
+                        mat(b + "ffn_up.weight", other_type, (d, p.n_ff)),
+                        mat(b + "ffn_down.weight", other_type, (p.n_ff, d), OUTPUT_PROJECTION_SCALE)]
+    return specs + _routed(p, b, mat, expert_type, other_type, rng)
+
+
+def _routed(p: Preset, b: str, mat, expert_type, other_type, rng) -> list[TensorSpec]:
+    """Routed experts (router, gate/up/down), shared experts, and the correction bias of sigmoid routing."""
+    d, shared = p.n_embd, p.n_ff_exp * p.n_expert_shared
+    specs = [mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)),
+             mat(b + "ffn_gate_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
+             mat(b + "ffn_up_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
+             mat(b + "ffn_down_exps.weight", expert_type, (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
+             mat(b + "ffn_gate_shexp.weight", other_type, (d, shared)),
+             mat(b + "ffn_up_shexp.weight", other_type, (d, shared)),
+             mat(b + "ffn_down_shexp.weight", other_type, (shared, d), OUTPUT_PROJECTION_SCALE)]
     if p.gating == 2:  # the correction bias: small, so the choice stays the scores' but not exactly
         specs.append(TensorSpec(b + "exp_probs_b.bias", Q.F32, (p.n_expert,),
                                 lambda: (0.01 * rng.standard_normal(p.n_expert)).astype(np.float32)))
@@ -226,6 +258,12 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
         "tokenizer.ggml.add_bos_token": False,
     }
     mla = a == "deepseek2"
+    if a == "glm4moe":
+        metadata.update({f"{a}.rope.dimension_count": p.n_rot or p.head_dim, f"{a}.nextn_predict_layers": 0,
+                         f"{a}.expert_shared_count": p.n_expert_shared,
+                         f"{a}.leading_dense_block_count": p.n_layer_dense_lead, f"{a}.expert_gating_func": p.gating,
+                         f"{a}.expert_weights_scale": p.expert_weights_scale,
+                         f"{a}.expert_weights_norm": p.expert_weights_norm})
     if mla:
         metadata.update({f"{a}.attention.key_length": p.head_dim + p.head_dim_rope,
                          f"{a}.attention.value_length": p.head_dim_v, f"{a}.rope.dimension_count": p.head_dim_rope,
@@ -256,6 +294,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
         b = f"blk.{i}."
         if mla:
             specs += _mla_layer(p, b, i, mat, named, ones, expert_type, other_type, rng, legacy_mla)
+            continue
+        if a == "glm4moe":
+            specs += _glm_layer(p, b, i, mat, named, ones, expert_type, other_type, rng)
             continue
         specs += [
             named(ones(d), b + "attn_norm.weight"),
