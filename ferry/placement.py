@@ -135,6 +135,24 @@ class MemoryPlan:
         return "the model does not fit: " + "; ".join(parts) + (f"; {self.advice}" if self.advice else "")
 
 
+def as_loaded(tensors: dict[str, int], args) -> dict[str, int]:
+    """The bytes a loaded model holds per tensor, from the file's: deepseek2 adds float32 copies of each layer's k_b
+    and v_b (latent attention's absorbed form), and a file with the latent split (attn_k_b / attn_v_b) gets its kv_b
+    joined in float32 in their place (ModelArgs; models/deepseek2.py)."""
+    if args.kv_lora_rank <= 0:
+        return tensors
+    out = dict(tensors)
+    nope = args.head_dim_k - args.n_rot
+    per_layer = 4 * args.n_head * args.kv_lora_rank * (nope + args.head_dim_v)  # one float32 copy of kv_b
+    for i in range(args.n_layer):
+        p = f"blk.{i}."
+        if p + "attn_k_b.weight" in out:
+            del out[p + "attn_k_b.weight"], out[p + "attn_v_b.weight"]
+            out[p + "attn_kv_b.weight"] = per_layer
+        out[p + "attn_k_b_v_b.float32"] = per_layer
+    return out
+
+
 def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
                 available: dict[str, int], n_ctx: int, n_ubatch: int, kv_bytes_per_value: tuple[float, float] = (2, 2),
                 split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False,
@@ -146,6 +164,7 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     buffer copies land in). `available`: free bytes per device (CPU: RAM). `cache`: what the KV cache holds per
     position (default: the model's keys and values; MLA's latent: Model.cache_layout)."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
+    tensors = as_loaded(tensors, args)
     needs: dict[str, DeviceNeed] = {}
 
     def need(device: str) -> DeviceNeed:

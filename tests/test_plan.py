@@ -127,3 +127,21 @@ def test_weights_joined_at_load_are_placed_with_their_layer(tmp_path):
     assert [w.name for w in joined] == [f"blk.{i}.attn_kv_b.weight" for i in range(4)]
     layers = layer_devices(4, 999, ["CUDA0"])
     assert {place(w.name, 4, 999, [], layers) for w in joined} == {"CUDA0"}
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_the_plan_counts_deepseek2s_float32_copies_of_the_latent_projections(tmp_path, legacy):
+    from ferry.gguf.synth import PRESETS, synth
+    from ferry.quant import Q
+
+    path = tmp_path / "ds.gguf"
+    synth(PRESETS["deepseek2-tiny"], path, Q.Q4_0, Q.Q8_0, quiet=True, legacy_mla=legacy)
+    f = GGUFFile(path)
+    a = ModelArgs.from_gguf(f)
+    file_bytes = sum(t.nbytes for t in f.tensors.values())
+    split = sum(t.nbytes for t in f.tensors.values() if "attn_k_b" in t.name or "attn_v_b" in t.name)
+    per_layer = 4 * 4 * 64 * (32 + 32)  # float32, 4 heads x kv_lora_rank 64 x (nope 32 + v 32)
+    copies = (1 if legacy else 2) * a.n_layer * per_layer  # k_b and v_b; kv_b joined too from a split file
+    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, a, 999, [], ["CUDA0"], {}, 64, 16)
+    assert sum(d.weights for d in plan.devices) == file_bytes - split + copies
+    assert (split == 0) == legacy
