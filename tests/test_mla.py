@@ -176,3 +176,11 @@ def test_attention_max_batch_splits_heads_and_changes_nothing(graph, files, back
     assert all(len(attn._kv_b_rows) == attn.n_head for attn in model.latent_layers())
     with pytest.raises(FerryError, match="-amb -1"):
         load_model(GGUFFile(path), max_batch_mib=-1)
+
+
+def test_the_latent_cache_needs_one_type_for_keys_and_values(files, backend):
+    # the values are the keys' first values: as llama.cpp, refuse a -ctv that cannot apply
+    path, _ = files("deepseek2-wide")
+    with pytest.raises(FerryError, match="-ctv q8_0 differs from -ctk f16"):
+        Engine(load_model(GGUFFile(path), mla=3), backend, n_ctx=64, type_k="f16", type_v="q8_0")
+    Engine(load_model(GGUFFile(path), mla=0), backend, n_ctx=64, type_k="f16", type_v="bf16")  # expanded: fine

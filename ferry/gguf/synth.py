@@ -182,11 +182,7 @@ def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_t
                   mat(b + "attn_v_b.weight", other_type, (p.kv_lora_rank, p.head_dim_v, h))]
     specs += [mat(b + "attn_output.weight", other_type, (h * p.head_dim_v, d), OUTPUT_PROJECTION_SCALE),
               named(ones(d), b + "ffn_norm.weight")]
-    if i < p.n_layer_dense_lead:
-        return specs + [mat(b + "ffn_gate.weight", other_type, (d, p.n_ff)),
-                        mat(b + "ffn_up.weight", other_type, (d, p.n_ff)),
-                        mat(b + "ffn_down.weight", other_type, (p.n_ff, d), OUTPUT_PROJECTION_SCALE)]
-    return specs + _routed(p, b, mat, expert_type, other_type, rng)
+    return specs + _ffn(p, b, i, mat, expert_type, other_type, rng)
 
 
 def _glm_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_type, rng) -> list[TensorSpec]:
@@ -200,16 +196,18 @@ def _glm_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_t
              mat(b + "attn_v.weight", other_type, (d, kv_dim)), small(kv_dim, b + "attn_v.bias"),
              mat(b + "attn_output.weight", other_type, (q_dim, d), OUTPUT_PROJECTION_SCALE),
              named(ones(d), b + "post_attention_norm.weight")]
+    return specs + _ffn(p, b, i, mat, expert_type, other_type, rng)
+
+
+def _ffn(p: Preset, b: str, i: int, mat, expert_type, other_type, rng) -> list[TensorSpec]:
+    """Block i's FFN: dense in the leading layers; else routed experts (router, gate/up/down), shared experts, and
+    the correction bias of sigmoid routing."""
+    d = p.n_embd
     if i < p.n_layer_dense_lead:
-        return specs + [mat(b + "ffn_gate.weight", other_type, (d, p.n_ff)),
-                        mat(b + "ffn_up.weight", other_type, (d, p.n_ff)),
-                        mat(b + "ffn_down.weight", other_type, (p.n_ff, d), OUTPUT_PROJECTION_SCALE)]
-    return specs + _routed(p, b, mat, expert_type, other_type, rng)
-
-
-def _routed(p: Preset, b: str, mat, expert_type, other_type, rng) -> list[TensorSpec]:
-    """Routed experts (router, gate/up/down), shared experts, and the correction bias of sigmoid routing."""
-    d, shared = p.n_embd, p.n_ff_exp * p.n_expert_shared
+        return [mat(b + "ffn_gate.weight", other_type, (d, p.n_ff)),
+                mat(b + "ffn_up.weight", other_type, (d, p.n_ff)),
+                mat(b + "ffn_down.weight", other_type, (p.n_ff, d), OUTPUT_PROJECTION_SCALE)]
+    shared = p.n_ff_exp * p.n_expert_shared
     specs = [mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)),
              mat(b + "ffn_gate_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
              mat(b + "ffn_up_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),

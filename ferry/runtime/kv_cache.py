@@ -73,8 +73,9 @@ class KVCache:
                  type_k: str = "f16", type_v: str = "f16", device: str | None = None, v_in_k: bool = False):
         self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
         self.v_in_k = v_in_k
-        if v_in_k:  # the values are read from the key rows, in the keys' type
-            self.type_v = self.type_k
+        if v_in_k and self.type_v != self.type_k:  # the values are read from the key rows, in the keys' type
+            raise FerryError(f"-ctv {type_v} differs from -ctk {type_k}, but the latent cache (-mla 1/2/3) keeps the "
+                             "values inside the keys: give -ctk and -ctv the same type, or use -mla 0")
         for flag, qtype, dim in (("-ctk", self.type_k, head_dim_k), ("-ctv", self.type_v, head_dim_v)):
             block = GGML_QUANT_SIZES[qtype][0]
             if dim % block:
