@@ -125,8 +125,8 @@ class ModelArgs:
                              log_mul=key("rope.scaling.yarn_log_multiplier", 0.0, float))
         args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
         if f.get(f"{arch}.attention.key_length_mla") is not None:
-            # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; ferry
-            # runs the expanded form, whose per-head key and value sizes these are
+            # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; the
+            # args keep the per-head (expanded) sizes, and Model.cache_layout gives the latent cache's
             args.head_dim_k, args.head_dim_v = key("attention.key_length_mla"), key("attention.value_length_mla")
             args.n_head_kv = args.n_head
         args.validate(f)

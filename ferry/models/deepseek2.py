@@ -1,5 +1,5 @@
-"""deepseek2 (DeepSeek-V2/V2-Lite, V3/R1, Kimi K2): multi-head latent attention (expanded form, with or without
-the low-rank query), leading dense layers, then routed experts (softmax or sigmoid scores, an optional correction
+"""deepseek2 (DeepSeek-V2/V2-Lite, V3/R1, Kimi K2): multi-head latent attention (with or without the low-rank query;
+a latent or an expanded cache, -mla), leading dense layers, then routed experts (softmax or sigmoid scores, an optional correction
 bias, weights scaled) plus shared experts. Rope is the 'normal' (adjacent pairs) layout, on the rope part only."""
 
 from __future__ import annotations
