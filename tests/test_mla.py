@@ -184,3 +184,18 @@ def test_the_latent_cache_needs_one_type_for_keys_and_values(files, backend):
     with pytest.raises(FerryError, match="-ctv q8_0 differs from -ctk f16"):
         Engine(load_model(GGUFFile(path), mla=3), backend, n_ctx=64, type_k="f16", type_v="q8_0")
     Engine(load_model(GGUFFile(path), mla=0), backend, n_ctx=64, type_k="f16", type_v="bf16")  # expanded: fine
+
+
+@pytest.mark.parametrize("mla", [1, 3])
+def test_server_slots_share_the_latent_cache_and_decode_as_alone(mla, files, backend):
+    # two sequences in one latent cache, fed together in batches (40 tokens: mode 3 expands every cached cell, the
+    # other slot's included, under the mask), give each one's logits from decoding it alone
+    path, _ = files("deepseek2")
+    model = load_model(GGUFFile(path), mla=mla)
+    a, b = _tokens(30, seed=8), _tokens(20, seed=9)
+    alone = [Engine(model, backend, n_ctx=64, type_k="f32", type_v="f32").decode(s, all_logits=True) for s in (a, b)]
+    e = Engine(model, backend, n_ctx=128, n_ubatch=64, type_k="f32", type_v="f32")
+    first = e.decode_sequences(a[:20] + b[:20], [0] * 20 + [1] * 20, list(range(20)) * 2, seq_len=64)
+    rest = e.decode_sequences(a[20:], [0] * 10, list(range(20, 30)), seq_len=64)
+    assert torch.allclose(torch.cat([first[:20], rest]), alone[0], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(first[20:], alone[1], atol=1e-4, rtol=1e-4)
