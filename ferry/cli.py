@@ -521,7 +521,7 @@ def _op_view(f, margs, args, overrides) -> tuple[list[dict], str]:
 def cmd_info(args: argparse.Namespace) -> int:
     from ferry.tools.info import info
 
-    info(Path(args.file), args.n_gpu_layers, args.override_tensor, args.json, args.repack)
+    info(Path(args.file), args.n_gpu_layers, args.override_tensor, args.json, args.repack, args.mla)
     return 0
 
 
@@ -660,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE, repeatable")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-repack", dest="repack", action="store_false", help="CPU tensors stay in the mmap")
+    _add_mla_args(p)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("synth", help="write a random-weight GGUF of a real architecture")

@@ -108,6 +108,10 @@ def test_mla_modes_from_the_command_line(tmp_path):
     assert plans["0"]["kv_bytes_per_token"] == 4 * 2 * 4 * (48 + 32)
     assert plans["2"]["kv_bytes_per_token"] == 4 * 2 * (64 + 16) and plans["2"]["mla"] == 2
     assert json.loads(ferry("plan", "-m", str(path), "--json").stdout)["mla"] == 3  # no flag: ferry's choice
+    info = json.loads(ferry("info", str(path), "--json").stdout)
+    assert (info["mla"], info["kv_bytes_per_token_f16"]) == (3, plans["2"]["kv_bytes_per_token"])
+    expanded = plans["0"]["kv_bytes_per_token"]
+    assert f"KV cache: {expanded} bytes per token in f16 (-mla 0" in ferry("info", str(path), "-mla", "0").stdout
     r = ferry("run", "-m", str(path), "hi", "-n", "3", "--temp", "0", "-mla", "1", "-amb", "64")
     assert r.returncode == 0, r.stderr
     for bad, says in ((["-mla", "5"], "-mla 5: valid modes"), (["-amb", "-2"], "-amb -2")):
