@@ -436,7 +436,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ferry.placement import GIB, memory_plan, parse_gpu_memory, parse_overrides
     from ferry.policy import parse_policy
     from ferry.quant import bytes_per_weight
-    from ferry.runtime.kv_cache import cache_layout, kv_type, mla_mode
+    from ferry.runtime.kv_cache import cache_layout, describe_cache, kv_type, mla_mode
 
     f = GGUFFile(_model_path(args))
     margs = ModelArgs.from_gguf(f)
@@ -466,10 +466,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kv_on_gpu = len(gpus) == 1 and _wants_gpu(args.n_gpu_layers, args.override_tensor)
     mla = mla_mode(margs, args.mla)
     cache = cache_layout(margs, mla)
-    per_token = cache.bytes_per_token(margs.n_layer, args.cache_type_k, args.cache_type_v)
-    cache_note = (f"KV cache: {per_token} bytes per token ({per_token / 1024:.1f} KiB)" +
-                  (f", -mla {mla}: " + ("the latent and rope key" if cache.v_in_k else "expanded keys and values")
-                   if margs.kv_lora_rank > 0 else ""))
+    per_token, cache_note = describe_cache(margs, mla, args.cache_type_k, args.cache_type_v)
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,
                        available, args.ctx_size, args.ubatch_size, kv, split, kv_on_gpu=kv_on_gpu, cache=cache)
     ops, ops_note = _op_view(f, margs, args, overrides) if kv_on_gpu else ([], "")

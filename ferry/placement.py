@@ -174,7 +174,7 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
         need(place(name, args.n_layer, n_gpu_layers, overrides, layers)).weights += size
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
-    per_layer = int(n_ctx * cache.n_head_kv * (cache.head_dim_k * kb + (0 if cache.v_in_k else cache.head_dim_v * vb)))
+    per_layer = int(n_ctx * cache.bytes_per_position(kb, vb))
     for i in range(args.n_layer):
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)

@@ -29,7 +29,7 @@ class GraphOps:
     def __init__(self, backend: CpuBackend, g: _Graph, n_tokens: int, kv: KVCache, all_logits: bool, n_kv: int):
         self.backend, self.g, self.c = backend, g, g.ctx
         self.n, self.n_ctx, self.kv, self.all_logits = n_tokens, kv.n_ctx, kv, all_logits  # built for a full cache
-        self.n_kv_now = n_kv  # the cache length of the batch it is built for
+        self.n_kv = n_kv  # the cache length of the batch it is built for
         self.per_length = False  # whether nodes past the cache views have that length (cached_rows): then the
         # graph serves that length only
         self.tokens = g.input(I32, (n_tokens,))
@@ -50,11 +50,6 @@ class GraphOps:
     @property
     def n_tokens(self) -> int:
         return self.n
-
-    @property
-    def n_kv(self) -> int:
-        """Cache positions the batch it is built for attends to."""
-        return self.n_kv_now
 
     def embed(self, w: Weight):
         return ggml.ggml_get_rows(self.c, self.backend._weight_leaf(self.g, w, rows=True), self.tokens)
@@ -130,16 +125,20 @@ class GraphOps:
             self.masks[window] = self.g.input(F16, (self.n_ctx, self.n))
         return self.masks[window]
 
-    def _store(self, cache, x, dim: int, qtype):
-        """Write this u-batch's rows of x (dim, heads, n) into the cache; the cache's first n_kv positions as
-        (dim, n_kv, heads), a view that depends on the write (its length is set at each run)."""
+    def _write(self, cache, x, dim: int, qtype):
+        """Write this u-batch's rows of x (dim, heads, n) into the cache: the cache after the write."""
         c = self.c
         n_heads = x.contents.ne[1]
         if not ggml.ggml_is_contiguous(x):  # a piece of a split (MLA's values)
             x = ggml.ggml_cont(c, x)
         leaf = self.g.leaf(qtype.value, (dim * n_heads, self.kv.n_ctx), cache.ctypes.data)
-        stored = ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.cells)
-        view = ggml.ggml_view_3d(c, stored, dim, self.n_ctx, n_heads, leaf.contents.nb[1],
+        return ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.cells)
+
+    def _store(self, cache, x, dim: int, qtype):
+        """_write, then the cache's first n_kv positions as (dim, n_kv, heads), a view whose length is set at each
+        run."""
+        stored = self._write(cache, x, dim, qtype)
+        view = ggml.ggml_view_3d(self.c, stored, dim, self.n_ctx, x.contents.ne[1], stored.contents.nb[1],
                                  ggml.ggml_row_size(qtype.value, dim), 0)
         self.cache_views.append(view)
         return view
@@ -165,14 +164,13 @@ class GraphOps:
         return ggml.ggml_reshape_2d(c, out, out.contents.ne[0] * out.contents.ne[1], self.n)
 
     def cached_rows(self, layer: int, k):
-        """Store k (d, 1, n) in a values-in-keys cache; every cached row up to this batch's last as f32 (d, n_kv).
+        """Write k (d, 1, n) into a values-in-keys cache; every cached row up to this batch's last as f32 (d, n_kv).
         What follows has that length: the graph then serves this cache length only."""
-        c, kv = self.c, self.kv
-        rows = self._store(kv.k[layer], k, kv.head_dim_k, kv.type_k)
-        self.cache_views.pop()  # its length is this batch's, not set per run
-        rows.contents.ne[1] = self.n_kv_now
+        kv = self.kv
+        stored = self._write(kv.k[layer], k, kv.head_dim_k, kv.type_k)
         self.per_length = True
-        return ggml.ggml_cast(c, ggml.ggml_reshape_2d(c, ggml.ggml_cont(c, rows), kv.head_dim_k, self.n_kv_now), F32)
+        rows = ggml.ggml_view_2d(self.c, stored, kv.head_dim_k, self.n_kv, stored.contents.nb[1], 0)
+        return ggml.ggml_cast(self.c, rows, F32)
 
     def attend(self, q, k, v, scale: float):
         """q (d, heads, n) to keys and values of every cached position (d, heads, n_kv) given here, under the

@@ -12,6 +12,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.errors import FerryError
+from ferry.quant import bytes_per_weight, row_bytes
 
 KV_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # types torch reads directly
@@ -27,10 +28,13 @@ class CacheLayout:
     head_dim_v: int
     v_in_k: bool = False
 
+    def bytes_per_position(self, key_bytes: float, value_bytes: float) -> float:
+        """One layer's bytes per position, at key_bytes / value_bytes per cached value."""
+        return self.n_head_kv * (self.head_dim_k * key_bytes + (0 if self.v_in_k else self.head_dim_v * value_bytes))
+
     def bytes_per_token(self, n_layer: int, type_k: str = "f16", type_v: str = "f16") -> int:
-        k = row_bytes(kv_type("-ctk", type_k), self.n_head_kv * self.head_dim_k)
-        v = 0 if self.v_in_k else row_bytes(kv_type("-ctv", type_v), self.n_head_kv * self.head_dim_v)
-        return n_layer * (k + v)
+        return round(n_layer * self.bytes_per_position(bytes_per_weight(kv_type("-ctk", type_k)),
+                                                        bytes_per_weight(kv_type("-ctv", type_v))))
 
 
 MLA_MODES = (0, 1, 2, 3)
@@ -55,15 +59,19 @@ def cache_layout(args, mla: int) -> CacheLayout:
     return CacheLayout(args.n_head_kv, args.head_dim_k, args.head_dim_v)
 
 
+def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> tuple[int, str]:
+    """A model's KV bytes per token (every layer) under an -mla mode and cache types, and a line saying so."""
+    cache = cache_layout(args, mla)
+    per_token = cache.bytes_per_token(args.n_layer, type_k, type_v)
+    kinds = type_k if type_k == type_v or cache.v_in_k else f"{type_k}/{type_v}"
+    what = ("the latent and rope key" if cache.v_in_k else "expanded keys and values") if args.kv_lora_rank > 0 else ""
+    return per_token, f"KV cache: {per_token} bytes per token in {kinds}" + (f" (-mla {mla}: {what})" if what else "")
+
+
 def kv_type(flag: str, name: str) -> Q:
     if name not in KV_TYPES:
         raise FerryError(f"{flag}: unknown KV cache type '{name}'; valid types: {', '.join(KV_TYPES)}")
     return KV_TYPES[name]
-
-
-def row_bytes(qtype: Q, n: int) -> int:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return n // block * size
 
 
 class KVCache:

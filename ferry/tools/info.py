@@ -32,12 +32,12 @@ def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides, repac
 
 def info(path: Path, n_gpu_layers: int, override_specs: list[str], as_json: bool, repack: bool = True,
          mla: int | None = None) -> dict:
-    from ferry.runtime.kv_cache import cache_layout, mla_mode
+    from ferry.runtime.kv_cache import describe_cache, mla_mode
 
     f = GGUFFile(path)
     args = ModelArgs.from_gguf(f)
     mode = mla_mode(args, mla)
-    kv_per_token = cache_layout(args, mode).bytes_per_token(args.n_layer)  # f16, llama.cpp's default
+    kv_per_token, kv_line = describe_cache(args, mode)  # f16, llama.cpp's default
     overrides = parse_overrides(override_specs)
     groups = tensor_groups(f, args.n_layer, n_gpu_layers, overrides, repack)
     n_params = sum(t.n_elements for t in f.tensors.values())
@@ -59,9 +59,7 @@ def info(path: Path, n_gpu_layers: int, override_specs: list[str], as_json: bool
     console.print(f"{n_params / 1e9:.3f} B parameters, {f.n_bytes / 2**30:.2f} GiB on disk")
     fields = ", ".join(f"{k}={v}" for k, v in vars(args).items() if k != "arch" and v not in (0, 0.0))
     console.print(fields)
-    console.print(f"KV cache: {kv_per_token} bytes per token in f16" +
-                  (f" (-mla {mode}: " + ("the latent and rope key)" if mode else "expanded keys and values)")
-                   if args.kv_lora_rank > 0 else ""))
+    console.print(kv_line)
     table = Table("tensor group", "type", "count", "shape (one)", "MiB", "device", "CPU layout")
     for g in sorted(groups, key=lambda g: (g["group"].startswith("blk"), g["group"])):
         table.add_row(g["group"], g["type"], str(g["count"]), str(g["shape"]), f"{g['bytes'] / 2**20:.1f}", g["device"],
