@@ -10,6 +10,7 @@
 #     big     ferry all-GPU on the qwen3-30b-a3b synthetic model: pp4096 at u-batch 128/512/2048/4096, tg128
 #     hybrid  ferry with the experts in RAM (-ngl 999 -ot exps=CPU) on the same big model, every offload policy,
 #             pp4096 at u-batch 512..4096, pp512 at 64..256, tg128 (HYBRID_ARGS: more options)
+#     kernels the grouped MoE GEMM alone (benchmarks/moe_kernels.py): default tiles and a sweep of them
 #     llama   the big runs through llama.cpp's CUDA llama-bench too (built here, sm_90, cached in .build/)
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
 set -euo pipefail
@@ -40,6 +41,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if has tests; then
     python3 -m pytest -q -s ${GPU_TESTS:-tests_gpu} -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests_gpu.txt" \
         | grep -E "KL|passed|failed|Error|error" | tail -40 || true
+fi
+if has kernels; then
+    python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" ${KERNEL_ARGS:-} | tee "$OUT/moe_kernels.md"
 fi
 if has bench; then
     python3 -m ferry synth qwen3-moe-mid -o /tmp/mid.gguf -q

@@ -159,7 +159,8 @@ def test_store_q8_0_matches_ggml_rounding(n, width):
                                                                (300, 4, 2, 64, 384, 128)])
 def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, block):
     """Every pair's row times its expert's matrix, through the GPU-built tile schedule: odd token counts, experts
-    with no tokens, tiles that straddle nothing."""
+    with no tokens, tiles that straddle nothing; and the gated form act(x . gate) * (x . up) in one launch."""
+    act = "silu" if n % 2 else "gelu"
     rng = np.random.default_rng(n * rows + cols)
     raw, w = _quantized(rng, qtype, n_expert, rows, cols)
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert - 1)[:n_used]) for _ in range(n)])  # one idle expert
@@ -170,6 +171,12 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     flat = ids.flatten()[order]
     want = torch.stack([w[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
     _close(got, want, 2e-3)  # f16 weights (one rounding each), float32 accumulation
+    raw_up, w_up = _quantized(rng, qtype, n_expert, rows, cols)
+    gated = K.moe_mm(x[order].to(DEV), K.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block,
+                     up=K.Split.of(raw_up, qtype, (cols, rows, n_expert)), act=act)
+    up_rows = torch.stack([w_up[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
+    act_ref = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
+    _close(gated, act_ref(want) * up_rows, 2e-3)
     covered = torch.zeros(n * n_used, dtype=torch.int64)
     for e, r0, r1 in zip(*(t.cpu().tolist() for t in sched[1:])):
         if e >= 0:

@@ -170,8 +170,7 @@ class CudaBackend:
         sched = kernels.moe_tiles(ids, n_expert, block)
         order = sched[0]
         xs = x.to(torch.float16)[order // k]
-        h = (_ACT[act](kernels.moe_mm(xs, gate, sched, torch.float32, block))
-             * kernels.moe_mm(xs, up, sched, torch.float32, block)).to(torch.float16)
+        h = kernels.moe_mm(xs, gate, sched, torch.float16, block, up=up, act=act)
         if wait_down is not None:
             torch.cuda.current_stream(x.device).wait_event(wait_down)
         y_sorted = kernels.moe_mm(h, down, sched, torch.float32, block)

@@ -207,12 +207,32 @@ def _quantize_q8_0_rows(x, cache, cache16, cells, n_blocks, row_bytes, BLOCKS: t
 
 
 @triton.jit
-def _moe_mm(x, qs, d, y, tile_expert, tile_row, tile_end, N, K, KIND: tl.constexpr, BM: tl.constexpr,
-            BN: tl.constexpr, BK: tl.constexpr):
+def _block_halves(qs, d, wrow, nmask, b, K, KIND: tl.constexpr):
+    """32-block b of the rows wrow (BN, 1) of a split Q8_0 / Q4_0 matrix, scaled to f16 as two (BN, 16) halves:
+    its first 16 columns and its last 16 (for Q4_0, each byte's low and high nibble: every byte read once, no
+    register shuffle). Rows past the matrix, or a block past K, read as zeros."""
+    j = tl.arange(0, 16)
+    live = nmask[:, None] & (b < K // 32)
+    s = tl.load(d + wrow * (K // 32) + b, mask=live, other=0.0).to(tl.float32)  # (BN, 1)
+    if KIND == 0:
+        at = qs + wrow * K + b * 32 + j[None, :]
+        lo = tl.load(at, mask=live, other=0).to(tl.float32)
+        hi = tl.load(at + 16, mask=live, other=0).to(tl.float32)
+    else:
+        byte = tl.load(qs + wrow * (K // 2) + b * 16 + j[None, :], mask=live, other=0).to(tl.int32)
+        lo = ((byte & 0xF) - 8).to(tl.float32)
+        hi = ((byte >> 4) - 8).to(tl.float32)
+    return (lo * s).to(tl.float16), (hi * s).to(tl.float16)
+
+
+@triton.jit
+def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, N, K, KIND: tl.constexpr, GATED: tl.constexpr,
+            ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Grouped GEMM over rows sorted by expert: tile i covers rows tile_row[i] .. tile_end[i] (all of expert
     tile_expert[i], -1: no work); y[rows, n] = x[rows] . W_e[n] with W_e (split Q8_0 / Q4_0) expanded to f16
-    tile by tile in registers, f32 accumulation (tensor cores). A Q4_0 byte is read once for both nibbles: the
-    weight tile holds columns in (byte, nibble) order and the activations are loaded in that same order."""
+    block by block in registers, f32 accumulation (tensor cores); BK columns (BK / 32 blocks) per loop step.
+    GATED: W is the gate and (uqs, ud) the up projection of the same expert, and y = act(x . gate) * (x . up),
+    one read of x for both."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert + tile)
     if e >= 0:
@@ -223,32 +243,24 @@ def _moe_mm(x, qs, d, y, tile_expert, tile_row, tile_end, N, K, KIND: tl.constex
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < N
         wrow = (e.to(tl.int64) * N + n.to(tl.int64))[:, None]
-        NB: tl.constexpr = BK // 32
-        p = tl.arange(0, BK)
-        if KIND == 0:
-            col = p
-        else:  # position p of the tile is nibble p % 2 of byte (p % 32) // 2 of block p // 32
-            col = (p // 32) * 32 + (p % 2) * 16 + (p % 32) // 2
+        xr = x + rows.to(tl.int64)[:, None] * K + tl.arange(0, 16)[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
-            kmask = (k0 + p) < K
-            a = tl.load(x + rows.to(tl.int64)[:, None] * K + k0 + col[None, :],
-                        mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = k0 // 32 + tl.arange(0, NB)
-            dv = tl.load(d + wrow * (K // 32) + b[None, :], mask=nmask[:, None] & (b < K // 32)[None, :],
-                         other=0.0).to(tl.float32)
-            if KIND == 0:
-                q = tl.load(qs + wrow * K + k0 + p[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
-                vals = q.to(tl.float32)
-            else:
-                i = tl.arange(0, BK // 2)
-                bm = (k0 // 2 + i) < K // 2
-                byte = tl.load(qs + wrow * (K // 2) + k0 // 2 + i[None, :], mask=nmask[:, None] & bm[None, :],
-                               other=0).to(tl.int32)
-                vals = tl.reshape(tl.join(((byte & 0xF) - 8).to(tl.float32), ((byte >> 4) - 8).to(tl.float32)),
-                                  (BN, BK))
-            wt = tl.reshape(tl.reshape(vals, (BN, NB, 32)) * dv[:, :, None], (BN, BK)).to(tl.float16)
-            acc = tl.dot(a, tl.trans(wt), acc)
+            for jb in tl.static_range(BK // 32):
+                b = k0 // 32 + jb
+                am = rmask[:, None] & (b < K // 32)
+                a_lo = tl.load(xr + b * 32, mask=am, other=0.0)
+                a_hi = tl.load(xr + b * 32 + 16, mask=am, other=0.0)
+                w_lo, w_hi = _block_halves(qs, d, wrow, nmask, b, K, KIND)
+                acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+                acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+                if GATED:
+                    u_lo, u_hi = _block_halves(uqs, ud, wrow, nmask, b, K, KIND)
+                    acc_up = tl.dot(a_lo, tl.trans(u_lo), acc_up)
+                    acc_up = tl.dot(a_hi, tl.trans(u_hi), acc_up)
+        if GATED:
+            acc = _act(acc, ACT) * acc_up
         tl.store(y + rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
                  mask=rmask[:, None] & nmask[None, :])
 
@@ -360,15 +372,26 @@ def moe_tiles(ids: torch.Tensor, n_expert: int, block: int):
             torch.minimum(row + block, ends[e]).to(torch.int32))
 
 
-def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int) -> torch.Tensor:
-    """Rows xs (pairs, cols) f16 sorted by expert times their expert's (rows, cols) matrix transposed."""
+# (BN, BK, warps, stages) of the grouped GEMM per (tile height, gated): the fastest of a sweep on an H100 at the
+# expert shapes of Qwen3-30B-A3B and DeepSeek-V2-Lite (benchmarks/moe_kernels.py; docs/performance.md, session 7)
+MOE_MM_CONFIGS = {(16, True): (64, 64, 4, 3), (16, False): (64, 64, 4, 3),
+                  (32, True): (64, 32, 4, 3), (32, False): (64, 64, 4, 3),
+                  (64, True): (64, 64, 4, 3), (64, False): (128, 32, 4, 4),
+                  (128, True): (64, 32, 4, 3), (128, False): (128, 32, 4, 4)}
+
+
+def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int, up: Split | None = None, act: str = "silu",
+           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Rows xs (pairs, cols) f16 sorted by expert times their expert's (rows, cols) matrix transposed; with `up`,
+    act(xs . w) * (xs . up) (w the gate). config: (BN, BK, warps, stages), else MOE_MM_CONFIGS' choice."""
     cols, rows, _ = w.ne
     _, tile_expert, tile_row, tile_end = sched
     y = torch.empty(xs.shape[0], rows, dtype=out_dtype, device=xs.device)
-    bn = 128 if block >= 64 else 64
+    bn, bk, warps, stages = config or MOE_MM_CONFIGS[block, up is not None]
+    other = up if up is not None else w
     _moe_mm[(tile_expert.numel(), triton.cdiv(rows, bn))](
-        xs, w.qs, w.d, y, tile_expert, tile_row, tile_end, rows, cols, KIND=GEMV_KINDS[w.qtype], BM=block, BN=bn,
-        BK=128 if block >= 64 else 64, num_warps=8 if block >= 64 else 4, num_stages=3)
+        xs, w.qs, w.d, other.qs, other.d, y, tile_expert, tile_row, tile_end, rows, cols, KIND=GEMV_KINDS[w.qtype],
+        GATED=up is not None, ACT=ACTS[act], BM=block, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return y
 
 

@@ -1,0 +1,90 @@
+"""The grouped MoE GEMM alone, on random Q4_0 experts with uniform random routing, at the expert shapes of the
+benchmark models: one MoE layer's gate, up and down projections per u-batch (gate and up fused in one launch)
+with the default tile configuration (kernels.MOE_MM_CONFIGS), and a sweep of the configurations per tile height
+that chose those defaults. Prints a table, writes JSON.
+  python benchmarks/moe_kernels.py [-ub 32,128,512,2048] [--json out.json] [--no-sweep]
+"""
+
+import argparse
+import itertools
+import json
+
+import numpy as np
+import torch
+from triton.testing import do_bench
+
+from ferry.ops.cuda import kernels as K
+from ferry.quant import Q
+
+SHAPES = {  # name: (n_expert, n_expert_used, n_embd, n_ff)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v2-lite": (64, 6, 2048, 1408),
+}
+SWEEP = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (3, 4)))  # BN, BK, warps, stages
+
+
+def _experts(n_expert: int, rows: int, cols: int, dev) -> K.Split:
+    """Random Q4_0 blocks: nibbles uniform, scales around 0.01."""
+    n_blocks = n_expert * rows * cols // 32
+    rng = np.random.default_rng(rows * cols)
+    qs = torch.from_numpy(rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)).to(dev)
+    d = torch.from_numpy((rng.uniform(0.5, 1.5, n_blocks) * 0.01).astype(np.float16)).to(dev)
+    return K.Split(Q.Q4_0, (cols, rows, n_expert), qs, d)
+
+
+def _block(pairs: int, n_expert: int) -> int:
+    per_expert = pairs / n_expert
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-ub", default="32,128,512,2048")
+    ap.add_argument("--json", default="moe_kernels.json")
+    ap.add_argument("--no-sweep", action="store_true")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    results = []
+    print("| model | u-batch | tile rows | experts hit | default ms | best ms | best gate+up / down (BN, BK, warps, "
+          "stages) | weights GB/s (default) | TFLOP/s (default) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
+    for name, (n_expert, n_used, n_embd, n_ff) in SHAPES.items():
+        gate, up = _experts(n_expert, n_ff, n_embd, dev), _experts(n_expert, n_ff, n_embd, dev)
+        down = _experts(n_expert, n_embd, n_ff, dev)
+        for ub in [int(u) for u in a.ub.split(",")]:
+            ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(ub)])
+            block = _block(ub * n_used, n_expert)
+            sched = K.moe_tiles(ids, n_expert, block)
+            xs = torch.randn(ub * n_used, n_embd, device=dev, dtype=torch.float16)
+            h = torch.randn(ub * n_used, n_ff, device=dev, dtype=torch.float16)
+            experts_hit = int(ids.unique().numel())
+            weight_bytes = experts_hit * 3 * n_embd * n_ff * 18 / 32
+            flops = ub * n_used * 3 * 2 * n_embd * n_ff
+
+            def layer(cfg_gu=None, cfg_down=None):
+                hh = K.moe_mm(xs, gate, sched, torch.float16, block, up=up, config=cfg_gu)
+                return K.moe_mm(hh, down, sched, torch.float32, block, config=cfg_down)
+
+            t_default = do_bench(layer)
+            best_gu = best_down = (None, None)
+            t_best = None
+            if not a.no_sweep:
+                gu = {cfg: do_bench(lambda: K.moe_mm(xs, gate, sched, torch.float16, block, up=up, config=cfg))
+                      for cfg in SWEEP}
+                dn = {cfg: do_bench(lambda: K.moe_mm(h, down, sched, torch.float32, block, config=cfg))
+                      for cfg in SWEEP}
+                best_gu, best_down = min(gu.items(), key=lambda kv: kv[1]), min(dn.items(), key=lambda kv: kv[1])
+                t_best = best_gu[1] + best_down[1]
+            row = {"model": name, "ubatch": ub, "tile_rows": block, "experts_hit": experts_hit,
+                   "default_ms": t_default, "best_ms": t_best, "best_gate_up": best_gu[0], "best_down": best_down[0],
+                   "weights_gbps": weight_bytes / t_default / 1e6, "tflops": flops / t_default / 1e9}
+            results.append(row)
+            best = "" if t_best is None else f"{t_best:.3f}"
+            print(f"| {name} | {ub} | {block} | {experts_hit} | {t_default:.3f} | {best} | {best_gu[0]} / {best_down[0]} "
+                  f"| {row['weights_gbps']:.0f} | {row['tflops']:.1f} |", flush=True)
+    with open(a.json, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
