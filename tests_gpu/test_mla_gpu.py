@@ -79,3 +79,21 @@ def test_amb_splits_heads_on_the_gpu(lite):
     model = load_model(GGUFFile(path), mla=3, max_batch_mib=1)  # 6 * 300 * 320 bytes per head: 1 head at a time
     assert model.latent_layers()[0].heads_at_once(300) == 1
     _check(want, _run(Engine(model, CudaBackend(), n_ctx=512, n_ubatch=512), tokens), "GPU -mla 3 -amb 1")
+
+
+@pytest.mark.parametrize("mla,where", [(0, "GPU"), (1, "GPU"), (3, "GPU"), (3, "all=off"), (3, "all=on")])
+def test_prompt_graphs_equal_eager_prompts(lite, mla, where):
+    """u-batches of 200 tokens (mode 3 expands them: 200 >= 171) replayed as graphs cut at the cache-sized work
+    give the bits of eager ones, all on the GPU and with the experts in RAM (graphs between host steps)."""
+    path, tokens, _ = lite
+    out = []
+    for graphs in (True, False):
+        if where == "GPU":
+            model, backend = load_model(GGUFFile(path), mla=mla), CudaBackend()
+        else:
+            _, backend, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, ["exps=CPU"], where),
+                                              n_ctx=1024)
+        e = Engine(model, backend, n_ctx=1024, n_ubatch=200)
+        e.executor = CudaExecutor(backend, graphs=graphs)
+        out.append(e.decode(tokens[:N_PROMPT] * 2, all_logits=True))
+    assert torch.equal(out[0], out[1])

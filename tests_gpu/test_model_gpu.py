@@ -59,6 +59,27 @@ def test_cuda_graph_decoding_matches_eager_decoding(mid, ctk):
     assert torch.equal(out[0], out[1])  # the same kernels, replayed: the same bits
 
 
+@pytest.mark.parametrize("ctk", ["f16", "q8_0"])
+def test_prompt_graphs_equal_eager_prompts(mid, ctk):
+    """Prompt u-batches replayed as graphs cut at attention (from a shape's second run on) give the bits of eager
+    ones: the first u-batch of a prompt (causal from cell 0) and the later ones (masked) share a graph; a second
+    prompt replays it from the start."""
+    path, tokens, _ = mid
+    model = load_model(GGUFFile(path))
+    backend = CudaBackend()
+    out, executors = [], []
+    for graphs in (True, False):
+        e = Engine(model, backend, n_ctx=512, n_ubatch=64, type_k=ctk, type_v=ctk)
+        e.executor = CudaExecutor(backend, graphs=graphs)
+        first = e.decode(tokens[:300], all_logits=True)
+        e.reset()
+        out.append(torch.cat([first, e.decode(tokens[:200], all_logits=True)]))
+        executors.append(e.executor)
+    shapes = [k[2] for k in executors[0]._captured]  # 64 recorded; the tails 44 (run once) and 8 (a decode shape)
+    assert 64 in shapes and 44 not in shapes and not executors[1]._captured
+    assert torch.equal(out[0], out[1])
+
+
 def test_gpu_decode_matches_the_cpu_token_by_token(mid):
     path, tokens, want = mid
     model = load_model(GGUFFile(path))

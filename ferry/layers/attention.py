@@ -109,20 +109,29 @@ class LatentAttention:
             return ops.linear(ops.attention(self.layer, q, k, v, self.scale, 0), self.wo)
         row = ops.concat(ops.heads(latent, 1, lora), k_pe)  # what is cached: (n, 1, lora + rope)
         if self.mla == 3 and ops.n_tokens >= self.expand_from:
-            latents, k_pe = ops.split(ops.cached_rows(self.layer, row), [lora, rot])  # every cached position
-            k_pe, q = ops.heads(k_pe, 1, rot), ops.concat(q_nope, q_pe)
-            group = self.heads_at_once(ops.n_kv)
-            out = None
-            for first in range(0, h, group):
-                count = min(group, h - first)
-                k_nope, v = self._expand(ops, latents, first, count)
-                k = ops.concat(k_nope, ops.expand_heads(k_pe, count))
-                part = ops.attend(q if count == h else ops.head_slice(q, first, count), k, v, self.scale)
-                out = part if out is None else ops.concat(out, part)
+            q = ops.concat(q_nope, q_pe)
+            out = ops.cache_sized(lambda q, row: self._expanded(ops, q, row), (q, row),
+                                  (ops.n_tokens, h * self.head_dim_v))
             return ops.linear(out, self.wo)
         q = ops.concat(ops.head_linear(q_nope, self.k_b), q_pe)  # (n, h, lora + rope)
         out = ops.heads(ops.attention(self.layer, q, row, None, self.scale, 0), h, lora)
         return ops.linear(ops.merge_heads(ops.head_linear(out, self.v_b)), self.wo)
+
+    def _expanded(self, ops, q, row):
+        """Mode 3's prompt form: this batch's rows into the cache, every cached latent expanded through kv_b (a
+        group of heads at a time under -amb), attention as usual: (n, heads * v)."""
+        lora, rot, h = self.kv_lora_rank, self.head_dim_rope, self.n_head
+        latents, k_pe = ops.split(ops.cached_rows(self.layer, row), [lora, rot])  # every cached position
+        k_pe = ops.heads(k_pe, 1, rot)
+        group = self.heads_at_once(ops.n_kv)
+        out = None
+        for first in range(0, h, group):
+            count = min(group, h - first)
+            k_nope, v = self._expand(ops, latents, first, count)
+            k = ops.concat(k_nope, ops.expand_heads(k_pe, count))
+            part = ops.attend(q if count == h else ops.head_slice(q, first, count), k, v, self.scale)
+            out = part if out is None else ops.concat(out, part)
+        return out
 
     def heads_at_once(self, n_kv: int) -> int:
         """Heads whose keys and values over n_kv positions fit -amb (at least one)."""

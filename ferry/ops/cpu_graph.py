@@ -172,6 +172,10 @@ class GraphOps:
         rows = ggml.ggml_view_2d(self.c, stored, kv.head_dim_k, self.n_kv, stored.contents.nb[1], 0)
         return ggml.ggml_cast(self.c, rows, F32)
 
+    def cache_sized(self, fn, inputs: tuple, shape: tuple[int, ...]):
+        """fn(*inputs): a graph per cache length holds it (per_length)."""
+        return fn(*inputs)
+
     def attend(self, q, k, v, scale: float):
         """q (d, heads, n) to keys and values of every cached position (d, heads, n_kv) given here, under the
         causal mask: (d_v * heads, n). Keys and values go in as f16, as a cache would hold them (f32 under an f32

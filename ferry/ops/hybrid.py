@@ -182,8 +182,9 @@ class HybridBackend:
         t0 = self._timer()
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         if self.recorder is not None:
-            out = self.recorder.defer(lambda: self._experts(x, ids, weights, up, gate, down, n_used, act, t0),
-                                      (x.shape[0], down.ne[1]), self.device)
+            out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, up, gate, down, n_used,
+                                                                            act, t0),
+                                      (x.shape[0], down.ne[1]), self.device, inputs=(x, ids, weights), shared="moe")
             return out, ids
         return self._experts(x, ids, weights, up, gate, down, n_used, act, t0), ids
 

@@ -108,6 +108,10 @@ class TorchOps:
         keys, _ = self.batch.kv.store(layer, self.batch.start, k, None)
         return keys.reshape(keys.shape[0], -1)
 
+    def cache_sized(self, fn, inputs: tuple, shape: tuple[int, ...]):
+        """fn(*inputs): work whose shapes depend on the cache length (a recorded GPU step runs it between graphs)."""
+        return fn(*inputs)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of q (n, heads, d) to keys and values of every cached position given here (n_kv, heads, d),
         under this batch's causal mask: (n, heads * d_v)."""

@@ -26,6 +26,7 @@ class CudaBackend:
     hit, the reference the grouped GEMM is tested against)."""
 
     name = "CUDA"
+    recorder = None  # set by the executor while it records a prompt step as CUDA graphs cut at attention
 
     def __init__(self, device: str = "cuda:0", moe: str = "auto"):
         if moe not in MOE_STRATEGIES:
@@ -34,6 +35,7 @@ class CudaBackend:
         self.moe_strategy = moe
         self._raw: dict[int, torch.Tensor] = {}
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []
         self._grouped = hasattr(torch, "_grouped_mm") and torch.cuda.is_available() and \
             torch.cuda.get_device_capability(self.device) >= (9, 0)
         # whether a forward needs nothing from the host (a CUDA graph can record it): not where the host must
@@ -72,6 +74,8 @@ class CudaBackend:
         key = (dtype, slot)
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < n:
+            if buf is not None:  # recorded graphs may still write the old one: never free it
+                self._retired.append(buf)
             buf = self._scratch[key] = torch.empty(n, dtype=dtype, device=self.device)
         out = buf[:n].view(tuple(reversed(ne)))
         if not isinstance(raw, torch.Tensor):

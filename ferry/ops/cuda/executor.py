@@ -1,6 +1,6 @@
 """The GPU forward: TorchOps whose positions, cache cells and rope angles live on the GPU, so that a decode step
 needs nothing from the host and is captured once per shape as a CUDA graph and replayed (llama.cpp does the
-same); prompts run eagerly."""
+same); prompt u-batches are replayed as graphs cut at their attention over the cache, whose length changes."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from ferry.runtime.context import Batch
 from ferry.runtime.kv_cache import TORCH_TYPES
 
 DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
+PROMPT_GRAPH_MAX = 1024  # prompt u-batches up to which graphs are used (larger ones are bound by their kernels)
 
 
 class CudaOps(TorchOps):
@@ -66,13 +67,25 @@ class CudaOps(TorchOps):
             return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
                                             k_q8, v_q8, self.pos, self.cells - self.pos, kv.n_head_kv,
                                             kv.head_dim_v, scale, window)
-        n_kv = self.batch.n_kv  # a prompt: flash / memory-efficient attention over the cache as f16
-        keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
-        if kv.v_in_k:
-            values = keys[..., :kv.head_dim_v]
-        else:
-            values = _floats(v_rows[:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
-        return self._sdpa_f16(q, keys, values, scale, window)
+
+        def over_cache(q):  # a prompt: flash / memory-efficient attention over the cache as f16
+            n_kv = self.batch.n_kv
+            keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
+            if kv.v_in_k:
+                values = keys[..., :kv.head_dim_v]
+            else:
+                values = _floats(v_rows[:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
+            return self._sdpa_f16(q, keys, values, scale, window)
+
+        return self.cache_sized(over_cache, (q,), (n, q.shape[1] * kv.head_dim_v))
+
+    def cache_sized(self, fn, inputs: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """fn(*inputs), whose shapes depend on the cache length: while a prompt step is recorded as CUDA graphs,
+        it runs between two graphs at each replay, with the batch of that replay."""
+        recorder = self.backend.recorder
+        if recorder is None:
+            return fn(*inputs)
+        return recorder.defer(fn, shape, self.tokens.device, inputs=inputs, shared="cache_sized")
 
     def _sdpa_f16(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                   window: int) -> torch.Tensor:
@@ -130,6 +143,7 @@ class _Recorder:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.host_tokens: torch.Tensor | None = None  # the replayed step's tokens, for a host-side embedding
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._buffers: dict[tuple, torch.Tensor] = {}  # staged inputs and results of shared defers
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
@@ -144,10 +158,29 @@ class _Recorder:
         self.steps.append(self._graph.replay)
         self._graph = None
 
-    def defer(self, fn, shape: tuple[int, ...], device) -> torch.Tensor:
+    def defer(self, fn, shape: tuple[int, ...], device, inputs: tuple[torch.Tensor, ...] = (),
+              shared: str | None = None) -> torch.Tensor:
+        """A tensor of `shape` that holds fn(*inputs) at replay. The inputs are copied at the end of the graph
+        before the cut into buffers of this recording (so that the capture may reuse the originals' memory).
+        Defers of one `shared` name use the same buffers: each one's result must be consumed before the next
+        such step runs, as a layer's attention is before the next layer's."""
+        staged = []
+        for i, t in enumerate(inputs):
+            key = (shared, i, tuple(t.shape), t.dtype)
+            buf = self._buffers.get(key) if shared else None
+            if buf is None:
+                buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # pool memory this recording keeps
+                if shared:
+                    self._buffers[key] = buf
+            buf.copy_(t)
+            staged.append(buf)
         self.end()
-        out = torch.empty(shape, dtype=torch.float32, device=device)  # outside any capture: a fixed address
-        self.steps.append(lambda: out.copy_(fn(), non_blocking=True))
+        out = self._buffers.get((shared, "out", shape)) if shared else None
+        if out is None:
+            out = torch.empty(shape, dtype=torch.float32, device=device)  # outside any capture: a fixed address
+            if shared:
+                self._buffers[shared, "out", shape] = out
+        self.steps.append(lambda: out.copy_(fn(*staged), non_blocking=True))
         self.begin()
         return out
 
@@ -158,8 +191,8 @@ class _Recorder:
 
 @dataclass
 class _Captured:
-    """A decode step of one shape as a CUDA graph (or, with host steps, graphs and host steps in turn): static
-    inputs filled before each replay."""
+    """A step of one shape as a CUDA graph (or, with host steps, graphs and host steps in turn): static
+    inputs filled before each replay; `ops` is the recorded forward's op set, whose host steps read its batch."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
@@ -167,11 +200,14 @@ class _Captured:
     logits: torch.Tensor
     expert_ids: list[torch.Tensor]
     graph: torch.cuda.CUDAGraph | _Recorder
+    ops: CudaOps
 
 
 class CudaExecutor:
-    """Runs a model's forward on the GPU backend: graphs for up to DECODE_MAX tokens (set FERRY_CUDA_GRAPHS=0
-    or graphs=False to run them eagerly), eager for prompts."""
+    """Runs a model's forward on the GPU backend as CUDA graphs, captured per shape and replayed (set
+    FERRY_CUDA_GRAPHS=0 or graphs=False to run eagerly): a decode step of up to DECODE_MAX tokens from its first
+    run, a prompt u-batch of up to PROMPT_GRAPH_MAX tokens from the second run of its shape on (prompt tails of
+    every length are run once and not kept), with attention over the cache between graphs."""
 
     def __init__(self, backend, graphs: bool | None = None):
         self.backend = backend
@@ -179,6 +215,7 @@ class CudaExecutor:
         self.graphs = graphs if graphs is not None else os.environ.get("FERRY_CUDA_GRAPHS", "1") != "0"
         self._tables: dict[tuple[int, int], dict[Rope, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._captured: dict[tuple, _Captured] = {}
+        self._prompt_runs: dict[tuple, int] = {}
         self._pool = None
 
     def _rope_tables(self, model, n_ctx: int) -> dict:
@@ -190,24 +227,34 @@ class CudaExecutor:
             self._tables[key] = {r: tuple(t.to(self.device) for t in r.angles(torch.arange(n_ctx))) for r in ropes}
         return self._tables[key]
 
-    def _run(self, model, batch: Batch, tokens, pos, cells) -> torch.Tensor:
-        ops = CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx))
-        return model.forward(ops)
+    def _ops(self, model, batch: Batch, tokens, pos, cells) -> CudaOps:
+        return CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx))
+
+    def _recorded(self, key: tuple, n_tokens: int) -> bool:
+        """Whether this step runs as graphs: decode steps always, prompt u-batches from their shape's second run."""
+        recordable = self.backend.graph_safe or getattr(self.backend, "host_steps", False)
+        if not self.graphs or not recordable or n_tokens > PROMPT_GRAPH_MAX:
+            return False
+        if n_tokens <= DECODE_MAX or key in self._captured:
+            return True
+        self._prompt_runs[key] = self._prompt_runs.get(key, 0) + 1
+        return self._prompt_runs[key] >= 2
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        recordable = self.backend.graph_safe or getattr(self.backend, "host_steps", False)
-        eager = not self.graphs or not recordable or batch.n_tokens > DECODE_MAX
         key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits)
-        c = None if eager else self._captured.get(key)
+        if not self._recorded(key, batch.n_tokens):
+            tokens, pos, cells = (t.to(self.device) for t in (tokens, batch.positions, batch.cells))
+            return model.forward(self._ops(model, batch, tokens, pos, cells))
+        c = self._captured.get(key)
         if c is None:
             tokens, pos, cells = (t.to(self.device) for t in (tokens, batch.positions, batch.cells))
-            if eager:
-                return self._run(model, batch, tokens, pos, cells)
             c = self._captured[key] = self._capture(model, batch, tokens, pos, cells)
         else:  # straight from the host into the graph's inputs
             c.tokens.copy_(tokens)
             c.pos.copy_(batch.positions)
             c.cells.copy_(batch.cells)
+            c.ops.batch = batch  # what the host steps between graphs read (the cache length, the mask)
+            c.ops._moved.clear()
             if isinstance(c.graph, _Recorder):
                 c.graph.host_tokens = tokens.cpu()
             c.graph.replay()
@@ -216,20 +263,22 @@ class CudaExecutor:
 
     def _capture(self, model, batch: Batch, tokens, pos, cells) -> _Captured:
         """Run the step once eagerly on a side stream (compiles kernels, sizes scratch buffers, and is this
-        step's result), then record it."""
+        step's result), then record it: as one graph, or as graphs cut at host steps (a prompt's attention over
+        the cache, the hybrid runtime's ops on weights in RAM)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._run(model, batch, tokens, pos, cells)
+            model.forward(self._ops(model, batch, tokens, pos, cells))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         batch.expert_ids = []
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        if self.backend.graph_safe:
+        ops = self._ops(model, batch, tokens, pos, cells)
+        if self.backend.graph_safe and batch.n_tokens <= DECODE_MAX:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._run(model, batch, tokens, pos, cells)
-        else:  # graphs between the backend's host steps
+                logits = model.forward(ops)
+        else:
             graph = _Recorder(self._pool)
             graph.host_tokens = tokens.cpu()
             torch.cuda.synchronize(self.device)
@@ -239,11 +288,11 @@ class CudaExecutor:
                 self.backend.recorder = graph
                 graph.begin()
                 try:
-                    logits = self._run(model, batch, tokens, pos, cells)
+                    logits = model.forward(ops)
                     graph.end()
                 finally:
                     self.backend.recorder = None
                     gc.enable()
             torch.cuda.current_stream(self.device).wait_stream(stream)
         graph.replay()
-        return _Captured(tokens, pos, cells, logits, list(batch.expert_ids), graph)
+        return _Captured(tokens, pos, cells, logits, list(batch.expert_ids), graph, ops)
