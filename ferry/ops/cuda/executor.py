@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from gguf.constants import GGMLQuantizationType as Q
 
 from ferry.layers.rope import Rope
@@ -19,7 +20,7 @@ from ferry.runtime.context import Batch
 from ferry.runtime.kv_cache import TORCH_TYPES
 
 DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
-PROMPT_GRAPH_MAX = 1024  # prompt u-batches up to which graphs are used (larger ones are bound by their kernels)
+PROMPT_GRAPH_MAX = 1024  # prompt u-batches up to which graphs are used: above, a capture costs more than it saves
 
 
 class CudaOps(TorchOps):
@@ -101,9 +102,12 @@ class CudaOps(TorchOps):
             keys, values = keys.expand(-1, q.shape[1], -1, -1), values.expand(-1, q.shape[1], -1, -1)
         elif group > 1:
             keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        if self.batch.seq is None and self.batch.start == 0 and not window:  # causal from cell 0: flash
+        if self.batch.seq is None and not window and self.batch.start == 0:  # causal from cell 0: flash
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
-        else:  # a mask: the memory-efficient kernel
+        elif self.batch.seq is None and not window:  # one sequence's next positions: causal to the cache's end, flash
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(n, keys.shape[2]),
+                                                 scale=scale)
+        else:  # a mask (windows, server slots): the memory-efficient kernel
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale)
         return out[0].transpose(0, 1).reshape(n, -1).float()
@@ -295,4 +299,6 @@ class CudaExecutor:
                     gc.enable()
             torch.cuda.current_stream(self.device).wait_stream(stream)
         graph.replay()
+        if batch.n_tokens > DECODE_MAX:  # the warm-up's cached blocks belong to its stream: give them back
+            torch.cuda.empty_cache()
         return _Captured(tokens, pos, cells, logits, list(batch.expert_ids), graph, ops)
