@@ -55,24 +55,31 @@ def main() -> None:
             ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(ub)])
             block = _block(ub * n_used, n_expert)
             sched = K.moe_tiles(ids, n_expert, block)
-            xs = torch.randn(ub * n_used, n_embd, device=dev, dtype=torch.float16)
+            tokens = torch.randn(ub, n_embd, device=dev, dtype=torch.float16)
             h = torch.randn(ub * n_used, n_ff, device=dev, dtype=torch.float16)
+            order = sched[0].to(torch.int32)
+            src = torch.div(order, n_used, rounding_mode="floor")
+            pair_weights = torch.rand(ub * n_used, device=dev)
             experts_hit = int(ids.unique().numel())
             weight_bytes = experts_hit * 3 * n_embd * n_ff * 18 / 32
             flops = ub * n_used * 3 * 2 * n_embd * n_ff
 
-            def layer(cfg_gu=None, cfg_down=None):
-                hh = K.moe_mm(xs, gate, sched, torch.float16, block, up=up, config=cfg_gu)
-                return K.moe_mm(hh, down, sched, torch.float32, block, config=cfg_down)
+            def gate_up(cfg=None):  # as CudaBackend.expert_pairs runs them
+                return K.moe_mm(tokens, gate, sched, torch.float16, block, up=up, rows_from=src, config=cfg)
+
+            def down_proj(hh, cfg=None):
+                return K.moe_mm(hh, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights,
+                                config=cfg)
+
+            def layer():
+                return down_proj(gate_up())
 
             t_default = do_bench(layer)
             best_gu = best_down = (None, None)
             t_best = None
             if not a.no_sweep:
-                gu = {cfg: do_bench(lambda: K.moe_mm(xs, gate, sched, torch.float16, block, up=up, config=cfg))
-                      for cfg in SWEEP}
-                dn = {cfg: do_bench(lambda: K.moe_mm(h, down, sched, torch.float32, block, config=cfg))
-                      for cfg in SWEEP}
+                gu = {cfg: do_bench(lambda: gate_up(cfg)) for cfg in SWEEP}
+                dn = {cfg: do_bench(lambda: down_proj(h, cfg)) for cfg in SWEEP}
                 best_gu, best_down = min(gu.items(), key=lambda kv: kv[1]), min(dn.items(), key=lambda kv: kv[1])
                 t_best = best_gu[1] + best_down[1]
             row = {"model": name, "ubatch": ub, "tile_rows": block, "experts_hit": experts_hit,

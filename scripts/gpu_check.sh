@@ -10,7 +10,8 @@
 #     big     ferry all-GPU on the qwen3-30b-a3b synthetic model: pp4096 at u-batch 128/512/2048/4096, tg128
 #     hybrid  ferry with the experts in RAM (-ngl 999 -ot exps=CPU) on the same big model, every offload policy,
 #             pp4096 at u-batch 512..4096, pp512 at 64..256, tg128 (HYBRID_ARGS: more options)
-#     kernels the grouped MoE GEMM alone (benchmarks/moe_kernels.py): default tiles and a sweep of them
+#     kernels the grouped MoE GEMM and the generation GEMVs alone (benchmarks/moe_kernels.py, gemv_kernels.py):
+#             default configurations and a sweep of them (KERNEL_ARGS: options of moe_kernels.py)
 #     llama   the big runs through llama.cpp's CUDA llama-bench too (built here, sm_90, cached in .build/)
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
 set -euo pipefail
@@ -44,6 +45,7 @@ if has tests; then
 fi
 if has kernels; then
     python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" ${KERNEL_ARGS:-} | tee "$OUT/moe_kernels.md"
+    python3 benchmarks/gemv_kernels.py --json "$OUT/gemv_kernels.json" | tee "$OUT/gemv_kernels.md"
 fi
 if has bench; then
     python3 -m ferry synth qwen3-moe-mid -o /tmp/mid.gguf -q

@@ -159,7 +159,8 @@ def test_store_q8_0_matches_ggml_rounding(n, width):
                                                                (300, 4, 2, 64, 384, 128)])
 def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, block):
     """Every pair's row times its expert's matrix, through the GPU-built tile schedule: odd token counts, experts
-    with no tokens, tiles that straddle nothing; and the gated form act(x . gate) * (x . up) in one launch."""
+    with no tokens, tiles that straddle nothing; the gated form act(x . gate) * (x . up) in one launch; rows read
+    and written through indices."""
     act = "silu" if n % 2 else "gelu"
     rng = np.random.default_rng(n * rows + cols)
     raw, w = _quantized(rng, qtype, n_expert, rows, cols)
@@ -177,6 +178,16 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     up_rows = torch.stack([w_up[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
     act_ref = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
     _close(gated, act_ref(want) * up_rows, 2e-3)
+    # rows read in place through an index (pair p reads its token's row p // n_used) and written back in pair order
+    # times the pair's router weight
+    tokens = torch.from_numpy(rng.standard_normal((n, cols))).half()
+    scale = torch.from_numpy(rng.uniform(0.1, 1.0, n * n_used)).float()
+    placed = K.moe_mm(tokens.to(DEV), K.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block,
+                      rows_from=(order // n_used).to(torch.int32).to(DEV), rows_to=order.to(torch.int32).to(DEV),
+                      row_scale=scale.to(DEV))
+    by_pair = torch.stack([w[int(ids.flatten()[p])] @ tokens[p // n_used].double() * scale[p].double()
+                           for p in range(n * n_used)])
+    _close(placed, by_pair, 2e-3)
     covered = torch.zeros(n * n_used, dtype=torch.int64)
     for e, r0, r1 in zip(*(t.cpu().tolist() for t in sched[1:])):
         if e >= 0:

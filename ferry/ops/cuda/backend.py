@@ -148,39 +148,39 @@ class CudaBackend:
 
         n, k = ids.shape
         if not dense and all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
-            y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act)
-        else:
-            order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
-            y = torch.empty_like(y_sorted)
-            y[order] = y_sorted  # back to (token, slot) order
+            y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act, weights=weights)
+            return y.view(n, k, -1).sum(1)
+        order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
+        y = torch.empty_like(y_sorted)
+        y[order] = y_sorted  # back to (token, slot) order
         return (y.view(n, k, -1) * weights[..., None]).sum(1)
 
     def expert_pairs(self, x: torch.Tensor, ids: torch.Tensor, gate, up, down, act: str,
-                     wait_down: torch.cuda.Event | None = None) -> torch.Tensor:
-        """Each (token, slot) pair's expert output, unweighted, (n * k, n_embd) float32 in pair order: x (n, n_embd),
-        ids (n, k) on the GPU; gate / up / down stacked Splits (uploaded or staged; only the experts in ids are
-        read). Expert GEMVs for few pairs, else the grouped GEMM, as moe() chooses. wait_down: an event the down
-        projection waits for (its weights still being copied by the hybrid runtime)."""
+                     wait_down: torch.cuda.Event | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Each (token, slot) pair's expert output, times its router weight when `weights` (n, k) is given,
+        (n * k, n_embd) float32 in pair order: x (n, n_embd), ids (n, k) on the GPU; gate / up / down stacked Splits
+        (uploaded or staged; only the experts in ids are read). Expert GEMVs for few pairs, else the grouped GEMM
+        (reading each pair's token row in place and writing its output in pair order). wait_down: an event the
+        down projection waits for (its weights still being copied by the hybrid runtime)."""
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
         n_expert = gate.ne[2]
+        pair_weights = None if weights is None else weights.float().reshape(-1).contiguous()
         if n * k <= MOE_GEMV_MAX and self.moe_strategy in ("auto", "gemv"):
-            ones = torch.ones(n * k, 1, dtype=torch.float32, device=x.device)
+            if pair_weights is None:
+                pair_weights = torch.ones(n * k, dtype=torch.float32, device=x.device)
             xs = x.float()[torch.arange(n, device=x.device).repeat_interleave(k)] if k > 1 else x
-            return kernels.moe_gemv(xs, ids.reshape(-1, 1), ones, gate, up, down, act, wait_down)
+            return kernels.moe_gemv(xs, ids.reshape(-1, 1), pair_weights.view(-1, 1), gate, up, down, act, wait_down)
         per_expert = n * k / n_expert
         block = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
         sched = kernels.moe_tiles(ids, n_expert, block)
-        order = sched[0]
-        xs = x.to(torch.float16)[order // k]
-        h = kernels.moe_mm(xs, gate, sched, torch.float16, block, up=up, act=act)
+        order = sched[0].to(torch.int32)
+        h = kernels.moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
+                           rows_from=torch.div(order, k, rounding_mode="floor"))
         if wait_down is not None:
             torch.cuda.current_stream(x.device).wait_event(wait_down)
-        y_sorted = kernels.moe_mm(h, down, sched, torch.float32, block)
-        y = torch.empty_like(y_sorted)
-        y[order] = y_sorted  # back to (token, slot) order
-        return y
+        return kernels.moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights)
 
     def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
         from ferry.ops.cuda.kernels import sort_pairs

@@ -16,7 +16,6 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from ferry.ops.cuda.dequant import _f16_at
 
 GEMV_KINDS = {Q.Q8_0: 0, Q.Q4_0: 1}  # types the quantized GEMV kernels read; others are expanded for cuBLAS
-_BK = 256  # columns per step along a row
 
 
 @triton.jit
@@ -226,13 +225,15 @@ def _block_halves(qs, d, wrow, nmask, b, K, KIND: tl.constexpr):
 
 
 @triton.jit
-def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, N, K, KIND: tl.constexpr, GATED: tl.constexpr,
-            ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Grouped GEMM over rows sorted by expert: tile i covers rows tile_row[i] .. tile_end[i] (all of expert
-    tile_expert[i], -1: no work); y[rows, n] = x[rows] . W_e[n] with W_e (split Q8_0 / Q4_0) expanded to f16
-    block by block in registers, f32 accumulation (tensor cores); BK columns (BK / 32 blocks) per loop step.
-    GATED: W is the gate and (uqs, ud) the up projection of the same expert, and y = act(x . gate) * (x . up),
-    one read of x for both."""
+def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K, KIND: tl.constexpr,
+            GATED: tl.constexpr, ACT: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+            SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Grouped GEMM over rows sorted by expert: tile i covers sorted rows tile_row[i] .. tile_end[i] (all of
+    expert tile_expert[i], -1: no work); row r's output is x[r] . W_e[n] with W_e (split Q8_0 / Q4_0) expanded to
+    f16 block by block in registers, f32 accumulation (tensor cores); BK columns (BK / 32 blocks) per loop step.
+    GATED: W is the gate and (uqs, ud) the up projection of the same expert, and the output act(x . gate) *
+    (x . up), one read of x for both. GATHER: row r reads x[src[r]]; SCATTER: it writes y[dst[r]]; SCALE: times
+    scale[dst[r]] (the router's weight of that pair)."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert + tile)
     if e >= 0:
@@ -243,7 +244,8 @@ def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, N, K, KIND: t
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < N
         wrow = (e.to(tl.int64) * N + n.to(tl.int64))[:, None]
-        xr = x + rows.to(tl.int64)[:, None] * K + tl.arange(0, 16)[None, :]
+        x_rows = tl.load(src + rows, mask=rmask, other=0) if GATHER else rows
+        xr = x + x_rows.to(tl.int64)[:, None] * K + tl.arange(0, 16)[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, K, BK):
@@ -261,7 +263,10 @@ def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, N, K, KIND: t
                     acc_up = tl.dot(a_hi, tl.trans(u_hi), acc_up)
         if GATED:
             acc = _act(acc, ACT) * acc_up
-        tl.store(y + rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
+        y_rows = tl.load(dst + rows, mask=rmask, other=0) if SCATTER else rows
+        if SCALE:
+            acc = acc * tl.load(scale + y_rows, mask=rmask, other=0.0)[:, None]
+        tl.store(y + y_rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
                  mask=rmask[:, None] & nmask[None, :])
 
 
@@ -313,14 +318,16 @@ class Split:
         return out
 
 
-def gemv(w: Split, x: torch.Tensor) -> torch.Tensor:
-    """x (n, cols) float32 times the (rows, cols) matrix transposed: (n, rows) float32."""
+def gemv(w: Split, x: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x (n, cols) float32 times the (rows, cols) matrix transposed: (n, rows) float32. config: (rows per program,
+    columns per step, warps)."""
     cols, rows = w.ne[:2]
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
-    br = 16 if rows * x.shape[0] >= 16 * 528 else 4  # enough programs for every SM
-    _gemv[(triton.cdiv(rows, br), x.shape[0])](w.qs, w.d, x, y, rows, cols, KIND=GEMV_KINDS[w.qtype], BR=br,
-                                              BK=_BK)
+    # enough programs for every SM; the fastest of a sweep on an H100 (benchmarks/gemv_kernels.py, session 7)
+    br, bk, warps = config or ((16, 256, 8) if rows * x.shape[0] >= 16 * 528 else (4, 512, 4))
+    _gemv[(triton.cdiv(rows, br), x.shape[0])](w.qs, w.d, x, y, rows, cols, KIND=GEMV_KINDS[w.qtype], BR=br, BK=bk,
+                                              num_warps=warps)
     return y
 
 
@@ -328,22 +335,26 @@ ACTS = {"silu": 0, "gelu": 1}
 
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Split, up: Split, down: Split,
-             act: str, wait_down: torch.cuda.Event | None = None) -> torch.Tensor:
+             act: str, wait_down: torch.cuda.Event | None = None,
+             config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The routed experts of few tokens: x (n, n_embd), ids / weights (n, n_used) on the GPU; gate/up/down the
-    stacked expert tensors. Returns (n, n_embd) float32."""
+    stacked expert tensors. Returns (n, n_embd) float32. config: (rows per program, columns per step, warps)."""
     n, n_used = ids.shape
     n_embd, n_ff = gate.ne[0], gate.ne[1]
+    # the fastest of a sweep on an H100 at Qwen3-30B-A3B's (first) and DeepSeek-V2-Lite's (second) expert shapes
+    br, bk, warps = config or ((16, 512, 8) if n_ff * n * n_used < 8192 else (8, 512, 2))
     x = x.float().contiguous()
     ids = ids.to(torch.int32).contiguous()
     h = torch.empty(n * n_used, n_ff, dtype=torch.float32, device=x.device)
     kind = GEMV_KINDS[gate.qtype]
-    _moe_gate_up[(triton.cdiv(n_ff, 4), n * n_used)](gate.qs, gate.d, up.qs, up.d, x, ids, h, n_ff, n_embd, n_used,
-                                                      KIND=kind, ACT=ACTS[act], BR=4, BK=_BK)
+    _moe_gate_up[(triton.cdiv(n_ff, br), n * n_used)](gate.qs, gate.d, up.qs, up.d, x, ids, h, n_ff, n_embd, n_used,
+                                                       KIND=kind, ACT=ACTS[act], BR=br, BK=bk, num_warps=warps)
     y = torch.empty(n * n_used, n_embd, dtype=torch.float32, device=x.device)
     if wait_down is not None:  # the down projection's weights are still being copied
         torch.cuda.current_stream(x.device).wait_event(wait_down)
-    _moe_down[(triton.cdiv(n_embd, 4), n * n_used)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd,
-                                                     n_ff, KIND=GEMV_KINDS[down.qtype], BR=4, BK=_BK)
+    _moe_down[(triton.cdiv(n_embd, br), n * n_used)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd,
+                                                      n_ff, KIND=GEMV_KINDS[down.qtype], BR=br, BK=bk,
+                                                      num_warps=warps)
     return y.view(n, n_used, n_embd).sum(1)
 
 
@@ -381,17 +392,25 @@ MOE_MM_CONFIGS = {(16, True): (64, 64, 4, 3), (16, False): (64, 64, 4, 3),
 
 
 def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int, up: Split | None = None, act: str = "silu",
-           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Rows xs (pairs, cols) f16 sorted by expert times their expert's (rows, cols) matrix transposed; with `up`,
-    act(xs . w) * (xs . up) (w the gate). config: (BN, BK, warps, stages), else MOE_MM_CONFIGS' choice."""
+           rows_from: torch.Tensor | None = None, rows_to: torch.Tensor | None = None,
+           row_scale: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Sorted row r (sched's order) times its expert's (rows, cols) matrix transposed: xs (pairs, cols) f16, row
+    r of it being xs[rows_from[r]] when given, else xs[r]; with `up`, act(xs . w) * (xs . up) (w the gate). The
+    result (pairs, rows) holds row r at rows_to[r] when given (times row_scale[rows_to[r]] when given), else at r.
+    config: (BN, BK, warps, stages), else MOE_MM_CONFIGS' choice."""
     cols, rows, _ = w.ne
     _, tile_expert, tile_row, tile_end = sched
-    y = torch.empty(xs.shape[0], rows, dtype=out_dtype, device=xs.device)
+    pairs = tile_row.new_empty(0) if rows_from is None else rows_from
+    y = torch.empty(xs.shape[0] if rows_from is None else rows_from.shape[0], rows, dtype=out_dtype,
+                    device=xs.device)
     bn, bk, warps, stages = config or MOE_MM_CONFIGS[block, up is not None]
     other = up if up is not None else w
     _moe_mm[(tile_expert.numel(), triton.cdiv(rows, bn))](
-        xs, w.qs, w.d, other.qs, other.d, y, tile_expert, tile_row, tile_end, rows, cols, KIND=GEMV_KINDS[w.qtype],
-        GATED=up is not None, ACT=ACTS[act], BM=block, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+        xs, w.qs, w.d, other.qs, other.d, y, tile_expert, tile_row, tile_end, pairs,
+        rows_to if rows_to is not None else pairs, row_scale if row_scale is not None else y, rows, cols,
+        KIND=GEMV_KINDS[w.qtype], GATED=up is not None, ACT=ACTS[act], GATHER=rows_from is not None,
+        SCATTER=rows_to is not None, SCALE=row_scale is not None, BM=block, BN=bn, BK=bk, num_warps=warps,
+        num_stages=stages)
     return y
 
 

@@ -1,0 +1,84 @@
+"""The token-generation kernels alone, for one token: the quantized GEMV at the dense shapes of the benchmark
+models (Q8_0) and the expert GEMVs (Q4_0, the router's n_expert_used experts), with their default configuration
+and a sweep of (rows per program, columns per step, warps) that chose it. Prints a table, writes JSON.
+  python benchmarks/gemv_kernels.py [--json out.json]
+"""
+
+import argparse
+import itertools
+import json
+
+import numpy as np
+import torch
+from triton.testing import do_bench
+
+from ferry.ops.cuda import kernels as K
+from ferry.quant import Q
+
+DENSE = {  # name: (cols, rows), Q8_0
+    "qwen3 attn_q": (2048, 4096), "qwen3 attn_k": (2048, 512), "qwen3 attn_output": (4096, 2048),
+    "qwen3 output": (2048, 151936), "v2-lite attn_q": (2048, 3072), "v2-lite attn_kv_a": (2048, 576),
+    "v2-lite shexp gate": (2048, 2816), "v2-lite shexp down": (2816, 2048),
+}
+EXPERTS = {"qwen3": (128, 8, 2048, 768), "v2-lite": (64, 6, 2048, 1408)}  # n_expert, used, n_embd, n_ff
+SWEEP = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)))
+
+
+def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> K.Split:
+    """Random blocks of qtype: quants uniform, scales around 0.01."""
+    rng = np.random.default_rng(sum(ne))
+    n_blocks = int(np.prod(n_blocks_shape))
+    width = 32 if qtype == Q.Q8_0 else 16
+    qs = torch.from_numpy(rng.integers(0, 256, (n_blocks, width), dtype=np.uint8)).to(dev)
+    d = torch.from_numpy((rng.uniform(0.5, 1.5, n_blocks) * 0.01).astype(np.float16)).to(dev)
+    return K.Split(qtype, ne, qs.view(torch.int8) if qtype == Q.Q8_0 else qs, d)
+
+
+def _best(fn) -> tuple[tuple, float]:
+    times = {}
+    for cfg in SWEEP:
+        try:
+            times[cfg] = do_bench(lambda: fn(cfg))
+        except Exception:  # a configuration the compiler refuses (registers, shared memory)
+            continue
+    return min(times.items(), key=lambda kv: kv[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default="gemv_kernels.json")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    results = []
+    print("| kernel | shape | default us | best us | best (rows, cols/step, warps) | GB/s default | GB/s best |")
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: |")
+
+    def report(name, shape, nbytes, t_default, best):
+        row = {"kernel": name, "shape": shape, "default_us": 1e3 * t_default, "best_us": 1e3 * best[1],
+               "best": best[0], "gbps_default": nbytes / t_default / 1e6, "gbps_best": nbytes / best[1] / 1e6}
+        results.append(row)
+        print(f"| {name} | {shape} | {row['default_us']:.1f} | {row['best_us']:.1f} | {best[0]} | "
+              f"{row['gbps_default']:.0f} | {row['gbps_best']:.0f} |", flush=True)
+
+    for name, (cols, rows) in DENSE.items():
+        w = _split(Q.Q8_0, (rows, cols // 32), (cols, rows), dev)
+        x = torch.randn(1, cols, device=dev)
+        report(name, f"{rows}x{cols}", rows * cols * 34 / 32, do_bench(lambda: K.gemv(w, x)),
+               _best(lambda cfg: K.gemv(w, x, cfg)))
+    for name, (n_expert, n_used, n_embd, n_ff) in EXPERTS.items():
+        gate = _split(Q.Q4_0, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
+        up = _split(Q.Q4_0, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
+        down = _split(Q.Q4_0, (n_expert, n_embd, n_ff // 32), (n_ff, n_embd, n_expert), dev)
+        x = torch.randn(1, n_embd, device=dev)
+        ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
+        weights = torch.rand(1, n_used, device=dev)
+        nbytes = n_used * 3 * n_embd * n_ff * 18 / 32
+        report(f"{name} experts", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
+               do_bench(lambda: K.moe_gemv(x, ids, weights, gate, up, down, "silu")),
+               _best(lambda cfg: K.moe_gemv(x, ids, weights, gate, up, down, "silu", config=cfg)))
+    with open(a.json, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
