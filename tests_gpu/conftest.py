@@ -1,12 +1,27 @@
 """Shared by the GPU tests: the mid model's all-CPU logits (the reference every GPU path is held to) and the
 KL-divergence / top-1 agreement against them."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from ferry.cli import main, open_model
 from ferry.runtime.engine import Engine
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # kernels on the CPU: Triton 3.6's interpreter meets numpy 2
+    from triton.runtime import interpreter as _interpreter
+
+    _patch_tensor = _interpreter._patch_lang_tensor
+
+    def _numpy2_index(tensor, scope) -> None:
+        """A loop bound or index held as a one-element array: numpy 2 refuses int() of it (a TypeError inside
+        every `range(0, K, BK)` of a kernel), so take the element."""
+        _patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _numpy2_index
 
 
 def kl_top1(want: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
