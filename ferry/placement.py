@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from ferry.errors import FerryError
+from ferry.ops.cuda.executor import PROMPT_GRAPH_MAX
 from ferry.runtime.kv_cache import CacheLayout, cache_layout
 
 GIB = 2 ** 30
@@ -189,7 +190,9 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     width = max(args.n_ff, args.n_ff_exp * max(args.n_expert_used, 1), args.n_head * args.head_dim_k)
     activations = 4 * n_ubatch * (4 * args.n_embd + 3 * width)
     for d in {place(f"blk.{i}.ffn_up.weight", args.n_layer, n_gpu_layers, overrides, layers) for i in range(args.n_layer)}:
-        need(d).compute += activations
+        # a GPU replays prompt u-batches up to PROMPT_GRAPH_MAX tokens as CUDA graphs, whose memory pool is a
+        # second set of activations beside the eager one
+        need(d).compute += activations * (2 if d != "CPU" and n_ubatch <= PROMPT_GRAPH_MAX else 1)
     need(place("output.weight", args.n_layer, n_gpu_layers, overrides, layers)).compute += 4 * n_ubatch * args.n_vocab
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:

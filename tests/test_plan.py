@@ -9,6 +9,7 @@ import pytest
 
 from ferry.gguf.file import GGUFFile
 from ferry.models.base import ModelArgs
+from ferry.ops.cuda.executor import PROMPT_GRAPH_MAX
 from ferry.placement import layer_devices, memory_plan, parse_size
 
 
@@ -47,6 +48,20 @@ def test_the_hybrid_runtime_plans_every_kv_cache_and_three_layers_of_expert_stag
                                                                                    kv_on_gpu=True), "CUDA0")
     layer0 = sum(t.nbytes for t in f.tensors.values() if t.name.startswith("blk.0.") and "_exps" in t.name)
     assert hybrid.compute - plain.compute == 3 * layer0 and hybrid.weights == plain.weights
+
+
+def test_the_gpu_compute_estimate_counts_the_prompt_graphs_pool_up_to_their_largest_u_batch(tiny):
+    """u-batches up to PROMPT_GRAPH_MAX keep a recorded graph's pool beside the eager activations: at that size
+    the GPU's compute estimate holds two sets, so doubling the u-batch past it adds only the logits."""
+    f = GGUFFile(tiny)
+    sizes, a = {t.name: t.nbytes for t in f.tensors.values()}, ModelArgs.from_gguf(f)
+
+    def gpu_compute(ub: int) -> int:
+        plan = memory_plan(sizes, a, 999, [], ["CUDA0"], {}, 256, ub)
+        return next(d for d in plan.devices if d.device == "CUDA0").compute
+
+    recorded, eager = gpu_compute(PROMPT_GRAPH_MAX), gpu_compute(2 * PROMPT_GRAPH_MAX)
+    assert eager - recorded == 4 * PROMPT_GRAPH_MAX * a.n_vocab
 
 
 def test_the_plan_counts_every_byte_and_advises_an_ngl_that_fits(tiny):
