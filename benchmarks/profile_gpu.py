@@ -1,6 +1,7 @@
 """Where the GPU time of one prompt u-batch and of one decode step goes: the top CUDA kernels by total time
-(torch.profiler), for a model all on the GPU. Decode steps are profiled eagerly (the kernels a CUDA graph
-replays are the same; the graph removes the launch gaps), and timed both ways.
+(torch.profiler), for a model all on the GPU. Both are profiled eagerly (the kernels a CUDA graph replays are the
+same; the graph removes the launch gaps); prompts are timed as they run by default (replayed up to
+PROMPT_GRAPH_MAX tokens), decode steps both ways.
   python benchmarks/profile_gpu.py -m model.gguf [-ub 128,2048] [-n 16] [--top 15]
 """
 
@@ -11,7 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ferry.cli import GpuOptions, open_model
-from ferry.ops.cuda.executor import CudaExecutor
+from ferry.ops.cuda.executor import PROMPT_GRAPH_MAX, CudaExecutor
 from ferry.runtime.engine import Engine
 
 
@@ -35,19 +36,26 @@ def main() -> None:
     _, backend, model, _ = open_model(a.model, 1, quiet=True, gpu=GpuOptions(999))
     vocab = model.args.n_vocab
     for ub in [int(v) for v in a.ub.split(",")]:
-        e = Engine(model, backend, n_ctx=ub + 1, n_batch=ub, n_ubatch=ub)
         tokens = torch.randint(0, vocab, (ub,)).tolist()
-        e.decode(tokens)
-        e.reset()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        e = Engine(model, backend, n_ctx=ub + 1, n_batch=ub, n_ubatch=ub)
+        for _ in range(2):  # an eager run, then (up to PROMPT_GRAPH_MAX tokens) the graphs' capture
             e.decode(tokens)
-            torch.cuda.synchronize()
-        e.reset()
+            e.reset()
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         e.decode(tokens)
         torch.cuda.synchronize()
-        print(f"prompt u-batch of {ub}: {1e3 * (time.perf_counter() - t0):.2f} ms wall, {ub / (time.perf_counter() - t0):.0f} t/s")
+        ms = 1e3 * (time.perf_counter() - t0)
+        recorded = "graphs" if ub <= PROMPT_GRAPH_MAX else "eager"
+        eager = Engine(model, backend, n_ctx=ub + 1, n_batch=ub, n_ubatch=ub)
+        eager.executor = CudaExecutor(backend, graphs=False)  # the kernels a replay runs, one launch each
+        eager.decode(tokens)
+        eager.reset()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eager.decode(tokens)
+            torch.cuda.synchronize()
+        print(f"prompt u-batch of {ub} ({recorded}): {ms:.2f} ms wall, {ub / ms * 1e3:.0f} t/s")
         print(table(prof, a.top, 1))
     for graphs in (False, True):
         e = Engine(model, backend, n_ctx=2 * a.n + 70, n_batch=64, n_ubatch=64)
