@@ -21,6 +21,7 @@ from ferry.runtime.kv_cache import TORCH_TYPES
 
 DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
 PROMPT_GRAPH_MAX = 1024  # prompt u-batches up to which graphs are used: above, a capture costs more than it saves
+PROMPT_GRAPHS_KEPT = 8  # prompt shapes recorded at once
 
 
 class CudaOps(TorchOps):
@@ -211,7 +212,8 @@ class CudaExecutor:
     """Runs a model's forward on the GPU backend as CUDA graphs, captured per shape and replayed (set
     FERRY_CUDA_GRAPHS=0 or graphs=False to run eagerly): a decode step of up to DECODE_MAX tokens from its first
     run, a prompt u-batch of up to PROMPT_GRAPH_MAX tokens from the second run of its shape on (prompt tails of
-    every length are run once and not kept), with attention over the cache between graphs."""
+    every length are run once and not kept; at most PROMPT_GRAPHS_KEPT shapes at once), with attention over the
+    cache between graphs."""
 
     def __init__(self, backend, graphs: bool | None = None):
         self.backend = backend
@@ -235,17 +237,28 @@ class CudaExecutor:
         return CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx))
 
     def _recorded(self, key: tuple, n_tokens: int) -> bool:
-        """Whether this step runs as graphs: decode steps always, prompt u-batches from their shape's second run."""
+        """Whether this step runs as graphs: decode steps always, prompt u-batches from their shape's second run.
+        At most PROMPT_GRAPHS_KEPT prompt shapes stay recorded (a server meets many prompt tails): recording
+        another drops the least recently replayed one, which must then run twice again to come back."""
         recordable = self.backend.graph_safe or getattr(self.backend, "host_steps", False)
         if not self.graphs or not recordable or n_tokens > PROMPT_GRAPH_MAX:
             return False
-        if n_tokens <= DECODE_MAX or key in self._captured:
+        if n_tokens <= DECODE_MAX:
+            return True
+        if key in self._captured:
+            self._captured[key] = self._captured.pop(key)  # the most recently replayed last
             return True
         self._prompt_runs[key] = self._prompt_runs.get(key, 0) + 1
-        return self._prompt_runs[key] >= 2
+        if self._prompt_runs[key] < 2:
+            return False
+        prompts = [k for k in self._captured if k[2] > DECODE_MAX]
+        if len(prompts) >= PROMPT_GRAPHS_KEPT:
+            del self._captured[prompts[0]]
+            self._prompt_runs.pop(prompts[0], None)
+        return True
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits)
+        key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits)  # key[2]: the u-batch size
         if not self._recorded(key, batch.n_tokens):
             tokens, pos, cells = (t.to(self.device) for t in (tokens, batch.positions, batch.cells))
             return model.forward(self._ops(model, batch, tokens, pos, cells))

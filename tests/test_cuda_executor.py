@@ -1,0 +1,46 @@
+"""Which steps the GPU executor records as CUDA graphs: pure bookkeeping, checked here without a GPU (recording and
+replaying them is checked on the GPU machine, tests_gpu/test_model_gpu.py and test_mla_gpu.py)."""
+
+from types import SimpleNamespace
+
+from ferry.ops.cuda.executor import DECODE_MAX, PROMPT_GRAPH_MAX, PROMPT_GRAPHS_KEPT, CudaExecutor
+
+
+def _executor(graph_safe: bool = True, graphs: bool = True) -> CudaExecutor:
+    return CudaExecutor(SimpleNamespace(device="cpu", graph_safe=graph_safe), graphs=graphs)
+
+
+def _step(ex: CudaExecutor, n: int) -> bool:
+    """One forward's decision; a step decided to be recorded is captured (a stand-in here)."""
+    key = ("model", "cache", n, False)
+    recorded = ex._recorded(key, n)
+    if recorded and key not in ex._captured:
+        ex._captured[key] = object()
+    return recorded
+
+
+def test_decode_steps_are_recorded_from_their_first_run_and_prompts_from_their_second():
+    ex = _executor()
+    assert _step(ex, 1) and _step(ex, DECODE_MAX)
+    assert not _step(ex, 64) and _step(ex, 64) and _step(ex, 64)
+    assert not _step(ex, PROMPT_GRAPH_MAX + 1) and not _step(ex, PROMPT_GRAPH_MAX + 1)  # bound by its kernels
+
+
+def test_nothing_is_recorded_without_graphs_or_where_the_backend_needs_the_host():
+    for ex in (_executor(graphs=False), _executor(graph_safe=False)):
+        assert not _step(ex, 1) and not _step(ex, 64) and not _step(ex, 64)
+
+
+def test_a_new_prompt_shape_beyond_the_limit_drops_the_least_recently_replayed_one():
+    ex = _executor()
+    sizes = [DECODE_MAX + 1 + i for i in range(PROMPT_GRAPHS_KEPT)]
+    for n in sizes:
+        _step(ex, n)
+        _step(ex, n)
+    assert _step(ex, sizes[0])  # replayed: now the most recent
+    newcomer = sizes[-1] + 1
+    assert not _step(ex, newcomer) and _step(ex, newcomer)
+    kept = sorted(k[2] for k in ex._captured)
+    assert kept == sorted([sizes[0]] + sizes[2:] + [newcomer])  # sizes[1] was the least recent
+    assert not _step(ex, sizes[1]) and _step(ex, sizes[1])  # it must run twice again to come back
+    assert _step(ex, 1) and 1 in {k[2] for k in ex._captured}  # decode steps do not count against the limit
