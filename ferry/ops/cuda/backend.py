@@ -26,7 +26,7 @@ class CudaBackend:
     hit, the reference the grouped GEMM is tested against)."""
 
     name = "CUDA"
-    recorder = None  # set by the executor while it records a prompt step as CUDA graphs cut at attention
+    recorder = None  # set by the executor while it records a prompt step as CUDA graphs cut at ops.cache_sized
 
     def __init__(self, device: str = "cuda:0", moe: str = "auto"):
         if moe not in MOE_STRATEGIES:
