@@ -32,11 +32,6 @@ def _experts(n_expert: int, rows: int, cols: int, dev) -> K.Split:
     return K.Split(Q.Q4_0, (cols, rows, n_expert), qs, d)
 
 
-def _block(pairs: int, n_expert: int) -> int:
-    per_expert = pairs / n_expert
-    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-ub", default="32,128,512,2048")
@@ -53,7 +48,7 @@ def main() -> None:
         down = _experts(n_expert, n_embd, n_ff, dev)
         for ub in [int(u) for u in a.ub.split(",")]:
             ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(ub)])
-            block = _block(ub * n_used, n_expert)
+            block = K.moe_tile_rows(ub * n_used, n_expert)
             sched = K.moe_tiles(ids, n_expert, block)
             tokens = torch.randn(ub, n_embd, device=dev, dtype=torch.float16)
             h = torch.randn(ub * n_used, n_ff, device=dev, dtype=torch.float16)

@@ -172,8 +172,7 @@ class CudaBackend:
                 pair_weights = torch.ones(n * k, dtype=torch.float32, device=x.device)
             xs = x.float()[torch.arange(n, device=x.device).repeat_interleave(k)] if k > 1 else x
             return kernels.moe_gemv(xs, ids.reshape(-1, 1), pair_weights.view(-1, 1), gate, up, down, act, wait_down)
-        per_expert = n * k / n_expert
-        block = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
+        block = kernels.moe_tile_rows(n * k, n_expert)
         sched = kernels.moe_tiles(ids, n_expert, block)
         order = sched[0].to(torch.int32)
         h = kernels.moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,

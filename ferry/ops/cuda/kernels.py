@@ -383,6 +383,13 @@ def moe_tiles(ids: torch.Tensor, n_expert: int, block: int):
             torch.minimum(row + block, ends[e]).to(torch.int32))
 
 
+def moe_tile_rows(pairs: int, n_expert: int) -> int:
+    """The grouped GEMM's tile height for `pairs` (token, expert) pairs over n_expert experts: the smallest of 16,
+    32, 64, 128 that holds an expert's average share."""
+    per_expert = pairs / n_expert
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 64 else 128
+
+
 # (BN, BK, warps, stages) of the grouped GEMM per (tile height, gated): the fastest of a sweep on an H100 at the
 # expert shapes of Qwen3-30B-A3B and DeepSeek-V2-Lite (benchmarks/moe_kernels.py; docs/performance.md, session 7)
 MOE_MM_CONFIGS = {(16, True): (64, 64, 4, 3), (16, False): (64, 64, 4, 3),
