@@ -8,6 +8,10 @@ import torch
 
 from ferry.runtime.kv_cache import KVCache
 
+# prompt u-batches up to which the GPU replays recorded CUDA graphs (above, a capture costs more than it saves);
+# the memory plan counts their pool
+PROMPT_GRAPH_MAX = 1024
+
 
 @dataclass
 class Batch:

@@ -16,11 +16,10 @@ from gguf.constants import GGMLQuantizationType as Q
 
 from ferry.layers.rope import Rope
 from ferry.ops.torch_ops import TorchOps
-from ferry.runtime.context import Batch
+from ferry.runtime.context import PROMPT_GRAPH_MAX, Batch
 from ferry.runtime.kv_cache import TORCH_TYPES
 
 DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
-PROMPT_GRAPH_MAX = 1024  # prompt u-batches up to which graphs are used: above, a capture costs more than it saves
 PROMPT_GRAPHS_KEPT = 8  # prompt shapes recorded at once
 
 
@@ -32,6 +31,12 @@ class CudaOps(TorchOps):
                  tables: dict):
         super().__init__(backend, batch, tokens)
         self.pos, self.cells, self.tables = pos, cells, tables
+
+    def rebind(self, batch: Batch) -> None:
+        """A recorded step replayed for `batch`: what its host steps between graphs read (the cache length, the
+        mask), with nothing kept from the batch before."""
+        self.batch = batch
+        self._moved.clear()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from ferry.ops.cuda import kernels
@@ -270,8 +275,7 @@ class CudaExecutor:
             c.tokens.copy_(tokens)
             c.pos.copy_(batch.positions)
             c.cells.copy_(batch.cells)
-            c.ops.batch = batch  # what the host steps between graphs read (the cache length, the mask)
-            c.ops._moved.clear()
+            c.ops.rebind(batch)
             if isinstance(c.graph, _Recorder):
                 c.graph.host_tokens = tokens.cpu()
             c.graph.replay()
