@@ -16,7 +16,7 @@ from ferry.ops.cuda import kernels as K
 from ferry.quant import Q
 
 DENSE = {  # name: (cols, rows), Q8_0
-    "qwen3 attn_q": (2048, 4096), "qwen3 attn_k": (2048, 512), "qwen3 attn_output": (4096, 2048),
+    "qwen3 attn_q": (2048, 4096), "qwen3 attn_k": (2048, 512), "qwen3 attn_q|k|v": (2048, 5120), "qwen3 attn_output": (4096, 2048),
     "qwen3 output": (2048, 151936), "v2-lite attn_q": (2048, 3072), "v2-lite attn_kv_a": (2048, 576),
     "v2-lite shexp gate": (2048, 2816), "v2-lite shexp down": (2816, 2048),
 }
@@ -76,6 +76,11 @@ def main() -> None:
         report(f"{name} experts", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
                do_bench(lambda: K.moe_gemv(x, ids, weights, gate, up, down, "silu")),
                _best(lambda cfg: K.moe_gemv(x, ids, weights, gate, up, down, "silu", config=cfg)))
+    for name, (n_expert, n_used, _, _) in EXPERTS.items():  # the router's top-k, one kernel
+        logits = torch.randn(1, n_expert, device=dev)
+        t = do_bench(lambda: K.route(logits, n_used, True, 1.0, False, None))
+        results.append({"kernel": f"{name} route", "shape": f"{n_expert} -> {n_used}", "default_us": 1e3 * t})
+        print(f"| {name} route | {n_expert} -> {n_used} | {1e3 * t:.1f} | | | | |", flush=True)
     with open(a.json, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
 

@@ -197,10 +197,12 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
     if gpu.wanted:
         backend = _gpu_backend(f, model, gpu, n_ctx, n_ubatch, cpu, quiet)
         if backend.name == "CUDA":
+            for group in model.fusable():
+                backend.upload_fused(group)
             for w in model.weights():
                 backend.upload(w)
             return f, backend, model, time.perf_counter() - t0
-        backend.prepare(model.weights())
+        backend.prepare(model.weights(), model.fusable())
         cpu_weights = [w for w in model.weights() if not backend.on_gpu(w)]
     if repack:
         t1 = time.perf_counter()

@@ -104,6 +104,82 @@ def test_norm_rope_matches_float64(neox, norm, n, heads, dim, n_rot):
     _close(got, want)
 
 
+@pytest.mark.parametrize("rows,n", [(1, 7), (3, 640), (2, 2048), (4, 33)])
+def test_add_rms_norm_returns_the_sum_and_its_norm(rows, n):
+    rng = np.random.default_rng(n + 1)
+    x, dx, w = (torch.from_numpy(rng.standard_normal(shape)) for shape in ((rows, n), (rows, n), (n,)))
+    s = x + dx
+    got_s, got_y = K.add_rms_norm(x.float().to(DEV), dx.float().to(DEV), w.float().to(DEV), 1e-6)
+    _close(got_s, s, 1e-6)
+    _close(got_y, s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+
+
+@pytest.mark.parametrize("gating,bias,norm,scale", [("softmax", False, True, 1.0), ("softmax", False, False, 1.0),
+                                                    ("sigmoid", True, True, 2.5), ("sigmoid", False, False, 1.0)])
+@pytest.mark.parametrize("n,n_expert,n_used", [(1, 8, 2), (3, 60, 6), (2, 128, 8), (5, 256, 8), (1, 7, 7)])
+def test_route_picks_the_reference_experts(gating, bias, norm, scale, n, n_expert, n_used):
+    from ferry.layers.ffn import Routing
+    from ferry.ops.cuda.backend import top_k_route
+
+    rng = np.random.default_rng(n_expert + n_used + n)
+    logits = torch.from_numpy(rng.standard_normal((n, n_expert)) * 2)
+    b = torch.from_numpy(rng.standard_normal(n_expert) * 0.1) if bias else None
+    routing = Routing(gating, b, scale)
+    want_w, want_ids = top_k_route(logits, n_used, norm, routing)  # float64: the exact choice
+    got_w, got_ids = K.route(logits.float().to(DEV), n_used, norm, scale, gating == "sigmoid",
+                             None if b is None else b.float().to(DEV))
+    assert got_ids.dtype == torch.int32
+    assert torch.equal(got_ids.cpu(), want_ids)
+    _close(got_w, want_w, 1e-6)
+
+
+@pytest.mark.parametrize("ktype,vtype", [(Q.F16, Q.F16), (Q.Q8_0, Q.Q8_0), (Q.F16, Q.Q8_0)], ids=str)
+@pytest.mark.parametrize("norm,neox", [(True, True), (False, False)])
+@pytest.mark.parametrize("n,heads,heads_kv,dk,dv,n_rot", [(1, 4, 2, 64, 64, 64), (3, 6, 3, 128, 96, 128),
+                                                          (2, 2, 1, 96, 32, 32), (1, 16, 4, 128, 128, 64)])
+def test_qkv_rope_store_matches_the_separate_kernels(ktype, vtype, norm, neox, n, heads, heads_kv, dk, dv, n_rot):
+    """The fused form against float64 for the queries, and bit for bit against norm_rope + the cache stores for
+    the cache rows (the same arithmetic)."""
+    from ferry.layers.rope import Rope
+
+    rng = np.random.default_rng(heads * dk + n + dv)
+    cells_n = 20
+    qw, kw = heads * dk, heads_kv * dk
+    y = torch.from_numpy(rng.standard_normal((n, qw + kw + heads_kv * dv))).float()
+    qn, kn = (torch.from_numpy(rng.standard_normal(dk)).float() for _ in range(2))
+    pos = torch.from_numpy(rng.integers(0, 300, n))
+    cells = torch.from_numpy(rng.permutation(cells_n)[:n])
+    rope = Rope(n_rot, 10000.0, neox)
+    cos, sin = (t.to(DEV) for t in rope.angles(torch.arange(300)))
+
+    def row_bytes(qtype, width):
+        return width // 32 * 34 if qtype == Q.Q8_0 else 2 * width
+
+    def empty(qtype, width):
+        return torch.zeros(cells_n, row_bytes(qtype, width), dtype=torch.uint8, device=DEV)
+
+    kc, vc = empty(ktype, kw), empty(vtype, heads_kv * dv)
+    args = (qn.to(DEV), kn.to(DEV)) if norm else (None, None)
+    q = K.qkv_rope_store(y.to(DEV), *args, 1e-6, cos, sin, pos.to(DEV), cells.to(DEV), kc, vc, ktype == Q.Q8_0,
+                         vtype == Q.Q8_0, heads, heads_kv, dk, dv, n_rot, neox)
+    yd = y.double()
+    qh = yd[:, :qw].view(n, heads, dk)
+    qh = qh * torch.rsqrt(qh.pow(2).mean(-1, keepdim=True) + 1e-6) * qn.double() if norm else qh
+    _close(q, rope(qh, cos.cpu()[pos].double(), sin.cpu()[pos].double()))
+
+    want_k, want_v = empty(ktype, kw), empty(vtype, heads_kv * dv)
+    k = K.norm_rope(y[:, qw:qw + kw].reshape(n, heads_kv, dk).to(DEV), args[1], 1e-6, cos, sin, pos.to(DEV), n_rot,
+                    neox)
+    v = y[:, qw + kw:].to(DEV)
+    for cache, qtype, x in ((want_k, ktype, k.reshape(n, -1)), (want_v, vtype, v)):
+        if qtype == Q.Q8_0:
+            K.store_q8_0(x, cache, cells.to(DEV))
+        else:
+            cache.view(torch.float16)[cells.to(DEV)] = x.to(torch.float16)
+    assert torch.equal(kc.cpu(), want_k.cpu())
+    assert torch.equal(vc.cpu(), want_v.cpu())
+
+
 def _cache(rng, qtype, cells, width):
     values = rng.standard_normal((cells, width)).astype(np.float32)
     if qtype == Q.F16:

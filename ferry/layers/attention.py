@@ -34,6 +34,11 @@ class Attention:
     window: int = 0
 
     def __call__(self, ops, x):
+        out = ops.fused_attention(self, x)
+        return ops.linear(self.unfused(ops, x) if out is None else out, self.wo)
+
+    def unfused(self, ops, x):
+        """The layer op by op, up to its output projection: (n, n_head * head_dim_v)."""
         q = ops.heads(ops.linear(x, self.wq, self.bq), self.n_head, self.head_dim_k)
         k = ops.heads(ops.linear(x, self.wk, self.bk), self.n_head_kv, self.head_dim_k)
         v = ops.heads(ops.linear(x, self.wv, self.bv), self.n_head_kv, self.head_dim_v)
@@ -41,7 +46,7 @@ class Attention:
             q = ops.rms_norm(q, self.q_norm, self.norm_eps)
             k = ops.rms_norm(k, self.k_norm, self.norm_eps)
         q, k = ops.rope(q, self.rope), ops.rope(k, self.rope)
-        return ops.linear(ops.attention(self.layer, q, k, v, self.scale, self.window), self.wo)
+        return ops.attention(self.layer, q, k, v, self.scale, self.window)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.layers.attention import LatentAttention
+from ferry.layers.attention import Attention, LatentAttention
 from ferry.layers.rope import Yarn
 from ferry.ops import Weight
 from ferry.quant import dequantize
@@ -222,6 +222,10 @@ class Model:
             walk(block)
         walk(self.output)
         return list(found.values())
+
+    def fusable(self) -> list[tuple[Weight, ...]]:
+        """Groups of weights that one input feeds and a GPU may hold as one matrix (each attention's q, k, v)."""
+        return [(b.attn.wq, b.attn.wk, b.attn.wv) for b in self.blocks if isinstance(getattr(b, "attn", None), Attention)]
 
     def latent_layers(self) -> list:
         """The blocks' latent attentions (DeepSeek's MLA), if any."""

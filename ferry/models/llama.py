@@ -25,8 +25,8 @@ class Block:
     eps: float
 
     def __call__(self, ops, x):
-        x = ops.add(x, self.attn(ops, ops.rms_norm(x, self.attn_norm, self.eps)))
-        return ops.add(x, self.ffn(ops, ops.rms_norm(x, self.ffn_norm, self.eps)))
+        x, h = ops.add_rms_norm(x, self.attn(ops, ops.rms_norm(x, self.attn_norm, self.eps)), self.ffn_norm, self.eps)
+        return ops.add(x, self.ffn(ops, h))
 
 
 def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, window: int = 0, scale: float | None = None) -> Attention:

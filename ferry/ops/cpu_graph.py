@@ -65,6 +65,13 @@ class GraphOps:
             x = ggml.ggml_cont(self.c, x)
         return ggml.ggml_mul(self.c, ggml.ggml_rms_norm(self.c, x, eps), self._vector(weight))
 
+    def add_rms_norm(self, x, dx, weight: torch.Tensor, eps: float):
+        s = self.add(x, dx)
+        return s, self.rms_norm(s, weight, eps)
+
+    def fused_attention(self, attn, x):
+        return None  # ggml's graph fuses nothing: the layer's own ops
+
     def linear(self, x, w: Weight, bias: torch.Tensor | None = None):
         y = ggml.ggml_mul_mat(self.c, self.backend._weight_leaf(self.g, w), x)
         return y if bias is None else ggml.ggml_add(self.c, y, self._vector(bias))

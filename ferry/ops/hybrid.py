@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ferry.ops import Weight
-from ferry.ops.cuda.backend import CudaBackend, top_k_route
+from ferry.ops.cuda.backend import CudaBackend, gpu_route
 from ferry.placement import EXPERTS_RE
 from ferry.policy import Calibration, Explorer, Policy, decide, size_class, split_experts
 from ferry.quant import bytes_per_weight
@@ -82,8 +82,12 @@ class HybridBackend:
         """Whether a step may be recorded as CUDA graphs between host steps (not while timing each op)."""
         return not self.timed
 
-    def prepare(self, weights: list[Weight]) -> None:
-        """Upload the GPU's weights, register the CPU's with the streamer."""
+    def prepare(self, weights: list[Weight], fused: list[tuple[Weight, ...]] = ()) -> None:
+        """Upload the GPU's weights (each group of `fused` that is all on the GPU as one, CudaBackend.upload_fused),
+        register the CPU's with the streamer."""
+        for group in fused:
+            if all(map(self.on_gpu, group)):
+                self.gpu.upload_fused(group)
         cpu_weights = []
         for w in weights:
             if self.on_gpu(w):
@@ -105,6 +109,9 @@ class HybridBackend:
 
     def upload(self, w: Weight):
         return self.gpu.upload(w) if self.on_gpu(w) else None
+
+    def fused(self, ws: tuple[Weight, ...]):
+        return self.gpu.fused(ws)
 
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         return self.gpu.vector(t)
@@ -172,7 +179,7 @@ class HybridBackend:
     # ---- routed experts ----------------------------------------------------------------------------------
 
     def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool, routing=None):
-        return top_k_route(self.linear(x, router), n_used, norm_topk, routing, self.vector)
+        return gpu_route(self.linear(x, router), n_used, norm_topk, routing, self.vector)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
             norm_topk: bool, act: str, routing=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,6 +49,17 @@ class TorchOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, self.backend.vector(weight), eps)
 
+    def add_rms_norm(self, x: torch.Tensor, dx: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + dx, its RMSNorm): a residual add and the next sub-layer's norm."""
+        s = self.add(x, dx)
+        return s, self.rms_norm(s, weight, eps)
+
+    def fused_attention(self, attn, x: torch.Tensor) -> torch.Tensor | None:
+        """A whole attention layer before its output projection (projections, q/k norms, rope, cache store,
+        attention) as fused kernels, or None where this op set has none for it: the layer then runs op by op."""
+        return None
+
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = self.backend.linear(x, w)
         return y if bias is None else y + self.backend.vector(bias)

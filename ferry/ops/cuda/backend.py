@@ -34,6 +34,7 @@ class CudaBackend:
         self.device = torch.device(device)
         self.moe_strategy = moe
         self._raw: dict[int, torch.Tensor] = {}
+        self._fused: dict[tuple[int, ...], object] = {}  # ids of weights uploaded as one Split -> that Split
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
         self._grouped = hasattr(torch, "_grouped_mm") and torch.cuda.is_available() and \
@@ -57,6 +58,28 @@ class CudaBackend:
                 t = Split.of(t, w.qtype, w.ne)
             self._raw[id(w)] = t
         return t
+
+    def upload_fused(self, ws: tuple[Weight, ...]) -> None:
+        """Weights that one input feeds (attention's q, k and v) uploaded as one Split holding their rows in order,
+        so that a token's projections are one GEMV launch (fused()); each weight's upload is a view of its rows.
+        Only Q8_0 / Q4_0 matrices of one type and width, none uploaded yet; others stay apart."""
+        from ferry.ops.cuda.kernels import GEMV_KINDS, Split
+
+        first = ws[0]
+        if first.qtype not in GEMV_KINDS or any(len(w.ne) != 2 or w.qtype != first.qtype or w.ne[0] != first.ne[0]
+                                                or id(w) in self._raw for w in ws):
+            return
+        rows = sum(w.ne[1] for w in ws)
+        fused = Split.of(torch.cat([w.host_tensor() for w in ws]).to(self.device), first.qtype, (first.ne[0], rows))
+        self._fused[tuple(map(id, ws))] = fused
+        start = 0
+        for w in ws:
+            self._raw[id(w)] = fused.row_block(start, w.ne[1])
+            start += w.ne[1]
+
+    def fused(self, ws: tuple[Weight, ...]):
+        """The Split that upload_fused made of ws, or None."""
+        return self._fused.get(tuple(map(id, ws)))
 
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         """A small float model tensor (norm weight, bias) on the GPU as float32 (once)."""
@@ -117,7 +140,7 @@ class CudaBackend:
 
     def route(self, x: torch.Tensor, router: Weight, n_used: int, norm_topk: bool, routing=None):
         """Router and top-k: (weights (n, k) float32, ids (n, k) int32), on the GPU."""
-        return top_k_route(self.linear(x, router), n_used, norm_topk, routing, self.vector)
+        return gpu_route(self.linear(x, router), n_used, norm_topk, routing, self.vector)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
             norm_topk: bool, act: str, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,6 +273,18 @@ def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None
     if routing is not None and routing.scale != 1.0:
         weights = weights * routing.scale
     return weights, ids.to(torch.int32)
+
+
+def gpu_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
+              on_device=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k_route as one kernel (kernels.route) where routing is not group-limited, else op by op."""
+    from ferry.ops.cuda import kernels
+
+    if routing is not None and routing.grouped:
+        return top_k_route(logits, n_used, norm_topk, routing, on_device)
+    sigmoid = routing is not None and routing.gating == "sigmoid"
+    bias = None if routing is None or routing.bias is None else on_device(routing.bias)
+    return kernels.route(logits, n_used, norm_topk, 1.0 if routing is None else routing.scale, sigmoid, bias)
 
 
 _MM_DTYPE = [True]  # whether torch.mm takes out_dtype (torch >= 2.8 on CUDA)

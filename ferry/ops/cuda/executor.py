@@ -31,6 +31,7 @@ class CudaOps(TorchOps):
                  tables: dict):
         super().__init__(backend, batch, tokens)
         self.pos, self.cells, self.tables = pos, cells, tables
+        self._base: torch.Tensor | None = None
 
     def rebind(self, batch: Batch) -> None:
         """A recorded step replayed for `batch`: what its host steps between graphs read (the cache length, the
@@ -42,6 +43,41 @@ class CudaOps(TorchOps):
         from ferry.ops.cuda import kernels
 
         return kernels.rms_norm(x, self.backend.vector(weight), eps)
+
+    def add_rms_norm(self, x: torch.Tensor, dx: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from ferry.ops.cuda import kernels
+
+        return kernels.add_rms_norm(x, dx, self.backend.vector(weight), eps)
+
+    def fused_attention(self, attn, x: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's attention layer in three launches: one GEMV for q, k and v (their rows uploaded as one
+        matrix), one kernel for the q/k norms, rope and both cache stores, and attention over the cache."""
+        from ferry.ops.cuda import kernels
+
+        kv, n = self.batch.kv, x.shape[0]
+        w = self.backend.fused((attn.wq, attn.wk, attn.wv))
+        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
+                or any(b is not None for b in (attn.bq, attn.bk, attn.bv))
+                or any(t not in (Q.F16, Q.Q8_0) or (t == Q.Q8_0 and d % 32)
+                       for t, d in ((kv.type_k, attn.head_dim_k), (kv.type_v, attn.head_dim_v)))):
+            return None
+        k_q8, v_q8 = kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0
+        cos, sin = self.tables[attn.rope]
+        norms = (None, None) if attn.q_norm is None else (self.backend.vector(attn.q_norm),
+                                                           self.backend.vector(attn.k_norm))
+        q = kernels.qkv_rope_store(kernels.gemv(w, x), *norms, attn.norm_eps, cos, sin, self.pos, self.cells,
+                                   kv.k[attn.layer], kv.v[attn.layer], k_q8, v_q8, attn.n_head, attn.n_head_kv,
+                                   attn.head_dim_k, attn.head_dim_v, attn.rope.n_rot, attn.rope.neox)
+        return kernels.attention_decode(q, _typed(kv.k[attn.layer], kv.type_k), _typed(kv.v[attn.layer], kv.type_v),
+                                        k_q8, v_q8, self.pos, self._cell_base(), kv.n_head_kv, kv.head_dim_v,
+                                        attn.scale, attn.window)
+
+    def _cell_base(self) -> torch.Tensor:
+        """Each token's cache cell minus its position (where its sequence starts), once per forward."""
+        if self._base is None:
+            self._base = self.cells - self.pos
+        return self._base
 
     def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         from ferry.ops.cuda import kernels
@@ -72,7 +108,7 @@ class CudaOps(TorchOps):
         k_q8, v_q8 = kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0
         if n <= DECODE_MAX:
             return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
-                                            k_q8, v_q8, self.pos, self.cells - self.pos, kv.n_head_kv,
+                                            k_q8, v_q8, self.pos, self._cell_base(), kv.n_head_kv,
                                             kv.head_dim_v, scale, window)
 
         def over_cache(q):  # a prompt: flash / memory-efficient attention over the cache as f16

@@ -88,7 +88,8 @@ def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr,
 @triton.jit
 def _moe_down(dq, dd, h, ids, weights, y, rows, K, KIND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
     """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p]); the caller sums each token's pairs in a fixed order
-    (no atomics: the same inputs give the same bits)."""
+    (no atomics: the same inputs give the same bits). One program per pair and row block: summing a token's
+    pairs in this kernel leaves too few programs (37.5-41.8 against 32.4 us for Qwen3's experts on an H100)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
@@ -97,6 +98,36 @@ def _moe_down(dq, dd, h, ids, weights, y, rows, K, KIND: tl.constexpr, BR: tl.co
     for k0 in range(0, K, BK):
         acc += _qdot(dq, dd, row, rmask, h + p * K, k0, K, KIND, BK)
     tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
+
+
+@triton.jit
+def _route(logits, bias, weights, ids, n_expert, n_used, scale, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+           NORM: tl.constexpr, BE: tl.constexpr, BU: tl.constexpr):
+    """One token's router: scores (softmax, or sigmoid) of its logits, the n_used best by score (+ bias when
+    given) in descending order, their unbiased scores (renormalised to sum 1 when NORM) times scale."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    live = e < n_expert
+    z = tl.load(logits + t * n_expert + e, mask=live, other=-float("inf"))
+    if SIGMOID:
+        p = tl.where(live, 1.0 / (1.0 + tl.exp(-z)), 0.0)
+    else:
+        p = tl.exp(z - tl.max(z, axis=0))
+        p = p / tl.sum(p, axis=0)
+    choice = p + tl.load(bias + e, mask=live, other=0.0) if HAS_BIAS else p
+    choice = tl.where(live, choice, -float("inf"))
+    j = tl.arange(0, BU)
+    w_sel = tl.zeros((BU,), dtype=tl.float32)
+    id_sel = tl.zeros((BU,), dtype=tl.int32)
+    for i in range(n_used):
+        best = tl.argmax(choice, axis=0)
+        w_sel = tl.where(j == i, tl.sum(tl.where(e == best, p, 0.0), axis=0), w_sel)
+        id_sel = tl.where(j == i, best.to(tl.int32), id_sel)
+        choice = tl.where(e == best, -float("inf"), choice)
+    if NORM:
+        w_sel = w_sel / tl.sum(tl.where(j < n_used, w_sel, 0.0), axis=0)
+    tl.store(weights + t * n_used + j, w_sel * scale, mask=j < n_used)
+    tl.store(ids + t * n_used + j, id_sel, mask=j < n_used)
 
 
 @triton.jit
@@ -110,15 +141,24 @@ def _rms_norm(x, w, y, n, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(x, w, cos, sin, pos, y, n_heads, dim, n_rot, eps, HAS_NORM: tl.constexpr, NEOX: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """One head of one token: optional RMSNorm over the head, then rotate the first n_rot dims by the angles
-    of the token's position (row pos[t] of the cos/sin tables, n_rot / 2 wide)."""
+def _add_rms_norm(x, dx, w, s, y, n, eps, BLOCK: tl.constexpr):
+    """s = x + dx (the residual stream), y = RMSNorm(s) * w, per row."""
     row = tl.program_id(0).to(tl.int64)
-    t = row // n_heads
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    v = tl.load(x + row * n + i, mask=m, other=0.0) + tl.load(dx + row * n + i, mask=m, other=0.0)
+    tl.store(s + row * n + i, v, mask=m)
+    inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / n + eps)
+    tl.store(y + row * n + i, v * inv * tl.load(w + i, mask=m, other=0.0), mask=m)
+
+
+@triton.jit
+def _rotated(x, w, cos, sin, p, dim, n_rot, eps, HAS_NORM: tl.constexpr, NEOX: tl.constexpr, BLOCK: tl.constexpr):
+    """One head's values at x (dim floats): optional RMSNorm with w, then the first n_rot dims rotated by the
+    angles of position p (row p of the cos/sin tables, n_rot / 2 wide). Lanes past dim are 0."""
     i = tl.arange(0, BLOCK)
     m = i < dim
-    v = tl.load(x + row * dim + i, mask=m, other=0.0)
+    v = tl.load(x + i, mask=m, other=0.0)
     half = n_rot // 2
     if NEOX:  # pairs (i, i + n_rot / 2)
         pair = tl.where(i < half, i + half, i - half)
@@ -129,16 +169,80 @@ def _norm_rope(x, w, cos, sin, pos, y, n_heads, dim, n_rot, eps, HAS_NORM: tl.co
         k = i // 2
         sign = tl.where(i % 2 == 0, -1.0, 1.0)
     rot = m & (i < n_rot)
-    other = tl.load(x + row * dim + pair, mask=rot, other=0.0)
+    other = tl.load(x + pair, mask=rot, other=0.0)
     if HAS_NORM:
         inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / dim + eps)
         v = v * inv * tl.load(w + i, mask=m, other=0.0)
         other = other * inv * tl.load(w + pair, mask=rot, other=0.0)
-    p = tl.load(pos + t).to(tl.int64)
     c = tl.load(cos + p * half + k, mask=rot, other=1.0)
     s = tl.load(sin + p * half + k, mask=rot, other=0.0)
-    out = tl.where(rot, v * c + sign * other * s, v)
-    tl.store(y + row * dim + i, out, mask=m)
+    return tl.where(rot, v * c + sign * other * s, v)
+
+
+@triton.jit
+def _store_cache_row(cache, cache16, at, v, n, BLOCK: tl.constexpr, Q8: tl.constexpr):
+    """The first n of v (BLOCK floats) into a cache row at `at`: f16 (at in elements of the float16 view
+    `cache16`), or q8_0 blocks (n a multiple of 32) rounded as ggml does (at in bytes of `cache`; blocks start at
+    even bytes)."""
+    if Q8:
+        blocks = tl.reshape(v, (BLOCK // 32, 32))
+        d = tl.max(tl.abs(blocks), axis=1) / 127.0
+        inv = tl.where(d > 0, 1.0 / d, 0.0)
+        scaled = blocks * inv[:, None]
+        q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5)).to(tl.int8)
+        nb = tl.arange(0, BLOCK // 32)
+        live = nb < n // 32
+        b = at + nb.to(tl.int64) * 34
+        tl.store(cache16 + b // 2, d.to(tl.float16), mask=live)
+        tl.store(cache + b[:, None] + 2 + tl.arange(0, 32)[None, :], q.to(tl.uint8, bitcast=True),
+                 mask=live[:, None])
+    else:
+        i = tl.arange(0, BLOCK)
+        tl.store(cache16 + at + i, v.to(tl.float16), mask=i < n)
+
+
+@triton.jit
+def _qkv_rope_store(y, qn, kn, cos, sin, pos, cells, q_out, kc, kc16, vc, vc16, n_head, n_head_kv, dk, dv, n_rot,
+                    eps, k_row, v_row, HAS_NORM: tl.constexpr, NEOX: tl.constexpr, K_Q8: tl.constexpr,
+                    V_Q8: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """One head of token t of a fused q|k|v projection y (n, (n_head + n_head_kv) * dk + n_head_kv * dv): a query
+    head normed (HAS_NORM) and rotated into q_out (n, n_head, dk); a key head the same, into cache row cells[t];
+    a value head copied into its cache row. k_row / v_row: a cache row's bytes (q8_0) or f16 values."""
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    width = (n_head + n_head_kv) * dk + n_head_kv * dv
+    cell = tl.load(cells + t).to(tl.int64)
+    if head < n_head + n_head_kv:
+        p = tl.load(pos + t).to(tl.int64)
+        if head < n_head:
+            out = _rotated(y + t * width + head * dk, qn, cos, sin, p, dk, n_rot, eps, HAS_NORM, NEOX, BK)
+            i = tl.arange(0, BK)
+            tl.store(q_out + (t * n_head + head) * dk + i, out, mask=i < dk)
+        else:
+            out = _rotated(y + t * width + head * dk, kn, cos, sin, p, dk, n_rot, eps, HAS_NORM, NEOX, BK)
+            col = (head - n_head) * dk
+            if K_Q8:
+                col = col // 32 * 34
+            _store_cache_row(kc, kc16, cell * k_row + col, out, dk, BK, K_Q8)
+    else:
+        vh = head - n_head - n_head_kv
+        i = tl.arange(0, BV)
+        v = tl.load(y + t * width + (n_head + n_head_kv) * dk + vh * dv + i, mask=i < dv, other=0.0)
+        col = vh * dv
+        if V_Q8:
+            col = col // 32 * 34
+        _store_cache_row(vc, vc16, cell * v_row + col, v, dv, BV, V_Q8)
+
+
+@triton.jit
+def _norm_rope(x, w, cos, sin, pos, y, n_heads, dim, n_rot, eps, HAS_NORM: tl.constexpr, NEOX: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """One head of one token: optional RMSNorm over the head, then RoPE at the token's position pos[t]."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos + row // n_heads).to(tl.int64)
+    out = _rotated(x + row * dim, w, cos, sin, p, dim, n_rot, eps, HAS_NORM, NEOX, BLOCK)
+    i = tl.arange(0, BLOCK)
+    tl.store(y + row * dim + i, out, mask=i < dim)
 
 
 @triton.jit
@@ -296,6 +400,12 @@ class Split:
         return Split(self.qtype, (self.ne[0], n), self.qs.view(-1, per_row, self.qs.shape[1])[ids].view(-1, self.qs.shape[1]),
                      self.d.view(-1, per_row)[ids].view(-1))
 
+    def row_block(self, first: int, count: int) -> "Split":
+        """Rows first .. first + count of a 2-D tensor (a view)."""
+        per_row = self.ne[0] // 32
+        a, b = first * per_row, (first + count) * per_row
+        return Split(self.qtype, (self.ne[0], count), self.qs[a:b], self.d[a:b])
+
     def expert(self, e: int) -> "Split":
         per = self.d.numel() // self.ne[2]
         return Split(self.qtype, self.ne[:2], self.qs[e * per:(e + 1) * per], self.d[e * per:(e + 1) * per])
@@ -355,7 +465,21 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Sp
     _moe_down[(triton.cdiv(n_embd, br), n * n_used)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd,
                                                       n_ff, KIND=GEMV_KINDS[down.qtype], BR=br, BK=bk,
                                                       num_warps=warps)
-    return y.view(n, n_used, n_embd).sum(1)
+    return y.view(n, n_used, n_embd).sum(1) if n_used > 1 else y
+
+
+def route(logits: torch.Tensor, n_used: int, norm: bool, scale: float, sigmoid: bool,
+          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (n, n_expert) float32 -> the n_used best experts per token, best first: (weights (n, n_used)
+    float32, ids (n, n_used) int32); see _route."""
+    logits = logits.float().contiguous()
+    n, n_expert = logits.shape
+    weights = torch.empty(n, n_used, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(n, n_used, dtype=torch.int32, device=logits.device)
+    _route[(n,)](logits, bias if bias is not None else logits, weights, ids, n_expert, n_used, scale,
+                 SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORM=norm, BE=triton.next_power_of_2(n_expert),
+                 BU=triton.next_power_of_2(n_used))
+    return weights, ids
 
 
 def sort_pairs(ids: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -428,6 +552,35 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     _rms_norm[(x.numel() // n,)](x, w, y, n, eps, BLOCK=triton.next_power_of_2(n))
     return y
+
+
+def add_rms_norm(x: torch.Tensor, dx: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + dx, RMSNorm(x + dx) * w) over the last dimension, float32, in one pass."""
+    x, dx = x.float().contiguous(), dx.float().contiguous()
+    n = x.shape[-1]
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm[(x.numel() // n,)](x, dx, w, s, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return s, y
+
+
+def qkv_rope_store(y: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                   cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, cells: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, k_q8: bool, v_q8: bool, n_head: int,
+                   n_head_kv: int, dk: int, dv: int, n_rot: int, neox: bool) -> torch.Tensor:
+    """A fused q|k|v projection y (n, (n_head + n_head_kv) * dk + n_head_kv * dv) float32: the keys (normed when
+    norms are given, rotated) and values into cache rows `cells` (caches of q8_0 bytes, or f16 viewed as bytes or
+    f16); returns the queries, normed and rotated (n, n_head, dk) float32."""
+    n = y.shape[0]
+    q = torch.empty(n, n_head, dk, dtype=torch.float32, device=y.device)
+    k16, v16 = k_cache.view(torch.float16), v_cache.view(torch.float16)
+    k_row = k_cache.shape[1] if k_q8 else k16.shape[1]
+    v_row = v_cache.shape[1] if v_q8 else v16.shape[1]
+    _qkv_rope_store[(n, n_head + 2 * n_head_kv)](
+        y.contiguous(), q_norm if q_norm is not None else y, k_norm if k_norm is not None else y, cos, sin, pos,
+        cells, q, k_cache, k16, v_cache, v16, n_head, n_head_kv, dk, dv, n_rot, eps, k_row, v_row,
+        HAS_NORM=q_norm is not None, NEOX=neox, K_Q8=k_q8, V_Q8=v_q8, BK=triton.next_power_of_2(dk),
+        BV=triton.next_power_of_2(dv))
+    return q
 
 
 def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
