@@ -1,6 +1,7 @@
 """The token-generation kernels alone, for one token: the quantized GEMV at the dense shapes of the benchmark
 models (Q8_0) and the expert GEMVs (Q4_0, the router's n_expert_used experts), with their default configuration
-and a sweep of (rows per program, columns per step, warps) that chose it. Prints a table, writes JSON.
+and a sweep of (rows per program, columns per step, warps) that chose it; the float32 router GEMV, attention over
+the cache (a sweep of cells per step and warps) and the router's top-k. Prints a table, writes JSON.
   python benchmarks/gemv_kernels.py [--json out.json]
 """
 
@@ -21,7 +22,9 @@ DENSE = {  # name: (cols, rows), Q8_0
     "v2-lite shexp gate": (2048, 2816), "v2-lite shexp down": (2816, 2048),
 }
 EXPERTS = {"qwen3": (128, 8, 2048, 768), "v2-lite": (64, 6, 2048, 1408)}  # n_expert, used, n_embd, n_ff
-SWEEP = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)))
+SWEEP = list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)))
+ATTENTION = {"qwen3": (32, 4, 128)}  # heads, kv heads, head size
+ATTENTION_SWEEP = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8)))
 
 
 def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> K.Split:
@@ -60,6 +63,7 @@ def main() -> None:
         print(f"| {name} | {shape} | {row['default_us']:.1f} | {row['best_us']:.1f} | {best[0]} | "
               f"{row['gbps_default']:.0f} | {row['gbps_best']:.0f} |", flush=True)
 
+    torch.randn(8192, 8192, device=dev).matmul(torch.randn(8192, 8192, device=dev))  # clocks up before timing
     for name, (cols, rows) in DENSE.items():
         w = _split(Q.Q8_0, (rows, cols // 32), (cols, rows), dev)
         x = torch.randn(1, cols, device=dev)
@@ -76,6 +80,28 @@ def main() -> None:
         report(f"{name} experts", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
                do_bench(lambda: K.moe_gemv(x, ids, weights, gate, up, down, "silu")),
                _best(lambda cfg: K.moe_gemv(x, ids, weights, gate, up, down, "silu", config=cfg)))
+    for name, (n_expert, n_used, n_embd, _) in EXPERTS.items():  # the router (float32) and its top-k
+        w = torch.randn(n_expert, n_embd, device=dev)
+        x = torch.randn(1, n_embd, device=dev)
+        report(f"{name} router", f"{n_expert}x{n_embd} f32", n_expert * n_embd * 4, do_bench(lambda: K.gemv_float(w, x)),
+               _best(lambda cfg: K.gemv_float(w, x, cfg)))
+    for name, (heads, heads_kv, dk) in ATTENTION.items():  # attention over a cache of `cells` f16 rows
+        for cells in (64, 512, 4096):
+            kc = torch.randn(cells, heads_kv * dk, device=dev).half().view(torch.uint8)
+            q = torch.randn(1, heads, dk, device=dev)
+            pos = torch.tensor([cells - 1], device=dev)
+            base = torch.zeros(1, dtype=torch.int64, device=dev)
+
+            def attend(cfg):
+                return K.attention_decode(q, kc, kc, False, False, pos, base, heads_kv, dk, dk ** -0.5, 0, cfg)
+
+            times = {cfg: do_bench(lambda: attend(cfg)) for cfg in ATTENTION_SWEEP}
+            print("  sweep:", {k: round(1e3 * v, 1) for k, v in times.items()}, flush=True)
+            best = min(times, key=times.get)
+            results.append({"kernel": f"{name} attention", "shape": f"{cells} cells", "default_us": 1e3 * times[K.ATTENTION_DECODE_CONFIG],
+                            "best_us": 1e3 * times[best], "best": best})
+            print(f"| {name} attention | {cells} cells | {1e3 * times[K.ATTENTION_DECODE_CONFIG]:.1f} | {1e3 * times[best]:.1f} | "
+                  f"{best} (cells/step, warps) | | |", flush=True)
     for name, (n_expert, n_used, _, _) in EXPERTS.items():  # the router's top-k, one kernel
         logits = torch.randn(1, n_expert, device=dev)
         t = do_bench(lambda: K.route(logits, n_used, True, 1.0, False, None))

@@ -34,11 +34,24 @@ def _close(got, want, tol=2e-5):
 
 @pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,rows,cols", [(1, 1, 32), (1, 17, 96), (3, 33, 288), (1, 200, 2048), (5, 1000, 640)])
-def test_gemv_matches_float64(qtype, n, rows, cols):
+@pytest.mark.parametrize("config", [None, (2, 2048, 4), (8, 512, 8)], ids=str)
+def test_gemv_matches_float64(qtype, n, rows, cols, config):
     rng = np.random.default_rng(rows + cols + n)
     raw, w = _quantized(rng, qtype, rows, cols)
     x = torch.from_numpy(rng.standard_normal((n, cols))).float()
-    _close(K.gemv(K.Split.of(raw, qtype, (cols, rows)), x.to(DEV)), x.double() @ w.T)
+    _close(K.gemv(K.Split.of(raw, qtype, (cols, rows)), x.to(DEV), config), x.double() @ w.T)
+
+
+@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("n,rows,cols,config", [(1, 17, 96, None), (3, 33, 288, (8, 512, 8)),
+                                                (2, 200, 2048, (2, 2048, 4)), (1, 640, 4096, None)])
+def test_gemv_of_the_rms_norm_matches_float64(qtype, n, rows, cols, config):
+    rng = np.random.default_rng(rows + cols + n + 1)
+    raw, w = _quantized(rng, qtype, rows, cols)
+    x, g = torch.from_numpy(rng.standard_normal((n, cols))), torch.from_numpy(rng.standard_normal(cols))
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    got = K.gemv(K.Split.of(raw, qtype, (cols, rows)), x.float().to(DEV), config, norm=(g.float().to(DEV), 1e-6))
+    _close(got, xn @ w.T)
 
 
 @pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
@@ -65,17 +78,37 @@ def test_moe_gemv_matches_float64(qtype, act, n, n_expert, n_used, n_embd, n_ff)
     x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
     weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
+    residual = torch.from_numpy(rng.standard_normal((n, n_embd))).float() if act == "gelu" else None
     got = K.moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), K.Split.of(graw, qtype, (n_embd, n_ff, n_expert)),
                      K.Split.of(uraw, qtype, (n_embd, n_ff, n_expert)), K.Split.of(draw, qtype, (n_ff, n_embd, n_expert)),
-                     act)
+                     act, residual=None if residual is None else residual.to(DEV))
     f = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
-    want = torch.zeros(n, n_embd, dtype=torch.float64)
+    want = torch.zeros(n, n_embd, dtype=torch.float64) if residual is None else residual.double()
     for t in range(n):
         for s in range(n_used):
             e = int(ids[t, s])
             h = f(g[e] @ x[t].double()) * (u[e] @ x[t].double())
             want[t] += weights[t, s].double() * (d[e] @ h)
     _close(got, want, 5e-5)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n,n_used,width", [(1, 8, 2048), (3, 1, 100), (2, 6, 1500)])
+def test_sum_pairs_adds_each_tokens_rows(residual, n, n_used, width):
+    rng = np.random.default_rng(width + n_used)
+    y = torch.from_numpy(rng.standard_normal((n * n_used, width)))
+    r = torch.from_numpy(rng.standard_normal((n, width)))
+    want = y.view(n, n_used, width).sum(1) + (r if residual else 0)
+    _close(K.sum_pairs(y.float().to(DEV), n_used, r.float().to(DEV) if residual else None), want, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("n,rows,cols", [(1, 128, 2048), (3, 7, 33), (2, 61, 300)])
+def test_gemv_float_matches_float64(dtype, n, rows, cols):
+    rng = np.random.default_rng(rows + cols)
+    w = torch.from_numpy(rng.standard_normal((rows, cols))).to(dtype)
+    x = torch.from_numpy(rng.standard_normal((n, cols)))
+    _close(K.gemv_float(w.to(DEV), x.float().to(DEV)), x @ w.double().T)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 7), (5, 64), (3, 640), (2, 2048), (4, 33)])
@@ -189,10 +222,11 @@ def _cache(rng, qtype, cells, width):
     return torch.from_numpy(raw.copy()).to(DEV), torch.from_numpy(reference(raw.reshape(-1), Q.Q8_0, (width, cells))).double()
 
 
+@pytest.mark.parametrize("config", [(32, 4), (64, 4), (128, 8)], ids=str)
 @pytest.mark.parametrize("ktype,vtype", [(Q.F16, Q.F16), (Q.Q8_0, Q.Q8_0), (Q.Q8_0, Q.F16)], ids=str)
 @pytest.mark.parametrize("n,heads,heads_kv,dk,dv,window", [(1, 4, 4, 64, 64, 0), (3, 8, 2, 128, 128, 0),
                                                              (2, 6, 3, 64, 32, 5), (4, 2, 1, 96, 96, 40)])
-def test_attention_decode_matches_float64(ktype, vtype, n, heads, heads_kv, dk, dv, window):
+def test_attention_decode_matches_float64(config, ktype, vtype, n, heads, heads_kv, dk, dv, window):
     rng = np.random.default_rng(heads * dk + n + window)
     cells = 100
     kraw, k = _cache(rng, ktype, cells, heads_kv * dk)
@@ -201,7 +235,7 @@ def test_attention_decode_matches_float64(ktype, vtype, n, heads, heads_kv, dk, 
     pos = torch.from_numpy(rng.integers(0, 60, n))
     base = torch.from_numpy(rng.integers(0, 40, n))
     got = K.attention_decode(q.float().to(DEV), kraw, vraw, ktype == Q.Q8_0, vtype == Q.Q8_0, pos.to(DEV),
-                             base.to(DEV), heads_kv, dv, dk ** -0.5, window)
+                             base.to(DEV), heads_kv, dv, dk ** -0.5, window, config)
     want = torch.empty(n, heads, dv, dtype=torch.float64)
     for t in range(n):
         lo = max(0, int(pos[t]) - window + 1) if window else 0

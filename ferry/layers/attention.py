@@ -33,9 +33,13 @@ class Attention:
     k_norm: torch.Tensor | None = None
     window: int = 0
 
-    def __call__(self, ops, x):
-        out = ops.fused_attention(self, x)
-        return ops.linear(self.unfused(ops, x) if out is None else out, self.wo)
+    def __call__(self, ops, x, norm: torch.Tensor | None = None, eps: float = 0.0):
+        """The layer's output for x, or for RMSNorm(x) * norm when norm is given (the block's pre-norm, which a
+        fused form takes inside its projection)."""
+        out = ops.fused_attention(self, x, norm, eps)
+        if out is None:
+            out = self.unfused(ops, x if norm is None else ops.rms_norm(x, norm, eps))
+        return ops.linear(out, self.wo)
 
     def unfused(self, ops, x):
         """The layer op by op, up to its output projection: (n, n_head * head_dim_v)."""
@@ -97,7 +101,10 @@ class LatentAttention:
         saved = 2 * lora - nope - v
         return 1 if saved <= 0 else -(-lora * (nope + v) // saved)
 
-    def __call__(self, ops, x):
+    def __call__(self, ops, x, norm: torch.Tensor | None = None, eps: float = 0.0):
+        """As Attention's: the output for x, or for RMSNorm(x) * norm when norm is given."""
+        if norm is not None:
+            x = ops.rms_norm(x, norm, eps)
         h, nope, rot, lora = self.n_head, self.head_dim_nope, self.head_dim_rope, self.kv_lora_rank
         if self.wq is not None:
             q = ops.linear(x, self.wq)

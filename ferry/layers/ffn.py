@@ -16,8 +16,9 @@ class DenseFFN:
     down: Weight
     act: str
 
-    def __call__(self, ops, x):
-        return ops.ffn(x, self.gate, self.up, self.down, self.act)
+    def __call__(self, ops, x, residual=None):
+        out = ops.ffn(x, self.gate, self.up, self.down, self.act)
+        return out if residual is None else ops.add(residual, out)
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,7 +58,12 @@ class SparseMoE:
     routing: Routing | None = None  # None: softmax
     shared: DenseFFN | None = None
 
-    def __call__(self, ops, x):
+    def __call__(self, ops, x, residual=None):
+        """The block's output, added to `residual` when given (the residual stream: one pass less on a GPU)."""
+        if self.shared is None:
+            return ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
+                           self.norm_topk, self.act, self.routing, residual)
         out = ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
                       self.norm_topk, self.act, self.routing)
-        return out if self.shared is None else ops.add(out, self.shared(ops, x))
+        out = ops.add(out, self.shared(ops, x))
+        return out if residual is None else ops.add(residual, out)

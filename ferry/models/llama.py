@@ -25,8 +25,8 @@ class Block:
     eps: float
 
     def __call__(self, ops, x):
-        x, h = ops.add_rms_norm(x, self.attn(ops, ops.rms_norm(x, self.attn_norm, self.eps)), self.ffn_norm, self.eps)
-        return ops.add(x, self.ffn(ops, h))
+        x, h = ops.add_rms_norm(x, self.attn(ops, x, self.attn_norm, self.eps), self.ffn_norm, self.eps)
+        return self.ffn(ops, h, residual=x)
 
 
 def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, window: int = 0, scale: float | None = None) -> Attention:

@@ -69,7 +69,7 @@ class GraphOps:
         s = self.add(x, dx)
         return s, self.rms_norm(s, weight, eps)
 
-    def fused_attention(self, attn, x):
+    def fused_attention(self, attn, x, norm, eps: float):
         return None  # ggml's graph fuses nothing: the layer's own ops
 
     def linear(self, x, w: Weight, bias: torch.Tensor | None = None):
@@ -196,11 +196,11 @@ class GraphOps:
         return self.backend.ffn_nodes(self.g, x, gate, up, down, act)
 
     def moe(self, x, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int, norm_topk: bool, act: str,
-            routing=None):
+            routing=None, residual=None):
         out, ids = self.backend.moe_nodes(self.g, x, router, up, gate, down, n_used, norm_topk, act, routing)
         self.expert_ids.append(self.g.copy_out(ids, I32, (n_used, self.n)))
         self.n_used = n_used
-        return out
+        return out if residual is None else self.add(residual, out)
 
     def set_cache_length(self, n_kv: int) -> None:
         """Attend to the first n_kv cache positions at the next run: no operation's work buffer or

@@ -182,18 +182,20 @@ class HybridBackend:
         return gpu_route(self.linear(x, router), n_used, norm_topk, routing, self.vector)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-            norm_topk: bool, act: str, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
+            norm_topk: bool, act: str, routing=None,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         experts = (gate, up, down)
         if all(map(self.on_gpu, experts)):
-            return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act, routing)
+            return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act, routing, residual)
         t0 = self._timer()
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         if self.recorder is not None:
             out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, up, gate, down, n_used,
                                                                             act, t0),
                                       (x.shape[0], down.ne[1]), self.device, inputs=(x, ids, weights), shared="moe")
-            return out, ids
-        return self._experts(x, ids, weights, up, gate, down, n_used, act, t0), ids
+        else:
+            out = self._experts(x, ids, weights, up, gate, down, n_used, act, t0)
+        return (out if residual is None else residual + out), ids
 
     def _experts(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, n_used: int, act: str,
                  t0: float) -> torch.Tensor:

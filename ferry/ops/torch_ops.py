@@ -55,9 +55,10 @@ class TorchOps:
         s = self.add(x, dx)
         return s, self.rms_norm(s, weight, eps)
 
-    def fused_attention(self, attn, x: torch.Tensor) -> torch.Tensor | None:
-        """A whole attention layer before its output projection (projections, q/k norms, rope, cache store,
-        attention) as fused kernels, or None where this op set has none for it: the layer then runs op by op."""
+    def fused_attention(self, attn, x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+        """A whole attention layer before its output projection (the pre-norm with `norm` when given, projections,
+        q/k norms, rope, cache store, attention) as fused kernels, or None where this op set has none for it: the
+        layer then runs op by op."""
         return None
 
     def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,10 +133,11 @@ class TorchOps:
         return self.backend.ffn(x, gate, up, down, act)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-            norm_topk: bool, act: str, routing=None) -> torch.Tensor:
+            norm_topk: bool, act: str, routing=None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum (+ residual when given: the stream the block adds it to)."""
         out, ids = self.backend.moe(x, router, up, gate, down, n_used, norm_topk, act, routing)
         self.batch.expert_ids.append(ids)
-        return out
+        return out if residual is None else self.add(residual, out)
 
     def output_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The rows whose logits are wanted: all of them, or the last token's."""

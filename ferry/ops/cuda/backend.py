@@ -123,6 +123,8 @@ class CudaBackend:
         if x.shape[0] <= GEMV_MAX:
             if not isinstance(raw, torch.Tensor):
                 return kernels.gemv(raw, x)
+            if qtype in (Q.F32, Q.F16) and len(ne) == 2:  # a router: read in place
+                return kernels.gemv_float(raw.view(_FLOAT[qtype]).view(ne[1], ne[0]), x)
             return x.float() @ self._expand(qtype, raw, ne, torch.float32).T
         return _mm(x.to(torch.float16), self._expand(qtype, raw, ne, torch.float16).T)
 
@@ -143,8 +145,10 @@ class CudaBackend:
         return gpu_route(self.linear(x, router), n_used, norm_topk, routing, self.vector)
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
-            norm_topk: bool, act: str, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router, top-k, each routed expert over its tokens, weighted sum: ((n, n_embd) float32, ids (n, k))."""
+            norm_topk: bool, act: str, routing=None,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router, top-k, each routed expert over its tokens, weighted sum (+ residual when given): ((n, n_embd)
+        float32, ids (n, k))."""
         from ferry.ops.cuda import kernels
 
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
@@ -152,11 +156,13 @@ class CudaBackend:
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
         if strategy == "gemv" and all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
-            return kernels.moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act), ids
+            return kernels.moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act,
+                                    residual=residual), ids
         if strategy == "loop":
-            return self._moe_loop(x, ids, weights, up, gate, down, act), ids
-        # 'dense': every expert expanded to bf16, then torch's grouped GEMM, whatever the type
-        return self._moe_grouped(x, ids, weights, up, gate, down, act, dense=strategy == "dense"), ids
+            out = self._moe_loop(x, ids, weights, up, gate, down, act)
+        else:  # 'dense': every expert expanded to bf16, then torch's grouped GEMM, whatever the type
+            out = self._moe_grouped(x, ids, weights, up, gate, down, act, dense=strategy == "dense")
+        return (out if residual is None else residual + out), ids
 
     def _experts(self, w: Weight, slot: int) -> torch.Tensor:
         """Every expert of a stacked tensor as bf16 (n_expert, rows, cols), in scratch `slot`."""

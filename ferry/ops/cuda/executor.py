@@ -50,9 +50,10 @@ class CudaOps(TorchOps):
 
         return kernels.add_rms_norm(x, dx, self.backend.vector(weight), eps)
 
-    def fused_attention(self, attn, x: torch.Tensor) -> torch.Tensor | None:
+    def fused_attention(self, attn, x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
         """A decode step's attention layer in three launches: one GEMV for q, k and v (their rows uploaded as one
-        matrix), one kernel for the q/k norms, rope and both cache stores, and attention over the cache."""
+        matrix; the pre-norm taken inside it), one kernel for the q/k norms, rope and both cache stores, and
+        attention over the cache."""
         from ferry.ops.cuda import kernels
 
         kv, n = self.batch.kv, x.shape[0]
@@ -66,12 +67,19 @@ class CudaOps(TorchOps):
         cos, sin = self.tables[attn.rope]
         norms = (None, None) if attn.q_norm is None else (self.backend.vector(attn.q_norm),
                                                            self.backend.vector(attn.k_norm))
-        q = kernels.qkv_rope_store(kernels.gemv(w, x), *norms, attn.norm_eps, cos, sin, self.pos, self.cells,
+        y = kernels.gemv(w, x, norm=None if norm is None else (self.backend.vector(norm), eps))
+        q = kernels.qkv_rope_store(y, *norms, attn.norm_eps, cos, sin, self.pos, self.cells,
                                    kv.k[attn.layer], kv.v[attn.layer], k_q8, v_q8, attn.n_head, attn.n_head_kv,
                                    attn.head_dim_k, attn.head_dim_v, attn.rope.n_rot, attn.rope.neox)
         return kernels.attention_decode(q, _typed(kv.k[attn.layer], kv.type_k), _typed(kv.v[attn.layer], kv.type_v),
                                         k_q8, v_q8, self.pos, self._cell_base(), kv.n_head_kv, kv.head_dim_v,
                                         attn.scale, attn.window)
+
+    def moe(self, x: torch.Tensor, router, up, gate, down, n_used: int, norm_topk: bool, act: str, routing=None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+        out, ids = self.backend.moe(x, router, up, gate, down, n_used, norm_topk, act, routing, residual)
+        self.batch.expert_ids.append(ids)
+        return out
 
     def _cell_base(self) -> torch.Tensor:
         """Each token's cache cell minus its position (where its sequence starts), once per forward."""

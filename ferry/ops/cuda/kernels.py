@@ -19,11 +19,11 @@ GEMV_KINDS = {Q.Q8_0: 0, Q.Q4_0: 1}  # types the quantized GEMV kernels read; ot
 
 
 @triton.jit
-def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr):
+def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr, g=None, NORM: tl.constexpr = False):
     """Per row: the dot product of columns k0 .. k0 + BK of rows `row` (BR,) of a split Q8_0 / Q4_0 matrix with
     the matching floats of x. Split layout: the quants of each row contiguous (Q8_0: K int8; Q4_0: K / 2 bytes,
     byte j of a block holding value j in its low nibble and value j + 16 in its high one), the f16 scales of
-    each row contiguous (K / 32): every load is a plain aligned vector load."""
+    each row contiguous (K / 32): every load is a plain aligned vector load. NORM: x times the norm weight g."""
     NB: tl.constexpr = BK // 32
     rr = row.to(tl.int64)[:, None]
     if KIND == 0:
@@ -31,6 +31,8 @@ def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr):
         cm = c < K
         q = tl.load(qs + rr * K + c[None, :], mask=rmask[:, None] & cm[None, :], other=0).to(tl.float32)
         xv = tl.load(x + c, mask=cm, other=0.0)
+        if NORM:
+            xv = xv * tl.load(g + c, mask=cm, other=0.0)
         part = tl.sum(tl.reshape(q * xv[None, :], (q.shape[0], NB, 32)), axis=2)
     else:
         i = tl.arange(0, BK // 2)
@@ -40,6 +42,9 @@ def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr):
         col = k0 + (i // 16) * 32 + i % 16
         xlo = tl.load(x + col, mask=cm, other=0.0)
         xhi = tl.load(x + col + 16, mask=cm, other=0.0)
+        if NORM:
+            xlo = xlo * tl.load(g + col, mask=cm, other=0.0)
+            xhi = xhi * tl.load(g + col + 16, mask=cm, other=0.0)
         prod = ((byte & 0xF) - 8).to(tl.float32) * xlo[None, :] + ((byte >> 4) - 8).to(tl.float32) * xhi[None, :]
         part = tl.sum(tl.reshape(prod, (prod.shape[0], NB, 16)), axis=2)
     b = k0 // 32 + tl.arange(0, NB)
@@ -48,15 +53,55 @@ def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _gemv(qs, d, x, y, rows, K, KIND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    """y[t, r] = W[r, :] . x[t, :] for rows r of this program; grid (row blocks, tokens)."""
+def _gemv(qs, d, x, y, rows, K, g, eps, KIND: tl.constexpr, NORM: tl.constexpr, BR: tl.constexpr,
+          BK: tl.constexpr):
+    """y[t, r] = W[r, :] . x[t, :] for rows r of this program; grid (row blocks, tokens). NORM: of RMSNorm(x[t])
+    * g instead, the norm taken by each program (x is one row, read from cache): no launch for it."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    t = tl.program_id(1).to(tl.int64)
+    rmask = r < rows
+    xt = x + t * K
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        acc += _qdot(qs, d, r, rmask, xt, k0, K, KIND, BK, g, NORM)
+    if NORM:
+        ss = tl.zeros((BK,), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            c = k0 + tl.arange(0, BK)
+            v = tl.load(xt + c, mask=c < K, other=0.0)
+            ss += v * v
+        acc = acc / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+    tl.store(y + t * rows + r, acc, mask=rmask)
+
+
+@triton.jit
+def _gemv_float(w, x, y, rows, K, BR: tl.constexpr, BK: tl.constexpr):
+    """y[t, r] = W[r, :] . x[t, :] for a float32 / float16 matrix W (rows, K); grid (row blocks, tokens)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     t = tl.program_id(1).to(tl.int64)
     rmask = r < rows
     acc = tl.zeros((BR,), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        acc += _qdot(qs, d, r, rmask, x + t * K, k0, K, KIND, BK)
+        c = k0 + tl.arange(0, BK)
+        cm = c < K
+        wv = tl.load(w + r.to(tl.int64)[:, None] * K + c[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
+        acc += tl.sum(wv.to(tl.float32) * tl.load(x + t * K + c, mask=cm, other=0.0)[None, :], axis=1)
     tl.store(y + t * rows + r, acc, mask=rmask)
+
+
+@triton.jit
+def _sum_pairs(y, res, out, n_used, N, HAS_RES: tl.constexpr, BN: tl.constexpr):
+    """out[t] = (res[t] +) the sum of y[t * n_used + j] over j in order: a token's expert outputs, and the
+    residual stream they join."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = c < N
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for j in range(n_used):
+        acc += tl.load(y + (t * n_used + j) * N + c, mask=m, other=0.0)
+    if HAS_RES:
+        acc = tl.load(res + t * N + c, mask=m, other=0.0) + acc
+    tl.store(out + t * N + c, acc, mask=m)
 
 
 @triton.jit
@@ -428,31 +473,43 @@ class Split:
         return out
 
 
-def gemv(w: Split, x: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x (n, cols) float32 times the (rows, cols) matrix transposed: (n, rows) float32. config: (rows per program,
-    columns per step, warps)."""
+def gemv(w: Split, x: torch.Tensor, config: tuple[int, int, int] | None = None,
+         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """x (n, cols) float32 times the (rows, cols) matrix transposed: (n, rows) float32; with norm = (weight, eps),
+    RMSNorm(x) * weight in place of x. config: (rows per program, columns per step, warps)."""
     cols, rows = w.ne[:2]
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
-    # enough programs for every SM; the fastest of a sweep on an H100 (benchmarks/gemv_kernels.py, session 7)
-    br, bk, warps = config or ((16, 256, 8) if rows * x.shape[0] >= 16 * 528 else (4, 512, 4))
-    _gemv[(triton.cdiv(rows, br), x.shape[0])](w.qs, w.d, x, y, rows, cols, KIND=GEMV_KINDS[w.qtype], BR=br, BK=bk,
-                                              num_warps=warps)
+    br, bk, warps = config or _gemv_config(rows * x.shape[0], cols)
+    g, eps = norm if norm is not None else (x, 0.0)
+    _gemv[(triton.cdiv(rows, br), x.shape[0])](w.qs, w.d, x, y, rows, cols, g, eps, KIND=GEMV_KINDS[w.qtype],
+                                              NORM=norm is not None, BR=br, BK=bk, num_warps=warps)
     return y
+
+
+def _gemv_config(outputs: int, cols: int) -> tuple[int, int, int]:
+    """Enough programs for every SM, few steps per row: the fastest of sweeps on an H100 and an H200
+    (benchmarks/gemv_kernels.py, sessions 7 and 8; differences under 1 us are noise there)."""
+    if outputs >= 16 * 528:  # the output head
+        return 16, 256, 8
+    if outputs <= 1024 or cols > 2048:  # few rows (k, v, kv_a) or long ones (attn_output): a row in one step
+        return 2, 2048, 4
+    return 8, 512, 8
 
 
 ACTS = {"silu": 0, "gelu": 1}
 
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Split, up: Split, down: Split,
-             act: str, wait_down: torch.cuda.Event | None = None,
+             act: str, wait_down: torch.cuda.Event | None = None, residual: torch.Tensor | None = None,
              config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The routed experts of few tokens: x (n, n_embd), ids / weights (n, n_used) on the GPU; gate/up/down the
-    stacked expert tensors. Returns (n, n_embd) float32. config: (rows per program, columns per step, warps)."""
+    stacked expert tensors. Returns (n, n_embd) float32, plus `residual` (n, n_embd) when given. config: (rows per
+    program, columns per step, warps)."""
     n, n_used = ids.shape
     n_embd, n_ff = gate.ne[0], gate.ne[1]
-    # the fastest of a sweep on an H100 at Qwen3-30B-A3B's (first) and DeepSeek-V2-Lite's (second) expert shapes
-    br, bk, warps = config or ((16, 512, 8) if n_ff * n * n_used < 8192 else (8, 512, 2))
+    # the fastest of sweeps on an H100 / H200 at Qwen3-30B-A3B's (first) and DeepSeek-V2-Lite's (second) expert shapes
+    br, bk, warps = config or ((8, 256, 4) if n_ff * n * n_used < 8192 else (8, 512, 2))
     x = x.float().contiguous()
     ids = ids.to(torch.int32).contiguous()
     h = torch.empty(n * n_used, n_ff, dtype=torch.float32, device=x.device)
@@ -465,7 +522,32 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Sp
     _moe_down[(triton.cdiv(n_embd, br), n * n_used)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd,
                                                       n_ff, KIND=GEMV_KINDS[down.qtype], BR=br, BK=bk,
                                                       num_warps=warps)
-    return y.view(n, n_used, n_embd).sum(1) if n_used > 1 else y
+    if n_used == 1 and residual is None:
+        return y
+    return sum_pairs(y, n_used, residual)
+
+
+def sum_pairs(y: torch.Tensor, n_used: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """y (n * n_used, N) float32 -> (n, N): each token's n_used rows summed in order, plus residual (n, N) when
+    given (one kernel: torch's reduction over the middle of (n, n_used, N) took twice as long on an H100)."""
+    n, width = y.shape[0] // n_used, y.shape[1]
+    out = torch.empty(n, width, dtype=torch.float32, device=y.device)
+    res = residual.float().contiguous() if residual is not None else y
+    _sum_pairs[(n, triton.cdiv(width, 1024))](y, res, out, n_used, width, HAS_RES=residual is not None, BN=1024)
+    return out
+
+
+def gemv_float(w: torch.Tensor, x: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x (n, cols) float32 times a float32 / float16 matrix w (rows, cols) transposed, as one launch: (n, rows)
+    float32 (a router: cuBLAS ran two kernels after a copy of the weight). config: (rows per program, columns per
+    step, warps)."""
+    rows, cols = w.shape
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
+    # a router's row in one step: 8 steps of 4 rows took 6.5 us on an H200, (2, 2048, 8) 4.9
+    br, bk, warps = config or (2, min(2048, triton.next_power_of_2(cols)), 8)
+    _gemv_float[(triton.cdiv(rows, br), x.shape[0])](w, x, y, rows, cols, BR=br, BK=bk, num_warps=warps)
+    return y
 
 
 def route(logits: torch.Tensor, n_used: int, norm: bool, scale: float, sigmoid: bool,
@@ -478,7 +560,7 @@ def route(logits: torch.Tensor, n_used: int, norm: bool, scale: float, sigmoid: 
     ids = torch.empty(n, n_used, dtype=torch.int32, device=logits.device)
     _route[(n,)](logits, bias if bias is not None else logits, weights, ids, n_expert, n_used, scale,
                  SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORM=norm, BE=triton.next_power_of_2(n_expert),
-                 BU=triton.next_power_of_2(n_used))
+                 BU=triton.next_power_of_2(n_used), num_warps=1 if n_expert <= 512 else 4)  # one warp: no barriers
     return weights, ids
 
 
@@ -594,17 +676,23 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
     return y
 
 
+# (cells per step, warps): the fastest of a sweep on an H200 at 512 and 4096 cells (64: (64, 8)), Qwen3's heads
+ATTENTION_DECODE_CONFIG = (128, 4)
+
+
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_q8: bool, v_q8: bool,
                      pos: torch.Tensor, base: torch.Tensor, n_head_kv: int, dv: int, scale: float,
-                     window: int) -> torch.Tensor:
-    """q (n, heads, dk) against cache rows (cells, bytes) of f16 or q8_0: (n, heads * dv) float32."""
+                     window: int, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """q (n, heads, dk) against cache rows (cells, bytes) of f16 or q8_0: (n, heads * dv) float32. config: (cells
+    per step, warps)."""
     q = q.float().contiguous()
     n, heads, dk = q.shape
+    bn, warps = config or ATTENTION_DECODE_CONFIG
     out = torch.empty(n, heads, dv, dtype=torch.float32, device=q.device)
     kc, vc = (c if q8 else c.view(torch.float16) for c, q8 in ((k_cache, k_q8), (v_cache, v_q8)))
     _attn_decode[(heads, n)](q, kc, vc, pos, base, out, heads, heads // n_head_kv, dk, dv,
-                             kc.shape[1], vc.shape[1], scale, window, K_Q8=k_q8, V_Q8=v_q8, BN=32,
-                             BD=triton.next_power_of_2(max(dk, dv)))
+                             kc.shape[1], vc.shape[1], scale, window, K_Q8=k_q8, V_Q8=v_q8, BN=bn,
+                             BD=triton.next_power_of_2(max(dk, dv)), num_warps=warps)
     return out.view(n, heads * dv)
 
 
