@@ -676,7 +676,8 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
     return y
 
 
-# (cells per step, warps): the fastest of a sweep on an H200 at 512 and 4096 cells (64: (64, 8)), Qwen3's heads
+# (cells per step, warps) for heads of up to 128 values: the fastest of a sweep on an H200 at 512 and 4096 cells
+# (64: (64, 8)), Qwen3's heads. Wider heads take fewer cells per step (attention_decode).
 ATTENTION_DECODE_CONFIG = (128, 4)
 
 
@@ -687,12 +688,15 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     per step, warps)."""
     q = q.float().contiguous()
     n, heads, dk = q.shape
-    bn, warps = config or ATTENTION_DECODE_CONFIG
+    width = triton.next_power_of_2(max(dk, dv))
+    # a step's keys are (cells, width) floats in registers: MLA's 576-wide latent rows at 128 cells spilled them,
+    # and DeepSeek-V2-Lite's generation halved (125.7 against 229.5 t/s at 32 cells)
+    bn, warps = config or (max(32, min(ATTENTION_DECODE_CONFIG[0], 16384 // width)), ATTENTION_DECODE_CONFIG[1])
     out = torch.empty(n, heads, dv, dtype=torch.float32, device=q.device)
     kc, vc = (c if q8 else c.view(torch.float16) for c, q8 in ((k_cache, k_q8), (v_cache, v_q8)))
     _attn_decode[(heads, n)](q, kc, vc, pos, base, out, heads, heads // n_head_kv, dk, dv,
                              kc.shape[1], vc.shape[1], scale, window, K_Q8=k_q8, V_Q8=v_q8, BN=bn,
-                             BD=triton.next_power_of_2(max(dk, dv)), num_warps=warps)
+                             BD=width, num_warps=warps)
     return out.view(n, heads * dv)
 
 
