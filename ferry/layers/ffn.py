@@ -60,10 +60,9 @@ class SparseMoE:
 
     def __call__(self, ops, x, residual=None):
         """The block's output, added to `residual` when given (the residual stream: one pass less on a GPU)."""
-        if self.shared is None:
-            return ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
-                           self.norm_topk, self.act, self.routing, residual)
         out = ops.moe(x, self.router, self.up_exps, self.gate_exps, self.down_exps, self.n_expert_used,
-                      self.norm_topk, self.act, self.routing)
+                      self.norm_topk, self.act, self.routing, residual if self.shared is None else None)
+        if self.shared is None:
+            return out
         out = ops.add(out, self.shared(ops, x))
         return out if residual is None else ops.add(residual, out)

@@ -71,9 +71,18 @@ class CudaOps(TorchOps):
         q = kernels.qkv_rope_store(y, *norms, attn.norm_eps, cos, sin, self.pos, self.cells,
                                    kv.k[attn.layer], kv.v[attn.layer], k_q8, v_q8, attn.n_head, attn.n_head_kv,
                                    attn.head_dim_k, attn.head_dim_v, attn.rope.n_rot, attn.rope.neox)
-        return kernels.attention_decode(q, _typed(kv.k[attn.layer], kv.type_k), _typed(kv.v[attn.layer], kv.type_v),
-                                        k_q8, v_q8, self.pos, self._cell_base(), kv.n_head_kv, kv.head_dim_v,
-                                        attn.scale, attn.window)
+        return self._decode_attention(attn.layer, q, attn.scale, attn.window)
+
+    def _decode_attention(self, layer: int, q: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+        """q (n, heads, dk) of a decode-sized batch against the cache up to each token's position (the decode
+        kernel, which reads f16 or q8_0 rows in place)."""
+        from ferry.ops.cuda import kernels
+
+        kv = self.batch.kv
+        v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
+        return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
+                                        kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
+                                        kv.n_head_kv, kv.head_dim_v, scale, window)
 
     def moe(self, x: torch.Tensor, router, up, gate, down, n_used: int, norm_topk: bool, act: str, routing=None,
             residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,24 +117,18 @@ class CudaOps(TorchOps):
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
                   window: int) -> torch.Tensor:
-        from ferry.ops.cuda import kernels
-
         kv, n = self.batch.kv, q.shape[0]
         self._store(layer, k, v)
-        v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
-        k_q8, v_q8 = kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0
         if n <= DECODE_MAX:
-            return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
-                                            k_q8, v_q8, self.pos, self._cell_base(), kv.n_head_kv,
-                                            kv.head_dim_v, scale, window)
+            return self._decode_attention(layer, q, scale, window)
 
         def over_cache(q):  # a prompt: flash / memory-efficient attention over the cache as f16
             n_kv = self.batch.n_kv
             keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
-            if kv.v_in_k:
+            if kv.v_in_k:  # MLA: the values are the first of each key row
                 values = keys[..., :kv.head_dim_v]
             else:
-                values = _floats(v_rows[:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
+                values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
             return self._sdpa_f16(q, keys, values, scale, window)
 
         return self.cache_sized(over_cache, (q,), (n, q.shape[1] * kv.head_dim_v))

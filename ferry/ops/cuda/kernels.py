@@ -225,22 +225,24 @@ def _rotated(x, w, cos, sin, p, dim, n_rot, eps, HAS_NORM: tl.constexpr, NEOX: t
 
 
 @triton.jit
+def _store_q8_0_blocks(cache, cache16, at, v, live):
+    """Blocks v (B, 32) floats as q8_0 at byte offsets `at` (B,) of `cache` (even: `cache16` is its float16 view),
+    where `live`, rounded as ggml does: d = amax / 127 stored as f16, q = round(x / d) half away from zero."""
+    d = tl.max(tl.abs(v), axis=1) / 127.0
+    inv = tl.where(d > 0, 1.0 / d, 0.0)
+    scaled = v * inv[:, None]
+    q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5)).to(tl.int8)
+    tl.store(cache16 + at // 2, d.to(tl.float16), mask=live)
+    tl.store(cache + at[:, None] + 2 + tl.arange(0, 32)[None, :], q.to(tl.uint8, bitcast=True), mask=live[:, None])
+
+
+@triton.jit
 def _store_cache_row(cache, cache16, at, v, n, BLOCK: tl.constexpr, Q8: tl.constexpr):
     """The first n of v (BLOCK floats) into a cache row at `at`: f16 (at in elements of the float16 view
-    `cache16`), or q8_0 blocks (n a multiple of 32) rounded as ggml does (at in bytes of `cache`; blocks start at
-    even bytes)."""
+    `cache16`), or q8_0 blocks (n a multiple of 32; at in bytes of `cache`)."""
     if Q8:
-        blocks = tl.reshape(v, (BLOCK // 32, 32))
-        d = tl.max(tl.abs(blocks), axis=1) / 127.0
-        inv = tl.where(d > 0, 1.0 / d, 0.0)
-        scaled = blocks * inv[:, None]
-        q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5)).to(tl.int8)
         nb = tl.arange(0, BLOCK // 32)
-        live = nb < n // 32
-        b = at + nb.to(tl.int64) * 34
-        tl.store(cache16 + b // 2, d.to(tl.float16), mask=live)
-        tl.store(cache + b[:, None] + 2 + tl.arange(0, 32)[None, :], q.to(tl.uint8, bitcast=True),
-                 mask=live[:, None])
+        _store_q8_0_blocks(cache, cache16, at + nb.to(tl.int64) * 34, tl.reshape(v, (BLOCK // 32, 32)), nb < n // 32)
     else:
         i = tl.arange(0, BLOCK)
         tl.store(cache16 + at + i, v.to(tl.float16), mask=i < n)
@@ -338,20 +340,12 @@ def _attn_decode(q, kc, vc, pos, base, out, n_heads, group, dk, dv, k_row, v_row
 
 @triton.jit
 def _quantize_q8_0_rows(x, cache, cache16, cells, n_blocks, row_bytes, BLOCKS: tl.constexpr):
-    """Row t of x (n_blocks * 32 floats) as q8_0 into cache row cells[t], rounded as ggml does
-    (d = amax / 127 stored as f16, q = round(x / d) half away from zero)."""
+    """Row t of x (n_blocks * 32 floats) as q8_0 into cache row cells[t], rounded as ggml does."""
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     live = b < n_blocks
-    j = tl.arange(0, 32)
-    v = tl.load(x + t * n_blocks * 32 + b[:, None] * 32 + j[None, :], mask=live[:, None], other=0.0)
-    d = tl.max(tl.abs(v), axis=1) / 127.0
-    inv = tl.where(d > 0, 1.0 / d, 0.0)
-    scaled = v * inv[:, None]
-    q = tl.where(scaled >= 0, tl.floor(scaled + 0.5), -tl.floor(-scaled + 0.5)).to(tl.int8)
-    at = tl.load(cells + t).to(tl.int64) * row_bytes + b.to(tl.int64) * 34  # blocks start at even bytes
-    tl.store(cache16 + at // 2, d.to(tl.float16), mask=live)
-    tl.store(cache + at[:, None] + 2 + j[None, :], q.to(tl.uint8, bitcast=True), mask=live[:, None])
+    v = tl.load(x + t * n_blocks * 32 + b[:, None] * 32 + tl.arange(0, 32)[None, :], mask=live[:, None], other=0.0)
+    _store_q8_0_blocks(cache, cache16, tl.load(cells + t).to(tl.int64) * row_bytes + b.to(tl.int64) * 34, v, live)
 
 
 @triton.jit
