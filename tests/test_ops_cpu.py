@@ -105,6 +105,35 @@ def test_experts_chosen_elsewhere_match_float64_per_slot_and_summed(backend, n_e
     assert np.linalg.norm(summed.numpy() - want) / np.linalg.norm(want) < 2e-2
 
 
+def test_graphs_of_different_layers_in_turn_are_placed_once_and_give_their_own_results(monkeypatch):
+    """A hybrid decode step runs every MoE layer's ggml graph in turn: each is placed in the shared compute buffer
+    once and then runs where it was placed, until a larger graph moves the buffer (then each is placed afresh)."""
+    from ferry.ops import cpu as cpu_mod
+
+    backend = cpu_mod.CpuBackend(2)
+    rng = np.random.default_rng(3)
+    layers = [tuple(_weight(rng, Q.Q8_0, 8, ff, d)[0] for ff, d in ((64, 128), (64, 128), (128, 64)))
+              for _ in range(3)]
+    x = torch.from_numpy(rng.standard_normal((2, 128)).astype(np.float32))
+    ids = torch.tensor([[1, 5], [7, 0]], dtype=torch.int32)
+    weights = torch.full((2, 2), 0.5)
+    alone = [cpu_mod.CpuBackend(2).moe_experts(x, ids, weights, *layer, "silu") for layer in layers]
+    placements = []
+    reserve = cpu_mod.ggml.ggml_gallocr_reserve
+    monkeypatch.setattr(cpu_mod.ggml, "ggml_gallocr_reserve", lambda *a: placements.append(1) or reserve(*a))
+    for _ in range(3):
+        for layer, want in zip(layers, alone):
+            out = torch.empty(2, 128)
+            assert backend.moe_experts(x, ids, weights, *layer, "silu", out=out) is out
+            assert torch.equal(out, want)
+    assert len(placements) == 3  # once per layer
+    big = torch.from_numpy(rng.standard_normal((300, 128)).astype(np.float32))
+    backend.moe_experts(big, torch.randint(0, 8, (300, 2), dtype=torch.int32), None, *layers[0], "silu")
+    for layer, want in zip(layers, alone):  # the buffer moved: each placed afresh, still right
+        assert torch.equal(backend.moe_experts(x, ids, weights, *layer, "silu"), want)
+    assert len(placements) == 3 + 1 + 3
+
+
 def test_get_rows_returns_dequantized_rows(backend):
     rng = np.random.default_rng(0)
     w, w64 = _weight(rng, Q.Q6_K, 50, 256)

@@ -58,6 +58,7 @@ def test_generation_with_experts_in_ram_matches_the_cpu_token_by_token(mid, poli
     path, tokens, want = mid
     backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
                              BALANCED if policy == "balanced" else None)
+    backend.stats.keep = False  # all=off: generation's direct way to ggml, through pinned buffers
     e = Engine(model, backend, n_ctx=512)
     e.decode(tokens[:200])
     got = torch.cat([e.decode([t]) for t in tokens[200:240]])
@@ -87,6 +88,13 @@ def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid
     backend.stats.keep = False
     for size in (1, 64):  # the prompt (50 tokens) and each decode step: no trials, the same way in both runs
         backend.explorer.chosen[size] = "split" if policy == "balanced" else "cpu"
+    direct, moe_experts = [], backend.cpu.moe_experts
+
+    def spy(*args, out=None, **kw):  # the direct way writes ggml's result into pinned memory
+        direct.append(out is not None and out.is_pinned())
+        return moe_experts(*args, out=out, **kw)
+
+    backend.cpu.moe_experts = spy
     out = []
     for graphs in (True, False):
         e = Engine(model, backend, n_ctx=512)
@@ -99,3 +107,4 @@ def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid
             cuts = model.args.n_layer + (0 if backend.on_gpu(model.token_embd) else 1)  # each layer, the embedding
             assert len(recorded[0].graph.graphs) == cuts + 1
     assert torch.equal(out[0], out[1])
+    assert any(direct) == (policy == "all=off")

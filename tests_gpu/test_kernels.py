@@ -222,12 +222,15 @@ def _cache(rng, qtype, cells, width):
     return torch.from_numpy(raw.copy()).to(DEV), torch.from_numpy(reference(raw.reshape(-1), Q.Q8_0, (width, cells))).double()
 
 
-@pytest.mark.parametrize("config", [None, (32, 4), (128, 8)], ids=str)
+@pytest.mark.parametrize("config,splits", [(None, None), ((32, 4), None), ((128, 8), None), ((32, 4), 4),
+                                           (None, 2)], ids=str)
 @pytest.mark.parametrize("ktype,vtype", [(Q.F16, Q.F16), (Q.Q8_0, Q.Q8_0), (Q.Q8_0, Q.F16)], ids=str)
 @pytest.mark.parametrize("n,heads,heads_kv,dk,dv,window", [(1, 4, 4, 64, 64, 0), (3, 8, 2, 128, 128, 0),
                                                              (2, 6, 3, 64, 32, 5), (4, 2, 1, 96, 96, 40),
                                                              (1, 4, 1, 576, 512, 0)])
-def test_attention_decode_matches_float64(config, ktype, vtype, n, heads, heads_kv, dk, dv, window):
+def test_attention_decode_matches_float64(config, splits, ktype, vtype, n, heads, heads_kv, dk, dv, window):
+    """splits: flash-decoding's parts of the cache, merged after (4 parts of 25 positions for 32-cell steps: the
+    last ones see no cell for most tokens); None: as many as attention_splits picks for these 100 cells (one)."""
     rng = np.random.default_rng(heads * dk + n + window)
     cells = 100
     kraw, k = _cache(rng, ktype, cells, heads_kv * dk)
@@ -236,7 +239,7 @@ def test_attention_decode_matches_float64(config, ktype, vtype, n, heads, heads_
     pos = torch.from_numpy(rng.integers(0, 60, n))
     base = torch.from_numpy(rng.integers(0, 40, n))
     got = K.attention_decode(q.float().to(DEV), kraw, vraw, ktype == Q.Q8_0, vtype == Q.Q8_0, pos.to(DEV),
-                             base.to(DEV), heads_kv, dv, dk ** -0.5, window, config)
+                             base.to(DEV), heads_kv, dv, dk ** -0.5, window, config, n_cells=cells, splits=splits)
     want = torch.empty(n, heads, dv, dtype=torch.float64)
     for t in range(n):
         lo = max(0, int(pos[t]) - window + 1) if window else 0
@@ -247,6 +250,14 @@ def test_attention_decode_matches_float64(config, ktype, vtype, n, heads, heads_
             vv = v[cell].view(-1, heads_kv, dv)[:, kvh]
             want[t, h] = torch.softmax(kk @ q[t, h] * dk ** -0.5, 0) @ vv
     _close(got, want.view(n, -1), 1e-5)
+
+
+def test_attention_splits_fill_the_gpu_only_for_long_caches():
+    assert K.attention_splits(128, 32, 128) == 1  # tg128's cache: one pass
+    assert K.attention_splits(4096, 32, 128) == 8  # Qwen3's 32 heads over 4096 cells
+    assert K.attention_splits(4096, 16, 32) == 16  # MLA: 16 heads, 32 cells per step
+    assert K.attention_splits(1 << 17, 32, 128) == 8  # bounded by the GPU, not the cache
+    assert K.attention_splits(4096, 600, 128) == 1  # enough programs already
 
 
 @pytest.mark.parametrize("n,width", [(1, 32), (3, 512), (2, 96 * 3), (5, 1024)])

@@ -69,6 +69,7 @@ class _Graph:
         self.outputs: list = []  # (tensor, the node that writes it: itself or a ggml_cpy view of it)
         self.input_views: list = []
         self.placed: list | None = None  # the nodes the graph allocator places (set at the first allocation)
+        self.generation = -1  # the compute buffer's generation when they were placed
 
     def leaf(self, qtype: int, ne: tuple[int, ...], data_ptr: int | None = None):
         ne = tuple(int(n) for n in ne)
@@ -217,15 +218,18 @@ class CpuBackend:
         # the CPU device's buffer type (ggml-python's ggml_backend_cpu_buffer_type binding truncates the pointer)
         cpu = ggml.ggml_backend_reg_dev_get(ggml.ggml_backend_cpu_reg(), 0)
         self.galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_dev_buffer_type(cpu))
-        self.allocated: _Graph | None = None  # the graph whose intermediates the compute buffer holds now
+        self.allocated: _Graph | None = None  # the graph that ran last
+        self.generation, self.buffer_size = 0, 0  # the compute buffer's moves so far, and its size
         self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
         self.placeholder = self._placeholder.ctypes.data
 
     def _allocate(self, g: _Graph) -> None:
-        """Place g's intermediates in the compute buffer, unless they are there from its last run. The
-        allocator leaves tensors that have an address alone, and another graph may have grown (moved) the
-        buffer since: so a graph placed before is cleared first and placed afresh."""
-        if self.allocated is not g:
+        """Place g's intermediates in the compute buffer, unless they are there from an earlier run: graphs share
+        the buffer as scratch, so a graph placed since the buffer last moved runs where it was placed (a hybrid
+        decode step alternates between every MoE layer's graph; placing each afresh cost a reserve and an
+        allocation per layer). The allocator leaves tensors that have an address alone, and another graph may
+        have grown (moved) the buffer since: so a graph placed before that is cleared first and placed afresh."""
+        if self.allocated is not g and not (g.placed is not None and g.generation == self.generation):
             if g.placed is None:
                 views = {ctypes.addressof(v.contents) for v, _, _ in g.input_views}
                 nodes = (ggml.ggml_graph_node(g.graph, i) for i in range(ggml.ggml_graph_n_nodes(g.graph)))
@@ -237,7 +241,11 @@ class CpuBackend:
             # reserve first: the allocator would reuse the previous graph's layout for any graph of equal size
             if not (ggml.ggml_gallocr_reserve(self.galloc, g.graph) and ggml.ggml_gallocr_alloc_graph(self.galloc, g.graph)):
                 raise FerryError("out of memory for the CPU compute buffer; lower -ub/--ubatch-size")
-            self.allocated = g
+            size = ggml.ggml_gallocr_get_buffer_size(self.galloc, 0)
+            if size != self.buffer_size:  # reallocated: every graph placed before points into freed memory
+                self.generation, self.buffer_size = self.generation + 1, size
+            g.generation = self.generation
+        self.allocated = g
 
     def _graph(self, owner: Weight, key: tuple, build: Callable[[], _Graph]) -> _Graph:
         """The graph for `key`, kept on the weight it reads so that it dies with the weight's mmap."""
@@ -425,9 +433,10 @@ class CpuBackend:
         return out, ids
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, up: Weight, gate: Weight,
-                    down: Weight, act: str) -> torch.Tensor:
+                    down: Weight, act: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts chosen elsewhere: x (n, n_embd) float32, ids (n, j) int32. With weights (n, j): their
-        weighted sum (n, n_embd); without: each slot's output (n, j, n_embd)."""
+        weighted sum (n, n_embd); without: each slot's output (n, j, n_embd). out: where ggml writes it (e.g.
+        pinned memory, for an asynchronous upload), contiguous float32 of that shape."""
         x = x.contiguous().float()
         ids = ids.to(torch.int32).contiguous()
         n, n_embd = x.shape
@@ -441,7 +450,8 @@ class CpuBackend:
             return g
 
         inputs = [x, ids] if weights is None else [weights.contiguous().float(), x, ids]
-        out = torch.empty((n, n_embd) if weights is not None else (n, j, n_embd), dtype=torch.float32)
+        if out is None:
+            out = torch.empty((n, n_embd) if weights is not None else (n, j, n_embd), dtype=torch.float32)
         return self._graph(up, ("experts", id(gate), id(down), n, j, weights is None, act), build).run(inputs, out)
 
     def close(self) -> None:

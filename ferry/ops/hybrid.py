@@ -44,6 +44,7 @@ class HybridStats:
             self.records.append(r)
 
 
+SMALL_MOE = 64  # tokens up to which a MoE host step's inputs and output travel through pinned buffers
 _ALL_ON, _ALL_OFF = Policy(overrides={"all": "on"}), Policy(overrides={"all": "off"})
 
 
@@ -76,6 +77,7 @@ class HybridBackend:
         self._next_experts: dict[int, tuple[Weight, Weight, Weight]] = {}
         self.streamer: Streamer | None = None
         self.recorder = None  # set by the executor while it records a step as CUDA graphs cut at host steps
+        self._pinned_buffers: dict[str, torch.Tensor] = {}
 
     @property
     def host_steps(self) -> bool:
@@ -103,6 +105,11 @@ class HybridBackend:
         layers = [(d["gate"], d["up"], d["down"]) for _, d in sorted(by_layer.items()) if len(d) == 3]
         for a, b in zip(layers, layers[1:]):
             self._next_experts[id(a[0])] = b
+        if layers:  # a small MoE u-batch's routing (int64 at most), activations and output
+            n_embd, n_expert = max(d.ne[1] for _, _, d in layers), max(g.ne[2] for g, _, _ in layers)
+            for key, nbytes in (("ids", 8 * n_expert), ("weights", 4 * n_expert), ("x", 4 * n_embd),
+                                ("out", 4 * n_embd)):
+                self._pinned_buffers[key] = torch.empty(SMALL_MOE * nbytes, dtype=torch.uint8).pin_memory()
 
     def on_gpu(self, w: Weight) -> bool:
         return self.devices.get(w.name, "CPU") != "CPU"
@@ -189,26 +196,65 @@ class HybridBackend:
             return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act, routing, residual)
         t0 = self._timer()
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
+        host = self._to_host(x, ids, weights)  # inside the step's CUDA graph when one is recorded
         if self.recorder is not None:
-            out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, up, gate, down, n_used,
-                                                                            act, t0),
+            out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, host, up, gate, down,
+                                                                            n_used, act, t0),
                                       (x.shape[0], down.ne[1]), self.device, inputs=(x, ids, weights), shared="moe")
         else:
-            out = self._experts(x, ids, weights, up, gate, down, n_used, act, t0)
+            out = self._experts(x, ids, weights, host, up, gate, down, n_used, act, t0).to(self.device,
+                                                                                           non_blocking=True)
         return (out if residual is None else residual + out), ids
 
-    def _experts(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, n_used: int, act: str,
+    def _pinned(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A view of `shape` at the start of the page-locked buffer for `key` (allocated by prepare(), outside any
+        CUDA graph capture): MoE layers take turns with it, as a layer's host step has consumed it before the next
+        layer's GPU segment writes it."""
+        n = shape.numel() * dtype.itemsize
+        return self._pinned_buffers[key][:n].view(dtype).view(shape)
+
+    def _to_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        """For few tokens, what a MoE host step reads on the CPU (the routing and the activations), copied into
+        pinned buffers on the compute stream: asynchronous, and capturable, so a recorded step copies them in its
+        graph and its host step only waits. None for more tokens: the host step fetches the routing, then only
+        the CPU's share of the activations."""
+        if x.shape[0] > SMALL_MOE or not self._pinned_buffers:
+            return None
+        dst = (self._pinned("ids", ids.shape, ids.dtype), self._pinned("weights", weights.shape, torch.float32),
+               self._pinned("x", x.shape, torch.float32))
+        stream = torch.cuda.current_stream(self.device)
+        for d, src in zip(dst, (ids, weights, x)):
+            self.streamer.copy_async(d, src.to(d.dtype).contiguous(), stream)
+        return dst
+
+    def _cpu_decided(self, n: int, gate: Weight) -> bool:
+        """Whether every expert of this u-batch size runs on the CPU without a prediction: the policy says off, or
+        auto measured the CPU fastest for this size class and this layer has run it before."""
+        if self.timed or self.stats.keep:  # verbose runs record each decision
+            return False
+        setting = self.policy.setting("moe_up_gate")
+        if setting == "off":
+            return True
+        return (setting == "auto" and self.policy.mode == "auto" and (id(gate), n) in self._seen
+                and self.explorer.chosen.get(size_class(n)) == "cpu")
+
+    def _experts(self, x, ids, weights, host, up: Weight, gate: Weight, down: Weight, n_used: int, act: str,
                  t0: float) -> torch.Tensor:
-        """The routed experts of x, whose router chose ids / weights on the GPU: the host learns the choice (one
-        sync), the policy splits the experts hit, and the CPU, the GPU or both compute them."""
+        """The routed experts of x, whose router chose ids / weights on the GPU (`host`: their pinned copies, on
+        their way): the host learns the choice (one sync), the policy splits the experts hit, and the CPU, the GPU
+        or both compute them. The result is on the GPU, or, where ggml alone computed it for few tokens, in a
+        pinned host buffer that the caller uploads."""
         experts = (gate, up, down)
         n, k = ids.shape
         n_expert = gate.ne[2]
-        small = n <= 64  # few tokens: bring x along now (pinned, async) rather than after the decision
-        ids_host = ids.to("cpu", non_blocking=True)
-        weights_host = weights.to("cpu", non_blocking=True)
-        x_host = x.float().to("cpu", non_blocking=True) if small else None
+        if host is None:
+            host = ids.to("cpu", non_blocking=True), weights.to("cpu", non_blocking=True), None
+        ids_host, weights_host, x_host = host
         torch.cuda.current_stream(self.device).synchronize()  # the one wait: which experts, how many tokens
+        if x_host is not None and self._cpu_decided(n, gate):  # generation's usual case: straight to ggml
+            # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
+            return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
+                                        out=self._pinned("out", x_host.shape, torch.float32))
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
         counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert)
         t_decided = time.perf_counter()
@@ -227,7 +273,8 @@ class HybridBackend:
             if x_host is None:
                 x_host = x.float().cpu()
             t1 = time.perf_counter()
-            y = self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act)
+            y = self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
+                                     out=self._pinned("out", x_host.shape, torch.float32) if n <= SMALL_MOE else None)
             if self.timed:
                 parts["cpu"] = time.perf_counter() - t1
             out = y.to(self.device, non_blocking=True)
@@ -236,8 +283,9 @@ class HybridBackend:
         if trial is not None:
             torch.cuda.current_stream(self.device).synchronize()
             self.explorer.record(n, trial, time.perf_counter() - t_decided)
-        self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
-                                max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
+        if self.stats.keep:
+            self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
+                                    max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
         return out
 
     def _measured_choice(self, gate: Weight, n: int, counts: list[int], predicted, expert_bytes: float,

@@ -17,6 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from ferry.ops import Weight
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly: the mmap is mapped read-only
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the pointers (unified addressing)
 PAGE = mmap.PAGESIZE
 
 
@@ -181,6 +182,20 @@ class Streamer:
             dst.copy_(src, non_blocking=True)
             return
         rc = self._lib.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel(), 1, self.copy_stream.cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"cudaMemcpyAsync failed with error {rc}")
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """dst <- src on `stream`, between GPU memory and pinned host memory (either way), both contiguous and of
+        one size: one cudaMemcpyAsync, which a CUDA graph captures as a copy node (a torch copy_ into pinned memory
+        also records an event for torch's host allocator)."""
+        if self._lib is None:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            return
+        nbytes = src.numel() * src.element_size()
+        assert dst.numel() * dst.element_size() == nbytes and dst.is_contiguous() and src.is_contiguous()
+        rc = self._lib.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, _MEMCPY_DEFAULT, stream.cuda_stream)
         if rc != 0:
             raise RuntimeError(f"cudaMemcpyAsync failed with error {rc}")
 

@@ -82,7 +82,7 @@ class CudaOps(TorchOps):
         v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
         return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
                                         kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
-                                        kv.n_head_kv, kv.head_dim_v, scale, window)
+                                        kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx)
 
     def moe(self, x: torch.Tensor, router, up, gate, down, n_used: int, norm_topk: bool, act: str, routing=None,
             residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,7 +212,7 @@ class _Recorder:
             warnings.simplefilter("ignore", UserWarning)
             self._graph.capture_end()
         self.graphs.append(self._graph)
-        self.steps.append(self._graph.replay)
+        self.steps.append(_launcher(self._graph))
         self._graph = None
 
     def defer(self, fn, shape: tuple[int, ...], device, inputs: tuple[torch.Tensor, ...] = (),
@@ -244,6 +244,29 @@ class _Recorder:
     def replay(self) -> None:
         for step in self.steps:
             step()
+
+
+def _launcher(graph: torch.cuda.CUDAGraph):
+    """graph.replay() without torch's prologue, which launches two fill kernels per replay to reseed its random
+    number generator (these graphs draw no random numbers; a hybrid decode step replays one graph per layer): one
+    cudaGraphLaunch through ctypes. torch's replay where the runtime or the instantiated graph is not at hand."""
+    import ctypes
+
+    from ferry.runtime.streamer import _cudart
+
+    lib = _cudart()
+    try:
+        handle = ctypes.c_void_p(graph.raw_cuda_graph_exec())
+    except (RuntimeError, AttributeError):
+        handle = None
+    if lib is None or handle is None or not handle.value:
+        return graph.replay
+
+    def launch() -> None:
+        rc = lib.cudaGraphLaunch(handle, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if rc != 0:
+            raise RuntimeError(f"cudaGraphLaunch failed with error {rc}")
+    return launch
 
 
 @dataclass

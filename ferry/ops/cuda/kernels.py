@@ -306,10 +306,12 @@ def _cache_row(cache, cell, col, row_stride, mask, Q8: tl.constexpr):
 
 
 @triton.jit
-def _attn_decode(q, kc, vc, pos, base, out, n_heads, group, dk, dv, k_row, v_row, scale, window,
-                 K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+def _attn_decode(q, kc, vc, pos, base, out, part, n_heads, group, dk, dv, k_row, v_row, scale, window, chunk,
+                 K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PARTIAL: tl.constexpr):
     """One query head of one token: softmax(q . k * scale) v over the cache cells base[t] + 0 .. pos[t] (the
-    last `window` of them when window > 0), online over blocks of BN cells."""
+    last `window` of them when window > 0), online over blocks of BN cells. PARTIAL (flash-decoding): program s
+    of axis 2 takes only positions s * chunk .. (s + 1) * chunk - 1 (chunk a multiple of BN) and leaves its
+    unnormalised sum in out, its running max and denominator in part, for _attn_combine."""
     h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     kvh = h // group
@@ -318,10 +320,15 @@ def _attn_decode(q, kc, vc, pos, base, out, n_heads, group, dk, dv, k_row, v_row
     p = tl.load(pos + t)
     b0 = tl.load(base + t)
     lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
+    begin = (lo // BN) * BN
+    end = p + 1
+    if PARTIAL:
+        begin = tl.maximum(begin, tl.program_id(2) * chunk)
+        end = tl.minimum(end, (tl.program_id(2) + 1) * chunk)
     m_i = -1e30
     l_i = 0.0
     acc = tl.zeros((BD,), dtype=tl.float32)
-    for n0 in range((lo // BN) * BN, p + 1, BN):
+    for n0 in range(begin, end, BN):
         j = n0 + tl.arange(0, BN)
         live = (j >= lo) & (j <= p)
         kmask = live[:, None] & (d < dk)[None, :]
@@ -335,7 +342,29 @@ def _attn_decode(q, kc, vc, pos, base, out, n_heads, group, dk, dv, k_row, v_row
         acc = acc * alpha + tl.sum(w[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(w, axis=0)
         m_i = m_new
-    tl.store(out + (t * n_heads + h) * dv + d, acc / l_i, mask=d < dv)
+    if PARTIAL:
+        at = (t * n_heads + h) * tl.num_programs(2) + tl.program_id(2)
+        tl.store(out + at * dv + d, acc, mask=d < dv)
+        tl.store(part + at * 2, m_i)
+        tl.store(part + at * 2 + 1, l_i)
+    else:
+        tl.store(out + (t * n_heads + h) * dv + d, acc / l_i, mask=d < dv)
+
+
+@triton.jit
+def _attn_combine(acc, part, out, n_heads, splits, dv, SP: tl.constexpr, BD: tl.constexpr):
+    """One head of one token: its `splits` partial results from _attn_decode (PARTIAL) merged, each rescaled by
+    exp(its max - the overall max); a split that saw no cell has max -1e30 and weighs nothing."""
+    h = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, SP)
+    d = tl.arange(0, BD)
+    row = (t * n_heads + h) * splits + s
+    m = tl.load(part + row * 2, mask=s < splits, other=-1e30)
+    scale = tl.where(s < splits, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    den = tl.sum(tl.load(part + row * 2 + 1, mask=s < splits, other=0.0) * scale, axis=0)
+    a = tl.load(acc + row[:, None] * dv + d[None, :], mask=(s < splits)[:, None] & (d < dv)[None, :], other=0.0)
+    tl.store(out + (t * n_heads + h) * dv + d, tl.sum(a * scale[:, None], axis=0) / den, mask=d < dv)
 
 
 @triton.jit
@@ -673,24 +702,46 @@ def norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, cos: torch.Te
 # (cells per step, warps) for heads of up to 128 values: the fastest of a sweep on an H200 at 512 and 4096 cells
 # (64: (64, 8)), Qwen3's heads. Wider heads take fewer cells per step (attention_decode).
 ATTENTION_DECODE_CONFIG = (128, 4)
+ATTENTION_PROGRAMS = 264  # flash-decoding splits the cache until about this many programs run (2 per H100 SM)
+
+
+def attention_splits(n_cells: int, programs: int, bn: int) -> int:
+    """How many parts flash-decoding cuts a cache of n_cells into: none below 4 steps of bn cells per part, and
+    no more than fill the GPU beside `programs` (heads x tokens). A power of two (few distinct kernels)."""
+    want = min(triton.cdiv(n_cells, 4 * bn), triton.cdiv(ATTENTION_PROGRAMS, programs))
+    return 1 << (max(want, 1).bit_length() - 1)
 
 
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_q8: bool, v_q8: bool,
                      pos: torch.Tensor, base: torch.Tensor, n_head_kv: int, dv: int, scale: float,
-                     window: int, config: tuple[int, int] | None = None) -> torch.Tensor:
+                     window: int, config: tuple[int, int] | None = None, n_cells: int = 0,
+                     splits: int | None = None) -> torch.Tensor:
     """q (n, heads, dk) against cache rows (cells, bytes) of f16 or q8_0: (n, heads * dv) float32. config: (cells
-    per step, warps)."""
+    per step, warps). n_cells: the longest context a token may have (the cache's size; fixed for a recorded
+    graph): long ones are cut into `splits` parts (attention_splits) computed side by side, then merged."""
     q = q.float().contiguous()
     n, heads, dk = q.shape
     width = triton.next_power_of_2(max(dk, dv))
     # a step's keys are (cells, width) floats in registers: MLA's 576-wide latent rows at 128 cells spilled them,
     # and DeepSeek-V2-Lite's generation halved (125.7 against 229.5 t/s at 32 cells)
-    bn, warps = config or (max(32, min(ATTENTION_DECODE_CONFIG[0], 16384 // width)), ATTENTION_DECODE_CONFIG[1])
+    bn, warps = config or ATTENTION_DECODE_CONFIG
+    bn = min(bn, max(32, 16384 // width))
+    if splits is None:
+        splits = attention_splits(n_cells, heads * n, bn)
+    if splits > 1 and n_cells < 1:
+        raise ValueError("attention_decode: splitting the cache needs its size (n_cells)")
     out = torch.empty(n, heads, dv, dtype=torch.float32, device=q.device)
     kc, vc = (c if q8 else c.view(torch.float16) for c, q8 in ((k_cache, k_q8), (v_cache, v_q8)))
-    _attn_decode[(heads, n)](q, kc, vc, pos, base, out, heads, heads // n_head_kv, dk, dv,
-                             kc.shape[1], vc.shape[1], scale, window, K_Q8=k_q8, V_Q8=v_q8, BN=bn,
-                             BD=width, num_warps=warps)
+    chunk = triton.cdiv(triton.cdiv(max(n_cells, 1), splits), bn) * bn
+    acc, part = (out, out) if splits == 1 else (
+        torch.empty(n, heads, splits, dv, dtype=torch.float32, device=q.device),
+        torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q.device))
+    _attn_decode[(heads, n, splits)](q, kc, vc, pos, base, acc, part, heads, heads // n_head_kv, dk, dv,
+                                     kc.shape[1], vc.shape[1], scale, window, chunk, K_Q8=k_q8, V_Q8=v_q8, BN=bn,
+                                     BD=width, PARTIAL=splits > 1, num_warps=warps)
+    if splits > 1:
+        _attn_combine[(heads, n)](acc, part, out, heads, splits, dv, SP=triton.next_power_of_2(splits),
+                                  BD=triton.next_power_of_2(dv))
     return out.view(n, heads * dv)
 
 
