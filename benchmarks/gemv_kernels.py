@@ -47,10 +47,19 @@ def _best(fn) -> tuple[tuple, float]:
     return min(times.items(), key=lambda kv: kv[1])
 
 
+def graphed(fn) -> float:
+    """Milliseconds per call of fn replayed in a CUDA graph (launch cost excluded, as in a decode step)."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="gemv_kernels.json")
+    ap.add_argument("--only", default="gemv,experts,router,attention,route", help="which kernels, comma-separated")
     a = ap.parse_args()
+    only = set(a.only.split(","))
     dev = torch.device("cuda")
     results = []
     print("| kernel | shape | default us | best us | best (rows, cols/step, warps) | GB/s default | GB/s best |")
@@ -64,12 +73,12 @@ def main() -> None:
               f"{row['gbps_default']:.0f} | {row['gbps_best']:.0f} |", flush=True)
 
     torch.randn(8192, 8192, device=dev).matmul(torch.randn(8192, 8192, device=dev))  # clocks up before timing
-    for name, (cols, rows) in DENSE.items():
+    for name, (cols, rows) in DENSE.items() if "gemv" in only else ():
         w = _split(Q.Q8_0, (rows, cols // 32), (cols, rows), dev)
         x = torch.randn(1, cols, device=dev)
         report(name, f"{rows}x{cols}", rows * cols * 34 / 32, do_bench(lambda: K.gemv(w, x)),
                _best(lambda cfg: K.gemv(w, x, cfg)))
-    for name, (n_expert, n_used, n_embd, n_ff) in EXPERTS.items():
+    for name, (n_expert, n_used, n_embd, n_ff) in EXPERTS.items() if "experts" in only else ():
         gate = _split(Q.Q4_0, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
         up = _split(Q.Q4_0, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
         down = _split(Q.Q4_0, (n_expert, n_embd, n_ff // 32), (n_ff, n_embd, n_expert), dev)
@@ -80,12 +89,12 @@ def main() -> None:
         report(f"{name} experts", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
                do_bench(lambda: K.moe_gemv(x, ids, weights, gate, up, down, "silu")),
                _best(lambda cfg: K.moe_gemv(x, ids, weights, gate, up, down, "silu", config=cfg)))
-    for name, (n_expert, n_used, n_embd, _) in EXPERTS.items():  # the router (float32) and its top-k
+    for name, (n_expert, n_used, n_embd, _) in EXPERTS.items() if "router" in only else ():  # the f32 router
         w = torch.randn(n_expert, n_embd, device=dev)
         x = torch.randn(1, n_embd, device=dev)
         report(f"{name} router", f"{n_expert}x{n_embd} f32", n_expert * n_embd * 4, do_bench(lambda: K.gemv_float(w, x)),
                _best(lambda cfg: K.gemv_float(w, x, cfg)))
-    for name, (heads, heads_kv, dk, dv) in ATTENTION.items():  # attention over a cache of `cells` f16 rows
+    for name, (heads, heads_kv, dk, dv) in ATTENTION.items() if "attention" in only else ():  # attention over a cache of `cells` f16 rows
         for cells in (64, 512, 4096):
             kc = torch.randn(cells, heads_kv * dk, device=dev).half().view(torch.uint8)
             q = torch.randn(1, heads, dk, device=dev)
@@ -96,8 +105,10 @@ def main() -> None:
                 return K.attention_decode(q, kc, kc, False, False, pos, base, heads_kv, dv, dk ** -0.5, 0, cfg,
                                           n_cells=cells, splits=splits)
 
-            times = {cfg: do_bench(lambda: attend(cfg)) for cfg in ATTENTION_SWEEP}
-            one_pass = do_bench(lambda: attend(None, 1))
+            # replayed as CUDA graphs: a split run is two launches of a few microseconds, which do_bench would time
+            # as Python's launch cost
+            times = {cfg: graphed(lambda: attend(cfg)) for cfg in ATTENTION_SWEEP}
+            one_pass = graphed(lambda: attend(None, 1))
             print("  sweep:", {k: round(1e3 * v, 1) for k, v in times.items()}, f"one pass: {1e3 * one_pass:.1f}",
                   flush=True)
             best = min(times, key=times.get)
@@ -105,7 +116,7 @@ def main() -> None:
                             "best_us": 1e3 * times[best], "best": best, "one_pass_us": 1e3 * one_pass})
             print(f"| {name} attention | {cells} cells | {1e3 * times[K.ATTENTION_DECODE_CONFIG]:.1f} | {1e3 * times[best]:.1f} | "
                   f"{best} (cells/step, warps); one pass {1e3 * one_pass:.1f} | | |", flush=True)
-    for name, (n_expert, n_used, _, _) in EXPERTS.items():  # the router's top-k, one kernel
+    for name, (n_expert, n_used, _, _) in EXPERTS.items() if "route" in only else ():  # the router's top-k
         logits = torch.randn(1, n_expert, device=dev)
         t = do_bench(lambda: K.route(logits, n_used, True, 1.0, False, None))
         results.append({"kernel": f"{name} route", "shape": f"{n_expert} -> {n_used}", "default_us": 1e3 * t})

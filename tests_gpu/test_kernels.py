@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants as gguf_quants
-from gguf.constants import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.ops.cuda import kernels as K
 from ferry.quant import dequantize as reference
@@ -250,6 +250,27 @@ def test_attention_decode_matches_float64(config, splits, ktype, vtype, n, heads
             vv = v[cell].view(-1, heads_kv, dv)[:, kvh]
             want[t, h] = torch.softmax(kk @ q[t, h] * dk ** -0.5, 0) @ vv
     _close(got, want.view(n, -1), 1e-5)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("chosen", [[0], [1, 2, 5], [0, 1, 2, 3, 4, 5, 6]], ids=str)
+def test_unpack_experts_fills_the_slots_split_of_makes(qtype, chosen):
+    """The streamer copies chosen experts' GGUF bytes one after another, then unpack_experts spreads them to their
+    slots: the same bytes as Split.of on the whole tensor, and nothing else written."""
+    n_expert, rows, cols = 7, 5, 96
+    block = GGML_QUANT_SIZES[qtype][1]
+    per = rows * cols // 32 * block
+    raw = torch.from_numpy(np.random.default_rng(len(chosen)).integers(0, 256, n_expert * per, dtype=np.uint8))
+    full = K.Split.of(raw.to(DEV), qtype, (cols, rows, n_expert))
+    staged = torch.cat([raw[e * per:(e + 1) * per] for e in chosen]).to(DEV)
+    got = K.Split.of(torch.zeros_like(raw, device=DEV), qtype, (cols, rows, n_expert))
+    K.unpack_experts(staged, torch.tensor(chosen, device=DEV), got)
+    for e in range(n_expert):
+        g, f = got.expert(e), full.expert(e)
+        if e in chosen:
+            assert torch.equal(g.qs, f.qs) and torch.equal(g.d.view(torch.int16), f.d.view(torch.int16))
+        else:
+            assert not g.qs.any() and not g.d.view(torch.int16).any()
 
 
 def test_attention_splits_fill_the_gpu_only_for_long_caches():

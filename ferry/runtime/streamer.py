@@ -12,7 +12,6 @@ from __future__ import annotations
 import mmap
 
 import torch
-from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.ops import Weight
 
@@ -73,6 +72,7 @@ class Streamer:
         self._host: dict[int, torch.Tensor] = {}
         self._splits: dict[tuple, object] = {}  # (slot, role, qtype, ne) -> a Split with a slot per expert
         self._raw: dict[tuple, torch.Tensor] = {}  # compact buffers copies land in (stream-ordered: shared by slots)
+        self._rows: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}  # see _expert_rows
         self._released: dict[object, torch.cuda.Event] = {}
         self._registered: list[int] = []
         self.bytes_copied = 0
@@ -132,34 +132,47 @@ class Streamer:
 
     def stage_experts(self, weights: list[Weight], experts: list[int], slot) -> list[tuple[object, torch.cuda.Event]]:
         """Copy `experts` (sorted) of each stacked tensor into staging set `slot`, in order, on the copy stream:
-        per tensor, (a Split with those experts' slots filled, the event after which they are there)."""
+        per tensor, (a Split with those experts' slots filled, the event after which they are there). Host time
+        matters here (generation stages a few experts per layer): one cudaMemcpyAsync per run of neighbouring
+        experts from precomputed addresses, and one kernel per tensor that spreads the blocks to their slots."""
+        from ferry.ops.cuda.kernels import unpack_experts
+
         out = []
         stream = self.copy_stream
+        runs = expert_runs(experts)
         ids = torch.tensor(experts, dtype=torch.int64).pin_memory()
         with torch.cuda.stream(stream):
             if slot in self._released:  # the layer that used these slots last has finished with them
                 stream.wait_event(self._released.pop(slot))
             ids = ids.to(self.device, non_blocking=True)
+            handle = stream.cuda_stream
             for i, w in enumerate(weights):
                 split = self._split_for(w, (slot, i, w.qtype, w.ne))
-                n_expert = w.ne[2]
-                raw = self._buffer((i, w.qtype, w.ne), w.data.nbytes).view(n_expert, -1)
-                host = self.host(w).view(n_expert, -1)
+                raw, host, per = self._expert_rows(w, i)
+                dst, src = raw.data_ptr(), host.data_ptr()
                 j = 0
-                for a, b in expert_runs(experts):
-                    self._copy(raw[j:j + b - a], host[a:b])
+                for a, b in runs:
+                    if self._lib is None:
+                        raw[j * per:(j + b - a) * per].copy_(host[a * per:b * per], non_blocking=True)
+                    elif self._lib.cudaMemcpyAsync(dst + j * per, src + a * per, (b - a) * per, 1, handle):
+                        raise RuntimeError("cudaMemcpyAsync failed staging experts")
                     j += b - a
-                self.bytes_copied += j * raw.shape[1]
-                block = GGML_QUANT_SIZES[w.qtype][1]
-                blocks = raw[:j].view(j, -1, block)
-                per_expert = blocks.shape[1]
-                split.d.view(-1, per_expert).index_copy_(0, ids, blocks[:, :, :2].contiguous().view(torch.float16)
-                                                         .view(j, per_expert))
-                split.qs.view(-1, per_expert, block - 2).index_copy_(0, ids, blocks[:, :, 2:].view(split.qs.dtype))
+                self.bytes_copied += j * per
+                unpack_experts(raw, ids, split)
                 done = torch.cuda.Event()
                 done.record(stream)
                 out.append((split, done))
         return out
+
+    def _expert_rows(self, w: Weight, role: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The compact GPU buffer of role `role` that w's experts are copied into, w's bytes in the mmap (both
+        flat uint8), and the bytes per expert."""
+        key = (role, w.qtype, w.ne)
+        entry = self._rows.get((key, id(w)))
+        if entry is None:
+            entry = self._rows[key, id(w)] = (self._buffer(key, w.data.nbytes), self.host(w).view(-1),
+                                              w.data.nbytes // w.ne[2])
+        return entry
 
     def stage(self, w: Weight, slot) -> tuple[torch.Tensor, torch.cuda.Event]:
         """A whole (dense) weight's GGUF bytes copied to a reused GPU buffer in staging set `slot`."""

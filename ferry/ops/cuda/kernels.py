@@ -444,6 +444,34 @@ def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, src, dst, sca
 
 # ---- launchers ----
 
+@triton.jit
+def _unpack_experts(raw, ids, d, qs, per_expert, BLOCK: tl.constexpr, PAYLOAD: tl.constexpr, BB: tl.constexpr):
+    """Staged expert j (its GGUF blocks, compact in raw) into expert ids[j]'s slot of a Split: each block's two
+    scale bytes to d, its other PAYLOAD bytes to qs (all as bytes)."""
+    j = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1) * BB + tl.arange(0, BB)
+    live = b < per_expert
+    e = tl.load(ids + j).to(tl.int64)
+    src = raw + (j * per_expert + b) * BLOCK
+    dst = e * per_expert + b
+    for i in tl.static_range(2):
+        tl.store(d + dst * 2 + i, tl.load(src + i, mask=live), mask=live)
+    k = tl.arange(0, PAYLOAD)
+    tl.store(qs + dst[:, None] * PAYLOAD + k[None, :], tl.load(src[:, None] + 2 + k[None, :], mask=live[:, None]),
+             mask=live[:, None])
+
+
+def unpack_experts(raw: torch.Tensor, ids: torch.Tensor, split: "Split") -> None:
+    """raw: the GGUF bytes of len(ids) experts of a stacked Q8_0 / Q4_0 tensor, one after another; ids (on the GPU):
+    which expert each is. Fills those experts' slots of `split` in one launch (the layout Split.of makes)."""
+    per_expert = split.d.numel() // split.ne[2]
+    block = GGML_QUANT_SIZES[split.qtype][1]
+    bb = 256
+    _unpack_experts[(ids.numel(), triton.cdiv(per_expert, bb))](raw, ids, split.d.view(torch.uint8),
+                                                                 split.qs.view(torch.uint8), per_expert,
+                                                                 BLOCK=block, PAYLOAD=block - 2, BB=bb)
+
+
 @dataclass
 class Split:
     """A Q8_0 / Q4_0 tensor on the GPU as two arrays: each block's quants (32 int8, or 16 bytes of nibbles) and
