@@ -33,23 +33,29 @@ def page_ranges(weights: list[Weight]) -> list[tuple[int, int]]:
     return [(s, e) for s, e in merged]
 
 
-def _cudart():
-    """The process's libcudart (loaded by torch), for the calls torch does not expose; None if not found."""
+_CUDART: list = []  # the library once found
+
+
+def cudart_library():
+    """The process's libcudart (loaded by torch), for the calls torch does not expose; None if not found (yet)."""
     import ctypes
 
+    if _CUDART:
+        return _CUDART[0]
     try:
         with open("/proc/self/maps") as fh:
             lib = ctypes.CDLL(next(line.split()[-1] for line in fh if "libcudart.so" in line))
     except (OSError, StopIteration):
         return None
     lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    _CUDART.append(lib)
     return lib
 
 
 def _clear_last_cuda_error() -> None:
     """A failed cudaHostRegister leaves the runtime's last-error set, and torch's next kernel launch check would
     report it as its own failure: read it once."""
-    lib = _cudart()
+    lib = cudart_library()
     if lib is not None:
         lib.cudaGetLastError()
 
@@ -78,7 +84,7 @@ class Streamer:
         self.bytes_copied = 0
         # one cudaMemcpyAsync through ctypes costs ~1 us of host time, a torch copy_ ~10: a u-batch that hits 100
         # scattered experts issues 300 copies, and the host issues them while its cores should be computing
-        self._lib = _cudart()
+        self._lib = cudart_library()
         self.pinned, self.why = self._register(weights)
 
     def _register(self, weights: list[Weight]) -> tuple[bool, str]:

@@ -252,9 +252,9 @@ def _launcher(graph: torch.cuda.CUDAGraph):
     cudaGraphLaunch through ctypes. torch's replay where the runtime or the instantiated graph is not at hand."""
     import ctypes
 
-    from ferry.runtime.streamer import _cudart
+    from ferry.runtime.streamer import cudart_library
 
-    lib = _cudart()
+    lib = cudart_library()
     try:
         handle = ctypes.c_void_p(graph.raw_cuda_graph_exec())
     except (RuntimeError, AttributeError):

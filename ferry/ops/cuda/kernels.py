@@ -442,8 +442,6 @@ def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, src, dst, sca
                  mask=rmask[:, None] & nmask[None, :])
 
 
-# ---- launchers ----
-
 @triton.jit
 def _unpack_experts(raw, ids, d, qs, per_expert, BLOCK: tl.constexpr, PAYLOAD: tl.constexpr, BB: tl.constexpr):
     """Staged expert j (its GGUF blocks, compact in raw) into expert ids[j]'s slot of a Split: each block's two
@@ -460,6 +458,8 @@ def _unpack_experts(raw, ids, d, qs, per_expert, BLOCK: tl.constexpr, PAYLOAD: t
     tl.store(qs + dst[:, None] * PAYLOAD + k[None, :], tl.load(src[:, None] + 2 + k[None, :], mask=live[:, None]),
              mask=live[:, None])
 
+
+# ---- launchers ----
 
 def unpack_experts(raw: torch.Tensor, ids: torch.Tensor, split: "Split") -> None:
     """raw: the GGUF bytes of len(ids) experts of a stacked Q8_0 / Q4_0 tensor, one after another; ids (on the GPU):
