@@ -13,6 +13,8 @@
 #     kernels the grouped MoE GEMM and the generation GEMVs alone (benchmarks/moe_kernels.py, gemv_kernels.py):
 #             default configurations and a sweep of them (KERNEL_ARGS: options of moe_kernels.py)
 #     llama   the big runs through llama.cpp's CUDA llama-bench too (built here, sm_90, cached in .build/)
+#     gemma   Gemma 3 270M on the GPU against float64, from the pieces scripts/gemma_pieces.py writes to .gemma/
+#             (carried over back-to-back calls: the file is over one call's carry limit)
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -46,6 +48,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if has tests; then
     python3 -m pytest -q -s ${GPU_TESTS:-tests_gpu} -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests_gpu.txt" \
         | grep -E "KL|passed|failed|Error|error" | tail -40 || true
+fi
+if has gemma; then
+    cat .gemma/p? > /tmp/gemma.gguf && sha256sum /tmp/gemma.gguf | tee "$OUT/gemma_sha256.txt"
+    FERRY_GEMMA_GGUF=/tmp/gemma.gguf python3 -m pytest -q -s tests_gpu/test_model_gpu.py -k gemma -p no:cacheprovider \
+        2>&1 | tee "$OUT/gemma_gpu.txt" | grep -E "KL|passed|failed|Error" || true
 fi
 if has kernels; then
     wait_build
