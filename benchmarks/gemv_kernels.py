@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from ferry.ops.cuda import kernels as K
 from ferry.quant import Q
@@ -45,13 +45,6 @@ def _best(fn) -> tuple[tuple, float]:
         except Exception:  # a configuration the compiler refuses (registers, shared memory)
             continue
     return min(times.items(), key=lambda kv: kv[1])
-
-
-def graphed(fn) -> float:
-    """Milliseconds per call of fn replayed in a CUDA graph (launch cost excluded, as in a decode step)."""
-    from triton.testing import do_bench_cudagraph
-
-    return do_bench_cudagraph(fn)
 
 
 def main() -> None:
@@ -107,8 +100,8 @@ def main() -> None:
 
             # replayed as CUDA graphs: a split run is two launches of a few microseconds, which do_bench would time
             # as Python's launch cost
-            times = {cfg: graphed(lambda: attend(cfg)) for cfg in ATTENTION_SWEEP}
-            one_pass = graphed(lambda: attend(None, 1))
+            times = {cfg: do_bench_cudagraph(lambda: attend(cfg)) for cfg in ATTENTION_SWEEP}
+            one_pass = do_bench_cudagraph(lambda: attend(None, 1))
             print("  sweep:", {k: round(1e3 * v, 1) for k, v in times.items()}, f"one pass: {1e3 * one_pass:.1f}",
                   flush=True)
             best = min(times, key=times.get)

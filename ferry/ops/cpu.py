@@ -126,8 +126,6 @@ class _Graph:
         return outs[0]
 
     def __del__(self) -> None:
-        if getattr(self, "backend", None) is not None and self.backend.allocated is self:
-            self.backend.allocated = None
         if getattr(self, "ctx", None):
             ggml.ggml_free(self.ctx)
 
@@ -218,7 +216,6 @@ class CpuBackend:
         # the CPU device's buffer type (ggml-python's ggml_backend_cpu_buffer_type binding truncates the pointer)
         cpu = ggml.ggml_backend_reg_dev_get(ggml.ggml_backend_cpu_reg(), 0)
         self.galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_dev_buffer_type(cpu))
-        self.allocated: _Graph | None = None  # the graph that ran last
         self.generation, self.buffer_size = 0, 0  # the compute buffer's moves so far, and its size
         self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
         self.placeholder = self._placeholder.ctypes.data
@@ -229,7 +226,7 @@ class CpuBackend:
         decode step alternates between every MoE layer's graph; placing each afresh cost a reserve and an
         allocation per layer). The allocator leaves tensors that have an address alone, and another graph may
         have grown (moved) the buffer since: so a graph placed before that is cleared first and placed afresh."""
-        if self.allocated is not g and not (g.placed is not None and g.generation == self.generation):
+        if g.placed is None or g.generation != self.generation:
             if g.placed is None:
                 views = {ctypes.addressof(v.contents) for v, _, _ in g.input_views}
                 nodes = (ggml.ggml_graph_node(g.graph, i) for i in range(ggml.ggml_graph_n_nodes(g.graph)))
@@ -245,7 +242,6 @@ class CpuBackend:
             if size != self.buffer_size:  # reallocated: every graph placed before points into freed memory
                 self.generation, self.buffer_size = self.generation + 1, size
             g.generation = self.generation
-        self.allocated = g
 
     def _graph(self, owner: Weight, key: tuple, build: Callable[[], _Graph]) -> _Graph:
         """The graph for `key`, kept on the weight it reads so that it dies with the weight's mmap."""
@@ -455,7 +451,6 @@ class CpuBackend:
         return self._graph(up, ("experts", id(gate), id(down), n, j, weights is None, act), build).run(inputs, out)
 
     def close(self) -> None:
-        self.allocated = None
         if getattr(self, "galloc", None):
             ggml.ggml_gallocr_free(self.galloc)
             self.galloc = None

@@ -16,7 +16,7 @@ import torch
 from ferry.ops import Weight
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly: the mmap is mapped read-only
-_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the pointers (unified addressing)
+_H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 PAGE = mmap.PAGESIZE
 
 
@@ -160,7 +160,7 @@ class Streamer:
                 for a, b in runs:
                     if self._lib is None:
                         raw[j * per:(j + b - a) * per].copy_(host[a * per:b * per], non_blocking=True)
-                    elif self._lib.cudaMemcpyAsync(dst + j * per, src + a * per, (b - a) * per, 1, handle):
+                    elif self._lib.cudaMemcpyAsync(dst + j * per, src + a * per, (b - a) * per, _H2D, handle):
                         raise RuntimeError("cudaMemcpyAsync failed staging experts")
                     j += b - a
                 self.bytes_copied += j * per
@@ -188,33 +188,24 @@ class Streamer:
             if slot in self._released:
                 stream.wait_event(self._released.pop(slot))
             raw = self._buffer(key, w.data.nbytes)
-            self._copy(raw, self.host(w))
+            self.copy_async(raw, self.host(w), stream)
             self.bytes_copied += w.data.nbytes
             done = torch.cuda.Event()
             done.record(stream)
         return raw, done
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Host -> GPU on the copy stream (the caller has made it current); both contiguous, and both outlive the
-        copy (the mmap and the staging buffers are never freed while the streamer lives)."""
-        if self._lib is None:
-            dst.copy_(src, non_blocking=True)
-            return
-        rc = self._lib.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.numel(), 1, self.copy_stream.cuda_stream)
-        if rc != 0:
-            raise RuntimeError(f"cudaMemcpyAsync failed with error {rc}")
-
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """dst <- src on `stream`, between GPU memory and pinned host memory (either way), both contiguous and of
-        one size: one cudaMemcpyAsync, which a CUDA graph captures as a copy node (a torch copy_ into pinned memory
-        also records an event for torch's host allocator)."""
+        """dst <- src on `stream`, between GPU memory and host memory (either way; pinned, or the registered mmap),
+        both contiguous and of one size, both outliving the copy: one cudaMemcpyAsync, which a CUDA graph captures
+        as a copy node (a torch copy_ into pinned memory also records an event for torch's host allocator)."""
         if self._lib is None:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             return
         nbytes = src.numel() * src.element_size()
         assert dst.numel() * dst.element_size() == nbytes and dst.is_contiguous() and src.is_contiguous()
-        rc = self._lib.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, _MEMCPY_DEFAULT, stream.cuda_stream)
+        kind = _H2D if dst.is_cuda else _D2H
+        rc = self._lib.cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), nbytes, kind, stream.cuda_stream)
         if rc != 0:
             raise RuntimeError(f"cudaMemcpyAsync failed with error {rc}")
 
