@@ -5,6 +5,9 @@ in the same run: issue 5's targets (pp4096 at u-batch 512..4096, pp512 at u-batc
 
 ferry loads the model once and measures every policy on it (`auto` and the manual ones: all experts streamed to the
 GPU, all computed by the CPU, llama.cpp's threshold rule); `auto` is also compared with the best manual one per test.
+Both engines get `-b` = the prompt, so a prompt is one logical batch: ferry takes it layer first (each layer's
+experts cross PCIe once per batch, its default) and, in the columns marked "ubatch-first", u-batch by u-batch
+through every layer as llama.cpp does (--ubatch-first-policies).
 Both engines measure llama-bench's way (a warm-up, then -r repetitions; mean ± std). The experts hit per layer in
 the first u-batch stand beside every number. Without --llama-bench, only ferry runs.
   python benchmarks/hybrid_vs_llamacpp.py --llama-bench PATH -m qwen3-30b-a3b.gguf -t 16
@@ -31,7 +34,8 @@ def name(p: int, n: int, ub: int) -> str:
     return f"pp{p} ub{ub}" if p else f"tg{n}"
 
 
-def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str], skip_slow_cpu: bool) -> dict:
+def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str], skip_slow_cpu: bool,
+                ubatch_first: list[str]) -> dict:
     from ferry.cli import GpuOptions, open_model
     from ferry.policy import Explorer, parse_policy
     from ferry.tools.bench import measure
@@ -42,19 +46,30 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
                                       max(p + n for p, n, _ in cases) + 1, ub_max)
     print(f"ferry: loaded in {time.perf_counter() - t0:.1f} s; {backend.summary}", file=sys.stderr, flush=True)
     out: dict = {}
-    for policy in policies:
+    layer_first = backend.layer_first
+    for policy, label in [(p, p) for p in policies] + [(p, f"{p} ubatch-first") for p in ubatch_first]:
         backend.policy = parse_policy(policy)
         backend.explorer = Explorer()  # auto measures afresh
+        backend.layer_first = layer_first and not label.endswith("ubatch-first")  # read by each Engine
         for p, n, ub in cases:
             if skip_slow_cpu and policy == "all=off" and p > 512:
                 continue  # every expert by the CPU at 4096 tokens: minutes, and never the best
+            if label != policy and not p:
+                continue  # generation has one token per batch: no order to choose
+            copied = backend.streamer.bytes_copied
             samples, hit = measure(model, backend, p, n, p or 512, ub, reps)
-            row = {"samples_ts": samples, "avg_ts": sum(samples) / len(samples),
-                   "stddev_ts": (sum((s - sum(samples) / len(samples)) ** 2 for s in samples) / max(len(samples) - 1, 1)) ** 0.5,
-                   "experts_hit": hit}
-            out.setdefault(name(p, n, ub), {})[policy] = row
-            print(f"ferry {policy:9s} {name(p, n, ub):14s} {row['avg_ts']:9.2f} t/s  hit {min(hit) if hit else ''}-"
-                  f"{max(hit) if hit else ''}", file=sys.stderr, flush=True)
+            avg = sum(samples) / len(samples)
+            per_run = (backend.streamer.bytes_copied - copied) / (reps + 1)  # the warm-up run and the timed ones
+            row = {"samples_ts": samples, "avg_ts": avg,
+                   "stddev_ts": (sum((s - avg) ** 2 for s in samples) / max(len(samples) - 1, 1)) ** 0.5,
+                   "experts_hit": hit, "copied_gb_per_run": per_run / 1e9,
+                   "copied_gb_per_s": per_run * avg / (p + n) / 1e9,  # over the whole run, at its mean speed
+                   "auto_choices": {size: (backend.explorer.chosen.get(size), {k: min(v) * 1e3 for k, v in t.items() if v})
+                                    for size, t in backend.explorer.trials.items()} if policy == "auto" else {}}
+            out.setdefault(name(p, n, ub), {})[label] = row
+            print(f"ferry {label:9s} {name(p, n, ub):14s} {avg:9.2f} t/s  hit {min(hit) if hit else ''}-"
+                  f"{max(hit) if hit else ''}  copied {row['copied_gb_per_run']:.1f} GB/run "
+                  f"({row['copied_gb_per_s']:.1f} GB/s)  {row['auto_choices'] or ''}", file=sys.stderr, flush=True)
     backend.close()
     return out
 
@@ -88,6 +103,8 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=2)
     ap.add_argument("--policies", default=",".join(POLICIES), help="ferry's policies to measure (';'-separated "
                     "when one has commas)")
+    ap.add_argument("--ubatch-first-policies", default="auto", help="policies also measured u-batch by u-batch "
+                    "(','-separated; empty: none)")
     ap.add_argument("--all-cpu-big", action="store_true", help="also time all=off at the big prompt (slow)")
     ap.add_argument("--out", default="hybrid_vs_llamacpp.json")
     a = ap.parse_args()
@@ -95,14 +112,16 @@ def main() -> None:
     cases = tests(a.pp_big, [int(v) for v in a.ub_big.split(",") if v], a.pp_small,
                   [int(v) for v in a.ub_small.split(",") if v], a.n)
     policies = a.policies.split(";") if ";" in a.policies else a.policies.split(",")
-    fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big)
+    ubatch_first = [p for p in a.ubatch_first_policies.split(",") if p]
+    fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big, ubatch_first)
+    policies += [f"{p} ubatch-first" for p in ubatch_first]
     Path(a.out).with_suffix(".ferry.json").write_text(json.dumps(fe, indent=1))  # kept if llama.cpp's part fails
     if a.llama_bench_from:
         a.llama_bench = llamacpp.wait_for_build(a.llama_bench_from)
     lc = llama_bench(a.llama_bench, path, a.threads, cases, a.r) if a.llama_bench else {}
     results = []
     for test, by_policy in fe.items():
-        manual = {k: v["avg_ts"] for k, v in by_policy.items() if k != "auto"}
+        manual = {k: v["avg_ts"] for k, v in by_policy.items() if k != "auto" and not k.endswith("ubatch-first")}
         best = max(manual, key=manual.get) if manual else None
         auto = by_policy.get("auto", {}).get("avg_ts")
         ref = lc.get(test)

@@ -79,6 +79,10 @@ def _add_gpu_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
                    help="ops on weights in RAM: auto (predicted from `ferry calibrate`), threshold, and/or "
                         "NAME=on|off|auto for mul_mat, mul_mat_id, moe_up_gate, moe_down, all")
     p.add_argument("--offload-min-batch", type=int, default=32, help="the threshold policy's batch size (llama.cpp: 32)")
+    p.add_argument("--batch-order", choices=("layer-first", "ubatch-first"), default="layer-first",
+                   help="with routed experts in RAM, how a logical batch (-b) of several u-batches runs: layer by "
+                        "layer over all its u-batches, so each layer's experts are read once per batch (default), "
+                        "or u-batch by u-batch through every layer, as llama.cpp does")
     p.add_argument("--verbose", action="store_true", help="log every offload decision, predicted and measured")
 
 
@@ -90,7 +94,8 @@ def _gpu_options(args: argparse.Namespace, n_gpu_layers: int | None = None) -> G
     parse_policy(args.offload_policy, args.offload_min_batch)
     parse_overrides(args.override_tensor)
     return GpuOptions(args.n_gpu_layers if n_gpu_layers is None else n_gpu_layers, args.override_tensor,
-                      args.offload_policy, args.offload_min_batch, getattr(args, "verbose", False))
+                      args.offload_policy, args.offload_min_batch, getattr(args, "verbose", False),
+                      getattr(args, "batch_order", "layer-first"))
 
 
 def _add_cache_type_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +126,7 @@ class GpuOptions:
     offload_policy: str = "auto"
     offload_min_batch: int = 32
     verbose: bool = False
+    batch_order: str = "layer-first"  # or "ubatch-first" (--batch-order)
 
     @property
     def wanted(self) -> bool:
@@ -141,7 +147,7 @@ def _calibration(threads: int, quiet: bool):
 
 
 def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 512, cpu_backend=None,
-                 quiet: bool = True):
+                 quiet: bool = True, n_batch: int = 0):
     """The GPU backend when every weight is on the GPU, else the hybrid one; after the memory plan says it fits."""
     import torch
 
@@ -165,7 +171,8 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
                          "the plan (`ferry plan`) covers several")
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, a, gpu.n_gpu_layers, overrides, ["CUDA0"],
                        {"CUDA0": torch.cuda.mem_get_info(0)[0]}, n_ctx if n_ctx > 0 else a.n_ctx_train, n_ubatch,
-                       kv_on_gpu=True, cache=model.cache_layout())
+                       kv_on_gpu=True, cache=model.cache_layout(),
+                       n_batch=max(n_batch, n_ubatch) if gpu.batch_order == "layer-first" else 0)
     if not plan.fits:
         raise FerryError(plan.error())
     backend = CudaBackend("cuda:0")
@@ -174,15 +181,16 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
     from ferry.ops.hybrid import HybridBackend
 
     return HybridBackend(backend, cpu_backend, devices, policy, _calibration(cpu_backend.n_threads, quiet),
-                         timed=gpu.verbose)
+                         timed=gpu.verbose, layer_first=gpu.batch_order == "layer-first")
 
 
 def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True,
                quiet: bool = False, gpu: GpuOptions | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
-               mla: int | None = None, amb: int = 0):
+               mla: int | None = None, amb: int = 0, n_batch: int = 0):
     """Open, validate, build, and place the weights: on the CPU (repacked into ggml's layout), on the GPU, or
     split between them (-ngl, -ot): returns (file, backend, model, load seconds). A progress bar shows the
-    repack on a terminal unless quiet. mla, amb: DeepSeek's latent attention mode and bound (-mla, -amb)."""
+    repack on a terminal unless quiet. mla, amb: DeepSeek's latent attention mode and bound (-mla, -amb); n_batch:
+    the logical batch (-b), for the memory plan."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
     from ferry.ops.cpu import CpuBackend
@@ -195,7 +203,7 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
     cpu_weights = model.weights()
     backend = cpu
     if gpu.wanted:
-        backend = _gpu_backend(f, model, gpu, n_ctx, n_ubatch, cpu, quiet)
+        backend = _gpu_backend(f, model, gpu, n_ctx, n_ubatch, cpu, quiet, n_batch)
         if backend.name == "CUDA":
             for group in model.fusable():
                 backend.upload_fused(group)
@@ -230,7 +238,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
                                       args.quiet, _gpu_options(args), args.ctx_size, min(args.ubatch_size, args.batch_size),
-                                      args.mla, args.amb)
+                                      args.mla, args.amb, args.batch_size)
     tok = Tokenizer(f)
     engine = Engine(model, backend, args.ctx_size, args.batch_size, args.ubatch_size, args.cache_type_k, args.cache_type_v)
     sampler = Sampler(SamplingParams(temp=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -346,7 +354,8 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     except OSError as e:
         raise FerryError(f"-f {args.file}: {e.strerror}") from None
     f, backend, model, _ = open_model(_model_path(args), args.threads, args.repack, args.threads_batch, args.fused_moe,
-                                      args.quiet, _gpu_options(args), args.ctx_size, args.ubatch_size, args.mla, args.amb)
+                                      args.quiet, _gpu_options(args), args.ctx_size, args.ubatch_size, args.mla, args.amb,
+                                      args.batch_size)
     tok = Tokenizer(f)
     tokens = tok.encode(text)
     engine = Engine(model, backend, n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
@@ -470,7 +479,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cache = cache_layout(margs, mla)
     per_token, cache_note = describe_cache(margs, mla, args.cache_type_k, args.cache_type_v)
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,
-                       available, args.ctx_size, args.ubatch_size, kv, split, kv_on_gpu=kv_on_gpu, cache=cache)
+                       available, args.ctx_size, args.ubatch_size, kv, split, kv_on_gpu=kv_on_gpu, cache=cache,
+                       n_batch=max(args.batch_size, args.ubatch_size) if args.batch_order == "layer-first" else 0)
     ops, ops_note = _op_view(f, margs, args, overrides) if kv_on_gpu else ([], "")
     if args.json:
         print(json.dumps({"fits": plan.fits, "advice": plan.advice,
@@ -514,6 +524,9 @@ def _op_view(f, margs, args, overrides) -> tuple[list[dict], str]:
     rows = op_plan(f, margs, args.n_gpu_layers, overrides, calib, policy, ubatches)
     note = ("auto predicts here; a run also times the plausible ways on its first u-batches of each size and keeps "
             "the fastest (--verbose prints them)") if rows and policy.mode == "auto" else ""
+    if rows and args.batch_order == "layer-first" and margs.n_expert:
+        note += ("; " if note else "") + (f"layer first, a MoE layer's routed experts run once per logical batch: "
+                                          f"up to -b {args.batch_size} tokens, not -ub")
     return rows, note or ("" if rows else "every matmul weight is on the GPU: nothing to decide")
 
 
@@ -641,7 +654,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-ot", "--override-tensor", action="append", default=[], help="REGEX=DEVICE, repeatable")
     p.add_argument("-ts", "--tensor-split", help="share of the GPU layers per GPU, e.g. 3,1")
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-b", "--batch-size", type=int, default=2048, help="logical batch size")
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    p.add_argument("--batch-order", choices=("layer-first", "ubatch-first"), default="layer-first",
+                   help="as for run: how a logical batch runs when routed experts are in RAM")
     _add_cache_type_args(p)
     _add_mla_args(p)
     p.add_argument("--gpu-memory", action="append", default=[],

@@ -157,13 +157,15 @@ def as_loaded(tensors: dict[str, int], args) -> dict[str, int]:
 def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
                 available: dict[str, int], n_ctx: int, n_ubatch: int, kv_bytes_per_value: tuple[float, float] = (2, 2),
                 split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False,
-                cache: CacheLayout | None = None) -> MemoryPlan:
+                cache: CacheLayout | None = None, n_batch: int = 0) -> MemoryPlan:
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
     GPU, the staging buffers for routed experts left in RAM (three layers' worth: two sets of slots and the
     buffer copies land in). `available`: free bytes per device (CPU: RAM). `cache`: what the KV cache holds per
-    position (default: the model's keys and values; MLA's latent: Model.cache_layout)."""
+    position (default: the model's keys and values; MLA's latent: Model.cache_layout). `n_batch`: the logical
+    batch whose rows meet at each MoE layer when routed experts in RAM are taken layer first (0: not so), whose
+    activations and expert buffers then add to the first GPU's."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     tensors = as_loaded(tensors, args)
     needs: dict[str, DeviceNeed] = {}
@@ -187,6 +189,9 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
             if m and "_exps" in name and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU":
                 in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
         need(gpus[0]).compute += 3 * max(in_ram.values(), default=0)
+        if in_ram and n_batch:  # the batch's residual and normed rows per u-batch and joined; each pair's rows
+            k = max(args.n_expert_used, 1)
+            need(gpus[0]).compute += 4 * n_batch * (4 * args.n_embd + k * (args.n_embd + args.n_ff_exp))
     width = max(args.n_ff, args.n_ff_exp * max(args.n_expert_used, 1), args.n_head * args.head_dim_k)
     activations = 4 * n_ubatch * (4 * args.n_embd + 3 * width)
     for d in {place(f"blk.{i}.ffn_up.weight", args.n_layer, n_gpu_layers, overrides, layers) for i in range(args.n_layer)}:
@@ -197,17 +202,18 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:
         plan.advice = _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch,
-                              kv_bytes_per_value, split, kv_on_gpu, cache)
+                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch)
     return plan
 
 
 def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split,
-            kv_on_gpu, cache) -> str:
+            kv_on_gpu, cache, n_batch) -> str:
     gpu_over = any(d.over for d in plan.devices if d.device != "CPU")
     if gpu_over:
         for ngl in range(min(n_gpu_layers, args.n_layer + 1) - 1, -1, -1):
             if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False,
-                           kv_on_gpu and ngl > 0, cache).fits:
+                           kv_on_gpu and ngl > 0, cache, n_batch).fits:
                 return f"-ngl {ngl} fits; or keep the experts in RAM with -ot exps=CPU, or lower -c/--ctx-size"
-        return "no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size or use a smaller quant type"
+        return ("no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size" + (", -b/--batch-size" if n_batch else "")
+                + " or use a smaller quant type")
     return "not enough RAM: put more layers on the GPU (-ngl), lower -c/--ctx-size or use a smaller quant type"

@@ -91,6 +91,31 @@ def test_incremental_decode_equals_one_batch(family, graph, tmp_path, backend):
     assert torch.allclose(whole, steps, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3moe", "deepseek2", "glm4moe", "mixtral", "llama"])
+def test_a_logical_batch_taken_layer_first_gives_the_logits_of_ubatch_after_ubatch(family, tmp_path, backend):
+    # the experts of a MoE layer run once over every u-batch's rows (5 u-batches of 8, the last partial); the rows
+    # and the cache each u-batch's attention sees are the same, so only float32 summation order may differ
+    hf = tiny_hf_model(family)
+    path = tmp_path / "m.gguf"
+    load_stored_weights(hf, to_gguf(hf, family, path, Q.F32))
+    model = load_model(GGUFFile(path))
+    tokens = list(np.random.default_rng(4).integers(0, VOCAB, N_TOKENS))
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)[None]).logits[0].double()
+    out, hit = [], []
+    for layer_first in (False, True):
+        e = Engine(model, backend, n_ctx=64, n_ubatch=8, type_k="f32", type_v="f32", graph=False,
+                   layer_first=layer_first)
+        assert e.layer_first == layer_first
+        prompt = e.decode(tokens[:-1], all_logits=True)
+        out.append(torch.cat([prompt, e.decode(tokens[-1:])]))  # and the cache it left behind
+        hit.append(e.experts_hit)
+    assert torch.allclose(out[0], out[1], atol=1e-5, rtol=1e-5), (out[0] - out[1]).abs().max()
+    rel = (out[1].double() - ref).norm() / ref.norm()  # and both are right: f32 rounding from transformers
+    assert rel < 1e-4, f"{family}: relative error {rel:.2e}"
+    assert hit[0] == hit[1] and len(hit[0]) == (5 if family != "llama" else 0)
+
+
 # measured median KL against the f32 cache (top-1 agreement): f16 4e-7 (1.0), bf16 6e-6 (1.0), q8_0 5e-5 (0.97),
 # q4_0 1e-2 (0.84): each bound is about 10x its measurement, and orders the types by their bits per value
 @pytest.mark.parametrize("cache,max_median_kl,min_top1", [("f16", 5e-6, 0.99), ("bf16", 1e-4, 0.99), ("q8_0", 5e-4, 0.9),

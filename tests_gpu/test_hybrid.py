@@ -53,6 +53,28 @@ def test_experts_in_ram_match_the_cpu(mid, policy, ubatch):
         assert any(not d.startswith("GPU 0 /") and not d.endswith("/ CPU 0") for d in where), where
 
 
+@pytest.mark.parametrize("policy", ["all=on", "all=off", "balanced"])
+def test_a_batch_taken_layer_first_matches_the_cpu_and_reads_each_expert_once(mid, policy):
+    """-b 300 -ub 64: five u-batches, whose MoE layers run once over all their rows (one decision per layer), give
+    the CPU's logits; streamed, every layer's experts cross PCIe once instead of once per u-batch."""
+    path, tokens, want = mid
+    got, copied = {}, {}
+    for order in ("layer-first", "ubatch-first"):
+        backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy,
+                                                  batch_order=order), BALANCED if policy == "balanced" else None)
+        e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=64)
+        assert e.layer_first == (order == "layer-first")
+        got[order] = e.decode(tokens, all_logits=True)
+        _check(want, got[order], f"-ot exps=CPU {policy} {order}")
+        sizes = {r.n_tokens for r in backend.stats.records if r.op == "mul_mat_id"}
+        assert sizes == ({300} if order == "layer-first" else {64, 300 - 4 * 64})
+        copied[order] = backend.streamer.bytes_copied
+        assert len(e.experts_hit) == 5
+    if policy == "all=on":
+        assert 0 < copied["layer-first"] < 0.5 * copied["ubatch-first"], copied
+    _check(got["ubatch-first"].cpu().float(), got["layer-first"], f"{policy}: layer-first against ubatch-first")
+
+
 @pytest.mark.parametrize("policy", ["all=off", "balanced"])
 def test_generation_with_experts_in_ram_matches_the_cpu_token_by_token(mid, policy):
     path, tokens, want = mid

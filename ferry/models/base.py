@@ -12,6 +12,7 @@ import torch
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 from ferry.layers.attention import Attention, LatentAttention
+from ferry.layers.ffn import SparseMoE
 from ferry.layers.rope import Yarn
 from ferry.ops import Weight
 from ferry.quant import dequantize
@@ -249,11 +250,33 @@ class Model:
 
     def forward(self, ops):
         """Logits (n_out, n_vocab) of one u-batch, through `ops` (eager torch ops or a ggml graph builder)."""
-        x = ops.embed(self.token_embd)
-        if self.embd_scale != 1.0:
-            x = ops.scale(x, self.embd_scale)
+        x = self._embed(ops)
         for block in self.blocks:
             x = block(ops, x)
+        return self._logits(ops, x)
+
+    def forward_layer_first(self, opss: list, joined) -> list:
+        """The logits of each u-batch of one logical batch (their op sets `opss`, in order), as forward() gives
+        them, computed layer by layer: a block's attention runs u-batch by u-batch (each attends to the cells the
+        ones before it stored at this layer), its routed experts once over all their rows, through `joined` (an
+        op set over the u-batches' rows joined). Experts kept in RAM then cross PCIe once per layer and logical
+        batch instead of once per u-batch."""
+        xs = [self._embed(ops) for ops in opss]
+        for block in self.blocks:
+            if isinstance(getattr(block, "ffn", None), SparseMoE):
+                halves = [block.attend(ops, x) for ops, x in zip(opss, xs)]
+                out = block.feed_forward(joined, joined.join_rows([x for x, _ in halves]),
+                                         joined.join_rows([h for _, h in halves]))
+                xs = joined.split_rows(out, [x.shape[0] for x in xs])
+            else:
+                xs = [block(ops, x) for ops, x in zip(opss, xs)]
+        return [self._logits(ops, x) for ops, x in zip(opss, xs)]
+
+    def _embed(self, ops):
+        x = ops.embed(self.token_embd)
+        return x if self.embd_scale == 1.0 else ops.scale(x, self.embd_scale)
+
+    def _logits(self, ops, x):
         x = ops.rms_norm(ops.output_rows(x), self.output_norm, self.args.norm_eps)
         return ops.linear(x, self.output)
 

@@ -25,7 +25,13 @@ class Block:
     eps: float
 
     def __call__(self, ops, x):
-        x, h = ops.add_rms_norm(x, self.attn(ops, x, self.attn_norm, self.eps), self.ffn_norm, self.eps)
+        return self.feed_forward(ops, *self.attend(ops, x))
+
+    def attend(self, ops, x):
+        """The attention half: (the residual stream after it, its normed input to the feed-forward half)."""
+        return ops.add_rms_norm(x, self.attn(ops, x, self.attn_norm, self.eps), self.ffn_norm, self.eps)
+
+    def feed_forward(self, ops, x, h):
         return self.ffn(ops, h, residual=x)
 
 

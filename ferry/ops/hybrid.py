@@ -50,13 +50,14 @@ _ALL_ON, _ALL_OFF = Policy(overrides={"all": "on"}), Policy(overrides={"all": "o
 
 class HybridBackend:
     """`devices`: weight name -> its device ("CPU" or "CUDA0"); `timed`: synchronize around each decision to
-    measure it (verbose runs only: it costs the overlap)."""
+    measure it (verbose runs only: it costs the overlap); `layer_first`: whether the engine should run a logical
+    batch layer by layer when routed experts are in RAM (--batch-order)."""
 
     name = "CUDA+CPU"  # activations and the KV cache live on the GPU: the engine uses the GPU executor
     graph_safe = False  # ops on CPU weights go through the host
 
     def __init__(self, gpu: CudaBackend, cpu, devices: dict[str, str], policy: Policy, calib: Calibration,
-                 timed: bool = False):
+                 timed: bool = False, layer_first: bool = True):
         from ferry.errors import FerryError
         from ferry.ops.cuda.kernels import GEMV_KINDS
 
@@ -69,6 +70,7 @@ class HybridBackend:
         self.stats = HybridStats(keep=timed)
         self.explorer = Explorer()  # auto's measured choice per u-batch size class
         self._seen: set[tuple[int, int]] = set()  # (layer's expert tensor, u-batch size) run at least once
+        self._trial: tuple | None = None  # the last MoE layer run as auto's trial: (gate, tokens, way, its start)
         self.timed = timed
         self._streamable = GEMV_KINDS
         self._slot = 0  # the staging set ("moe", 0 or 1) the current MoE layer uses; layers alternate
@@ -78,6 +80,8 @@ class HybridBackend:
         self.streamer: Streamer | None = None
         self.recorder = None  # set by the executor while it records a step as CUDA graphs cut at host steps
         self._pinned_buffers: dict[str, torch.Tensor] = {}
+        self._layer_first = layer_first
+        self.layer_first = False  # set by prepare(): whether there are routed experts in RAM to take layer first
 
     @property
     def host_steps(self) -> bool:
@@ -105,6 +109,7 @@ class HybridBackend:
         layers = [(d["gate"], d["up"], d["down"]) for _, d in sorted(by_layer.items()) if len(d) == 3]
         for a, b in zip(layers, layers[1:]):
             self._next_experts[id(a[0])] = b
+        self.layer_first = self._layer_first and bool(layers)
         if layers:  # a small MoE u-batch's routing (int64 at most), activations and output
             n_embd, n_expert = max(d.ne[1] for _, _, d in layers), max(g.ne[2] for g, _, _ in layers)
             for key, nbytes in (("ids", 8 * n_expert), ("weights", 4 * n_expert), ("x", 4 * n_embd),
@@ -251,13 +256,15 @@ class HybridBackend:
             host = ids.to("cpu", non_blocking=True), weights.to("cpu", non_blocking=True), None
         ids_host, weights_host, x_host = host
         torch.cuda.current_stream(self.device).synchronize()  # the one wait: which experts, how many tokens
+        t_decided = time.perf_counter()
+        if self._trial is not None:
+            self._end_trial(gate, n, t_decided)
         if x_host is not None and self._cpu_decided(n, gate):  # generation's usual case: straight to ggml
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
             return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
                                         out=self._pinned("out", x_host.shape, torch.float32))
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
         counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert)
-        t_decided = time.perf_counter()
         expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
         flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
         trial = None
@@ -281,12 +288,22 @@ class HybridBackend:
         else:
             out = self._split_moe(x, x_host, ids, ids_host, weights, split, up, gate, down, act, parts)
         if trial is not None:
-            torch.cuda.current_stream(self.device).synchronize()
-            self.explorer.record(n, trial, time.perf_counter() - t_decided)
+            self._trial = (gate, n, trial, t_decided)
         if self.stats.keep:
             self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
                                     max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
         return out
+
+    def _end_trial(self, gate: Weight, n: int, now: float) -> None:
+        """A trial layer's time is measured from its routing to the next layer's: its experts, whatever they left
+        queued or blocked, and the attention after them (a split's ggml holds the thread that launches the GPU's
+        next work; a streamed layer's copies of the next layer run beside it), which timing the experts alone,
+        synchronized, left out."""
+        last, n_last, way, start = self._trial
+        self._trial = None
+        nxt = self._next_experts.get(id(last))
+        if n_last == n and nxt is not None and nxt[0] is gate:  # the next layer of the same batch
+            self.explorer.record(n, way, now - start)
 
     def _measured_choice(self, gate: Weight, n: int, counts: list[int], predicted, expert_bytes: float,
                          flops: float, n_used: int):

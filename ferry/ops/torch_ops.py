@@ -72,6 +72,14 @@ class TorchOps:
         """Pieces of the last dimension, in order (views)."""
         return list(torch.split(x, sizes, dim=-1))
 
+    def join_rows(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        """The rows of each tensor in turn: one tensor."""
+        return torch.cat(xs)
+
+    def split_rows(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """x's rows cut into consecutive pieces of `sizes` rows (views)."""
+        return list(torch.split(x, sizes))
+
     def concat(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a and b side by side in the last dimension."""
         return torch.cat([a, b], dim=-1)
@@ -152,3 +160,10 @@ class EagerExecutor:
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         return model.forward(TorchOps(self.backend, batch, tokens))
+
+    def forward_layer_first(self, model, tokens: list[torch.Tensor], batches: list[Batch]) -> list[torch.Tensor]:
+        """The u-batches of one logical batch, layer by layer (Model.forward_layer_first): each one's logits."""
+        joined = TorchOps(self.backend, Batch.join(batches), torch.cat(tokens))
+        logits = model.forward_layer_first([TorchOps(self.backend, b, t) for t, b in zip(tokens, batches)], joined)
+        joined.batch.spread_expert_ids(batches)
+        return logits

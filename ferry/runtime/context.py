@@ -29,6 +29,20 @@ class Batch:
     _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     _angles: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
+    @staticmethod
+    def join(batches: list[Batch]) -> Batch:
+        """One batch over the tokens of consecutive u-batches of one sequence (for the ops of a logical batch that
+        run over all its rows at once, which read no position)."""
+        return Batch(start=batches[0].start, n_tokens=sum(b.n_tokens for b in batches), kv=batches[0].kv,
+                     all_logits=batches[0].all_logits)
+
+    def spread_expert_ids(self, batches: list[Batch]) -> None:
+        """This joined batch's routing, per MoE layer, handed back to the u-batches it joined (their rows)."""
+        r0 = 0
+        for b in batches:
+            b.expert_ids = [ids[r0:r0 + b.n_tokens] for ids in self.expert_ids]
+            r0 += b.n_tokens
+
     @property
     def positions(self) -> torch.Tensor:
         return self.pos if self.pos is not None else torch.arange(self.start, self.start + self.n_tokens)

@@ -49,10 +49,12 @@ class Generation:
 
 
 class Engine:
-    """`graph`: run each u-batch as one ggml graph (the CPU-only path); otherwise op by op (TorchOps)."""
+    """`graph`: run each u-batch as one ggml graph (the CPU-only path); otherwise op by op (TorchOps).
+    `layer_first`: run a logical batch of several u-batches layer by layer (Model.forward_layer_first), so that
+    weights kept in RAM cross PCIe once per batch; default: where the backend keeps routed experts in RAM."""
 
     def __init__(self, model: Model, backend, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
-                 type_k: str = "f16", type_v: str = "f16", graph: bool = True):
+                 type_k: str = "f16", type_v: str = "f16", graph: bool = True, layer_first: bool | None = None):
         a = model.args
         if n_ctx <= 0:
             n_ctx = a.n_ctx_train  # llama.cpp: -c 0 takes the model's training context
@@ -72,6 +74,9 @@ class Engine:
             self.executor = CudaExecutor(backend)
         else:
             self.executor = CpuGraphExecutor(backend) if graph else EagerExecutor(backend)
+        if layer_first is None:
+            layer_first = getattr(backend, "layer_first", False)
+        self.layer_first = layer_first and hasattr(self.executor, "forward_layer_first")
         self.n_past = 0
         self.experts_hit: list[list[int]] = []
 
@@ -98,18 +103,20 @@ class Engine:
         outs = []
         ids = torch.tensor(tokens, dtype=torch.int32)
         for b0 in range(0, len(tokens), self.n_batch):  # the logical batch, then its u-batches
-            for u0 in range(b0, min(b0 + self.n_batch, len(tokens)), self.n_ubatch):
-                u1 = min(u0 + self.n_ubatch, b0 + self.n_batch, len(tokens))
-                batch = Batch(start=self.n_past, n_tokens=u1 - u0, kv=self.kv, all_logits=all_logits)
-                logits = self.executor.forward(self.model, ids[u0:u1], batch)
-                if u1 - u0 > 1:  # prompt u-batches (a generated token hits n_expert_used by definition)
-                    hit = batch.experts_hit
-                    if hit:
-                        self.experts_hit.append(hit)
-                self.n_past += u1 - u0
-                if all_logits:
-                    outs.append(logits)
-        return torch.cat(outs) if all_logits else logits
+            b1 = min(b0 + self.n_batch, len(tokens))
+            spans = [(u0, min(u0 + self.n_ubatch, b1)) for u0 in range(b0, b1, self.n_ubatch)]
+            batches = [Batch(start=self.n_past + u0 - b0, n_tokens=u1 - u0, kv=self.kv, all_logits=all_logits)
+                       for u0, u1 in spans]
+            if self.layer_first and len(spans) > 1:
+                logits = self.executor.forward_layer_first(self.model, [ids[u0:u1] for u0, u1 in spans], batches)
+            else:
+                logits = [self.executor.forward(self.model, ids[u0:u1], b) for (u0, u1), b in zip(spans, batches)]
+            for b in batches:
+                if b.n_tokens > 1 and b.experts_hit:  # prompt u-batches (a generated token hits n_expert_used)
+                    self.experts_hit.append(b.experts_hit)
+            self.n_past = batches[-1].start + batches[-1].n_tokens
+            outs.extend(logits if all_logits else logits[-1:])
+        return torch.cat(outs) if all_logits else outs[-1]
 
     @torch.inference_mode()
     def decode_sequences(self, tokens: list[int], seqs: list[int], positions: list[int], seq_len: int,

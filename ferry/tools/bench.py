@@ -58,6 +58,7 @@ class BenchRow:
     n_gen: int
     n_depth: int = 0  # tokens in the cache before each timed run (llama-bench's -d)
     mla: int = 0  # the latent attention mode it ran in (deepseek2; 0 elsewhere)
+    layer_first: bool = False  # a logical batch ran layer by layer (routed experts in RAM, --batch-order)
     samples_ts: list[float] = field(default_factory=list)
     experts_hit: list[int] = field(default_factory=list)  # pp: distinct experts per MoE layer, first u-batch
 
@@ -135,13 +136,15 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
     for path, t, gpu in itertools.product(models, threads, gpus or [GpuOptions()]):
         ctx = max(depths) + max((p + n for p, n in tests), default=0) + 1  # the largest cache a test needs
         ubatch = max(min(ub, b) for ub in n_ubatch for b in n_batch)
-        f, backend, model, _ = open_model(path, t, repack, t, fused_moe, True, gpu, ctx, ubatch)
+        batch = min(max(n_batch), max(p for p, _ in tests))  # the largest logical batch a prompt fills
+        f, backend, model, _ = open_model(path, t, repack, t, fused_moe, True, gpu, ctx, ubatch, n_batch=batch)
         size = sum(info.nbytes for info in f.tensors.values())
         n_params = sum(math.prod(info.ne) for info in f.tensors.values())
         for mode, b, ub, (p, n), d in itertools.product(mla, n_batch, n_ubatch, tests, depths):
             row = BenchRow(path.name, size, n_params, backend.name, getattr(backend, "n_threads", 0), b, min(ub, b),
                            repack and backend.name != "CUDA", type_k,
                            type_v, p, n, d, mla=model.use_mla(mode, amb))
+            row.layer_first = bool(getattr(backend, "layer_first", False)) and p > min(ub, b)
             row.samples_ts, row.experts_hit = measure(model, backend, p, n, b, ub, reps, type_k, type_v, d)
             rows.append(row)
             if on_row:
@@ -159,6 +162,8 @@ def md_header() -> str:
 def md_row(r: BenchRow) -> str:
     hit = f"{min(r.experts_hit)}-{max(r.experts_hit)}" if r.experts_hit else ""
     backend = f"{r.backend} mla{r.mla}" if r.mla else r.backend  # ik_llama-bench's mla column, where it applies
+    if r.layer_first:
+        backend += f" layer-first b{min(r.n_batch, r.n_prompt)}"
     return (f"| {r.model} | {r.size_bytes / 2**20:.2f} MiB | {r.n_params / 1e6:.2f} M | {backend} | {r.n_threads} | "
             f"{r.n_ubatch} | {r.type_k} | {r.type_v} | {r.test} | {r.avg_ts:.2f} ± {r.stddev_ts:.2f} | {hit} |")
 

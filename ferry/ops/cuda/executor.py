@@ -352,6 +352,20 @@ class CudaExecutor:
         batch.expert_ids = list(c.expert_ids)
         return c.logits.clone()
 
+    def forward_layer_first(self, model, tokens: list[torch.Tensor], batches: list[Batch]) -> list[torch.Tensor]:
+        """The u-batches of one logical batch, layer by layer (Model.forward_layer_first), eagerly: each one's
+        logits."""
+        opss = []
+        for t, b in zip(tokens, batches):
+            t, pos, cells = (x.to(self.device) for x in (t, b.positions, b.cells))
+            opss.append(self._ops(model, b, t, pos, cells))
+        joined = Batch.join(batches)
+        ops = self._ops(model, joined, torch.cat([o.tokens for o in opss]), torch.cat([o.pos for o in opss]),
+                        torch.cat([o.cells for o in opss]))
+        logits = model.forward_layer_first(opss, ops)
+        joined.spread_expert_ids(batches)
+        return logits
+
     def _capture(self, model, batch: Batch, tokens, pos, cells) -> _Captured:
         """Run the step once eagerly on a side stream (compiles kernels, sizes scratch buffers, and is this
         step's result), then record it: as one graph, or as graphs cut at host steps (a prompt's attention over
