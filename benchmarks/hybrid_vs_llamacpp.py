@@ -47,11 +47,13 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
     print(f"ferry: loaded in {time.perf_counter() - t0:.1f} s; {backend.summary}", file=sys.stderr, flush=True)
     out: dict = {}
     layer_first = backend.layer_first
-    for policy, label in [(p, p) for p in policies] + [(p, f"{p} ubatch-first") for p in ubatch_first]:
-        backend.policy = parse_policy(policy)
-        backend.explorer = Explorer()  # auto measures afresh
-        backend.layer_first = layer_first and not label.endswith("ubatch-first")  # read by each Engine
-        for p, n, ub in cases:
+    configs = [(p, p) for p in policies] + [(p, f"{p} ubatch-first") for p in ubatch_first]
+    explorers = {label: Explorer() for _, label in configs}  # each auto run measures for itself, once
+    for p, n, ub in cases:  # each test's runs side by side in time: no policy gains from running later
+        for policy, label in configs:
+            backend.policy = parse_policy(policy)
+            backend.explorer = explorers[label]
+            backend.layer_first = layer_first and not label.endswith("ubatch-first")  # read by each Engine
             if skip_slow_cpu and policy == "all=off" and p > 512:
                 continue  # every expert by the CPU at 4096 tokens: minutes, and never the best
             if label != policy and not p:

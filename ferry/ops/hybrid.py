@@ -70,7 +70,7 @@ class HybridBackend:
         self.stats = HybridStats(keep=timed)
         self.explorer = Explorer()  # auto's measured choice per u-batch size class
         self._seen: set[tuple[int, int]] = set()  # (layer's expert tensor, u-batch size) run at least once
-        self._trial: tuple | None = None  # the last MoE layer run as auto's trial: (gate, tokens, way, its start)
+        self._trial: tuple | None = None  # the last MoE layer run as a trial: (explorer, gate, tokens, way, start)
         self.timed = timed
         self._streamable = GEMV_KINDS
         self._slot = 0  # the staging set ("moe", 0 or 1) the current MoE layer uses; layers alternate
@@ -288,7 +288,7 @@ class HybridBackend:
         else:
             out = self._split_moe(x, x_host, ids, ids_host, weights, split, up, gate, down, act, parts)
         if trial is not None:
-            self._trial = (gate, n, trial, t_decided)
+            self._trial = (self.explorer, gate, n, trial, t_decided)
         if self.stats.keep:
             self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
                                     max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
@@ -299,11 +299,11 @@ class HybridBackend:
         queued or blocked, and the attention after them (a split's ggml holds the thread that launches the GPU's
         next work; a streamed layer's copies of the next layer run beside it), which timing the experts alone,
         synchronized, left out."""
-        last, n_last, way, start = self._trial
+        explorer, last, n_last, way, start = self._trial
         self._trial = None
         nxt = self._next_experts.get(id(last))
-        if n_last == n and nxt is not None and nxt[0] is gate:  # the next layer of the same batch
-            self.explorer.record(n, way, now - start)
+        if explorer is self.explorer and n_last == n and nxt is not None and nxt[0] is gate:  # the next layer
+            explorer.record(n, way, now - start)
 
     def _measured_choice(self, gate: Weight, n: int, counts: list[int], predicted, expert_bytes: float,
                          flops: float, n_used: int):

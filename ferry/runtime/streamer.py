@@ -4,8 +4,9 @@ events the compute stream waits on, so copies overlap compute.
 
 A stacked expert tensor is staged into a buffer with a slot for every expert: only the experts a u-batch routes
 to are copied (runs of neighbours as one copy), into a compact buffer, then spread to their slots in the split
-Q8_0 / Q4_0 layout the GPU kernels read (kernels.Split). Two sets of slots alternate between MoE layers, so one
-layer's copies can run while the previous layer still computes."""
+Q8_0 / Q4_0 layout the GPU kernels read (kernels.Split), by a kernel on a third stream: on the copy stream it made
+every later copy wait until the compute stream's kernels left it room to run. Two sets of slots alternate between
+MoE layers, so one layer's copies can run while the previous layer still computes."""
 
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ class Streamer:
     def __init__(self, device: torch.device, weights: list[Weight]):
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
+        self.unpack_stream = torch.cuda.Stream(device)
+        self._unpacked: dict[int, torch.cuda.Event] = {}  # compact buffer -> the unpack that reads it last
         self._host: dict[int, torch.Tensor] = {}
         self._splits: dict[tuple, object] = {}  # (slot, role, qtype, ne) -> a Split with a slot per expert
         self._raw: dict[tuple, torch.Tensor] = {}  # compact buffers copies land in (stream-ordered: shared by slots)
@@ -144,17 +147,20 @@ class Streamer:
         from ferry.ops.cuda.kernels import unpack_experts
 
         out = []
-        stream = self.copy_stream
+        stream, unpack = self.copy_stream, self.unpack_stream
         runs = expert_runs(experts)
         ids = torch.tensor(experts, dtype=torch.int64).pin_memory()
         with torch.cuda.stream(stream):
             if slot in self._released:  # the layer that used these slots last has finished with them
                 stream.wait_event(self._released.pop(slot))
             ids = ids.to(self.device, non_blocking=True)
+            ids.record_stream(unpack)
             handle = stream.cuda_stream
             for i, w in enumerate(weights):
                 split = self._split_for(w, (slot, i, w.qtype, w.ne))
                 raw, host, per = self._expert_rows(w, i)
+                if id(raw) in self._unpacked:  # its last contents spread to their slots (long done, as a rule)
+                    stream.wait_event(self._unpacked[id(raw)])
                 dst, src = raw.data_ptr(), host.data_ptr()
                 j = 0
                 for a, b in runs:
@@ -164,9 +170,14 @@ class Streamer:
                         raise RuntimeError("cudaMemcpyAsync failed staging experts")
                     j += b - a
                 self.bytes_copied += j * per
-                unpack_experts(raw, ids, split)
-                done = torch.cuda.Event()
-                done.record(stream)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+                with torch.cuda.stream(unpack):
+                    unpack.wait_event(copied)
+                    unpack_experts(raw, ids, split)
+                    done = torch.cuda.Event()
+                    done.record(unpack)
+                self._unpacked[id(raw)] = done
                 out.append((split, done))
         return out
 
