@@ -68,10 +68,12 @@ def test_graph_decoding_equals_eager_decoding(lite, mla):
 
 
 @pytest.mark.parametrize("policy", ["all=off", "all=on"])
-def test_experts_in_ram_match_the_cpu(lite, policy):
+@pytest.mark.parametrize("ubatch", [512, 64])  # 64: the prompt's u-batches taken layer first
+def test_experts_in_ram_match_the_cpu(lite, policy, ubatch):
     path, tokens, want = lite
     _, backend, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, ["exps=CPU"], policy), n_ctx=512)
-    _check(want, _run(Engine(model, backend, n_ctx=512, n_ubatch=512), tokens), f"-ot exps=CPU {policy} -mla 3")
+    _check(want, _run(Engine(model, backend, n_ctx=512, n_ubatch=ubatch), tokens),
+           f"-ot exps=CPU {policy} -mla 3 ub {ubatch}")
 
 
 def test_amb_splits_heads_on_the_gpu(lite):
@@ -93,7 +95,7 @@ def test_prompt_graphs_equal_eager_prompts(lite, mla, where):
         else:
             _, backend, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, ["exps=CPU"], where),
                                               n_ctx=1024)
-        e = Engine(model, backend, n_ctx=1024, n_ubatch=200)
+        e = Engine(model, backend, n_ctx=1024, n_ubatch=200, layer_first=False)  # u-batches recorded one by one
         e.executor = CudaExecutor(backend, graphs=graphs)
         out.append(e.decode(tokens[:N_PROMPT] * 2, all_logits=True))
     assert torch.equal(out[0], out[1])
