@@ -79,6 +79,8 @@ def _add_gpu_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
                    help="ops on weights in RAM: auto (predicted from `ferry calibrate`), threshold, and/or "
                         "NAME=on|off|auto for mul_mat, mul_mat_id, moe_up_gate, moe_down, all")
     p.add_argument("--offload-min-batch", type=int, default=32, help="the threshold policy's batch size (llama.cpp: 32)")
+    p.add_argument("-ts", "--tensor-split", help="share of the GPU layers per GPU, e.g. 3,1 (default: equal over "
+                                                 "every GPU when all weights are on GPUs; 1,0 keeps them on CUDA0)")
     p.add_argument("--batch-order", choices=("layer-first", "ubatch-first"), default="layer-first",
                    help="with routed experts in RAM, how a logical batch (-b) of several u-batches runs: layer by "
                         "layer over all its u-batches, so each layer's experts are read once per batch (default), "
@@ -95,7 +97,7 @@ def _gpu_options(args: argparse.Namespace, n_gpu_layers: int | None = None) -> G
     parse_overrides(args.override_tensor)
     return GpuOptions(args.n_gpu_layers if n_gpu_layers is None else n_gpu_layers, args.override_tensor,
                       args.offload_policy, args.offload_min_batch, getattr(args, "verbose", False),
-                      getattr(args, "batch_order", "layer-first"))
+                      getattr(args, "batch_order", "layer-first"), getattr(args, "tensor_split", None))
 
 
 def _add_cache_type_args(p: argparse.ArgumentParser) -> None:
@@ -127,6 +129,7 @@ class GpuOptions:
     offload_min_batch: int = 32
     verbose: bool = False
     batch_order: str = "layer-first"  # or "ubatch-first" (--batch-order)
+    tensor_split: str | None = None  # -ts: "3,1"
 
     @property
     def wanted(self) -> bool:
@@ -167,8 +170,15 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
         devices["token_embd.weight"] = place("output.weight", a.n_layer, gpu.n_gpu_layers, overrides, layers)
     others = sorted({d for d in devices.values()} - {"CPU", "CUDA0"})
     if others:
-        raise FerryError(f"-ot places tensors on {', '.join(others)}, but ferry's runtime uses one GPU (CUDA0) so far; "
-                         "the plan (`ferry plan`) covers several")
+        raise FerryError(f"-ot places tensors on {', '.join(others)}, but ferry's runtime splits layers across GPUs "
+                         "(-ts) only, and keeps weights in RAM beside one GPU (CUDA0); the plan (`ferry plan`) covers more")
+    gpus = [f"CUDA{i}" for i in range(torch.cuda.device_count())]
+    all_on_gpu = all(devices.get(w.name) == "CUDA0" for w in model.weights())
+    if all_on_gpu and not overrides and (len(gpus) > 1 or gpu.tensor_split):
+        split = _tensor_split(gpu.tensor_split, gpus)
+        layers = layer_devices(a.n_layer, gpu.n_gpu_layers, gpus, split)
+        if len(set(layers)) > 1:
+            return _split_backend(f, model, gpu, layers, gpus, split, n_ctx, n_ubatch)
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, a, gpu.n_gpu_layers, overrides, ["CUDA0"],
                        {"CUDA0": torch.cuda.mem_get_info(0)[0]}, n_ctx if n_ctx > 0 else a.n_ctx_train, n_ubatch,
                        kv_on_gpu=True, cache=model.cache_layout(),
@@ -176,12 +186,46 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
     if not plan.fits:
         raise FerryError(plan.error())
     backend = CudaBackend("cuda:0")
-    if all(devices.get(w.name) == "CUDA0" for w in model.weights()):
+    if all_on_gpu:
         return backend
     from ferry.ops.hybrid import HybridBackend
 
     return HybridBackend(backend, cpu_backend, devices, policy, _calibration(cpu_backend.n_threads, quiet),
                          timed=gpu.verbose, layer_first=gpu.batch_order == "layer-first")
+
+
+def _tensor_split(text: str | None, gpus: list[str]) -> list[float] | None:
+    if not text:
+        return None
+    try:
+        split = [float(x) for x in text.split(",")]
+    except ValueError:
+        split = []
+    if len(split) != len(gpus) or any(x < 0 for x in split) or sum(split) <= 0:
+        raise FerryError(f"-ts/--tensor-split '{text}': give {len(gpus)} non-negative numbers, one per GPU "
+                         f"({', '.join(gpus) or 'none visible'}), e.g. -ts {','.join(['1'] * max(len(gpus), 1))}")
+    return split
+
+
+def _split_backend(f, model, gpu: GpuOptions, layers: list[str], gpus: list[str], split, n_ctx: int, n_ubatch: int):
+    """Every weight on GPUs, layers split across them (-ts): after the memory plan says each GPU holds its share."""
+    import torch
+
+    from ferry.ops.cuda.split import SplitBackend
+    from ferry.placement import memory_plan, place
+
+    a = model.args
+    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, a, gpu.n_gpu_layers, [], gpus,
+                       {g: torch.cuda.mem_get_info(i)[0] for i, g in enumerate(gpus)},
+                       n_ctx if n_ctx > 0 else a.n_ctx_train, n_ubatch, split=split, cache=model.cache_layout())
+    if not plan.fits:
+        raise FerryError(plan.error())
+    devices = {t: place(t, a.n_layer, gpu.n_gpu_layers, [], layers) for t in f.tensors}
+    for w in model.weights():
+        devices.setdefault(w.name, place(w.name, a.n_layer, gpu.n_gpu_layers, [], layers))
+    if model.output is model.token_embd:
+        devices["token_embd.weight"] = layers[-1]
+    return SplitBackend(devices, layers)
 
 
 def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True,
@@ -261,6 +305,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             where = f"{backend.n_threads} threads ({backend.n_threads_batch} for batches)"
         else:
             where = f"all layers on {backend.device}" if backend.name == "CUDA" else f"hybrid: {backend.summary}"
+            if hasattr(backend, "layers"):  # split across GPUs
+                where = "layers on " + ", ".join(f"{d} x{backend.layers[:-1].count(d)}" for d in backend.gpus)
         print(f"ferry: model {f.path.name} ({model.args.arch}), {where}, seed {sampler.seed}, "
               f"stopped by {gen.stopped_by}", file=sys.stderr)
         if getattr(backend, "repacked_bytes", 0):

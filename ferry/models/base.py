@@ -255,6 +255,14 @@ class Model:
             x = block(ops, x)
         return self._logits(ops, x)
 
+    def forward_across(self, embed_ops, block_ops: list, head_ops):
+        """forward() with an op set per block (blocks on several GPUs): the embedding through `embed_ops`, block i
+        through block_ops[i], the logits through `head_ops`; the activations move to each op set's device."""
+        x = self._embed(embed_ops)
+        for ops, block in zip(block_ops, self.blocks):
+            x = block(ops, ops.take(x))
+        return self._logits(head_ops, head_ops.take(x))
+
     def forward_layer_first(self, opss: list, joined) -> list:
         """The logits of each u-batch of one logical batch (their op sets `opss`, in order), as forward() gives
         them, computed layer by layer: a block's attention runs u-batch by u-batch (each attends to the cells the

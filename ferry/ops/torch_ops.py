@@ -72,6 +72,10 @@ class TorchOps:
         """Pieces of the last dimension, in order (views)."""
         return list(torch.split(x, sizes, dim=-1))
 
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x on this op set's device (where its tokens are)."""
+        return x.to(self.tokens.device)
+
     def join_rows(self, xs: list[torch.Tensor]) -> torch.Tensor:
         """The rows of each tensor in turn: one tensor."""
         return torch.cat(xs)

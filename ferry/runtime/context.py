@@ -62,7 +62,7 @@ class Batch:
         """Per MoE layer, how many distinct experts this u-batch routed to."""
         if not self.expert_ids:
             return []
-        ids = torch.stack(self.expert_ids).long().flatten(1).cpu()
+        ids = torch.stack([i.long().cpu() for i in self.expert_ids]).flatten(1)  # layers may be on several GPUs
         hit = torch.zeros(ids.shape[0], int(ids.max()) + 1).scatter_(1, ids, 1.0)
         return hit.sum(1).int().tolist()
 

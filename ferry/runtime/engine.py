@@ -67,11 +67,12 @@ class Engine:
         self.n_ubatch = min(n_ubatch, n_batch)
         gpu = getattr(backend, "name", "CPU") != "CPU"  # CUDA, or CUDA+CPU (hybrid): activations on the GPU
         self.kv = KVCache.of(model.cache_layout(), a.n_layer, n_ctx, type_k, type_v,
-                             str(backend.device) if gpu else None)
+                             getattr(backend, "layer_devices", str(backend.device)) if gpu else None)
         if gpu:
             from ferry.ops.cuda.executor import CudaExecutor
+            from ferry.ops.cuda.split import SplitBackend, SplitExecutor
 
-            self.executor = CudaExecutor(backend)
+            self.executor = SplitExecutor(backend) if isinstance(backend, SplitBackend) else CudaExecutor(backend)
         else:
             self.executor = CpuGraphExecutor(backend) if graph else EagerExecutor(backend)
         if layer_first is None:

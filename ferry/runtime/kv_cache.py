@@ -78,7 +78,9 @@ class KVCache:
     """Layer i's keys are `k[i]`: (n_ctx, row_bytes) uint8, one row per position holding every KV head."""
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
-                 type_k: str = "f16", type_v: str = "f16", device: str | None = None, v_in_k: bool = False):
+                 type_k: str = "f16", type_v: str = "f16", device: str | list[str] | None = None,
+                 v_in_k: bool = False):
+        """device: None (host memory), a GPU, or each layer's GPU (layers split across GPUs)."""
         self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
         self.v_in_k = v_in_k
         if v_in_k and self.type_v != self.type_k:  # the values are read from the key rows, in the keys' type
@@ -100,9 +102,10 @@ class KVCache:
                 if qtype not in TORCH_TYPES and qtype != Q.Q8_0:
                     raise FerryError(f"{flag} {qtype.name.lower()}: the GPU keeps f16, bf16, f32 or q8_0 caches; "
                                      "use -ctk/-ctv q8_0 or f16")
-            self.k = [torch.zeros(n_ctx, kb, dtype=torch.uint8, device=device) for _ in range(n_layer)]
-            self.v = [] if v_in_k else [torch.zeros(n_ctx, vb, dtype=torch.uint8, device=device)
-                                        for _ in range(n_layer)]
+            per_layer = device if isinstance(device, list) else [device] * n_layer
+            self.device = per_layer[0]
+            self.k = [torch.zeros(n_ctx, kb, dtype=torch.uint8, device=d) for d in per_layer]
+            self.v = [] if v_in_k else [torch.zeros(n_ctx, vb, dtype=torch.uint8, device=d) for d in per_layer]
 
     @property
     def n_bytes(self) -> int:
@@ -117,7 +120,7 @@ class KVCache:
 
     @classmethod
     def of(cls, layout: CacheLayout, n_layer: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
-           device: str | None = None) -> "KVCache":
+           device: str | list[str] | None = None) -> "KVCache":
         return cls(n_layer, n_ctx, layout.n_head_kv, layout.head_dim_k, layout.head_dim_v, type_k, type_v, device,
                    layout.v_in_k)
 
