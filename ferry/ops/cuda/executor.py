@@ -33,6 +33,11 @@ class CudaOps(TorchOps):
         self.pos, self.cells, self.tables = pos, cells, tables
         self._base: torch.Tensor | None = None
 
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """x on this op set's GPU, made the current device: Triton launches on the current one."""
+        torch.cuda.set_device(self.tokens.device)
+        return x.to(self.tokens.device)
+
     def rebind(self, batch: Batch) -> None:
         """A recorded step replayed for `batch`: what its host steps between graphs read (the cache length, the
         mask), with nothing kept from the batch before."""

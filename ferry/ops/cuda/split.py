@@ -61,4 +61,9 @@ class SplitExecutor:
             t, pos, cells = (x.to(ex.device) for x in (tokens, batch.positions, batch.cells))
             ops[d] = ex._ops(model, batch, t, pos, cells)
         layers = self.backend.layers
-        return model.forward_across(ops[layers[0]], [ops[d] for d in layers[:-1]], ops[layers[-1]])
+        current = torch.cuda.current_device()
+        torch.cuda.set_device(self.backend.device)  # the embedding's GPU; each block's op set moves on (take)
+        try:
+            return model.forward_across(ops[layers[0]], [ops[d] for d in layers[:-1]], ops[layers[-1]])
+        finally:
+            torch.cuda.set_device(current)
