@@ -110,14 +110,22 @@ class Engine:
                        for u0, u1 in spans]
             if self.layer_first and len(spans) > 1:
                 logits = self.executor.forward_layer_first(self.model, [ids[u0:u1] for u0, u1 in spans], batches)
+                for b in batches:
+                    self._count_hits(b)
             else:
-                logits = [self.executor.forward(self.model, ids[u0:u1], b) for (u0, u1), b in zip(spans, batches)]
-            for b in batches:
-                if b.n_tokens > 1 and b.experts_hit:  # prompt u-batches (a generated token hits n_expert_used)
-                    self.experts_hit.append(b.experts_hit)
+                logits = []
+                for (u0, u1), b in zip(spans, batches):
+                    logits.append(self.executor.forward(self.model, ids[u0:u1], b))
+                    self._count_hits(b)  # now: a replayed graph's routing is overwritten by its next replay
             self.n_past = batches[-1].start + batches[-1].n_tokens
             outs.extend(logits if all_logits else logits[-1:])
         return torch.cat(outs) if all_logits else outs[-1]
+
+    def _count_hits(self, batch: Batch) -> None:
+        if batch.n_tokens > 1:  # prompt u-batches (a generated token hits n_expert_used by definition)
+            hit = batch.experts_hit
+            if hit:
+                self.experts_hit.append(hit)
 
     @torch.inference_mode()
     def decode_sequences(self, tokens: list[int], seqs: list[int], positions: list[int], seq_len: int,
