@@ -155,19 +155,14 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
     import torch
 
     from ferry.ops.cuda.backend import CudaBackend
-    from ferry.placement import layer_devices, memory_plan, parse_overrides, place
+    from ferry.placement import layer_devices, memory_plan, parse_overrides
     from ferry.policy import parse_policy
 
     policy = parse_policy(gpu.offload_policy, gpu.offload_min_batch)
     overrides = parse_overrides(gpu.override_tensor)
     _check_gpu(gpu.n_gpu_layers, gpu.override_tensor)
     a = model.args
-    layers = layer_devices(a.n_layer, gpu.n_gpu_layers, ["CUDA0"])
-    devices = {t: place(t, a.n_layer, gpu.n_gpu_layers, overrides, layers) for t in f.tensors}
-    for w in model.weights():  # weights built at load (deepseek2's kv_b joined from k_b / v_b) go with their layer
-        devices.setdefault(w.name, place(w.name, a.n_layer, gpu.n_gpu_layers, overrides, layers))
-    if model.output is model.token_embd:  # tied output: the matrix goes where the output layer goes
-        devices["token_embd.weight"] = place("output.weight", a.n_layer, gpu.n_gpu_layers, overrides, layers)
+    devices = _device_map(f, model, gpu.n_gpu_layers, overrides, layer_devices(a.n_layer, gpu.n_gpu_layers, ["CUDA0"]))
     others = sorted({d for d in devices.values()} - {"CPU", "CUDA0"})
     if others:
         raise FerryError(f"-ot places tensors on {', '.join(others)}, but ferry's runtime splits layers across GPUs "
@@ -194,6 +189,19 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
                          timed=gpu.verbose, layer_first=gpu.batch_order == "layer-first")
 
 
+def _device_map(f, model, n_gpu_layers: int, overrides, layers: list[str]) -> dict[str, str]:
+    """Each tensor's device, given each layer's (placement.layer_devices)."""
+    from ferry.placement import place
+
+    n_layer = model.args.n_layer
+    devices = {t: place(t, n_layer, n_gpu_layers, overrides, layers) for t in f.tensors}
+    for w in model.weights():  # weights built at load (deepseek2's kv_b joined from k_b / v_b) go with their layer
+        devices.setdefault(w.name, place(w.name, n_layer, n_gpu_layers, overrides, layers))
+    if model.output is model.token_embd:  # tied output: the matrix goes where the output layer goes
+        devices["token_embd.weight"] = place("output.weight", n_layer, n_gpu_layers, overrides, layers)
+    return devices
+
+
 def _tensor_split(text: str | None, gpus: list[str]) -> list[float] | None:
     if not text:
         return None
@@ -212,7 +220,7 @@ def _split_backend(f, model, gpu: GpuOptions, layers: list[str], gpus: list[str]
     import torch
 
     from ferry.ops.cuda.split import SplitBackend
-    from ferry.placement import memory_plan, place
+    from ferry.placement import memory_plan
 
     a = model.args
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, a, gpu.n_gpu_layers, [], gpus,
@@ -220,12 +228,7 @@ def _split_backend(f, model, gpu: GpuOptions, layers: list[str], gpus: list[str]
                        n_ctx if n_ctx > 0 else a.n_ctx_train, n_ubatch, split=split, cache=model.cache_layout())
     if not plan.fits:
         raise FerryError(plan.error())
-    devices = {t: place(t, a.n_layer, gpu.n_gpu_layers, [], layers) for t in f.tensors}
-    for w in model.weights():
-        devices.setdefault(w.name, place(w.name, a.n_layer, gpu.n_gpu_layers, [], layers))
-    if model.output is model.token_embd:
-        devices["token_embd.weight"] = layers[-1]
-    return SplitBackend(devices, layers)
+    return SplitBackend(_device_map(f, model, gpu.n_gpu_layers, [], layers), layers)
 
 
 def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int = 0, fused_moe: bool = True,

@@ -165,9 +165,9 @@ class EagerExecutor:
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         return model.forward(TorchOps(self.backend, batch, tokens))
 
-    def forward_layer_first(self, model, tokens: list[torch.Tensor], batches: list[Batch]) -> list[torch.Tensor]:
-        """The u-batches of one logical batch, layer by layer (Model.forward_layer_first): each one's logits."""
-        joined = TorchOps(self.backend, Batch.join(batches), torch.cat(tokens))
-        logits = model.forward_layer_first([TorchOps(self.backend, b, t) for t, b in zip(tokens, batches)], joined)
-        joined.batch.spread_expert_ids(batches)
-        return logits
+    def forward_layer_first(self, model, tokens: list[torch.Tensor], batches: list[Batch],
+                            joined: Batch) -> list[torch.Tensor]:
+        """The u-batches of one logical batch, layer by layer (Model.forward_layer_first): each one's logits.
+        `joined`: Batch.join(batches)."""
+        return model.forward_layer_first([TorchOps(self.backend, b, t) for t, b in zip(tokens, batches)],
+                                         TorchOps(self.backend, joined, torch.cat(tokens)))

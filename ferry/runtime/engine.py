@@ -109,7 +109,10 @@ class Engine:
             batches = [Batch(start=self.n_past + u0 - b0, n_tokens=u1 - u0, kv=self.kv, all_logits=all_logits)
                        for u0, u1 in spans]
             if self.layer_first and len(spans) > 1:
-                logits = self.executor.forward_layer_first(self.model, [ids[u0:u1] for u0, u1 in spans], batches)
+                joined = Batch.join(batches)
+                logits = self.executor.forward_layer_first(self.model, [ids[u0:u1] for u0, u1 in spans], batches,
+                                                           joined)
+                joined.spread_expert_ids(batches)
                 for b in batches:
                     self._count_hits(b)
             else:
@@ -117,7 +120,7 @@ class Engine:
                 for (u0, u1), b in zip(spans, batches):
                     logits.append(self.executor.forward(self.model, ids[u0:u1], b))
                     self._count_hits(b)  # now: a replayed graph's routing is overwritten by its next replay
-            self.n_past = batches[-1].start + batches[-1].n_tokens
+            self.n_past += b1 - b0
             outs.extend(logits if all_logits else logits[-1:])
         return torch.cat(outs) if all_logits else outs[-1]
 

@@ -144,7 +144,7 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
             row = BenchRow(path.name, size, n_params, backend.name, getattr(backend, "n_threads", 0), b, min(ub, b),
                            repack and backend.name != "CUDA", type_k,
                            type_v, p, n, d, mla=model.use_mla(mode, amb))
-            row.layer_first = bool(getattr(backend, "layer_first", False)) and p > min(ub, b)
+            row.layer_first = bool(getattr(backend, "layer_first", False)) and min(p, b) > min(ub, b)
             row.samples_ts, row.experts_hit = measure(model, backend, p, n, b, ub, reps, type_k, type_v, d)
             rows.append(row)
             if on_row:

@@ -316,6 +316,10 @@ class CudaExecutor:
     def _ops(self, model, batch: Batch, tokens, pos, cells) -> CudaOps:
         return CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx))
 
+    def placed_ops(self, model, batch: Batch, tokens: torch.Tensor) -> CudaOps:
+        """The op set of an eager step: its tokens, positions and cache cells moved to this GPU."""
+        return self._ops(model, batch, *(t.to(self.device) for t in (tokens, batch.positions, batch.cells)))
+
     def _recorded(self, key: tuple, n_tokens: int) -> bool:
         """Whether this step runs as graphs: decode steps always, prompt u-batches from their shape's second run.
         At most PROMPT_GRAPHS_KEPT prompt shapes stay recorded (a server meets many prompt tails): recording
@@ -340,8 +344,7 @@ class CudaExecutor:
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits)  # key[2]: the u-batch size
         if not self._recorded(key, batch.n_tokens):
-            tokens, pos, cells = (t.to(self.device) for t in (tokens, batch.positions, batch.cells))
-            return model.forward(self._ops(model, batch, tokens, pos, cells))
+            return model.forward(self.placed_ops(model, batch, tokens))
         c = self._captured.get(key)
         if c is None:
             tokens, pos, cells = (t.to(self.device) for t in (tokens, batch.positions, batch.cells))
@@ -357,19 +360,12 @@ class CudaExecutor:
         batch.expert_ids = list(c.expert_ids)
         return c.logits.clone()
 
-    def forward_layer_first(self, model, tokens: list[torch.Tensor], batches: list[Batch]) -> list[torch.Tensor]:
+    def forward_layer_first(self, model, tokens: list[torch.Tensor], batches: list[Batch],
+                            joined: Batch) -> list[torch.Tensor]:
         """The u-batches of one logical batch, layer by layer (Model.forward_layer_first), eagerly: each one's
-        logits."""
-        opss = []
-        for t, b in zip(tokens, batches):
-            t, pos, cells = (x.to(self.device) for x in (t, b.positions, b.cells))
-            opss.append(self._ops(model, b, t, pos, cells))
-        joined = Batch.join(batches)
-        ops = self._ops(model, joined, torch.cat([o.tokens for o in opss]), torch.cat([o.pos for o in opss]),
-                        torch.cat([o.cells for o in opss]))
-        logits = model.forward_layer_first(opss, ops)
-        joined.spread_expert_ids(batches)
-        return logits
+        logits. `joined`: Batch.join(batches)."""
+        return model.forward_layer_first([self.placed_ops(model, b, t) for t, b in zip(tokens, batches)],
+                                         self.placed_ops(model, joined, torch.cat(tokens)))
 
     def _capture(self, model, batch: Batch, tokens, pos, cells) -> _Captured:
         """Run the step once eagerly on a side stream (compiles kernels, sizes scratch buffers, and is this

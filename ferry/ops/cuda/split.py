@@ -56,10 +56,7 @@ class SplitExecutor:
         self.parts = {d: CudaExecutor(b, graphs=False) for d, b in backend.gpus.items()}
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        ops = {}
-        for d, ex in self.parts.items():
-            t, pos, cells = (x.to(ex.device) for x in (tokens, batch.positions, batch.cells))
-            ops[d] = ex._ops(model, batch, t, pos, cells)
+        ops = {d: ex.placed_ops(model, batch, tokens) for d, ex in self.parts.items()}
         layers = self.backend.layers
         current = torch.cuda.current_device()
         torch.cuda.set_device(self.backend.device)  # the embedding's GPU; each block's op set moves on (take)
