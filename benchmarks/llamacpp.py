@@ -6,6 +6,7 @@ and build ggml-python's native library from that tree's ggml, so that both engin
   python benchmarks/llamacpp.py strip SDIST OUT.tar.gz    # the tree without docs/models/tests (to carry)
   python benchmarks/llamacpp.py build SRC [--cuda]        # prints the llama-bench path
   python benchmarks/llamacpp.py ggml-python GGML_PY_SDIST SRC   # pip install ggml-python on SRC's ggml
+  python benchmarks/llamacpp.py converter [SRC]           # the tree with convert_hf_to_gguf.py (fetched if no SRC)
 SRC is an sdist (.tar.gz) or a folder holding the tree.
 """
 
@@ -82,6 +83,18 @@ def fetch(dest: Path) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "download", SDIST, "--no-binary", ":all:", "--no-deps", "-d", str(dest)],
                    check=True)
     return next(dest.glob("llama_cpp_python-*.tar.gz"))
+
+
+def converter(src: Path | None = None) -> Path:
+    """The llama.cpp tree whose HF -> GGUF converter (convert_hf_to_gguf.py beside conversion/ and gguf-py/) the
+    tests run: SRC, else SDIST fetched into the cache once. A stripped tree (`strip`) has no converter."""
+    if src is None:
+        sdists = sorted((CACHE / "sdist").glob("llama_cpp_python-*.tar.gz"))
+        src = sdists[-1] if sdists else fetch(CACHE / "sdist")
+    tree = source_tree(src)
+    if not (tree / "convert_hf_to_gguf.py").is_file() or not (tree / "gguf-py").is_dir():
+        sys.exit(f"llamacpp: {src} holds no converter (convert_hf_to_gguf.py and gguf-py/); give an unstripped sdist")
+    return tree
 
 
 def strip(src: Path, out: Path) -> None:
@@ -163,6 +176,7 @@ def main() -> None:
     p.add_argument("src", type=Path)
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--cmake-arg", action="append", help="replaces the default: this CPU's flags (cpu_flags())")
+    sub.add_parser("converter").add_argument("src", type=Path, nargs="?")
     p = sub.add_parser("ggml-python")
     p.add_argument("ggml_python_src", type=Path)
     p.add_argument("src", type=Path)
@@ -171,6 +185,8 @@ def main() -> None:
         print(fetch(a.dest))
     elif a.cmd == "strip":
         strip(a.src, a.out)
+    elif a.cmd == "converter":
+        print(converter(a.src))
     elif a.cmd == "build":
         print(build(a.src, a.cuda, a.cmake_arg))
     else:

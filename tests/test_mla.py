@@ -60,7 +60,7 @@ def _tokens(n: int, seed: int = 1) -> list[int]:
 
 @EXECUTORS
 @MODES
-@pytest.mark.parametrize("family", ["deepseek2", "deepseek2-lite", "deepseek2-split"])
+@pytest.mark.parametrize("family", ["deepseek2", "deepseek2-lite", "deepseek2-split", "deepseek3"])
 @pytest.mark.parametrize("n_ubatch", [8, 33])
 def test_every_mode_matches_transformers(family, mla, graph, n_ubatch, files, backend):
     # 33 tokens of prompt (u-batches of 8: below the tiny model's expand_from of 32, so mode 3 runs absorbed; of 33:

@@ -12,7 +12,7 @@ from ferry.runtime.engine import Engine
 from tests.fixtures.hf import VOCAB, load_stored_weights, tiny_hf_model, to_gguf
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "glm4moe", "deepseek2", "deepseek2-lite",
-            "deepseek2-split", "deepseek2-yarn", "deepseek2-grouped", "glm4moe-grouped"]
+            "deepseek2-split", "deepseek2-yarn", "deepseek2-grouped", "glm4moe-grouped", "deepseek3"]
 N_TOKENS = 37  # > gemma3's test sliding window of 8, and not a multiple of the u-batch
 
 
@@ -63,12 +63,16 @@ def test_q8_0_weights_and_f16_cache_stay_close_to_transformers(family, graph, tm
     # a MoE router whose top-k has a near-tie may pick another expert under this rounding (seen:
     # one position of 37 at KL 0.025 in mixtral); glm4moe's weights are scaled by routed_scaling_factor (2.5), so a
     # flipped near-tie weighs 2.5x as much (seen: one position at 0.06); at most two such positions of 37
+    # deepseek3 picks 2 of 4 groups of 2 experts first: a near-tie between groups (position 25, layer 1: margin 0.015
+    # against a median 0.18) flips two of its three experts at once (seen: that one position at 0.29, graph only)
     worst = {"qwen3moe": 0.05, "mixtral": 0.05, "glm4moe": 0.15, "deepseek2": 0.05, "deepseek2-lite": 0.05,
-             "deepseek2-split": 0.05}.get(family, 1e-3)
+             "deepseek2-split": 0.05, "deepseek3": 0.35}.get(family, 1e-3)
     assert kl.max() < worst, f"{family}: max KL {kl.max():.2e}"
     assert (kl > 1e-2).sum() <= 2, f"{family}: {(kl > 1e-2).sum()} positions above KL 1e-2"
     top2 = ref.topk(2, -1).values
-    confident = (top2[:, 0] - top2[:, 1]) > 0.1
+    # deepseek3's experts are scaled by 2.5 after a sigmoid router whose groups near-tie: its q8 rounding moved one
+    # position's top two logits by 0.18 at KL 0.002 (position 32, graph), so its lead must be 0.2 to count
+    confident = (top2[:, 0] - top2[:, 1]) > {"deepseek3": 0.2}.get(family, 0.1)
     assert confident.sum() >= N_TOKENS // 2
     # a position whose routing flipped (KL above 1e-2, at most two: above) may change its top token in these tiny
     # models (seen in deepseek2: KL 0.013, margin 0.41); every other confident position keeps it

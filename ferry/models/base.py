@@ -49,7 +49,7 @@ class ModelArgs:
     n_layer_dense_lead: int = 0  # leading layers with a dense FFN instead of experts (GLM-4.5, DeepSeek)
     expert_gating: str = "softmax"  # or "sigmoid"
     expert_weights_scale: float = 1.0
-    expert_weights_norm: bool = True
+    expert_weights_norm: bool = False  # the top-k weights renormalised to sum to 1 (llama.cpp's default: not)
     n_expert_groups: int = 1
     n_expert_groups_used: int = 1
     n_nextn: int = 0  # multi-token-prediction blocks after the last layer: in the file, not run
@@ -109,9 +109,11 @@ class ModelArgs:
             sliding_window=key("attention.sliding_window", 0),
             n_expert_shared=key("expert_shared_count", 0),
             n_layer_dense_lead=key("leading_dense_block_count", 0),
-            expert_gating={1: "softmax", 2: "sigmoid"}.get(key("expert_gating_func", 1), "unknown"),
+            expert_gating={1: "softmax", 2: "sigmoid"}.get(key("expert_gating_func", _default_gating(f, arch)), "unknown"),
             expert_weights_scale=key("expert_weights_scale", 1.0, float),
-            expert_weights_norm=bool(f.get(f"{arch}.expert_weights_norm", True)),
+            # absent means no: llama.cpp's converters write the key only where the HF config sets norm_topk_prob
+            # (DeepSeek-V3, GLM), not for DeepSeek-V2 / V2-Lite
+            expert_weights_norm=bool(f.get(f"{arch}.expert_weights_norm", False)),
             n_expert_groups=key("expert_group_count", 1),
             n_expert_groups_used=key("expert_group_used_count", 1),
             n_nextn=key("nextn_predict_layers", 0),
@@ -154,6 +156,19 @@ class ModelArgs:
             raise bad("expert_gating_func is neither 1 (softmax) nor 2 (sigmoid)")
         if self.n_layer <= 0 or self.n_nextn < 0:
             raise bad(f"nextn_predict_layers {self.n_nextn} leaves no layer to run")
+
+
+def _default_gating(f: GGUFFile, arch: str) -> int:
+    """expert_gating_func where a file has none, as llama.cpp reads such files: glm4moe's routers are sigmoid; a
+    deepseek2 file is DeepSeek-V2 / V2.5 (softmax), unless it has GLM-4.7-Flash's shape (47 or 48 blocks, a
+    vocabulary of 154880), whose converter wrote deepseek2 without the key."""
+    if arch == "glm4moe":
+        return 2
+    tokens = f.get("tokenizer.ggml.tokens")
+    n_vocab = f.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0)
+    if arch == "deepseek2" and f.get(f"{arch}.block_count") in (47, 48) and n_vocab == 154880:
+        return 2
+    return 1
 
 
 class WeightLoader:

@@ -1,0 +1,96 @@
+"""Files written by llama.cpp's own converter (convert_hf_to_gguf.py, from the llama-cpp-python sdist on PyPI), not
+by the test fixture's imitation of it: tiny random HF models of every family ferry runs are saved, converted in
+f32, and ferry's logits on the converted file must be transformers' own. This is what a user's real GGUF files look
+like: which metadata keys the converter writes and which it leaves out, and its tensor layouts. (It found that
+DeepSeek-V2 / V2-Lite files, which carry no expert_weights_norm, had their top-k weights renormalised.)
+The converter's tree: FERRY_LLAMA_CPP_SDIST (an sdist or a folder), else the sdist fetched once into the cache."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.llamacpp import converter
+from ferry.gguf.file import GGUFFile
+from ferry.models import load_model
+from ferry.models.base import ModelArgs, _default_gating
+from ferry.runtime.engine import Engine
+from tests.fixtures.hf import VOCAB, save_tiny_tokenizer, tiny_hf_model
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "glm4moe", "glm4moe-grouped", "deepseek2",
+            "deepseek2-lite", "deepseek2-yarn", "deepseek2-grouped", "deepseek2-wide", "deepseek3", "glm4moe-lite"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """family -> (the converter's GGUF, the HF model it was converted from)."""
+    src = os.environ.get("FERRY_LLAMA_CPP_SDIST")
+    tree = converter(Path(src) if src else None)
+    root = tmp_path_factory.mktemp("converted")
+    models, args = {}, []
+    for family in FAMILIES:
+        hf = tiny_hf_model(family)
+        folder = root / family
+        hf.save_pretrained(folder)
+        save_tiny_tokenizer(folder)
+        models[family] = root / f"{family}.gguf", hf
+        args += [str(folder), str(root / f"{family}.gguf")]
+    run = subprocess.run([sys.executable, str(ROOT / "tests/fixtures/llamacpp_convert.py"), str(tree), *args],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return models
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_converters_files_give_transformers_logits(family, converted, backend):
+    """A 30-token prompt in u-batches of 16, then 10 tokens one by one (every MLA mode for deepseek2 files), f32
+    cache: only float32 rounding may differ (measured: KL at most 2e-7, gemma3's GELU table; 1e-12 elsewhere)."""
+    path, hf = converted[family]
+    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)[None]).logits[0].double()
+    latent = GGUFFile(path).architecture == "deepseek2"
+    for mla in ([0, 1, 2, 3] if latent else [None]):
+        model = load_model(GGUFFile(path), **({} if mla is None else {"mla": mla}))
+        engine = Engine(model, backend, n_ctx=64, n_ubatch=16, type_k="f32", type_v="f32")
+        got = torch.cat([engine.decode(tokens[:30], all_logits=True)]
+                        + [engine.decode([t], all_logits=True) for t in tokens[30:]]).double()
+        lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
+        kl = (lp.exp() * (lp - lq)).sum(-1)
+        assert kl.max() < 1e-5, f"{family} -mla {mla}: KL max {kl.max():.2e}"
+        assert (ref.argmax(-1) == got.argmax(-1)).all(), f"{family} -mla {mla}: top-1 differs"
+
+
+@pytest.mark.slow
+def test_what_the_converter_leaves_out_reads_as_llama_cpp_reads_it(converted):
+    """DeepSeek-V2 (norm_topk_prob false, no scoring_func): no expert_weights_norm and no expert_gating_func key
+    in the file, read as softmax without renormalising; V3 states both; GLM-4.7-Flash states no gating."""
+    lite = GGUFFile(converted["deepseek2-lite"][0])
+    assert lite.get("deepseek2.expert_weights_norm") is None and lite.get("deepseek2.expert_gating_func") is None
+    args = ModelArgs.from_gguf(lite)
+    assert args.expert_gating == "softmax" and not args.expert_weights_norm
+    v3 = ModelArgs.from_gguf(GGUFFile(converted["deepseek3"][0]))
+    assert v3.expert_gating == "sigmoid" and v3.expert_weights_norm and v3.n_expert_groups == 4
+    flash = GGUFFile(converted["glm4moe-lite"][0])  # GLM-4.7-Flash: no gating key, known by its shape
+    assert flash.get("deepseek2.expert_gating_func") is None and ModelArgs.from_gguf(flash).expert_gating == "sigmoid"
+
+
+class _Meta:
+    def __init__(self, **kv):
+        self.kv = kv
+
+    def get(self, key, default=None):
+        return self.kv.get(key, default)
+
+
+def test_a_missing_gating_function_defaults_per_architecture():
+    assert _default_gating(_Meta(), "glm4moe") == 2  # GLM-4.5's routers are sigmoid
+    assert _default_gating(_Meta(**{"deepseek2.block_count": 27}), "deepseek2") == 1  # V2 / V2.5: softmax
+    flash = {"deepseek2.block_count": 48, "deepseek2.vocab_size": 154880}  # GLM-4.7-Flash converted as deepseek2
+    assert _default_gating(_Meta(**flash), "deepseek2") == 2
+    assert _default_gating(_Meta(**{**flash, "deepseek2.vocab_size": 129280}), "deepseek2") == 1
