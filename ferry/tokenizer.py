@@ -6,6 +6,8 @@ rules follow llama.cpp.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ferry.errors import FerryError
@@ -19,6 +21,59 @@ _KEYS = {
     "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id", "padding_token_id": "pad_token_id",
     "add_space_prefix": "add_prefix_space",
 }
+
+
+# Byte-level BPE vocabularies whose pre-tokenizer (tokenizer.ggml.pre) transformers' converter does not know: the
+# regular expressions that cut text into pieces before merging, applied one after another (each cuts the pieces of
+# the one before, matches and the text between them both kept), as the models' own tokenizer.json files and
+# llama.cpp (llama-vocab.cpp) cut them. Without them the text is cut as GPT-2 cuts it: "12345" one piece instead
+# of "123" "45", and other tokens than llama.cpp's for the same prompt.
+# (code points written as escapes: an editor's Unicode normalization would turn some, e.g. U+1F7D, into others)
+_DEEPSEEK_LETTERS = (
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373\u0376"
+    "\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f"
+    "\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77"
+    "\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d"
+    "\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4"
+    "\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139"
+    "\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+    "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a"
+    "\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-\U000104fb\U00010c80-\U00010cb2"
+    "\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943")
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+PRE_SPLITS = {
+    "deepseek-llm": [r"[\r\n]", r"\s?[" + _DEEPSEEK_LETTERS + "]+",
+                     r"\s?[!-/:-~" + "\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK_HANGUL,
+                     r"\p{N}+"],
+    "deepseek-coder": [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}"],
+    "deepseek-v3": [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "glm4": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+}
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+PRE_SPLITS["chatglm-bpe"] = PRE_SPLITS["glm5"] = PRE_SPLITS["glm4"]
+for _pre in ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"):
+    PRE_SPLITS[_pre] = [r"\p{N}", _GPT2]  # each digit apart, then GPT-2's pieces
+_NOT_HAN_UPPER, _NOT_HAN_LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_ANY_CASE_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+PRE_SPLITS["kimi-k2"] = [  # Kimi K2's own (tiktoken) rule: runs of Han characters apart from other letters
+    r"[\p{Han}]+|[^\r\n\p{L}\p{N}]?" + _NOT_HAN_UPPER + "*" + _NOT_HAN_LOWER + "+" + _ANY_CASE_CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?" + _NOT_HAN_UPPER + "+" + _NOT_HAN_LOWER + "*" + _ANY_CASE_CONTRACTIONS
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+PRE_SPLITS["falcon"] = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"]
+# vocabularies whose pieces found whole in the vocabulary are taken whole, merges or not (llama.cpp: ignore_merges)
+IGNORE_MERGES = {"glm4", "glm5", "llama3", "llama-v3", "llama-bpe"}
+
+
+def _cut_as(tok, pre: str) -> None:
+    """Give a byte-level BPE tokenizer `pre`'s pre-tokenizer (PRE_SPLITS)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _converter():
@@ -51,10 +106,35 @@ class Tokenizer:
             self._tok, _ = convert_gguf_tokenizer(f.architecture, meta)
         except (ValueError, KeyError) as e:
             raise FerryError(f"{f.path}: cannot build its tokenizer ({e}); this tokenizer type is not supported yet") from None
+        types = meta.get("token_type") or []
+        kinds = {3: True, 4: False}  # llama.cpp's control (special) and user-defined tokens: matched in the text whole
+        added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        from tokenizers import AddedToken
+
+        whole = [i for i, k in enumerate(types) if k in kinds and self.tokens[i] not in added]
+        self._tok.add_tokens([AddedToken(self.tokens[i], special=kinds[types[i]], normalized=False) for i in whole])
+        # a byte-level vocabulary holds such a token's text spelled as bytes, so the tokenizer gave its text a new id
+        self._own_id = {self._tok.token_to_id(self.tokens[i]): i for i in whole}
+        self._own_id = {new: i for new, i in self._own_id.items() if new != i}
+        pre = meta.get("pre_tokenizer_type")
+        if meta["tokenizer_type"] == "gpt2" and pre in PRE_SPLITS:
+            _cut_as(self._tok, pre)
+        if meta["tokenizer_type"] == "gpt2" and pre in IGNORE_MERGES:
+            self._tok.model.ignore_merges = True
         self.n_vocab = len(self.tokens)
         self.bos_id = f.get("tokenizer.ggml.bos_token_id")
         self.eos_id = f.get("tokenizer.ggml.eos_token_id")
         spm = meta["tokenizer_type"] == "llama"
+        self._special = None  # SPM text gets llama.cpp's space prefix (_spaced) when not None
+        from tokenizers import pre_tokenizers
+
+        if spm and f.get("tokenizer.ggml.add_space_prefix", True) and isinstance(self._tok.pre_tokenizer,
+                                                                                 pre_tokenizers.Metaspace):
+            # the Metaspace prepends its space only to the first piece, and not where the text starts with one:
+            # " Hello" became "▁Hello", where llama.cpp's "▁▁Hello" is two tokens
+            self._tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never", split=False)
+            specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values()), key=len, reverse=True)
+            self._special = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else re.compile("(?!)")
         self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", spm)) and self.bos_id is not None
         eog = {self.eos_id, f.get("tokenizer.ggml.eot_token_id"), f.get("tokenizer.ggml.eom_token_id")}
         ids = self._tok.get_vocab()
@@ -64,10 +144,20 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids; special tokens written in the text are kept whole (llama.cpp's parse_special)."""
+        if self._special is not None:
+            text = self._spaced(text)
         ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._own_id:
+            ids = [self._own_id.get(i, i) for i in ids]
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def _spaced(self, text: str) -> str:
+        """llama.cpp's SentencePiece rule: a space before the text and before every stretch of text that follows a
+        special token (split() leaves the text at even places, each after the start or a special token)."""
+        parts = self._special.split(text)
+        return "".join(" " + p if i % 2 == 0 and p else p for i, p in enumerate(parts))
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
