@@ -5,6 +5,7 @@ Bad requests get a 4xx with a JSON error; the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -32,18 +33,49 @@ def render_chat(template: str | None, messages: list[dict], bos: str, eos: str) 
     if not template:
         return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
     from jinja2 import TemplateError
+
+    try:
+        return _template(template).render(messages=messages, add_generation_prompt=True, bos_token=bos,
+                                          eos_token=eos)
+    except TemplateError as e:
+        raise BadRequest(400, f"the model's chat template failed on these messages: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _template(source: str):
+    """A chat template compiled as Hugging Face's templates expect to be run (and llama.cpp runs them): blocks
+    trimmed, loop controls (break / continue), raise_exception, strftime_now, a tojson that writes plain JSON
+    (jinja2's own escapes <, >, & and ' for HTML), and `{% generation %}` blocks (marks of the assistant's text
+    for training masks) rendered as their content."""
+    import datetime
+
+    from jinja2 import nodes
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_content"), [], [], body).set_lineno(lineno)
+
+        def _content(self, caller):
+            return caller()
 
     def raise_exception(message):
         raise BadRequest(400, f"the chat template refused the messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token=bos,
-                                                eos_token=eos)
-    except TemplateError as e:
-        raise BadRequest(400, f"the model's chat template failed on these messages: {e}") from None
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None = None) -> FastAPI:
