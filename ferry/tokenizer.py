@@ -94,7 +94,9 @@ def _converter():
 
 class Tokenizer:
     def __init__(self, f: GGUFFile):
-        convert_gguf_tokenizer = _converter()
+        convert_gguf_tokenizer = _converter()  # one line where transformers (and so tokenizers) is missing
+        from tokenizers import AddedToken, pre_tokenizers
+
         meta = {v: f.get(f"tokenizer.ggml.{k}") for k, v in _KEYS.items() if f.get(f"tokenizer.ggml.{k}") is not None}
         if "tokens" not in meta or "tokenizer_type" not in meta:
             raise FerryError(f"{f.path}: no tokenizer in the metadata (tokenizer.ggml.tokens/model); re-convert the model with its tokenizer")
@@ -109,13 +111,10 @@ class Tokenizer:
         types = meta.get("token_type") or []
         kinds = {3: True, 4: False}  # llama.cpp's control (special) and user-defined tokens: matched in the text whole
         added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
-        from tokenizers import AddedToken
-
         whole = [i for i, k in enumerate(types) if k in kinds and self.tokens[i] not in added]
         self._tok.add_tokens([AddedToken(self.tokens[i], special=kinds[types[i]], normalized=False) for i in whole])
         # a byte-level vocabulary holds such a token's text spelled as bytes, so the tokenizer gave its text a new id
-        self._own_id = {self._tok.token_to_id(self.tokens[i]): i for i in whole}
-        self._own_id = {new: i for new, i in self._own_id.items() if new != i}
+        self._own_id = {new: i for i in whole if (new := self._tok.token_to_id(self.tokens[i])) != i}
         pre = meta.get("pre_tokenizer_type")
         if meta["tokenizer_type"] == "gpt2" and pre in PRE_SPLITS:
             _cut_as(self._tok, pre)
@@ -126,8 +125,6 @@ class Tokenizer:
         self.eos_id = f.get("tokenizer.ggml.eos_token_id")
         spm = meta["tokenizer_type"] == "llama"
         self._special = None  # SPM text gets llama.cpp's space prefix (_spaced) when not None
-        from tokenizers import pre_tokenizers
-
         if spm and f.get("tokenizer.ggml.add_space_prefix", True) and isinstance(self._tok.pre_tokenizer,
                                                                                  pre_tokenizers.Metaspace):
             # the Metaspace prepends its space only to the first piece, and not where the text starts with one:
