@@ -195,8 +195,6 @@ def _device_map(f, model, n_gpu_layers: int, overrides, layers: list[str]) -> di
 
     n_layer = model.args.n_layer
     devices = {t: place(t, n_layer, n_gpu_layers, overrides, layers) for t in f.tensors}
-    for w in model.weights():  # weights built at load (deepseek2's kv_b joined from k_b / v_b) go with their layer
-        devices.setdefault(w.name, place(w.name, n_layer, n_gpu_layers, overrides, layers))
     if model.output is model.token_embd:  # tied output: the matrix goes where the output layer goes
         devices["token_embd.weight"] = place("output.weight", n_layer, n_gpu_layers, overrides, layers)
     return devices

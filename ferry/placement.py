@@ -137,9 +137,10 @@ class MemoryPlan:
 
 
 def as_loaded(tensors: dict[str, int], args) -> dict[str, int]:
-    """The bytes a loaded model holds per tensor, from the file's: deepseek2 adds float32 copies of each layer's k_b
-    and v_b (latent attention's absorbed form), and a file with the latent split (attn_k_b / attn_v_b) gets its kv_b
-    joined in float32 in their place (ModelArgs; models/deepseek2.py)."""
+    """The bytes a loaded model holds per tensor, from the file's: deepseek2 keeps float32 copies of each layer's
+    k_b and v_b (latent attention's absorbed form, and its expanded form in torch) in place of a file's
+    attn_k_b / attn_v_b, and kv_b (the file's attn_kv_b, or joined in float32 from k_b / v_b) for ggml's graphs only:
+    memory_plan counts kv_b where its layer is on the CPU (models/deepseek2.py, layers/attention.py)."""
     if args.kv_lora_rank <= 0:
         return tensors
     out = dict(tensors)
@@ -152,6 +153,11 @@ def as_loaded(tensors: dict[str, int], args) -> dict[str, int]:
             out[p + "attn_kv_b.weight"] = per_layer
         out[p + "attn_k_b_v_b.float32"] = per_layer
     return out
+
+
+def _ggml_only(name: str) -> bool:
+    """A tensor only ggml's graphs read (deepseek2's kv_b): held where its layer runs on the CPU, nowhere else."""
+    return name.endswith(".attn_kv_b.weight")
 
 
 def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
@@ -174,7 +180,9 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
         return needs.setdefault(device, DeviceNeed(device, available=available.get(device)))
 
     for name, size in tensors.items():
-        need(place(name, args.n_layer, n_gpu_layers, overrides, layers)).weights += size
+        device = place(name, args.n_layer, n_gpu_layers, overrides, layers)
+        if device == "CPU" or not _ggml_only(name):
+            need(device).weights += size
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
     per_layer = int(n_ctx * cache.bytes_per_position(kb, vb))

@@ -126,22 +126,22 @@ def test_plan_shows_where_each_op_on_weights_in_ram_runs_per_u_batch_and_why(tin
     assert missing.returncode == 0 and "no calibration at" in missing.stdout
 
 
-def test_weights_joined_at_load_are_placed_with_their_layer(tmp_path):
-    """deepseek2's kv_b, joined from the file's attn_k_b / attn_v_b, is no tensor of the file: with -ngl 999 it goes
-    to the GPU like the rest of its layer, not to RAM."""
+def test_deepseek2s_kv_b_is_no_weight_a_gpu_loads(tmp_path):
+    """kv_b (joined from the file's attn_k_b / attn_v_b, or the file's attn_kv_b) is read by ggml's graphs only:
+    it is no model weight, so no GPU uploads it; the CPU graph joins it when it first expands a latent."""
     from ferry.cli import main
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
-    from ferry.placement import layer_devices, place
 
     path = tmp_path / "ds.gguf"
     assert main(["synth", "deepseek2-tiny", "-o", str(path), "-q"]) == 0
     f = GGUFFile(path)
     model = load_model(f)
-    joined = [w for w in model.weights() if w.name not in f.tensors]
-    assert [w.name for w in joined] == [f"blk.{i}.attn_kv_b.weight" for i in range(4)]
-    layers = layer_devices(4, 999, ["CUDA0"])
-    assert {place(w.name, 4, 999, [], layers) for w in joined} == {"CUDA0"}
+    assert {w.name for w in model.weights()} <= set(f.tensors)
+    assert not any("attn_kv_b" in w.name for w in model.weights())
+    attn = model.latent_layers()[0]
+    kv_b = attn.kv_b()
+    assert kv_b.name == "blk.0.attn_kv_b.weight" and attn.kv_b() is kv_b  # joined once
 
 
 @pytest.mark.parametrize("legacy", [False, True])
@@ -155,8 +155,14 @@ def test_the_plan_counts_deepseek2s_float32_copies_of_the_latent_projections(tmp
     a = ModelArgs.from_gguf(f)
     file_bytes = sum(t.nbytes for t in f.tensors.values())
     split = sum(t.nbytes for t in f.tensors.values() if "attn_k_b" in t.name or "attn_v_b" in t.name)
+    kv_b = sum(t.nbytes for t in f.tensors.values() if "attn_kv_b" in t.name)  # a legacy file's own
     per_layer = 4 * 4 * 64 * (32 + 32)  # float32, 4 heads x kv_lora_rank 64 x (nope 32 + v 32)
-    copies = (1 if legacy else 2) * a.n_layer * per_layer  # k_b and v_b; kv_b joined too from a split file
-    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, a, 999, [], ["CUDA0"], {}, 64, 16)
-    assert sum(d.weights for d in plan.devices) == file_bytes - split + copies
-    assert (split == 0) == legacy
+    tensors = {t.name: t.nbytes for t in f.tensors.values()}
+    # on the GPU: the float32 k_b and v_b, no kv_b (neither the file's nor a joined one)
+    plan = memory_plan(tensors, a, 999, [], ["CUDA0"], {}, 64, 16)
+    assert sum(d.weights for d in plan.devices) == file_bytes - split - kv_b + a.n_layer * per_layer
+    # on the CPU, where ggml's graphs expand latents through kv_b: the file's, or one joined in float32
+    plan = memory_plan(tensors, a, 0, [], [], {}, 64, 16)
+    joined = 0 if legacy else a.n_layer * per_layer
+    assert sum(d.weights for d in plan.devices) == file_bytes - split + a.n_layer * per_layer + joined
+    assert (split == 0) == legacy and (kv_b == 0) != legacy

@@ -3,13 +3,14 @@ a sliding window (gemma3's local layers); and DeepSeek's multi-head latent atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
+import numpy as np
 import torch
 
 from ferry.layers.rope import Rope
 from ferry.ops import Weight
-from ferry.quant import row_bytes
+from ferry.quant import Q, row_bytes
 
 
 @dataclass
@@ -74,7 +75,10 @@ class LatentAttention:
     wq_b: Weight | None
     wkv_a: Weight
     kv_a_norm: torch.Tensor
-    wkv_b: Weight
+    # kv_b as the file holds it (files converted before 2025), else None: joined from k_b / v_b when first needed.
+    # No model weight (Model.weights): only ggml's graphs read kv_b; torch's ops (the eager CPU path, the GPU)
+    # expand through k_b / v_b, so a GPU holds one float32 copy of the latent projections, not two
+    file_kv_b: InitVar[Weight | None]
     k_b: torch.Tensor  # (n_head, kv_lora_rank, nope) float32: latent <- each head's no-rope query
     v_b: torch.Tensor  # (n_head, head_dim_v, kv_lora_rank) float32: each head's value <- latent
     wo: Weight
@@ -89,6 +93,9 @@ class LatentAttention:
     mla: int = 0
     max_batch_mib: int = 0  # -amb: bound on one head group's expanded keys and values in mode 3 (0: all heads at once)
     _kv_b_rows: dict = field(default_factory=dict, repr=False)  # (first head, heads) -> those heads' rows of kv_b
+
+    def __post_init__(self, file_kv_b: Weight | None) -> None:
+        self._kv_b = file_kv_b
 
     @property
     def expand_from(self) -> int:
@@ -154,18 +161,25 @@ class LatentAttention:
 
     def _expand(self, ops, latents, first: int = 0, count: int | None = None):
         """Heads [first, first + count)'s no-rope keys and values from latents (rows, lora): (rows, count, nope),
-        (rows, count, v)."""
-        count = self.n_head if count is None else count
-        kv = ops.linear(latents, self._kv_b_heads(first, count))
-        return ops.split(ops.heads(kv, count, self.head_dim_nope + self.head_dim_v),
-                         [self.head_dim_nope, self.head_dim_v])
+        (rows, count, v) (ops.expand_latents: through kv_b's rows in ggml, through k_b / v_b in torch)."""
+        return ops.expand_latents(latents, self, first, self.n_head if count is None else count)
 
-    def _kv_b_heads(self, first: int, count: int) -> Weight:
+    def kv_b(self) -> Weight:
+        """kv_b: each head's no-rope key rows, then its value rows, over the latent (lora columns); the file's, or
+        joined in float32 from k_b / v_b (once)."""
+        if self._kv_b is None:
+            rows = self.n_head * (self.head_dim_nope + self.head_dim_v)
+            joined = torch.cat([self.k_b.transpose(1, 2), self.v_b], dim=1).reshape(rows, self.kv_lora_rank)
+            self._kv_b = Weight(f"blk.{self.layer}.attn_kv_b.weight", Q.F32, (self.kv_lora_rank, rows),
+                                np.ascontiguousarray(joined.numpy()).view(np.uint8).reshape(-1))
+        return self._kv_b
+
+    def kv_b_heads(self, first: int, count: int) -> Weight:
         """kv_b's rows of heads [first, first + count): a view of its bytes, as a weight of its own."""
         if count == self.n_head:
-            return self.wkv_b
+            return self.kv_b()
         if (first, count) not in self._kv_b_rows:
-            w, per_head = self.wkv_b, self.head_dim_nope + self.head_dim_v
+            w, per_head = self.kv_b(), self.head_dim_nope + self.head_dim_v
             row = row_bytes(w.qtype, w.ne[0])
             data = w.data[first * per_head * row:(first + count) * per_head * row]
             self._kv_b_rows[first, count] = Weight(w.name, w.qtype, (w.ne[0], count * per_head), data)

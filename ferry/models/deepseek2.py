@@ -4,7 +4,6 @@ bias, weights scaled) plus shared experts. Rope is the 'normal' (adjacent pairs)
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ferry.errors import FerryError
@@ -13,24 +12,21 @@ from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
 from ferry.models.llama import Block, dense_ffn, routed_moe
 from ferry.ops import Weight
-from ferry.quant import Q
 
 
-def _kv_b(w: WeightLoader, a: ModelArgs, i: int, nope: int) -> tuple[Weight, torch.Tensor, torch.Tensor]:
-    """The latent's expansion into every head's no-rope key and value (kv_b), and its two halves per head as the
-    absorbed form uses them: k_b (n_head, kv_lora_rank, nope) and v_b (n_head, v, kv_lora_rank), float32. Files
-    carry attn_kv_b or, as llama.cpp's converters write them since 2025, attn_k_b (per head, transposed) and
-    attn_v_b; kv_b is then joined from them in float32."""
+def _kv_b(w: WeightLoader, a: ModelArgs, i: int, nope: int) -> tuple[Weight | None, torch.Tensor, torch.Tensor]:
+    """The file's kv_b (the latent's expansion into every head's no-rope key and value) if it has one, and its two
+    halves per head as the absorbed form uses them: k_b (n_head, kv_lora_rank, nope) and v_b (n_head, v,
+    kv_lora_rank), float32. Files carry attn_kv_b or, as llama.cpp's converters write them since 2025, attn_k_b
+    (per head, transposed) and attn_v_b; LatentAttention.kv_b() then joins kv_b when ggml first needs it."""
     p, h, lora, v = f"blk.{i}.", a.n_head, a.kv_lora_rank, a.head_dim_v
     if not w.has(p + "attn_k_b.weight"):
         kv_b = w.weight(p + "attn_kv_b.weight", h * (nope + v), lora)
         per_head = torch.from_numpy(kv_b.dequantize()).reshape(h, nope + v, lora)
-        k_b, v_b = per_head[:, :nope].transpose(1, 2).contiguous(), per_head[:, nope:].contiguous()
-        return kv_b, k_b, v_b
+        return kv_b, per_head[:, :nope].transpose(1, 2).contiguous(), per_head[:, nope:].contiguous()
     k_b = torch.from_numpy(w.weight(p + "attn_k_b.weight", h, lora, nope).dequantize()).reshape(h, lora, nope)
     v_b = torch.from_numpy(w.weight(p + "attn_v_b.weight", h, v, lora).dequantize()).reshape(h, v, lora)
-    joined = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(h * (nope + v), lora).contiguous().numpy()
-    return Weight(p + "attn_kv_b.weight", Q.F32, (lora, h * (nope + v)), joined.view(np.uint8).reshape(-1)), k_b, v_b
+    return None, k_b, v_b
 
 
 def latent_attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope) -> LatentAttention:
@@ -48,7 +44,7 @@ def latent_attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope) -> Laten
         wq_b=w.weight(p + "attn_q_b.weight", q_dim, a.q_lora_rank) if low_rank_q else None,
         wkv_a=w.weight(p + "attn_kv_a_mqa.weight", a.kv_lora_rank + rot, a.n_embd),
         kv_a_norm=w.vector(p + "attn_kv_a_norm.weight", a.kv_lora_rank),
-        wkv_b=kv_b, k_b=k_b, v_b=v_b,
+        file_kv_b=kv_b, k_b=k_b, v_b=v_b,
         wo=w.weight(p + "attn_output.weight", a.n_embd, a.n_head * a.head_dim_v),
         n_head=a.n_head, kv_lora_rank=a.kv_lora_rank, head_dim_nope=nope, head_dim_rope=rot,
         head_dim_v=a.head_dim_v, rope=rope, scale=a.head_dim_k ** -0.5 * (a.yarn.attn_scale if a.yarn else 1.0),

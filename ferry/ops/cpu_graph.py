@@ -99,6 +99,13 @@ class GraphOps:
         y = ggml.ggml_mul_mat(c, self._vector(w), per_head)  # (m, n, heads)
         return ggml.ggml_cont(c, ggml.ggml_permute(c, y, 0, 2, 1, 3))
 
+    def expand_latents(self, latents, attn, first: int, count: int):
+        """MLA's latents (lora, rows) through heads [first, first + count)'s rows of kv_b: no-rope keys (nope,
+        count, rows) and values (v, count, rows)."""
+        kv = self.linear(latents, attn.kv_b_heads(first, count))
+        return self.split(self.heads(kv, count, attn.head_dim_nope + attn.head_dim_v),
+                          [attn.head_dim_nope, attn.head_dim_v])
+
     def split(self, x, sizes: list[int]) -> list:
         """Pieces of ggml dimension 0 (torch's last), as views: (d, n) or (d, heads, n)."""
         t, out, offset = x.contents, [], 0

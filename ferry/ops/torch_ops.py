@@ -100,6 +100,13 @@ class TorchOps:
         """Each head through its own matrix: x (n, heads, k), w (heads, m, k) float -> (n, heads, m)."""
         return torch.einsum("nhk,hmk->nhm", x, self.backend.vector(w))
 
+    def expand_latents(self, latents: torch.Tensor, attn, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA's latents (rows, lora) expanded into heads [first, first + count)'s no-rope keys (rows, count, nope)
+        and values (rows, count, v) through attn's float32 k_b and v_b (the latent projections the absorbed form
+        uses too: no second copy as kv_b)."""
+        k_b, v_b = (self.backend.vector(t)[first:first + count] for t in (attn.k_b, attn.v_b))
+        return torch.einsum("rl,hln->rhn", latents, k_b), torch.einsum("rl,hvl->rhv", latents, v_b)
+
     def expand_heads(self, x: torch.Tensor, n_head: int) -> torch.Tensor:
         """(n, 1, d) -> (n, n_head, d): one head shared by all."""
         return x.expand(x.shape[0], n_head, x.shape[2])

@@ -175,6 +175,20 @@ class CudaOps(TorchOps):
         self._store(layer, k, None)
         return _floats(kv.k[layer][:self.batch.n_kv], kv.type_k).float()
 
+    def expand_latents(self, latents: torch.Tensor, attn, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Many rows as CudaBackend.linear multiplies them, f16 cuBLAS with float32 accumulation (the projections
+        converted per call, as kv_b's bytes were before); few in float32 (TorchOps)."""
+        from ferry.ops.cuda.backend import GEMV_MAX, _mm
+
+        if latents.shape[0] <= GEMV_MAX:
+            return super().expand_latents(latents, attn, first, count)
+        rows, lora = latents.shape
+        k_b, v_b = (self.backend.vector(t)[first:first + count] for t in (attn.k_b, attn.v_b))
+        x = latents.to(torch.float16)
+        k = _mm(x, k_b.permute(1, 0, 2).reshape(lora, -1).to(torch.float16))  # (lora, count * nope)
+        v = _mm(x, v_b.permute(2, 0, 1).reshape(lora, -1).to(torch.float16))  # (lora, count * v)
+        return k.view(rows, count, -1), v.view(rows, count, -1)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         return self._sdpa_f16(q, k, v, scale, 0)
 
