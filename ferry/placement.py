@@ -181,6 +181,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
 
     for name, size in tensors.items():
         device = place(name, args.n_layer, n_gpu_layers, overrides, layers)
+        if kv_on_gpu and name.endswith(".attn_k_b_v_b.float32"):
+            device = gpus[0]  # the hybrid runtime attends on the GPU, every layer: its float32 tensors live there
         if device == "CPU" or not _ggml_only(name):
             need(device).weights += size
     kb, vb = kv_bytes_per_value

@@ -10,7 +10,7 @@ import pytest
 from ferry.gguf.file import GGUFFile
 from ferry.models.base import ModelArgs
 from ferry.ops.cuda.executor import PROMPT_GRAPH_MAX
-from ferry.placement import layer_devices, memory_plan, parse_size
+from ferry.placement import layer_devices, memory_plan, parse_size, place
 
 
 def test_layers_split_over_gpus_in_proportion():
@@ -166,3 +166,9 @@ def test_the_plan_counts_deepseek2s_float32_copies_of_the_latent_projections(tmp
     joined = 0 if legacy else a.n_layer * per_layer
     assert sum(d.weights for d in plan.devices) == file_bytes - split + a.n_layer * per_layer + joined
     assert (split == 0) == legacy and (kv_b == 0) != legacy
+    # the hybrid runtime (-ngl 2 of 4, kv_on_gpu) attends on the GPU in every layer: all four layers' copies are there
+    plan = memory_plan(tensors, a, 2, [], ["CUDA0"], {}, 64, 16, kv_on_gpu=True)
+    gpu = next(d for d in plan.devices if d.device == "CUDA0")
+    on_gpu = sum(v for k, v in tensors.items() if place(k, a.n_layer, 2, [], layer_devices(a.n_layer, 2, ["CUDA0"]))
+                 == "CUDA0" and "attn_k_b" not in k and "attn_v_b" not in k and "attn_kv_b" not in k)
+    assert gpu.weights == on_gpu + a.n_layer * per_layer
