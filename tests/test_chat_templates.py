@@ -3,12 +3,10 @@ real templates llama.cpp keeps for its tests (models/templates/*.jinja of the ll
 V3.1-V4, Kimi K2/K3, GLM-4.6/4.7, Qwen3, gpt-oss, Llama 3.x, Mistral, ...): the same prompt text, character for
 character. Before session 11, 15 of 65 failed or differed: no break/continue, strftime_now, {% generation %}."""
 
-import os
 from pathlib import Path
 
 import pytest
 
-from benchmarks.llamacpp import converter
 from ferry.server.app import BadRequest, render_chat
 
 CONVERSATIONS = [
@@ -19,9 +17,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def templates() -> list[Path]:
-    src = os.environ.get("FERRY_LLAMA_CPP_SDIST")
-    found = sorted((converter(Path(src) if src else None) / "models" / "templates").glob("*.jinja"))
+def templates(llamacpp_tree) -> list[Path]:
+    found = sorted((llamacpp_tree / "models" / "templates").glob("*.jinja"))
     assert len(found) > 40
     return found
 

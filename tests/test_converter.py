@@ -3,9 +3,8 @@ by the test fixture's imitation of it: tiny random HF models of every family fer
 f32, and ferry's logits on the converted file must be transformers' own. This is what a user's real GGUF files look
 like: which metadata keys the converter writes and which it leaves out, and its tensor layouts. (It found that
 DeepSeek-V2 / V2-Lite files, which carry no expert_weights_norm, had their top-k weights renormalised.)
-The converter's tree: FERRY_LLAMA_CPP_SDIST (an sdist or a folder), else the sdist fetched once into the cache."""
+The tree: the llamacpp_tree fixture (benchmarks/llamacpp.py converter; FERRY_LLAMA_CPP_SDIST names a local copy)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.llamacpp import converter
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.models.base import ModelArgs, _default_gating
@@ -26,10 +24,8 @@ FAMILIES = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "glm4moe
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(tmp_path_factory, llamacpp_tree):
     """family -> (the converter's GGUF, the HF model it was converted from)."""
-    src = os.environ.get("FERRY_LLAMA_CPP_SDIST")
-    tree = converter(Path(src) if src else None)
     root = tmp_path_factory.mktemp("converted")
     models, args = {}, []
     for family in FAMILIES:
@@ -39,7 +35,7 @@ def converted(tmp_path_factory):
         save_tiny_tokenizer(folder)
         models[family] = root / f"{family}.gguf", hf
         args += [str(folder), str(root / f"{family}.gguf")]
-    run = subprocess.run([sys.executable, str(ROOT / "tests/fixtures/llamacpp_convert.py"), str(tree), *args],
+    run = subprocess.run([sys.executable, str(ROOT / "tests/fixtures/llamacpp_convert.py"), str(llamacpp_tree), *args],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return models

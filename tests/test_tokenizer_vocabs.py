@@ -5,12 +5,10 @@ pre-tokenizer's name against ids llama.cpp gave (tests/fixtures/llamacpp_tokens/
 benchmarks/llamacpp_tokens.py). A prompt tokenized otherwise than llama.cpp tokenizes it is another prompt."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from benchmarks.llamacpp import converter
 from ferry.gguf.file import GGUFFile
 from ferry.tokenizer import Tokenizer
 from tests.fixtures.vocab import cases, with_pre
@@ -22,9 +20,8 @@ LLAMACPP_TOKENS = Path(__file__).parent / "fixtures" / "llamacpp_tokens"
 
 
 @pytest.fixture(scope="module")
-def models() -> Path:
-    src = os.environ.get("FERRY_LLAMA_CPP_SDIST")
-    return converter(Path(src) if src else None) / "models"
+def models(llamacpp_tree) -> Path:
+    return llamacpp_tree / "models"
 
 
 @pytest.mark.slow

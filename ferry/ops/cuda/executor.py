@@ -185,8 +185,8 @@ class CudaOps(TorchOps):
         rows, lora = latents.shape
         k_b, v_b = (self.backend.vector(t)[first:first + count] for t in (attn.k_b, attn.v_b))
         x = latents.to(torch.float16)
-        k = _mm(x, k_b.permute(1, 0, 2).reshape(lora, -1).to(torch.float16))  # (lora, count * nope)
-        v = _mm(x, v_b.permute(2, 0, 1).reshape(lora, -1).to(torch.float16))  # (lora, count * v)
+        k = _mm(x, k_b.to(torch.float16).permute(1, 0, 2).reshape(lora, -1))  # (lora, count * nope)
+        v = _mm(x, v_b.to(torch.float16).permute(2, 0, 1).reshape(lora, -1))  # (lora, count * v)
         return k.view(rows, count, -1), v.view(rows, count, -1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
