@@ -67,6 +67,13 @@ def test_gpu_latent_attention_matches_the_cpu(tmp_path, mla):
         steps = [e.decode([t], all_logits=True) for t in tokens[expand_from + 4:]]
         runs.append(torch.cat([first, second] + steps).cpu())
     kl, top1 = kl_top1(*runs)
-    print(f"GPU latent attention (-mla {mla}) vs CPU: KL max {kl.max():.2e}, top-1 {top1:.4f}")
-    # measured under the interpreter: KL max 1.4e-5 to 1.5e-5; -mla 0 had one top-1 of 70 differ at a near-tie
-    assert kl.max() < 1e-4 and top1 >= 0.98
+    want, got = runs
+    top2 = want.topk(2, -1).values
+    confident = (top2[:, 0] - top2[:, 1]) > 0.05
+    print(f"GPU latent attention (-mla {mla}) vs CPU: KL max {kl.max():.2e}, top-1 {top1:.4f}, "
+          f"leads of the differing tops {(top2[:, 0] - top2[:, 1])[want.argmax(-1) != got.argmax(-1)].tolist()}")
+    # measured under the interpreter: KL max 1.4e-5 to 1.5e-5; -mla 0 had one top-1 of 70 differ at a near-tie, and
+    # on an H100 one of 35 (KL max 1.5e-5): a logit moved by this KL is about 0.005, so the top token must agree
+    # wherever the CPU's leads its runner-up by ten times that
+    assert kl.max() < 1e-4 and confident.sum() >= len(confident) // 2
+    assert (want.argmax(-1) == got.argmax(-1))[confident].all()

@@ -337,3 +337,26 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
             assert (flat[r0:r1] == e).all()
             covered[r0:r1] += 1
     assert (covered == 1).all()  # each sorted row in exactly one tile
+
+
+@pytest.mark.parametrize("n_expert", [1, 7, 128, 256, 300, 40000])  # keys of uint8, int16 and int32
+def test_sort_pairs_orders_by_expert_and_counts_each(n_expert):
+    rng = np.random.default_rng(n_expert)
+    ids = torch.from_numpy(rng.integers(0, n_expert, (37, 6))).int()
+    ids[0, 0] = n_expert - 1  # the widest id the key type must hold
+    order, counts, ends = K.sort_pairs(ids.to(DEV), n_expert)
+    flat = ids.flatten().long()
+    want = torch.bincount(flat, minlength=n_expert)
+    assert torch.equal(counts.cpu(), want) and torch.equal(ends.cpu(), want.cumsum(0))
+    assert torch.equal(order.cpu(), torch.argsort(flat, stable=True))  # stable: a pair's slot order kept
+
+
+@pytest.mark.parametrize("n,k,n_embd", [(1, 1, 7), (5, 8, 2048), (3, 6, 1500), (2, 2, 4099)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_sum_pairs_matches_float64(n, k, n_embd, residual):
+    rng = np.random.default_rng(n * k + n_embd)
+    y = torch.from_numpy(rng.standard_normal((n * k, n_embd)))
+    res = torch.from_numpy(rng.standard_normal((n, n_embd))) if residual else None
+    want = y.view(n, k, n_embd).sum(1) + (res if residual else 0)
+    got = K.sum_pairs(y.float().to(DEV), k, None if res is None else res.float().to(DEV))
+    _close(got, want, 1e-6)

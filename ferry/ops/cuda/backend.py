@@ -160,29 +160,32 @@ class CudaBackend:
                                     residual=residual), ids
         if strategy == "loop":
             out = self._moe_loop(x, ids, weights, up, gate, down, act)
-        else:  # 'dense': every expert expanded to bf16, then torch's grouped GEMM, whatever the type
-            out = self._moe_grouped(x, ids, weights, up, gate, down, act, dense=strategy == "dense")
-        return (out if residual is None else residual + out), ids
+            return (out if residual is None else residual + out), ids
+        # 'dense': every expert expanded to bf16, then torch's grouped GEMM, whatever the type
+        return self._moe_grouped(x, ids, weights, up, gate, down, act, dense=strategy == "dense",
+                                 residual=residual), ids
 
     def _experts(self, w: Weight, slot: int) -> torch.Tensor:
         """Every expert of a stacked tensor as bf16 (n_expert, rows, cols), in scratch `slot`."""
         return self._expand(w.qtype, self.upload(w), w.ne, torch.bfloat16, slot)
 
     def _moe_grouped(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str,
-                     dense: bool = False) -> torch.Tensor:
+                     dense: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Pairs sorted by expert, every expert's rows in one grouped GEMM launch per projection (the schedule
-        computed on the GPU), each token's experts summed in a fixed order. Q8_0 / Q4_0 experts: the Triton
-        kernel that expands weights in registers; other types: bf16 copies and torch's grouped GEMM."""
+        computed on the GPU), each token's experts summed in a fixed order (+ residual when given). Q8_0 / Q4_0
+        experts: the Triton kernel that expands weights in registers, the sum one pass with the residual; other
+        types: bf16 copies and torch's grouped GEMM."""
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
         if not dense and all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
             y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act, weights=weights)
-            return y.view(n, k, -1).sum(1)
+            return kernels.sum_pairs(y, k, residual)
         order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted  # back to (token, slot) order
-        return (y.view(n, k, -1) * weights[..., None]).sum(1)
+        out = (y.view(n, k, -1) * weights[..., None]).sum(1)
+        return out if residual is None else residual + out
 
     def expert_pairs(self, x: torch.Tensor, ids: torch.Tensor, gate, up, down, act: str,
                      wait_down: torch.cuda.Event | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -186,6 +186,18 @@ def _rms_norm(x, w, y, n, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _sum_pairs(y, res, out, n_embd, K: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = res[t] + y[t * K] + ... + y[t * K + K - 1] over BLOCK columns, added in slot order."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < n_embd
+    acc = tl.load(res + t * n_embd + c, mask=m, other=0.0) if RESIDUAL else tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(y + (t * K + j) * n_embd + c, mask=m, other=0.0)
+    tl.store(out + t * n_embd + c, acc, mask=m)
+
+
+@triton.jit
 def _add_rms_norm(x, dx, w, s, y, n, eps, BLOCK: tl.constexpr):
     """s = x + dx (the residual stream), y = RMSNorm(s) * w, per row."""
     row = tl.program_id(0).to(tl.int64)
@@ -472,6 +484,22 @@ def unpack_experts(raw: torch.Tensor, ids: torch.Tensor, split: "Split") -> None
                                                                  BLOCK=block, PAYLOAD=block - 2, BB=bb)
 
 
+@triton.jit
+def _split_floats(qs, d, out, n_blocks, KIND: tl.constexpr, BLOCKS: tl.constexpr):
+    """out[b * 32 + j] = d[b] * q[b, j] for BLOCKS blocks per program: the exact product (an int8 or nibble times
+    an f16 is exact in float32) rounded once to out's type."""
+    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    live = (b < n_blocks)[:, None]
+    j = tl.arange(0, 32)[None, :]
+    s = tl.load(d + b, mask=b < n_blocks, other=0.0).to(tl.float32)[:, None]
+    if KIND == 0:
+        q = tl.load(qs + b[:, None] * 32 + j, mask=live, other=0).to(tl.float32)
+    else:  # a byte's low nibble is column j of the block, its high nibble column j + 16
+        byte = tl.load(qs + b[:, None] * 16 + j % 16, mask=live, other=0).to(tl.int32)
+        q = (tl.where(j < 16, byte & 0xF, byte >> 4) - 8).to(tl.float32)
+    tl.store(out + b[:, None] * 32 + j, q * s, mask=live)
+
+
 @dataclass
 class Split:
     """A Q8_0 / Q4_0 tensor on the GPU as two arrays: each block's quants (32 int8, or 16 bytes of nibbles) and
@@ -507,20 +535,17 @@ class Split:
         return Split(self.qtype, self.ne[:2], self.qs[e * per:(e + 1) * per], self.d[e * per:(e + 1) * per])
 
     def floats(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(reversed ne) values of `dtype`: d * q rounded once (q and d are exact in f16, and a product is
-        rounded once in f16 or f32; bf16 goes through f32)."""
-        work = dtype if dtype in (torch.float16, torch.float32) else torch.float32
-        if self.qtype == Q.Q8_0:
-            q = self.qs.to(work)
-        else:
-            q = torch.cat([(self.qs & 0xF), (self.qs >> 4)], dim=1).to(work) - 8
+        """(reversed ne) values of `dtype`, each d * q rounded once, in one pass over the bytes (bf16 through
+        float32: a store's own conversion to bf16 need not round to nearest)."""
         shape = tuple(reversed(self.ne))
+        if dtype not in (torch.float16, torch.float32):
+            floats = self.floats(torch.float32)
+            return floats.to(dtype) if out is None else out.copy_(floats.view(out.shape))
         if out is None:
-            out = torch.empty(shape, dtype=dtype, device=q.device)
-        if work == dtype:
-            torch.mul(q, self.d.to(work)[:, None], out=out.view(-1, 32))
-        else:
-            out.copy_((q * self.d.to(work)[:, None]).view(shape))
+            out = torch.empty(shape, dtype=dtype, device=self.qs.device)
+        n_blocks = self.d.numel()
+        _split_floats[(triton.cdiv(n_blocks, 64),)](self.qs.contiguous(), self.d.contiguous(), out, n_blocks,
+                                                     KIND=GEMV_KINDS[self.qtype], BLOCKS=64)
         return out
 
 
@@ -617,11 +642,16 @@ def route(logits: torch.Tensor, n_used: int, norm: bool, scale: float, sigmoid: 
 
 def sort_pairs(ids: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The flattened (token, slot) pairs sorted by expert, on the GPU without a host sync (no bincount):
-    (order, pairs per expert, cumulative ends)."""
-    flat = ids.flatten().long()
-    counts = torch.zeros(n_expert, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
-    return torch.argsort(flat, stable=True), counts, torch.cumsum(counts, 0)
-
+    (order, pairs per expert, cumulative ends). The keys are sorted as the narrowest integer that holds an expert
+    id (a radix sort makes one pass per key byte: one for up to 256 experts instead of eight for int64), and the
+    ends are found in the sorted keys."""
+    key = torch.uint8 if n_expert <= 256 else torch.int16 if n_expert <= 32768 else torch.int32
+    flat = ids.flatten().to(key)
+    keys, order = torch.sort(flat, stable=True)
+    # the end of expert e is the count of keys below e + 1, the last expert's is every pair (256 is no uint8)
+    firsts = torch.arange(1, n_expert, device=ids.device, dtype=key)
+    ends = torch.cat([torch.searchsorted(keys, firsts), torch.full((1,), flat.numel(), device=ids.device)])
+    return order, torch.diff(ends, prepend=ends.new_zeros(1)), ends
 
 def moe_tiles(ids: torch.Tensor, n_expert: int, block: int):
     """Schedule of the grouped GEMM, computed on the GPU: (order, tile_expert, tile_row, tile_end) where order
@@ -676,6 +706,19 @@ def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int, up: Split |
         SCATTER=rows_to is not None, SCALE=row_scale is not None, BM=block, BN=bn, BK=bk, num_warps=warps,
         num_stages=stages)
     return y
+
+
+def sum_pairs(y: torch.Tensor, k: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's k pair rows of y (n * k, n_embd) float32 summed (+ its residual row), in one pass: (n, n_embd)
+    float32."""
+    n_embd = y.shape[1]
+    n = y.shape[0] // k
+    out = torch.empty(n, n_embd, dtype=torch.float32, device=y.device)
+    res = residual.float().contiguous() if residual is not None else out
+    block = min(1024, triton.next_power_of_2(n_embd))
+    _sum_pairs[(n, triton.cdiv(n_embd, block))](y.contiguous(), res, out, n_embd, K=k, RESIDUAL=residual is not None,
+                                               BLOCK=block)
+    return out
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
