@@ -138,9 +138,10 @@ class MemoryPlan:
 
 def as_loaded(tensors: dict[str, int], args) -> dict[str, int]:
     """The bytes a loaded model holds per tensor, from the file's: deepseek2 keeps float32 copies of each layer's
-    k_b and v_b (latent attention's absorbed form, and its expanded form in torch) in place of a file's
-    attn_k_b / attn_v_b, and kv_b (the file's attn_kv_b, or joined in float32 from k_b / v_b) for ggml's graphs only:
-    memory_plan counts kv_b where its layer is on the CPU (models/deepseek2.py, layers/attention.py)."""
+    k_b and v_b (latent attention's absorbed form, and its expanded form in torch) in RAM in place of a file's
+    attn_k_b / attn_v_b, a float16 copy of them on the GPU that runs the layer's attention, and kv_b (the file's
+    attn_kv_b, or joined in float32 from k_b / v_b) for ggml's graphs only: memory_plan counts kv_b where its layer
+    is on the CPU (models/deepseek2.py, layers/attention.py, CudaBackend.half)."""
     if args.kv_lora_rank <= 0:
         return tensors
     out = dict(tensors)
@@ -152,6 +153,7 @@ def as_loaded(tensors: dict[str, int], args) -> dict[str, int]:
             del out[p + "attn_k_b.weight"], out[p + "attn_v_b.weight"]
             out[p + "attn_kv_b.weight"] = per_layer
         out[p + "attn_k_b_v_b.float32"] = per_layer
+        out[p + "attn_k_b_v_b.float16"] = per_layer // 2
     return out
 
 
@@ -181,8 +183,13 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
 
     for name, size in tensors.items():
         device = place(name, args.n_layer, n_gpu_layers, overrides, layers)
-        if kv_on_gpu and name.endswith(".attn_k_b_v_b.float32"):
-            device = gpus[0]  # the hybrid runtime attends on the GPU, every layer: its float32 tensors live there
+        if name.endswith(".attn_k_b_v_b.float32"):
+            device = "CPU"  # the model's own copy, whichever device runs the layer
+        elif name.endswith(".attn_k_b_v_b.float16"):
+            if kv_on_gpu:
+                device = gpus[0]  # the hybrid runtime attends on the GPU, every layer
+            elif device == "CPU":
+                continue  # only a GPU makes this copy
         if device == "CPU" or not _ggml_only(name):
             need(device).weights += size
     kb, vb = kv_bytes_per_value

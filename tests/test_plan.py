@@ -145,7 +145,7 @@ def test_deepseek2s_kv_b_is_no_weight_a_gpu_loads(tmp_path):
 
 
 @pytest.mark.parametrize("legacy", [False, True])
-def test_the_plan_counts_deepseek2s_float32_copies_of_the_latent_projections(tmp_path, legacy):
+def test_the_plan_counts_deepseek2s_copies_of_the_latent_projections(tmp_path, legacy):
     from ferry.gguf.synth import PRESETS, synth
     from ferry.quant import Q
 
@@ -158,17 +158,23 @@ def test_the_plan_counts_deepseek2s_float32_copies_of_the_latent_projections(tmp
     kv_b = sum(t.nbytes for t in f.tensors.values() if "attn_kv_b" in t.name)  # a legacy file's own
     per_layer = 4 * 4 * 64 * (32 + 32)  # float32, 4 heads x kv_lora_rank 64 x (nope 32 + v 32)
     tensors = {t.name: t.nbytes for t in f.tensors.values()}
-    # on the GPU: the float32 k_b and v_b, no kv_b (neither the file's nor a joined one)
-    plan = memory_plan(tensors, a, 999, [], ["CUDA0"], {}, 64, 16)
-    assert sum(d.weights for d in plan.devices) == file_bytes - split - kv_b + a.n_layer * per_layer
+
+    def by_device(plan):
+        return {d.device: d.weights for d in plan.devices}
+
+    # all on the GPU: the model's float32 k_b and v_b in RAM, a float16 copy on the GPU, no kv_b anywhere
+    plan = by_device(memory_plan(tensors, a, 999, [], ["CUDA0"], {}, 64, 16))
+    assert plan["CPU"] == a.n_layer * per_layer + sum(v for k, v in tensors.items() if k.startswith("token_embd"))
+    assert plan["CUDA0"] + plan["CPU"] == file_bytes - split - kv_b + a.n_layer * (per_layer + per_layer // 2)
     # on the CPU, where ggml's graphs expand latents through kv_b: the file's, or one joined in float32
     plan = memory_plan(tensors, a, 0, [], [], {}, 64, 16)
     joined = 0 if legacy else a.n_layer * per_layer
     assert sum(d.weights for d in plan.devices) == file_bytes - split + a.n_layer * per_layer + joined
     assert (split == 0) == legacy and (kv_b == 0) != legacy
-    # the hybrid runtime (-ngl 2 of 4, kv_on_gpu) attends on the GPU in every layer: all four layers' copies are there
+    # the hybrid runtime (-ngl 2 of 4, kv_on_gpu) attends on the GPU in every layer: all four layers' float16
+    # copies are there
     plan = memory_plan(tensors, a, 2, [], ["CUDA0"], {}, 64, 16, kv_on_gpu=True)
     gpu = next(d for d in plan.devices if d.device == "CUDA0")
     on_gpu = sum(v for k, v in tensors.items() if place(k, a.n_layer, 2, [], layer_devices(a.n_layer, 2, ["CUDA0"]))
                  == "CUDA0" and "attn_k_b" not in k and "attn_v_b" not in k and "attn_kv_b" not in k)
-    assert gpu.weights == on_gpu + a.n_layer * per_layer
+    assert gpu.weights == on_gpu + a.n_layer * per_layer // 2

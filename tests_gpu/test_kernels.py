@@ -360,3 +360,17 @@ def test_sum_pairs_matches_float64(n, k, n_embd, residual):
     want = y.view(n, k, n_embd).sum(1) + (res if residual else 0)
     got = K.sum_pairs(y.float().to(DEV), k, None if res is None else res.float().to(DEV))
     _close(got, want, 1e-6)
+
+
+@pytest.mark.parametrize("n,heads,m,k", [(1, 1, 1, 1), (3, 4, 37, 96), (8, 3, 512, 128), (2, 5, 130, 513)])
+def test_head_gemv_matches_float64(n, heads, m, k):
+    """Each head through its own float16 matrix (deepseek2's k_b / v_b): contiguous, transposed and broadcast views."""
+    rng = np.random.default_rng(n + heads + m + k)
+    x = torch.from_numpy(rng.standard_normal((n, heads, k)))
+    w = torch.from_numpy(rng.standard_normal((heads, m, k))).half()
+    _close(K.head_gemv(x.float().to(DEV), w.to(DEV)), torch.einsum("nhk,hmk->nhm", x, w.double()))
+    wt = torch.from_numpy(rng.standard_normal((heads, k, m))).half()  # read as (heads, m, k) through its strides
+    _close(K.head_gemv(x.float().to(DEV), wt.to(DEV).transpose(1, 2)), torch.einsum("nhk,hkm->nhm", x, wt.double()))
+    row = x[:, :1].float().to(DEV).expand(n, heads, k)  # one row per token shared by every head (a latent)
+    assert heads == 1 or row.stride(1) == 0
+    _close(K.head_gemv(row, w.to(DEV)), torch.einsum("nhk,hmk->nhm", x[:, :1].expand(n, heads, k), w.double()))

@@ -77,7 +77,7 @@ class LatentAttention:
     kv_a_norm: torch.Tensor
     # kv_b as the file holds it (files converted before 2025), else None: joined from k_b / v_b when first needed.
     # No model weight (Model.weights): only ggml's graphs read kv_b; torch's ops (the eager CPU path, the GPU)
-    # expand through k_b / v_b, so a GPU holds one float32 copy of the latent projections, not two
+    # expand through k_b / v_b, so a GPU holds one copy of the latent projections (float16: CudaBackend.half)
     file_kv_b: InitVar[Weight | None]
     k_b: torch.Tensor  # (n_head, kv_lora_rank, nope) float32: latent <- each head's no-rope query
     v_b: torch.Tensor  # (n_head, head_dim_v, kv_lora_rank) float32: each head's value <- latent

@@ -88,6 +88,14 @@ class CudaBackend:
             v = self._raw[id(t)] = t.to(self.device, torch.float32).contiguous()
         return v
 
+    def half(self, t: torch.Tensor) -> torch.Tensor:
+        """A float model tensor read by matmuls (deepseek2's k_b / v_b) on the GPU as float16 (once): half the memory
+        of float32, the precision the prompt path's f16 cuBLAS gives every weight."""
+        v = self._raw.get(id(t))
+        if v is None:
+            v = self._raw[id(t)] = t.to(self.device, torch.float16).contiguous()
+        return v
+
     def _expand(self, qtype, raw, ne: tuple[int, ...], dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
         """Floats of `raw` (a whole tensor or a slice of whole rows: GGUF bytes or a Split) in scratch buffer
         `slot` of `dtype`."""
@@ -297,6 +305,16 @@ def gpu_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
 
 
 _MM_DTYPE = [True]  # whether torch.mm takes out_dtype (torch >= 2.8 on CUDA)
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """_mm per batch entry: (batch, n, k) @ (batch, k, m) float32."""
+    if _MM_DTYPE[0]:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    return torch.bmm(a, b).float()
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -175,18 +175,31 @@ class CudaOps(TorchOps):
         self._store(layer, k, None)
         return _floats(kv.k[layer][:self.batch.n_kv], kv.type_k).float()
 
+    def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Through the float16 copy of w on the GPU (CudaBackend.half): a GEMV per head and token for few tokens,
+        float32 throughout; f16 cuBLAS with float32 accumulation for many, as CudaBackend.linear multiplies."""
+        from ferry.ops.cuda import kernels
+        from ferry.ops.cuda.backend import GEMV_MAX, _bmm
+
+        w16 = self.backend.half(w)
+        if x.shape[0] <= GEMV_MAX:
+            return kernels.head_gemv(x, w16)
+        return _bmm(x.transpose(0, 1).to(torch.float16), w16.transpose(1, 2)).transpose(0, 1)
+
     def expand_latents(self, latents: torch.Tensor, attn, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Many rows as CudaBackend.linear multiplies them, f16 cuBLAS with float32 accumulation (the projections
-        converted per call, as kv_b's bytes were before); few in float32 (TorchOps)."""
+        """Through the float16 copies of k_b / v_b (CudaBackend.half), as head_linear: per-head GEMVs of each latent
+        for few rows, one f16 cuBLAS product per projection for many."""
+        from ferry.ops.cuda import kernels
         from ferry.ops.cuda.backend import GEMV_MAX, _mm
 
-        if latents.shape[0] <= GEMV_MAX:
-            return super().expand_latents(latents, attn, first, count)
+        k_b, v_b = (self.backend.half(t)[first:first + count] for t in (attn.k_b, attn.v_b))
         rows, lora = latents.shape
-        k_b, v_b = (self.backend.vector(t)[first:first + count] for t in (attn.k_b, attn.v_b))
+        if rows <= GEMV_MAX:
+            x = latents.float()[:, None, :].expand(rows, count, lora)
+            return kernels.head_gemv(x, k_b.transpose(1, 2)), kernels.head_gemv(x, v_b)
         x = latents.to(torch.float16)
-        k = _mm(x, k_b.to(torch.float16).permute(1, 0, 2).reshape(lora, -1))  # (lora, count * nope)
-        v = _mm(x, v_b.to(torch.float16).permute(2, 0, 1).reshape(lora, -1))  # (lora, count * v)
+        k = _mm(x, k_b.permute(1, 0, 2).reshape(lora, -1))  # (lora, count * nope)
+        v = _mm(x, v_b.permute(2, 0, 1).reshape(lora, -1))  # (lora, count * v)
         return k.view(rows, count, -1), v.view(rows, count, -1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -500,6 +500,25 @@ def _split_floats(qs, d, out, n_blocks, KIND: tl.constexpr, BLOCKS: tl.constexpr
     tl.store(out + b[:, None] * 32 + j, q * s, mask=live)
 
 
+@triton.jit
+def _head_gemv(x, w, y, M, K, sxt, sxh, sxk, swh, swm, swk, BM: tl.constexpr, BK: tl.constexpr):
+    """y[t, h, m] = sum over k of x[t, h, k] * w[h, m, k], float32 accumulation, x and w read through their strides
+    (broadcast or transposed views too); y (tokens, heads, M) contiguous. Grid (row blocks, heads, tokens)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(2).to(tl.int64)
+    mmask = m < M
+    acc = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < K
+        xv = tl.load(x + t * sxt + h * sxh + k * sxk, mask=kmask, other=0.0).to(tl.float32)
+        wv = tl.load(w + h * swh + m[:, None].to(tl.int64) * swm + k[None, :] * swk,
+                     mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wv * xv[None, :], axis=1)
+    tl.store(y + (t * tl.num_programs(1) + h) * M + m, acc, mask=mmask)
+
+
 @dataclass
 class Split:
     """A Q8_0 / Q4_0 tensor on the GPU as two arrays: each block's quants (32 int8, or 16 bytes of nibbles) and
@@ -601,6 +620,17 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Sp
     if n_used == 1 and residual is None:
         return y
     return sum_pairs(y, n_used, residual)
+
+
+def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each head through its own matrix, for few tokens: x (n, heads, K) float32, w (heads, M, K) of any float type,
+    either a view of any strides: (n, heads, M) float32."""
+    n, heads, k = x.shape
+    m = w.shape[1]
+    y = torch.empty(n, heads, m, dtype=torch.float32, device=x.device)
+    bm, bk = 32, min(128, triton.next_power_of_2(k))
+    _head_gemv[(triton.cdiv(m, bm), heads, n)](x, w, y, m, k, *x.stride(), *w.stride(), BM=bm, BK=bk)
+    return y
 
 
 def sum_pairs(y: torch.Tensor, n_used: int, residual: torch.Tensor | None = None) -> torch.Tensor:
