@@ -351,17 +351,6 @@ def test_sort_pairs_orders_by_expert_and_counts_each(n_expert):
     assert torch.equal(order.cpu(), torch.argsort(flat, stable=True))  # stable: a pair's slot order kept
 
 
-@pytest.mark.parametrize("n,k,n_embd", [(1, 1, 7), (5, 8, 2048), (3, 6, 1500), (2, 2, 4099)])
-@pytest.mark.parametrize("residual", [False, True])
-def test_sum_pairs_matches_float64(n, k, n_embd, residual):
-    rng = np.random.default_rng(n * k + n_embd)
-    y = torch.from_numpy(rng.standard_normal((n * k, n_embd)))
-    res = torch.from_numpy(rng.standard_normal((n, n_embd))) if residual else None
-    want = y.view(n, k, n_embd).sum(1) + (res if residual else 0)
-    got = K.sum_pairs(y.float().to(DEV), k, None if res is None else res.float().to(DEV))
-    _close(got, want, 1e-6)
-
-
 @pytest.mark.parametrize("n,heads,m,k", [(1, 1, 1, 1), (3, 4, 37, 96), (8, 3, 512, 128), (2, 5, 130, 513)])
 def test_head_gemv_matches_float64(n, heads, m, k):
     """Each head through its own float16 matrix (deepseek2's k_b / v_b): contiguous, transposed and broadcast views."""

@@ -75,21 +75,6 @@ def _gemv(qs, d, x, y, rows, K, g, eps, KIND: tl.constexpr, NORM: tl.constexpr, 
 
 
 @triton.jit
-def _gemv_float(w, x, y, rows, K, BR: tl.constexpr, BK: tl.constexpr):
-    """y[t, r] = W[r, :] . x[t, :] for a float32 / float16 matrix W (rows, K); grid (row blocks, tokens)."""
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    t = tl.program_id(1).to(tl.int64)
-    rmask = r < rows
-    acc = tl.zeros((BR,), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        c = k0 + tl.arange(0, BK)
-        cm = c < K
-        wv = tl.load(w + r.to(tl.int64)[:, None] * K + c[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
-        acc += tl.sum(wv.to(tl.float32) * tl.load(x + t * K + c, mask=cm, other=0.0)[None, :], axis=1)
-    tl.store(y + t * rows + r, acc, mask=rmask)
-
-
-@triton.jit
 def _sum_pairs(y, res, out, n_used, N, HAS_RES: tl.constexpr, BN: tl.constexpr):
     """out[t] = (res[t] +) the sum of y[t * n_used + j] over j in order: a token's expert outputs, and the
     residual stream they join."""
@@ -183,18 +168,6 @@ def _rms_norm(x, w, y, n, eps, BLOCK: tl.constexpr):
     v = tl.load(x + row * n + i, mask=m, other=0.0)
     inv = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / n + eps)
     tl.store(y + row * n + i, v * inv * tl.load(w + i, mask=m, other=0.0), mask=m)
-
-
-@triton.jit
-def _sum_pairs(y, res, out, n_embd, K: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = res[t] + y[t * K] + ... + y[t * K + K - 1] over BLOCK columns, added in slot order."""
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = c < n_embd
-    acc = tl.load(res + t * n_embd + c, mask=m, other=0.0) if RESIDUAL else tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(K):
-        acc += tl.load(y + (t * K + j) * n_embd + c, mask=m, other=0.0)
-    tl.store(out + t * n_embd + c, acc, mask=m)
 
 
 @triton.jit
@@ -652,7 +625,9 @@ def gemv_float(w: torch.Tensor, x: torch.Tensor, config: tuple[int, int, int] | 
     y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
     # a router's row in one step: 8 steps of 4 rows took 6.5 us on an H200, (2, 2048, 8) 4.9
     br, bk, warps = config or (2, min(2048, triton.next_power_of_2(cols)), 8)
-    _gemv_float[(triton.cdiv(rows, br), x.shape[0])](w, x, y, rows, cols, BR=br, BK=bk, num_warps=warps)
+    w = w.contiguous()
+    _head_gemv[(triton.cdiv(rows, br), 1, x.shape[0])](x, w, y, rows, cols, cols, 0, 1, 0, cols, 1, BM=br, BK=bk,
+                                                        num_warps=warps)  # one head
     return y
 
 
@@ -682,6 +657,7 @@ def sort_pairs(ids: torch.Tensor, n_expert: int) -> tuple[torch.Tensor, torch.Te
     firsts = torch.arange(1, n_expert, device=ids.device, dtype=key)
     ends = torch.cat([torch.searchsorted(keys, firsts), torch.full((1,), flat.numel(), device=ids.device)])
     return order, torch.diff(ends, prepend=ends.new_zeros(1)), ends
+
 
 def moe_tiles(ids: torch.Tensor, n_expert: int, block: int):
     """Schedule of the grouped GEMM, computed on the GPU: (order, tile_expert, tile_row, tile_end) where order
@@ -736,19 +712,6 @@ def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int, up: Split |
         SCATTER=rows_to is not None, SCALE=row_scale is not None, BM=block, BN=bn, BK=bk, num_warps=warps,
         num_stages=stages)
     return y
-
-
-def sum_pairs(y: torch.Tensor, k: int, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Each token's k pair rows of y (n * k, n_embd) float32 summed (+ its residual row), in one pass: (n, n_embd)
-    float32."""
-    n_embd = y.shape[1]
-    n = y.shape[0] // k
-    out = torch.empty(n, n_embd, dtype=torch.float32, device=y.device)
-    res = residual.float().contiguous() if residual is not None else out
-    block = min(1024, triton.next_power_of_2(n_embd))
-    _sum_pairs[(n, triton.cdiv(n_embd, block))](y.contiguous(), res, out, n_embd, K=k, RESIDUAL=residual is not None,
-                                               BLOCK=block)
-    return out
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
