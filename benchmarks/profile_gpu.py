@@ -2,11 +2,16 @@
 (torch.profiler), for a model all on the GPU. Both are profiled eagerly (the kernels a CUDA graph replays are the
 same; the graph removes the launch gaps); prompts are timed as they run by default (replayed up to
 PROMPT_GRAPH_MAX tokens), decode steps both ways.
-  python benchmarks/profile_gpu.py -m model.gguf [-ub 128,2048] [-n 16] [--top 15]
+  python benchmarks/profile_gpu.py -m model.gguf [-ub 128,2048] [-n 16] [--top 15] [--syncs]
+--syncs: also list every call of an eager prompt u-batch that makes the host wait for the GPU (torch's sync debug
+mode), by the ferry line that made it: each one leaves the GPU idle while the host catches up.
 """
 
 import argparse
+import collections
 import time
+import traceback
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,12 +31,35 @@ def table(prof, top: int, steps: int) -> str:
     return "\n".join(lines) + f"\n  all kernels: {total / 1e3 / steps:.3f} ms per step"
 
 
+def host_syncs(run) -> collections.Counter:
+    """The calls that synchronize the host with the GPU while run() runs, counted by the innermost ferry frame
+    that made them (torch's sync debug mode warns at each one)."""
+    seen: collections.Counter = collections.Counter()
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack()[:-1] if "/ferry/" in f.filename]
+        where = f"{ours[-1].filename.split('/ferry/')[-1]}:{ours[-1].lineno} {ours[-1].line}" if ours else \
+            f"{filename}:{lineno}"
+        seen[where + f"  ({str(message)[:60]})"] += 1
+
+    with warnings.catch_warnings():  # restores the filters and showwarning after
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return seen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-ub", default="128,2048")
     ap.add_argument("-n", type=int, default=16, help="decode steps")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--syncs", action="store_true", help="list the host syncs of an eager prompt u-batch")
     a = ap.parse_args()
     _, backend, model, _ = open_model(a.model, 1, quiet=True, gpu=GpuOptions(999))
     vocab = model.args.n_vocab
@@ -57,6 +85,12 @@ def main() -> None:
             torch.cuda.synchronize()
         print(f"prompt u-batch of {ub} ({recorded}): {ms:.2f} ms wall, {ub / ms * 1e3:.0f} t/s")
         print(table(prof, a.top, 1))
+        if a.syncs:
+            eager.reset()
+            syncs = host_syncs(lambda: eager.decode(tokens))
+            print(f"  host syncs of one eager u-batch: {sum(syncs.values())}")
+            for where, count in syncs.most_common():
+                print(f"  {count:5d}  {where}")
     for graphs in (False, True):
         e = Engine(model, backend, n_ctx=2 * a.n + 70, n_batch=64, n_ubatch=64)
         e.executor = CudaExecutor(backend, graphs=graphs)
