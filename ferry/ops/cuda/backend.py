@@ -33,7 +33,7 @@ class CudaBackend:
             raise ValueError(f"unknown MoE strategy {moe!r}; valid: {', '.join(MOE_STRATEGIES)}")
         self.device = torch.device(device)
         self.moe_strategy = moe
-        self._raw: dict[int, torch.Tensor] = {}
+        self._raw: dict = {}  # id(weight or tensor) -> its GPU copy; half()'s under (id, torch.float16)
         self._fused: dict[tuple[int, ...], object] = {}  # ids of weights uploaded as one Split -> that Split
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
@@ -91,9 +91,10 @@ class CudaBackend:
     def half(self, t: torch.Tensor) -> torch.Tensor:
         """A float model tensor read by matmuls (deepseek2's k_b / v_b) on the GPU as float16 (once): half the memory
         of float32, the precision the prompt path's f16 cuBLAS gives every weight."""
-        v = self._raw.get(id(t))
+        key = (id(t), torch.float16)  # apart from vector()'s float32 copy of the same tensor
+        v = self._raw.get(key)
         if v is None:
-            v = self._raw[id(t)] = t.to(self.device, torch.float16).contiguous()
+            v = self._raw[key] = t.to(self.device, torch.float16).contiguous()
         return v
 
     def _expand(self, qtype, raw, ne: tuple[int, ...], dtype: torch.dtype, slot: int = 0) -> torch.Tensor:
