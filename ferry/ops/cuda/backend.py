@@ -305,25 +305,16 @@ def gpu_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
     return kernels.route(logits, n_used, norm_topk, 1.0 if routing is None else routing.scale, sigmoid, bias)
 
 
-_MM_DTYPE = [True]  # whether torch.mm takes out_dtype (torch >= 2.8 on CUDA)
-
-
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """_mm per batch entry: (batch, n, k) @ (batch, k, m) float32."""
-    if _MM_DTYPE[0]:
-        try:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):
-            pass
-    return torch.bmm(a, b).float()
+_OUT_DTYPE = {torch.mm: True, torch.bmm: True}  # whether each takes out_dtype (torch >= 2.8 on CUDA)
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """f16 / bf16 cuBLAS matmul with float32 accumulation and a float32 result (no rounding of the output to
-    16 bits where torch allows it)."""
-    if _MM_DTYPE[0]:
+    16 bits where torch allows it); 3-D operands: one product per batch entry."""
+    mm = torch.bmm if a.dim() == 3 else torch.mm
+    if _OUT_DTYPE[mm]:
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):
-            _MM_DTYPE[0] = False
-    return (a @ b).float()
+            return mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # NotImplementedError (no such kernel on this device) is a RuntimeError
+            _OUT_DTYPE[mm] = False
+    return mm(a, b).float()

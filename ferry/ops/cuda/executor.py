@@ -179,12 +179,12 @@ class CudaOps(TorchOps):
         """Through the float16 copy of w on the GPU (CudaBackend.half): a GEMV per head and token for few tokens,
         float32 throughout; f16 cuBLAS with float32 accumulation for many, as CudaBackend.linear multiplies."""
         from ferry.ops.cuda import kernels
-        from ferry.ops.cuda.backend import GEMV_MAX, _bmm
+        from ferry.ops.cuda.backend import GEMV_MAX, _mm
 
         w16 = self.backend.half(w)
         if x.shape[0] <= GEMV_MAX:
             return kernels.head_gemv(x, w16)
-        return _bmm(x.transpose(0, 1).to(torch.float16), w16.transpose(1, 2)).transpose(0, 1)
+        return _mm(x.transpose(0, 1).to(torch.float16), w16.transpose(1, 2)).transpose(0, 1)
 
     def expand_latents(self, latents: torch.Tensor, attn, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Through the float16 copies of k_b / v_b (CudaBackend.half), as head_linear: per-head GEMVs of each latent

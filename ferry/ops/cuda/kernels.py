@@ -595,14 +595,15 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Sp
     return sum_pairs(y, n_used, residual)
 
 
-def head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def head_gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Each head through its own matrix, for few tokens: x (n, heads, K) float32, w (heads, M, K) of any float type,
-    either a view of any strides: (n, heads, M) float32."""
+    either a view of any strides: (n, heads, M) float32. config: (rows per program, columns per step, warps)."""
     n, heads, k = x.shape
     m = w.shape[1]
     y = torch.empty(n, heads, m, dtype=torch.float32, device=x.device)
-    bm, bk = 32, min(128, triton.next_power_of_2(k))
-    _head_gemv[(triton.cdiv(m, bm), heads, n)](x, w, y, m, k, *x.stride(), *w.stride(), BM=bm, BK=bk)
+    bm, bk, warps = config or (32, min(128, triton.next_power_of_2(k)), 4)
+    _head_gemv[(triton.cdiv(m, bm), heads, n)](x, w, y, m, k, *x.stride(), *w.stride(), BM=bm, BK=bk,
+                                                num_warps=warps)
     return y
 
 
@@ -620,15 +621,9 @@ def gemv_float(w: torch.Tensor, x: torch.Tensor, config: tuple[int, int, int] | 
     """x (n, cols) float32 times a float32 / float16 matrix w (rows, cols) transposed, as one launch: (n, rows)
     float32 (a router: cuBLAS ran two kernels after a copy of the weight). config: (rows per program, columns per
     step, warps)."""
-    rows, cols = w.shape
-    x = x.float().contiguous()
-    y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
     # a router's row in one step: 8 steps of 4 rows took 6.5 us on an H200, (2, 2048, 8) 4.9
-    br, bk, warps = config or (2, min(2048, triton.next_power_of_2(cols)), 8)
-    w = w.contiguous()
-    _head_gemv[(triton.cdiv(rows, br), 1, x.shape[0])](x, w, y, rows, cols, cols, 0, 1, 0, cols, 1, BM=br, BK=bk,
-                                                        num_warps=warps)  # one head
-    return y
+    config = config or (2, min(2048, triton.next_power_of_2(w.shape[1])), 8)
+    return head_gemv(x.float()[:, None], w[None], config)[:, 0]  # one head
 
 
 def route(logits: torch.Tensor, n_used: int, norm: bool, scale: float, sigmoid: bool,
