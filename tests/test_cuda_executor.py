@@ -44,3 +44,25 @@ def test_a_new_prompt_shape_beyond_the_limit_drops_the_least_recently_replayed_o
     assert kept == sorted([sizes[0]] + sizes[2:] + [newcomer])  # sizes[1] was the least recent
     assert not _step(ex, sizes[1]) and _step(ex, sizes[1])  # it must run twice again to come back
     assert _step(ex, 1) and 1 in {k[2] for k in ex._captured}  # decode steps do not count against the limit
+
+
+def test_the_hybrid_backend_offers_every_backend_call_of_the_gpu_ops():
+    """CudaOps runs over a CudaBackend or, with experts in RAM, a HybridBackend: every `self.backend.X` the GPU
+    op set calls must exist on both (session 12's float16 k_b / v_b called half(), which HybridBackend lacked, and
+    only the GPU machine's hybrid deepseek2 tests saw it)."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    import ferry.ops.cuda.executor as executor
+    import ferry.ops.torch_ops as torch_ops
+    from ferry.ops.cuda.backend import CudaBackend
+    from ferry.ops.hybrid import HybridBackend
+
+    called = {name for module in (executor, torch_ops)
+              for name in re.findall(r"self\.backend\.(\w+)", Path(module.__file__).read_text())}
+    assert {"half", "vector", "moe", "linear"} <= called
+    for cls in (CudaBackend, HybridBackend):
+        assigned = set(re.findall(r"self\.(\w+) = ", inspect.getsource(cls)))  # instance attributes
+        missing = sorted(n for n in called if not hasattr(cls, n) and n not in assigned)
+        assert not missing, f"{cls.__name__} lacks {missing}"

@@ -128,6 +128,9 @@ class HybridBackend:
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         return self.gpu.vector(t)
 
+    def half(self, t: torch.Tensor) -> torch.Tensor:
+        return self.gpu.half(t)
+
     def synchronize(self) -> None:
         self.gpu.synchronize()
 
