@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -9,8 +10,8 @@ import torch
 from ferry.runtime.kv_cache import KVCache
 
 # prompt u-batches up to which the GPU replays recorded CUDA graphs (above, a capture costs more than it saves);
-# the memory plan counts their pool
-PROMPT_GRAPH_MAX = 1024
+# the memory plan counts their pool. FERRY_PROMPT_GRAPH_MAX sets another bound (for measuring it)
+PROMPT_GRAPH_MAX = int(os.environ.get("FERRY_PROMPT_GRAPH_MAX", 2048))
 
 
 @dataclass
@@ -57,14 +58,11 @@ class Batch:
         """Cache cells attended: up to the last one written."""
         return int(self.cells.max()) + 1 if self.seq is not None else self.start + self.n_tokens
 
-    @property
-    def experts_hit(self) -> list[int]:
-        """Per MoE layer, how many distinct experts this u-batch routed to."""
-        if not self.expert_ids:
-            return []
-        ids = torch.stack([i.long().cpu() for i in self.expert_ids]).flatten(1)  # layers may be on several GPUs
-        hit = torch.zeros(ids.shape[0], int(ids.max()) + 1).scatter_(1, ids, 1.0)
-        return hit.sum(1).int().tolist()
+    def routing_to_host(self) -> list[torch.Tensor]:
+        """This u-batch's routing per MoE layer, copied to the host without waiting for the GPU (pinned memory,
+        enqueued behind the forward): read it only after the GPU has finished (Engine.experts_hit does)."""
+        return [i.to("cpu", non_blocking=True) if i.is_cuda else i.clone() for i in self.expert_ids]
+
 
     def rope_angles(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of this batch's positions for a rope, computed once per batch instead of per layer."""
@@ -89,3 +87,12 @@ class Batch:
                 allowed &= (q - k) < window
             self._masks[window, n_kv] = allowed
         return self._masks[window, n_kv]
+
+
+def count_hits(expert_ids: list[torch.Tensor]) -> list[int]:
+    """Per MoE layer, how many distinct experts a u-batch's routing (n_tokens, n_expert_used) went to."""
+    if not expert_ids:
+        return []
+    ids = torch.stack([i.long() for i in expert_ids]).flatten(1)
+    hit = torch.zeros(ids.shape[0], int(ids.max()) + 1).scatter_(1, ids, 1.0)
+    return hit.sum(1).int().tolist()

@@ -13,7 +13,7 @@ from ferry.errors import FerryError
 from ferry.models.base import Model
 from ferry.ops.cpu_graph import CpuGraphExecutor
 from ferry.ops.torch_ops import EagerExecutor
-from ferry.runtime.context import Batch
+from ferry.runtime.context import Batch, count_hits
 from ferry.runtime.kv_cache import KVCache
 from ferry.runtime.sampling import Sampler
 
@@ -79,11 +79,24 @@ class Engine:
             layer_first = getattr(backend, "layer_first", False)
         self.layer_first = layer_first and hasattr(self.executor, "forward_layer_first")
         self.n_past = 0
-        self.experts_hit: list[list[int]] = []
+        self._hits: list[list[int]] = []
+        self._routing: list[list[torch.Tensor]] = []  # prompt u-batches' routing on its way to the host
 
     def reset(self) -> None:
         self.n_past = 0
         self.experts_hit.clear()
+
+    @property
+    def experts_hit(self) -> list[list[int]]:
+        """Per prompt u-batch since the last reset, per MoE layer: how many distinct experts it routed to. Reading
+        it waits for the GPU; the forward itself never does (a host sync per u-batch would drain the GPU's queue)."""
+        if self._routing:
+            if torch.cuda.is_initialized():
+                for d in range(torch.cuda.device_count()):
+                    torch.cuda.synchronize(d)
+            self._hits.extend(count_hits(ids) for ids in self._routing)
+            self._routing.clear()
+        return self._hits
 
     def truncate(self, n_past: int) -> None:
         """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them."""
@@ -125,10 +138,8 @@ class Engine:
         return torch.cat(outs) if all_logits else outs[-1]
 
     def _count_hits(self, batch: Batch) -> None:
-        if batch.n_tokens > 1:  # prompt u-batches (a generated token hits n_expert_used by definition)
-            hit = batch.experts_hit
-            if hit:
-                self.experts_hit.append(hit)
+        if batch.n_tokens > 1 and batch.expert_ids:  # prompts (a generated token hits n_expert_used by definition)
+            self._routing.append(batch.routing_to_host())
 
     @torch.inference_mode()
     def decode_sequences(self, tokens: list[int], seqs: list[int], positions: list[int], seq_len: int,
