@@ -63,7 +63,6 @@ class Batch:
         enqueued behind the forward): read it only after the GPU has finished (Engine.experts_hit does)."""
         return [i.to("cpu", non_blocking=True) if i.is_cuda else i.clone() for i in self.expert_ids]
 
-
     def rope_angles(self, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of this batch's positions for a rope, computed once per batch instead of per layer."""
         if rope not in self._angles:
