@@ -84,7 +84,8 @@ class Engine:
 
     def reset(self) -> None:
         self.n_past = 0
-        self.experts_hit.clear()
+        self._hits.clear()
+        self._routing.clear()  # not counted: nothing waits for the GPU to drop it
 
     @property
     def experts_hit(self) -> list[list[int]]:
