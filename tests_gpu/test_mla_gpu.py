@@ -11,6 +11,7 @@ from conftest import kl_top1
 from ferry.cli import GpuOptions, main, open_model
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
+from ferry.ops.cuda import executor
 from ferry.ops.cuda.backend import CudaBackend
 from ferry.ops.cuda.executor import CudaExecutor
 from ferry.runtime.engine import Engine
@@ -42,16 +43,19 @@ def _run(engine, tokens):
                      [engine.decode([t]) for t in tokens[N_PROMPT:]])
 
 
-@pytest.mark.parametrize("mla", [0, 1, 3])
-@pytest.mark.parametrize("ubatch", [512, 64])  # mode 3: expanded (300 tokens >= 171), absorbed (64 < 171)
+@pytest.mark.parametrize("mla,cells", [(0, None), (1, None), (3, None), (3, 0)])  # mode 3 as measured (300
+# cells: absorbed at both u-batches), and with the crossover moved to 0 cells so that its prompts expand
+@pytest.mark.parametrize("ubatch", [512, 64])
 @pytest.mark.parametrize("ctk", ["f16", "q8_0"])
-def test_all_gpu_matches_the_cpu(lite, mla, ubatch, ctk):
+def test_all_gpu_matches_the_cpu(lite, monkeypatch, mla, cells, ubatch, ctk):
     path, tokens, want = lite
+    if cells is not None:
+        monkeypatch.setattr(executor, "MLA_EXPAND_CELLS", cells)
     model = load_model(GGUFFile(path), mla=mla)
     engine = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=ubatch, type_k=ctk, type_v=ctk)
     if mla:
         assert engine.kv.v_in_k and engine.kv.n_bytes == 512 * 4 * {"f16": 2 * 576, "q8_0": 576 // 32 * 34}[ctk]
-    _check(want, _run(engine, tokens), f"GPU -mla {mla} ub {ubatch} {ctk}")
+    _check(want, _run(engine, tokens), f"GPU -mla {mla} ub {ubatch} {ctk} expand-cells {cells}")
 
 
 @pytest.mark.parametrize("mla", [1, 3])
@@ -76,18 +80,23 @@ def test_experts_in_ram_match_the_cpu(lite, policy, ubatch):
            f"-ot exps=CPU {policy} -mla 3 ub {ubatch}")
 
 
-def test_amb_splits_heads_on_the_gpu(lite):
+def test_amb_splits_heads_on_the_gpu(lite, monkeypatch):
     path, tokens, want = lite
+    monkeypatch.setattr(executor, "MLA_EXPAND_CELLS", 0)  # -amb bounds the expanded form only
     model = load_model(GGUFFile(path), mla=3, max_batch_mib=1)  # 6 * 300 * 320 bytes per head: 1 head at a time
     assert model.latent_layers()[0].heads_at_once(300) == 1
     _check(want, _run(Engine(model, CudaBackend(), n_ctx=512, n_ubatch=512), tokens), "GPU -mla 3 -amb 1")
 
 
 @pytest.mark.parametrize("mla,where", [(0, "GPU"), (1, "GPU"), (3, "GPU"), (3, "all=off"), (3, "all=on")])
-def test_prompt_graphs_equal_eager_prompts(lite, mla, where):
-    """u-batches of 200 tokens (mode 3 expands them: 200 >= 171) replayed as graphs cut at the cache-sized work
-    give the bits of eager ones, all on the GPU and with the experts in RAM (graphs between host steps)."""
+def test_prompt_graphs_equal_eager_prompts(lite, monkeypatch, mla, where):
+    """u-batches of 200 tokens replayed as graphs cut at the cache-sized work give the bits of eager ones, all on
+    the GPU and with the experts in RAM (graphs between host steps). Mode 3's crossover is moved so that one
+    recorded shape runs both forms: absorbed over 200 and 400 cells (the first run, eager, then the first replay),
+    expanded over 600 (the second replay): n_kv + 4 * 200 against 1300."""
     path, tokens, _ = lite
+    monkeypatch.setattr(executor, "MLA_EXPAND_CELLS", 1300)
+    assert executor.MLA_TOKEN_WEIGHT == 4
     out = []
     for graphs in (True, False):
         if where == "GPU":

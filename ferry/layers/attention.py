@@ -65,8 +65,9 @@ class LatentAttention:
     attention runs absorbed: each head's query is taken into latent space through its slice of kv_b (k_b), every
     head attends to the one shared latent row, and its output leaves latent space through v_b. 1 and 2 always do
     so (ferry keeps one copy of the latent, so the two are the same); 3 instead expands the cached latents through
-    kv_b for u-batches of at least `expand_from` tokens, where that costs fewer operations (prompts), and runs
-    absorbed below (generation)."""
+    kv_b for prompt u-batches where that is faster, and runs absorbed otherwise (generation): ops.mla3 picks the
+    form, on the CPU from the multiply-add count (`expand_from`), on the GPU per run from the u-batch size and the
+    cache length (CudaOps.mla3)."""
 
     layer: int
     wq: Weight | None
@@ -127,19 +128,32 @@ class LatentAttention:
             q, k = ops.concat(q_nope, q_pe), ops.concat(k_nope, ops.expand_heads(k_pe, h))
             return ops.linear(ops.attention(self.layer, q, k, v, self.scale, 0), self.wo)
         row = ops.concat(ops.heads(latent, 1, lora), k_pe)  # what is cached: (n, 1, lora + rope)
-        if self.mla == 3 and ops.n_tokens >= self.expand_from:
-            q = ops.concat(q_nope, q_pe)
-            out = ops.cache_sized(lambda q, row: self._expanded(ops, q, row), (q, row),
-                                  (ops.n_tokens, h * self.head_dim_v))
-            return ops.linear(out, self.wo)
-        q = ops.concat(ops.head_linear(q_nope, self.k_b), q_pe)  # (n, h, lora + rope)
-        out = ops.heads(ops.attention(self.layer, q, row, None, self.scale, 0), h, lora)
-        return ops.linear(ops.merge_heads(ops.head_linear(out, self.v_b)), self.wo)
+        if self.mla == 3:  # the op set picks the form (TorchOps.mla3: by u-batch size; CudaOps.mla3: by measurement)
+            return ops.linear(ops.mla3(self, q_nope, q_pe, row), self.wo)
+        return ops.linear(self.absorbed(ops, q_nope, q_pe, row), self.wo)
 
-    def _expanded(self, ops, q, row):
+    def by_size(self, ops, q_nope, q_pe, row):
+        """Mode 3 by the multiply-add count: expanded for u-batches of at least expand_from tokens, else absorbed."""
+        form = self.expanded if ops.n_tokens >= self.expand_from else self.absorbed
+        return form(ops, q_nope, q_pe, row)
+
+    def absorbed(self, ops, q_nope, q_pe, row):
+        """Attention in latent space: each head's query taken in through k_b, this batch's rows into the cache, every
+        head against the one cached latent row, each head's output out through v_b: (n, heads * v)."""
+        q = ops.concat(ops.head_linear(q_nope, self.k_b), q_pe)  # (n, h, lora + rope)
+        out = ops.heads(ops.attention(self.layer, q, row, None, self.scale, 0), self.n_head, self.kv_lora_rank)
+        return ops.merge_heads(ops.head_linear(out, self.v_b))
+
+    def expanded(self, ops, q_nope, q_pe, row):
         """Mode 3's prompt form: this batch's rows into the cache, every cached latent expanded through kv_b (a
-        group of heads at a time under -amb), attention as usual: (n, heads * v)."""
+        group of heads at a time under -amb), attention as usual: (n, heads * v). Its work grows with the cache
+        length: on the GPU it runs between recorded graphs (ops.cache_sized)."""
+        return ops.cache_sized(lambda *a: self._expanded(ops, *a), (q_nope, q_pe, row),
+                               (ops.n_tokens, self.n_head * self.head_dim_v))
+
+    def _expanded(self, ops, q_nope, q_pe, row):
         lora, rot, h = self.kv_lora_rank, self.head_dim_rope, self.n_head
+        q = ops.concat(q_nope, q_pe)
         latents, k_pe = ops.split(ops.cached_rows(self.layer, row), [lora, rot])  # every cached position
         k_pe = ops.heads(k_pe, 1, rot)
         group = self.heads_at_once(ops.n_kv)

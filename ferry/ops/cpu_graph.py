@@ -190,6 +190,10 @@ class GraphOps:
         """fn(*inputs): a graph per cache length holds it (per_length)."""
         return fn(*inputs)
 
+    def mla3(self, attn, q_nope, q_pe, row):
+        """-mla 3 by u-batch size (LatentAttention.by_size): the form is fixed when the graph is built."""
+        return attn.by_size(self, q_nope, q_pe, row)
+
     def attend(self, q, k, v, scale: float):
         """q (d, heads, n) to keys and values of every cached position (d, heads, n_kv) given here, under the
         causal mask: (d_v * heads, n). Keys and values go in as f16, as a cache would hold them (f32 under an f32

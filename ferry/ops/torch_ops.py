@@ -143,6 +143,10 @@ class TorchOps:
         """fn(*inputs): work whose shapes depend on the cache length (a recorded GPU step runs it between graphs)."""
         return fn(*inputs)
 
+    def mla3(self, attn, q_nope, q_pe, row):
+        """-mla 3's attention for this u-batch, by its size (LatentAttention.by_size): not measured on the CPU."""
+        return attn.by_size(self, q_nope, q_pe, row)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of q (n, heads, d) to keys and values of every cached position given here (n_kv, heads, d),
         under this batch's causal mask: (n, heads * d_v)."""

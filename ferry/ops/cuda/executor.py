@@ -21,6 +21,12 @@ from ferry.runtime.kv_cache import TORCH_TYPES
 
 DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
 PROMPT_GRAPHS_KEPT = 8  # prompt shapes recorded at once
+# -mla 3 on the GPU: a prompt u-batch of n tokens over n_kv cached cells (its own included) runs expanded when
+# n_kv + MLA_TOKEN_WEIGHT * n >= MLA_EXPAND_CELLS, else absorbed. Fitted to session 13's H100 measurement on
+# V2-Lite's shapes (benchmarks/mla_crossover.py, docs/performance.md): absorbing won over short caches at every
+# u-batch to 512, expanding over 4096 cells and more from 16 tokens on, and from about 1.5k cells at 512 tokens
+MLA_EXPAND_CELLS = 4096
+MLA_TOKEN_WEIGHT = 4
 
 
 class CudaOps(TorchOps):
@@ -201,6 +207,20 @@ class CudaOps(TorchOps):
         k = _mm(x, k_b.permute(1, 0, 2).reshape(lora, -1))  # (lora, count * nope)
         v = _mm(x, v_b.permute(2, 0, 1).reshape(lora, -1))  # (lora, count * v)
         return k.view(rows, count, -1), v.view(rows, count, -1)
+
+    def mla3(self, attn, q_nope, q_pe, row) -> torch.Tensor:
+        """-mla 3: decode steps absorbed (the decode kernel); a prompt u-batch in the form measured faster for its
+        size and the cache length (MLA_EXPAND_CELLS), decided at each run: a recorded prompt graph serves every
+        cache length, so the whole latent attention runs between graphs."""
+        n = self.n_tokens
+        if n <= DECODE_MAX:
+            return attn.absorbed(self, q_nope, q_pe, row)
+
+        def faster(q_nope, q_pe, row):
+            expand = self.batch.n_kv + MLA_TOKEN_WEIGHT * n >= MLA_EXPAND_CELLS
+            return (attn.expanded if expand else attn.absorbed)(self, q_nope, q_pe, row)
+
+        return self.cache_sized(faster, (q_nope, q_pe, row), (n, attn.n_head * attn.head_dim_v))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         return self._sdpa_f16(q, k, v, scale, 0)
