@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ferry.errors import FerryError
 
 # a dense matmul on a CPU weight; the routed experts (both halves, unless one is named); their two halves
@@ -38,18 +40,17 @@ class Calibration:
     # experts slow each other (H100 machine: copy 4.3 ms, ggml 6.7 ms, both 9.9 ms; benchmarks/profile_hybrid.py)
     overlap: float = 0.73
 
-    def cpu_expert_s(self, expert_bytes: float, tokens: int, flops_per_token: float) -> float:
-        """One expert's weights times `tokens` tokens by ggml: from the measured table where there is one."""
+    def cpu_expert_s(self, expert_bytes: float, tokens, flops_per_token: float):
+        """One expert's weights times `tokens` tokens by ggml, from the measured table where there is one; tokens
+        may be an array (each expert's count), and so is the result then."""
+        t = np.asarray(tokens, dtype=np.float64)
         if not self.cpu_moe:
-            return max(expert_bytes / self.cpu_bytes_per_s, tokens * flops_per_token / self.cpu_flops)
-        pts = self.cpu_moe
-        if tokens <= pts[0][0]:
-            return expert_bytes * pts[0][1]
-        for (c0, s0), (c1, s1) in zip(pts, pts[1:]):
-            if tokens <= c1:
-                return expert_bytes * (s0 + (s1 - s0) * (tokens - c0) / (c1 - c0))
-        c, s_ = pts[-1]
-        return expert_bytes * s_ * tokens / c  # beyond the table: compute-bound, linear in tokens
+            s = np.maximum(expert_bytes / self.cpu_bytes_per_s, t * flops_per_token / self.cpu_flops)
+        else:
+            c, per = np.array(self.cpu_moe, dtype=np.float64).T
+            # below the table its first point, inside it interpolated, beyond it compute-bound: linear in tokens
+            s = expert_bytes * np.where(t > c[-1], per[-1] * t / c[-1], np.interp(t, c, per))
+        return s if np.ndim(tokens) else float(s)
 
 
 # launches' worth of host time a MoE layer's GPU side adds (staging, the expert kernels, the sum): 1.1 ms beyond its
@@ -149,22 +150,21 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     each side's time (a GPU expert costs its copy and its compute, a CPU expert the larger of reading its weights
     and its FLOPs) and takes the split by token count (hottest first to the GPU) predicted fastest: the slower side,
     plus what overlapping does not hide of the faster one."""
-    hit = sorted((e for e, c in enumerate(counts) if c), key=lambda e: (-counts[e], e))
-    n_tokens = sum(counts) // max(n_expert_used, 1)
-
-    def cpu_s(e: int) -> float:
-        return calib.cpu_expert_s(expert_bytes, counts[e], flops_per_token)
-
-    def gpu_s(e: int) -> float:
-        return (calib.h2d_latency_s + expert_bytes / calib.h2d_bytes_per_s
-                + max(expert_bytes / calib.gpu_bytes_per_s, counts[e] * flops_per_token / calib.gpu_flops))
-
+    tokens = np.asarray(counts, dtype=np.int64)
+    order = np.lexsort((np.arange(len(tokens)), -tokens))  # hottest first, ties by id
+    hit = order[tokens[order] > 0]
+    n_tokens = int(tokens.sum()) // max(n_expert_used, 1)
+    hot = tokens[hit]
+    # each expert's cost, hottest first (numpy: a layer of 128 experts decides in tens of microseconds, per layer)
+    on_cpu = calib.cpu_expert_s(expert_bytes, hot, flops_per_token)
+    on_gpu = (calib.h2d_latency_s + expert_bytes / calib.h2d_bytes_per_s
+              + np.maximum(expert_bytes / calib.gpu_bytes_per_s, hot * flops_per_token / calib.gpu_flops))
     gpu_fixed = GPU_SIDE_LAUNCHES * calib.launch_s
-    on_cpu, on_gpu = [cpu_s(e) for e in hit], [gpu_s(e) for e in hit]  # each expert's cost, hottest first
 
     def split(n_gpu: int, why: str) -> ExpertSplit:
-        return ExpertSplit(tuple(sorted(hit[:n_gpu])), tuple(sorted(hit[n_gpu:])),
-                           sum(on_gpu[:n_gpu]) + (gpu_fixed if n_gpu else 0.0), sum(on_cpu[n_gpu:]), why)
+        return ExpertSplit(tuple(sorted(hit[:n_gpu].tolist())), tuple(sorted(hit[n_gpu:].tolist())),
+                           float(on_gpu[:n_gpu].sum()) + (gpu_fixed if n_gpu else 0.0), float(on_cpu[n_gpu:].sum()),
+                           why)
 
     ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
     if ug != "auto" or down != "auto":
@@ -176,16 +176,11 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
         need = policy.min_batch * len(counts) / max(n_expert_used, 1)
         on = n_tokens >= need
         return split(len(hit) if on else 0, f"threshold: batch {n_tokens} {'>=' if on else '<'} {need:g}")
-    def both(g: float, c: float) -> float:
-        return max(g, c) + calib.overlap * min(g, c)
-
-    gpu_total, cpu_total = gpu_fixed, sum(on_cpu)
-    best, best_s = 0, cpu_total
-    for i in range(len(hit)):  # move the hottest remaining expert to the GPU
-        gpu_total += on_gpu[i]
-        cpu_total -= on_cpu[i]
-        if both(gpu_total, cpu_total) < best_s:
-            best, best_s = i + 1, both(gpu_total, cpu_total)
+    # the hottest i experts on the GPU, for each i: the slower side, plus what overlapping does not hide of the other
+    gpu_total = gpu_fixed + np.cumsum(on_gpu)
+    cpu_total = on_cpu.sum() - np.cumsum(on_cpu)
+    both = np.maximum(gpu_total, cpu_total) + calib.overlap * np.minimum(gpu_total, cpu_total)
+    best = int(np.argmin(np.concatenate([[on_cpu.sum()], both])))  # the first of equals: fewest experts moved
     s = split(best, "")
     return ExpertSplit(s.gpu, s.cpu, s.gpu_s, s.cpu_s, f"auto: {len(s.gpu)} of {len(hit)} experts hit to the GPU, "
                                                        f"predicted GPU {1e3 * s.gpu_s:.3f} ms, CPU {1e3 * s.cpu_s:.3f} ms")

@@ -1,5 +1,6 @@
 """The offload policy as a pure function of a machine's calibration: made-up machines, known choices."""
 
+import numpy as np
 import pytest
 
 from ferry.errors import FerryError
@@ -144,6 +145,13 @@ def test_the_measured_expert_table_replaces_the_two_number_cpu_model():
     assert MEASURED.cpu_expert_s(1e6, 1, EXPERT_FLOPS) == pytest.approx(1e6 / 54e9)
     assert MEASURED.cpu_expert_s(1e6, 10, EXPERT_FLOPS) == pytest.approx(1e6 * (1 / 25e9 + (1 / 8e9 - 1 / 25e9) * 0.5))
     assert MEASURED.cpu_expert_s(1e6, 128, EXPERT_FLOPS) == pytest.approx(2 * 1e6 / 2.2e9)  # linear beyond
+    # a layer's experts at once (split_experts): each one as the single-expert answer above
+    counts = [0, 1, 3, 10, 64, 100, 128]
+    table = MEASURED.cpu_expert_s(1e6, np.array(counts), EXPERT_FLOPS)
+    assert table == pytest.approx([MEASURED.cpu_expert_s(1e6, c, EXPERT_FLOPS) for c in counts], rel=1e-12)
+    model = Calibration(**{**MEASURED.__dict__, "cpu_moe": ()})  # no table: the larger of reading and computing
+    assert model.cpu_expert_s(1e6, np.array([1, 500]), EXPERT_FLOPS) == pytest.approx(
+        [max(1e6 / 54e9, EXPERT_FLOPS / 0.4e12), 500 * EXPERT_FLOPS / 0.4e12])
 
 
 def test_a_cpu_slow_at_batched_experts_keeps_fewer_of_them_at_u_batch_128():
