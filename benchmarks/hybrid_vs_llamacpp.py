@@ -35,7 +35,10 @@ def name(p: int, n: int, ub: int) -> str:
 
 
 def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str], skip_slow_cpu: bool,
-                ubatch_first: list[str]) -> dict:
+                ubatch_first: list[str], interleave: bool = False) -> dict:
+    """Every config's runs of each test, one after another; interleave: one run (after its own warm-up) of each
+    config in turn, reps times over, so that a drift of the machine's speed during a test spreads over every config
+    (for telling apart configs that do the same work)."""
     from ferry.cli import GpuOptions, open_model
     from ferry.policy import Explorer, parse_policy
     from ferry.tools.bench import measure
@@ -50,24 +53,31 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
     configs = [(p, p) for p in policies] + [(p, f"{p} ubatch-first") for p in ubatch_first]
     explorers = {label: Explorer() for _, label in configs}  # each auto run measures for itself, once
     for p, n, ub in cases:  # each test's runs side by side in time: no policy gains from running later
-        for policy, label in configs:
-            backend.policy = parse_policy(policy)
-            backend.explorer = explorers[label]
-            backend.layer_first = layer_first and not label.endswith("ubatch-first")  # read by each Engine
-            if skip_slow_cpu and policy == "all=off" and p > 512:
-                continue  # every expert by the CPU at 4096 tokens: minutes, and never the best
-            if label != policy and not p:
-                continue  # generation has one token per batch: no order to choose
-            copied = backend.streamer.bytes_copied
-            samples, hit = measure(model, backend, p, n, p or 512, ub, reps)
-            avg = sum(samples) / len(samples)
-            per_run = (backend.streamer.bytes_copied - copied) / (reps + 1)  # the warm-up run and the timed ones
-            row = {"samples_ts": samples, "avg_ts": avg,
-                   "stddev_ts": (sum((s - avg) ** 2 for s in samples) / max(len(samples) - 1, 1)) ** 0.5,
+        runs = [(policy, label) for policy, label in configs
+                if not (skip_slow_cpu and policy == "all=off" and p > 512)  # every expert by the CPU at 4096 tokens
+                and not (label != policy and not p)]  # generation has one token per batch: no order to choose
+        samples: dict[str, list[float]] = {label: [] for _, label in runs}
+        copied: dict[str, int] = dict.fromkeys(samples, 0)
+        hits: dict[str, list[int]] = {}
+        for _ in range(reps if interleave else 1):
+            for policy, label in runs:
+                backend.policy = parse_policy(policy)
+                backend.explorer = explorers[label]
+                backend.layer_first = layer_first and not label.endswith("ubatch-first")  # read by each Engine
+                before = backend.streamer.bytes_copied
+                got, hits[label] = measure(model, backend, p, n, p or 512, ub, 1 if interleave else reps)
+                samples[label] += got
+                copied[label] += backend.streamer.bytes_copied - before
+        for policy, label in runs:
+            got, hit = samples[label], hits[label]
+            avg = sum(got) / len(got)
+            per_run = copied[label] / (2 * reps if interleave else reps + 1)  # the warm-up runs and the timed ones
+            row = {"samples_ts": got, "avg_ts": avg,
+                   "stddev_ts": (sum((s - avg) ** 2 for s in got) / max(len(got) - 1, 1)) ** 0.5,
                    "experts_hit": hit, "copied_gb_per_run": per_run / 1e9,
                    "copied_gb_per_s": per_run * avg / (p + n) / 1e9,  # over the whole run, at its mean speed
-                   "auto_choices": {size: (backend.explorer.chosen.get(size), {k: min(v) * 1e3 for k, v in t.items() if v})
-                                    for size, t in backend.explorer.trials.items()} if policy == "auto" else {}}
+                   "auto_choices": {size: (explorers[label].chosen.get(size), {k: min(v) * 1e3 for k, v in t.items() if v})
+                                    for size, t in explorers[label].trials.items()} if policy == "auto" else {}}
             out.setdefault(name(p, n, ub), {})[label] = row
             print(f"ferry {label:9s} {name(p, n, ub):14s} {avg:9.2f} t/s  hit {min(hit) if hit else ''}-"
                   f"{max(hit) if hit else ''}  copied {row['copied_gb_per_run']:.1f} GB/run "
@@ -108,6 +118,8 @@ def main() -> None:
     ap.add_argument("--ubatch-first-policies", default="auto", help="policies also measured u-batch by u-batch "
                     "(','-separated; empty: none)")
     ap.add_argument("--all-cpu-big", action="store_true", help="also time all=off at the big prompt (slow)")
+    ap.add_argument("--interleave", action="store_true", help="run the configs in turn, one run each, -r times over "
+                    "(each run after its own warm-up): for comparing configs that do the same work")
     ap.add_argument("--out", default="hybrid_vs_llamacpp.json")
     a = ap.parse_args()
     path = Path(a.model)
@@ -115,7 +127,7 @@ def main() -> None:
                   [int(v) for v in a.ub_small.split(",") if v], a.n)
     policies = a.policies.split(";") if ";" in a.policies else a.policies.split(",")
     ubatch_first = [p for p in a.ubatch_first_policies.split(",") if p]
-    fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big, ubatch_first)
+    fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big, ubatch_first, a.interleave)
     policies += [f"{p} ubatch-first" for p in ubatch_first]
     Path(a.out).with_suffix(".ferry.json").write_text(json.dumps(fe, indent=1))  # kept if llama.cpp's part fails
     if a.llama_bench_from:
