@@ -54,6 +54,16 @@ class Attention:
         return ops.attention(self.layer, q, k, v, self.scale, self.window)
 
 
+def expand_from(lora: int, nope: int, v: int) -> int:
+    """Tokens per u-batch from which expanding the cache costs fewer multiply-adds than absorbing (mode 3 on the
+    CPU): per head, absorbing costs n * lora * (nope + v) for the query and output projections and n * n_kv *
+    (2 lora + rope) in attention; expanding costs n_kv * lora * (nope + v) and n * n_kv * (nope + rope + v). For a
+    long cache (n_kv >> n) expanding wins once n * (2 lora - nope - v) > lora * (nope + v): from 171 tokens on for
+    DeepSeek's shapes."""
+    saved = 2 * lora - nope - v
+    return 1 if saved <= 0 else -(-lora * (nope + v) // saved)
+
+
 @dataclass
 class LatentAttention:
     """DeepSeek's multi-head latent attention (MLA): queries (through a low-rank q_a / norm / q_b when q_lora_rank
@@ -100,14 +110,7 @@ class LatentAttention:
 
     @property
     def expand_from(self) -> int:
-        """Tokens per u-batch from which expanding the cache costs fewer multiply-adds than absorbing: per head,
-        absorbing costs n * lora * (nope + v) for the query and output projections and n * n_kv * (2 lora + rope)
-        in attention; expanding costs n_kv * lora * (nope + v) and n * n_kv * (nope + rope + v). For a long cache
-        (n_kv >> n) expanding wins once n * (2 lora - nope - v) > lora * (nope + v): from 171 tokens on for
-        DeepSeek's shapes."""
-        lora, nope, v = self.kv_lora_rank, self.head_dim_nope, self.head_dim_v
-        saved = 2 * lora - nope - v
-        return 1 if saved <= 0 else -(-lora * (nope + v) // saved)
+        return expand_from(self.kv_lora_rank, self.head_dim_nope, self.head_dim_v)
 
     def __call__(self, ops, x, norm: torch.Tensor | None = None, eps: float = 0.0):
         """As Attention's: the output for x, or for RMSNorm(x) * norm when norm is given."""

@@ -24,7 +24,8 @@ PROMPT_GRAPHS_KEPT = 8  # prompt shapes recorded at once
 # -mla 3 on the GPU: a prompt u-batch of n tokens over n_kv cached cells (its own included) runs expanded when
 # n_kv + MLA_TOKEN_WEIGHT * n >= MLA_EXPAND_CELLS, else absorbed. Fitted to session 13's H100 measurement on
 # V2-Lite's shapes (benchmarks/mla_crossover.py, docs/performance.md): absorbing won over short caches at every
-# u-batch to 512, expanding over 4096 cells and more from 16 tokens on, and from about 1.5k cells at 512 tokens
+# u-batch to 512, expanding over 4096 cells and more from 16 tokens on, and from about 1.5k cells at 512 tokens.
+# Session 14's grid agreed from 4096 cells on and at 0, and was noisy at 1024 (docs/decisions.md, MLA)
 MLA_EXPAND_CELLS = 4096
 MLA_TOKEN_WEIGHT = 4
 
