@@ -25,3 +25,27 @@ def llamacpp_tree():
     from benchmarks.llamacpp import converter
 
     return converter()
+
+
+_CHILDREN: list = []  # (process, log) started for a waiting test
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected
+def pytest_collection_modifyitems(config, items):
+    """The interpreted GPU tests' child (tests/test_kernels_interpreted.py) starts now when its test is selected,
+    so that its minutes on one core pass beside the rest of the suite; its test runs last and waits for it."""
+    waiting = [i for i in items if i.module.__name__.endswith("test_kernels_interpreted")]
+    if waiting:
+        items[:] = [i for i in items if i not in waiting] + waiting
+        module = waiting[0].module
+        config.stash[module.CHILD] = module.start()
+        _CHILDREN.append(config.stash[module.CHILD])
+
+
+def pytest_unconfigure(config):
+    """A session that ends before the waiting test (-x, Ctrl-C) leaves no child behind."""
+    for child, log in _CHILDREN:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        log.unlink(missing_ok=True)
