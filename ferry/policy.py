@@ -37,7 +37,8 @@ class Calibration:
     cpu_moe: tuple[tuple[float, float], ...] = ()
     launch_s: float = 0.0  # one GPU kernel launch from Python: the GPU side of a split MoE costs a few dozen
     # the share of the shorter side's time that running both sides at once does not hide: PCIe copies and ggml's
-    # experts slow each other (H100 machine: copy 4.3 ms, ggml 6.7 ms, both 9.9 ms; benchmarks/profile_hybrid.py)
+    # experts slow each other (H100 machine: copy 4.3 ms, ggml 6.7 ms, both 9.9 ms; benchmarks/profile_hybrid.py;
+    # 0.55 in session 14). Not calibrated: a copy and ggml alone overlap almost fully (docs/decisions.md)
     overlap: float = 0.73
 
     def cpu_expert_s(self, expert_bytes: float, tokens, flops_per_token: float):
