@@ -76,7 +76,7 @@ def main() -> None:
             absorbed = _timed(model, backend, tokens, d, n, False, a.r)
             expanded = _timed(model, backend, tokens, d, n, True, a.r)
             if gpu:
-                expands = n > executor.DECODE_MAX and d + n + executor.MLA_TOKEN_WEIGHT * n >= _CELLS
+                expands = executor.mla_expands(n, d + n)
             else:
                 expands = n >= attn.expand_from
             picked = expanded if expands else absorbed

@@ -30,6 +30,11 @@ MLA_EXPAND_CELLS = 4096
 MLA_TOKEN_WEIGHT = 4
 
 
+def mla_expands(n_tokens: int, n_kv: int) -> bool:
+    """Whether -mla 3 runs a u-batch of n_tokens over n_kv cells expanded on the GPU (decode steps never do)."""
+    return n_tokens > DECODE_MAX and n_kv + MLA_TOKEN_WEIGHT * n_tokens >= MLA_EXPAND_CELLS
+
+
 class CudaOps(TorchOps):
     """One forward's ops on the GPU: `pos` / `cells` (n,) int64 on the GPU; tables: Rope -> (cos, sin) of every
     cache position."""
@@ -211,15 +216,14 @@ class CudaOps(TorchOps):
 
     def mla3(self, attn, q_nope, q_pe, row) -> torch.Tensor:
         """-mla 3: decode steps absorbed (the decode kernel); a prompt u-batch in the form measured faster for its
-        size and the cache length (MLA_EXPAND_CELLS), decided at each run: a recorded prompt graph serves every
+        size and the cache length (mla_expands), decided at each run: a recorded prompt graph serves every
         cache length, so the whole latent attention runs between graphs."""
         n = self.n_tokens
         if n <= DECODE_MAX:
             return attn.absorbed(self, q_nope, q_pe, row)
 
         def faster(q_nope, q_pe, row):
-            expand = self.batch.n_kv + MLA_TOKEN_WEIGHT * n >= MLA_EXPAND_CELLS
-            return (attn.expanded if expand else attn.absorbed)(self, q_nope, q_pe, row)
+            return (attn.expanded if mla_expands(n, self.batch.n_kv) else attn.absorbed)(self, q_nope, q_pe, row)
 
         return self.cache_sized(faster, (q_nope, q_pe, row), (n, attn.n_head * attn.head_dim_v))
 
