@@ -15,14 +15,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 1500
-CHILD = pytest.StashKey[tuple]()  # the running child and its log, set by tests/conftest.py
+CHILD = pytest.StashKey[tuple]()  # the running child and its log (start()), set by tests/conftest.py
 
 
 def start() -> tuple[subprocess.Popen, Path]:
     """The child pytest, running; its output goes to a file (a pipe nobody reads until the end could fill)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    log = Path(tempfile.mkstemp(prefix="ferry-interpreted-", suffix=".log")[1])
-    with open(log, "w") as out:
+    fd, name = tempfile.mkstemp(prefix="ferry-interpreted-", suffix=".log")
+    log = Path(name)
+    with os.fdopen(fd, "w") as out:
         child = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                   "tests_gpu/test_kernels.py", "tests_gpu/test_decode_forward.py"],
                                  cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -30,14 +31,9 @@ def start() -> tuple[subprocess.Popen, Path]:
 
 
 def test_the_triton_kernels_and_the_gpu_decode_forward_pass_under_the_interpreter(request):
-    child, log = request.config.stash.get(CHILD, None) or start()
-    try:
-        child.wait(timeout=TIMEOUT_S)
-    finally:
-        if child.poll() is None:
-            child.kill()
+    child, log = request.config.stash[CHILD]  # started at collection; tests/conftest.py kills it and removes its log
+    child.wait(timeout=TIMEOUT_S)
     text = log.read_text()
-    log.unlink()
     summary = text.strip().splitlines()[-1] if text.strip() else ""
     print(summary)
     assert child.returncode == 0, text[-6000:]
