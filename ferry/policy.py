@@ -142,15 +142,25 @@ class ExpertSplit:
     gpu_s: float
     cpu_s: float
     why: str
+    # "up_gate" or "down": that half of every expert hit runs on the GPU and the other half on the CPU, one after
+    # the other (moe_up_gate and moe_down set apart); "" when the experts move whole
+    halves: str = ""
+
+    @property
+    def predicted_s(self) -> float:
+        """Both sides at once for a split (their overlap's cost aside); one after the other for halves."""
+        return self.gpu_s + self.cpu_s if self.halves else max(self.gpu_s, self.cpu_s)
 
 
 def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float, calib: Calibration,
-                  policy: Policy, n_expert_used: int) -> ExpertSplit:
+                  policy: Policy, n_expert_used: int, up_gate_share: float = 2 / 3) -> ExpertSplit:
     """counts[e]: tokens of the u-batch routed to expert e; expert_bytes: its gate+up+down weights;
-    flops_per_token: its work per token. `on` / `off` / threshold move every expert hit one way; auto predicts
-    each side's time (a GPU expert costs its copy and its compute, a CPU expert the larger of reading its weights
-    and its FLOPs) and takes the split by token count (hottest first to the GPU) predicted fastest: the slower side,
-    plus what overlapping does not hide of the faster one."""
+    flops_per_token: its work per token; up_gate_share: the gate and up projections' part of both (2/3 when the
+    three share a quant type). `on` / `off` / threshold move every expert hit one way; auto predicts each side's
+    time (a GPU expert costs its copy and its compute, a CPU expert the larger of reading its weights and its
+    FLOPs) and takes the split by token count (hottest first to the GPU) predicted fastest: the slower side, plus
+    what overlapping does not hide of the faster one. moe_up_gate and moe_down set apart run each expert's halves
+    on different sides (_halves)."""
     tokens = np.asarray(counts, dtype=np.int64)
     order = np.lexsort((np.arange(len(tokens)), -tokens))  # hottest first, ties by id
     hit = order[tokens[order] > 0]
@@ -167,16 +177,16 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
                            float(on_gpu[:n_gpu].sum()) + (gpu_fixed if n_gpu else 0.0), float(on_cpu[n_gpu:].sum()),
                            why)
 
+    need = policy.min_batch * len(counts) / max(n_expert_used, 1)
+    threshold = f"threshold: batch {n_tokens} {'>=' if n_tokens >= need else '<'} {need:g}"
     ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
-    if ug != "auto" or down != "auto":
-        if ug != down:
-            raise FerryError("--offload-policy: moe_up_gate and moe_down differ, but ferry moves a layer's experts "
-                             "whole so far; set mul_mat_id=on|off instead")
+    if ug != down:
+        return _halves(ug, down, split(len(hit), ""), hot, expert_bytes, flops_per_token, up_gate_share, calib,
+                       (n_tokens >= need, threshold) if policy.mode == "threshold" else None)
+    if ug != "auto":
         return split(len(hit) if ug == "on" else 0, f"mul_mat_id={ug} (override)")
     if policy.mode == "threshold":
-        need = policy.min_batch * len(counts) / max(n_expert_used, 1)
-        on = n_tokens >= need
-        return split(len(hit) if on else 0, f"threshold: batch {n_tokens} {'>=' if on else '<'} {need:g}")
+        return split(len(hit) if n_tokens >= need else 0, threshold)
     # the hottest i experts on the GPU, for each i: the slower side, plus what overlapping does not hide of the other
     gpu_total = gpu_fixed + np.cumsum(on_gpu)
     cpu_total = on_cpu.sum() - np.cumsum(on_cpu)
@@ -185,6 +195,45 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     s = split(best, "")
     return ExpertSplit(s.gpu, s.cpu, s.gpu_s, s.cpu_s, f"auto: {len(s.gpu)} of {len(hit)} experts hit to the GPU, "
                                                        f"predicted GPU {1e3 * s.gpu_s:.3f} ms, CPU {1e3 * s.cpu_s:.3f} ms")
+
+
+def _halves(ug: str, down: str, every: ExpertSplit, hot: np.ndarray, expert_bytes: float, flops_per_token: float,
+            share: float, calib: Calibration, threshold: tuple[bool, str] | None) -> ExpertSplit:
+    """moe_up_gate and moe_down set differently: every expert hit's two halves where the settings say, one after
+    the other, the rows between them crossing PCIe. A half left at auto goes where the threshold rule (when
+    `threshold` is (on, why)) or the prediction puts it: beside its other half (the experts move whole) or apart.
+    `every`: all experts hit on the GPU, whole."""
+    def cpu_s(part: float) -> float:
+        return float(calib.cpu_expert_s(expert_bytes * part, hot, flops_per_token * part).sum())
+
+    def gpu_s(part: float) -> float:
+        b = expert_bytes * part
+        per = calib.h2d_latency_s + b / calib.h2d_bytes_per_s + np.maximum(b / calib.gpu_bytes_per_s,
+                                                                          hot * flops_per_token * part / calib.gpu_flops)
+        return float(per.sum()) + GPU_SIDE_LAUNCHES * calib.launch_s
+
+    parts = {"up_gate": share, "down": 1.0 - share}
+    fixed = "up_gate" if ug != "auto" else "down"
+    other = "down" if fixed == "up_gate" else "up_gate"
+    on = {"up_gate": ug == "on", "down": down == "on"}
+    why = f"moe_up_gate={ug}, moe_down={down} (override)"
+    if (ug if other == "up_gate" else down) == "auto":
+        if threshold:
+            on[other], rule = threshold
+        else:
+            apart = (gpu_s(parts[fixed]) + cpu_s(parts[other]) if on[fixed] else
+                     cpu_s(parts[fixed]) + gpu_s(parts[other]))
+            whole = gpu_s(1.0) if on[fixed] else cpu_s(1.0)
+            on[other] = on[fixed] == (whole <= apart)
+            rule = f"auto: predicted {1e3 * whole:.3f} ms beside it, {1e3 * apart:.3f} ms apart"
+        why += f"; {other}: {rule}"
+    if on["up_gate"] == on["down"]:
+        if on["up_gate"]:
+            return ExpertSplit(every.gpu, (), every.gpu_s, 0.0, why)
+        return ExpertSplit((), every.gpu, 0.0, cpu_s(1.0), why)
+    on_gpu = "up_gate" if on["up_gate"] else "down"
+    on_cpu = "down" if on_gpu == "up_gate" else "up_gate"
+    return ExpertSplit(every.gpu, every.gpu, gpu_s(parts[on_gpu]), cpu_s(parts[on_cpu]), why, halves=on_gpu)
 
 
 def size_class(n_tokens: int) -> int:

@@ -105,6 +105,33 @@ def test_experts_chosen_elsewhere_match_float64_per_slot_and_summed(backend, n_e
     assert np.linalg.norm(summed.numpy() - want) / np.linalg.norm(want) < 2e-2
 
 
+@pytest.mark.parametrize("n_expert,n_used,n_tokens", [(4, 1, 1), (16, 4, 33), (128, 8, 5)])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_the_experts_halves_match_float64_each_on_its_own(backend, n_expert, n_used, n_tokens, qtype):
+    """moe_up_gate / moe_down: the CPU's half when the other half of every expert runs on the GPU
+    (--offload-policy moe_up_gate=off,moe_down=on and the reverse)."""
+    rng = np.random.default_rng(11 * n_expert + n_tokens)
+    d, ff = 256, 160
+    up, up64 = _weight(rng, qtype, n_expert, ff, d)
+    gate, gate64 = _weight(rng, qtype, n_expert, ff, d)
+    down, down64 = _weight(rng, qtype, n_expert, d, ff)
+    x = rng.standard_normal((n_tokens, d)).astype(np.float32)
+    ids = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n_tokens)]).astype(np.int32)
+    weights = rng.random((n_tokens, n_used)).astype(np.float32)
+    h = rng.standard_normal((n_tokens, n_used, ff)).astype(np.float32)  # the other side's rows, made up
+    h_ref, y_ref = np.zeros((n_tokens, n_used, ff)), np.zeros((n_tokens, d))
+    for i in range(n_tokens):
+        for j, e in enumerate(ids[i]):
+            g = gate64[e] @ x[i]
+            h_ref[i, j] = g / (1 + np.exp(-g)) * (up64[e] @ x[i])
+            y_ref[i] += weights[i, j] * (down64[e] @ h[i, j])
+    got_h = backend.moe_up_gate(torch.from_numpy(x), torch.from_numpy(ids), up, gate, "silu")
+    got_y = backend.moe_down(torch.from_numpy(h), torch.from_numpy(ids), torch.from_numpy(weights), down)
+    assert got_h.shape == (n_tokens, n_used, ff) and got_y.shape == (n_tokens, d)
+    assert np.linalg.norm(got_h.numpy() - h_ref) / np.linalg.norm(h_ref) < 2e-2
+    assert np.linalg.norm(got_y.numpy() - y_ref) / np.linalg.norm(y_ref) < 2e-2
+
+
 def test_graphs_of_different_layers_in_turn_are_placed_once_and_give_their_own_results(monkeypatch):
     """A hybrid decode step runs every MoE layer's ggml graph in turn: each is placed in the shared compute buffer
     once and then runs where it was placed, until a larger graph moves the buffer (then each is placed afresh)."""

@@ -120,6 +120,10 @@ def test_plan_shows_where_each_op_on_weights_in_ram_runs_per_u_batch_and_why(tin
     forced = json.loads(plan("-ngl", "999", "-ot", "exps=CPU", "--calibration", str(cal), "--ubatches", "1",
                              "--offload-policy", "mul_mat_id=on", "--json").stdout)["ops"][0]
     assert forced["where"].startswith("GPU 4 /") and "override" in forced["why"]
+    halves = json.loads(plan("-ngl", "999", "-ot", "exps=CPU", "--calibration", str(cal), "--ubatches", "64",
+                             "--offload-policy", "mul_mat=off,mul_mat_id=on,moe_up_gate=off", "--json").stdout)["ops"][0]
+    assert halves["where"] == "down on the GPU, up_gate on the CPU, of 16 hit"
+    assert halves["cpu_ms"] > 0 and halves["gpu_ms"] > 0 and "moe_up_gate=off, moe_down=on" in halves["why"]
     text = plan("-ngl", "2", "--calibration", str(cal)).stdout  # whole layers in RAM: their dense ops too
     assert "| mul_mat | blk.0.attn_q.weight | 1 | CPU |" in text and "| mul_mat | blk.0.attn_q.weight | 512 | GPU |" in text
     missing = plan("-ngl", "999", "-ot", "exps=CPU", "--calibration", str(tmp_path / "none.json"))

@@ -129,9 +129,42 @@ def test_a_large_u_batch_sends_every_expert_to_the_gpu_and_threshold_follows_lla
     assert not _split(small, FAST_PCIE, "threshold").gpu and len(_split(big, FAST_PCIE, "threshold").gpu) == 128
 
 
-def test_halves_of_the_experts_set_apart_are_a_user_error_until_the_runtime_splits_them():
-    with pytest.raises(FerryError, match="moe_up_gate and moe_down differ"):
-        _split([1] * 8 + [0] * 120, FAST_PCIE, "moe_up_gate=on,moe_down=off")
+def test_the_halves_set_apart_run_every_expert_hit_half_on_each_side_one_after_the_other():
+    counts = [2] * 16 + [0] * 112
+    s = _split(counts, FAST_PCIE, "mul_mat=off,mul_mat_id=on,moe_up_gate=off")  # the example
+    assert s.halves == "down" and s.gpu == s.cpu == tuple(range(16))
+    assert s.predicted_s == pytest.approx(s.gpu_s + s.cpu_s) and "moe_up_gate=off, moe_down=on" in s.why
+    other = _split(counts, FAST_PCIE, "moe_up_gate=on,moe_down=off")
+    assert other.halves == "up_gate"
+    # each side does its half: gate + up are 2/3 of an expert, down 1/3 (all Q4_0)
+    whole_cpu, whole_gpu = _split(counts, FAST_PCIE, "all=off").cpu_s, _split(counts, FAST_PCIE, "all=on").gpu_s
+    assert s.cpu_s < whole_cpu and other.cpu_s < whole_cpu and s.cpu_s > other.cpu_s
+    assert s.gpu_s < whole_gpu and other.gpu_s > s.gpu_s
+    # up_gate_share: a file whose down projections are larger moves more with them
+    heavy_down = split_experts(counts, EXPERT_BYTES, EXPERT_FLOPS, FAST_PCIE, parse_policy("moe_up_gate=off,moe_down=on"),
+                               8, up_gate_share=0.5)
+    assert heavy_down.gpu_s > s.gpu_s and heavy_down.cpu_s < s.cpu_s
+
+
+def test_a_half_left_at_auto_goes_where_predicted_faster_beside_its_other_half_or_apart():
+    small, big = [1] * 8 + [0] * 120, [256] * 128
+    # slow PCIe: one token's down projections are not worth their copy, so the experts stay whole on the CPU
+    s = _split(small, SLOW_PCIE, "moe_up_gate=off")
+    assert not s.halves and not s.gpu and "down: auto" in s.why
+    # 256 tokens per expert on a fast link: the CPU's FLOPs bound it, so the down half goes to the GPU
+    s = _split(big, FAST_PCIE, "moe_up_gate=off")
+    assert s.halves == "down" and "moe_up_gate=off, moe_down=auto" in s.why
+    # the GPU half fixed: a big batch takes the rest along (whole on the GPU)
+    s = _split(big, FAST_PCIE, "moe_down=on")
+    assert not s.halves and len(s.gpu) == 128 and not s.cpu
+
+
+def test_a_half_left_at_auto_follows_the_threshold_rule_in_threshold_mode():
+    small, big = [1] * 8 + [0] * 120, [256] * 128  # 1 and 4096 tokens against 32 * 128 / 8 = 512
+    assert _split(small, FAST_PCIE, "threshold,moe_up_gate=on").halves == "up_gate"
+    s = _split(big, FAST_PCIE, "threshold,moe_up_gate=on")
+    assert not s.halves and len(s.gpu) == 128 and "threshold: batch 4096 >= 512" in s.why
+    assert _split(big, FAST_PCIE, "threshold,moe_up_gate=off").halves == "down"
 
 
 # the H100 machine's measured experts (ggml, 16 threads, session 5): 54 GB/s at one token per expert, then

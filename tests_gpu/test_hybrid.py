@@ -53,6 +53,27 @@ def test_experts_in_ram_match_the_cpu(mid, policy, ubatch):
         assert any(not d.startswith("GPU 0 /") and not d.endswith("/ CPU 0") for d in where), where
 
 
+@pytest.mark.parametrize("policy", ["moe_up_gate=off,moe_down=on", "moe_up_gate=on,moe_down=off"])
+@pytest.mark.parametrize("ubatch", [300, 64, 5])
+def test_the_experts_halves_set_apart_match_the_cpu(mid, policy, ubatch):
+    """Each expert's gate and up projections on one side, its down projection on the other (--offload-policy
+    moe_up_gate / moe_down): prompts in one and in several u-batches, then generation through recorded steps."""
+    path, tokens, want = mid
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], policy))
+    n = 300 if ubatch > 8 else 60
+    e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=ubatch)
+    got = e.decode(tokens[:n], all_logits=True)
+    _check(want[:n], got, f"-ot exps=CPU {policy} ub {ubatch}")
+    on_gpu = "down" if policy.endswith("down=on") else "up_gate"
+    on_cpu = "up_gate" if on_gpu == "down" else "down"
+    where = {r.device for r in backend.stats.records if r.op == "mul_mat_id"}
+    assert where == {f"GPU {on_gpu} / CPU {on_cpu}"}, where
+    if ubatch == 5:
+        backend.stats.keep = False  # generation's steps recorded as graphs cut at each MoE layer
+        steps = torch.cat([e.decode([t]) for t in tokens[n:n + 20]])
+        _check(want[n:n + 20], steps, f"decode -ot exps=CPU {policy}")
+
+
 @pytest.mark.parametrize("policy", ["all=on", "all=off", "balanced"])
 def test_a_batch_taken_layer_first_matches_the_cpu_and_reads_each_expert_once(mid, policy):
     """-b 300 -ub 64: five u-batches, whose MoE layers run once over all their rows (one decision per layer), give

@@ -339,6 +339,34 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     assert (covered == 1).all()  # each sorted row in exactly one tile
 
 
+@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (37, 8, 3, 160, 64)])
+def test_the_gpu_halves_of_the_experts_match_float64(qtype, n, n_expert, n_used, n_embd, n_ff):
+    """CudaBackend.pair_up_gate / pair_down, the GPU's half when the CPU runs the other (moe_up_gate / moe_down set
+    apart): each pair's act(gate x) * (up x) in pair order; each token's router-weighted sum of down h."""
+    from ferry.ops.cuda.backend import CudaBackend
+
+    rng = np.random.default_rng(n * n_ff + n_used)
+    (raw_g, g), (raw_u, u) = (_quantized(rng, qtype, n_expert, n_ff, n_embd) for _ in range(2))
+    raw_d, d = _quantized(rng, qtype, n_expert, n_embd, n_ff)
+    split = lambda raw, ne: K.Split.of(raw, qtype, ne)  # noqa: E731
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
+    x = torch.from_numpy(rng.standard_normal((n, n_embd))).half()
+    h = torch.from_numpy(rng.standard_normal((n * n_used, n_ff))).half()  # the CPU's rows, made up
+    weights = torch.from_numpy(rng.uniform(0.1, 1.0, (n, n_used))).float()
+    backend = CudaBackend(DEV)
+    got_h = backend.pair_up_gate(x.to(DEV), ids.to(DEV), split(raw_g, (n_embd, n_ff, n_expert)),
+                                 split(raw_u, (n_embd, n_ff, n_expert)), "silu")
+    got_y = backend.pair_down(h.to(DEV), ids.to(DEV), split(raw_d, (n_ff, n_embd, n_expert)), weights.to(DEV))
+    pairs = [(p // n_used, int(ids.flatten()[p])) for p in range(n * n_used)]
+    want_h = torch.stack([torch.nn.functional.silu(g[e] @ x[t].double()) * (u[e] @ x[t].double()) for t, e in pairs])
+    want_y = torch.zeros(n, n_embd, dtype=torch.float64)
+    for p, (t, e) in enumerate(pairs):
+        want_y[t] += weights.flatten()[p].double() * (d[e] @ h[p].double())
+    _close(got_h, want_h, 3e-3)  # f16 weights and output, float32 accumulation
+    _close(got_y, want_y, 2e-3)
+
+
 @pytest.mark.parametrize("n_expert", [1, 7, 128, 256, 300, 40000])  # keys of uint8, int16 and int32
 def test_sort_pairs_orders_by_expert_and_counts_each(n_expert):
     rng = np.random.default_rng(n_expert)

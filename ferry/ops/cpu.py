@@ -344,15 +344,24 @@ class CpuBackend:
     def expert_nodes(self, g: _Graph, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str):
         """The selected experts of x (n_embd, 1, n) for ids (n_used, n) (mul_mat_id, fused up/gate + activation):
         with weights (1, n_used, n), their weighted sum (n_embd, n); without, each slot's output (n_embd, n_used, n)."""
+        return self.down_nodes(g, self.up_gate_nodes(g, x, ids, up, gate, act), ids, weights, down)
+
+    def up_gate_nodes(self, g: _Graph, x, ids, up: Weight, gate: Weight, act: str):
+        """act(gate x) * up x of each selected expert, x (n_embd, 1 or n_used, n): (n_ff, n_used, n)."""
         c = g.ctx
-        n_embd, n, n_used = x.contents.ne[0], x.contents.ne[2], ids.contents.ne[0]
         u = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, up), x, ids)
         gt = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, gate), x, ids)
         if self.fused_moe:
-            h = _GLU[act](c, gt, u)
-        else:
-            h = ggml.ggml_mul(c, _ACT[act](c, gt), u)
+            return _GLU[act](c, gt, u)
+        return ggml.ggml_mul(c, _ACT[act](c, gt), u)
+
+    def down_nodes(self, g: _Graph, h, ids, weights, down: Weight):
+        """down h of each selected expert, h (n_ff, n_used, n): with weights (1, n_used, n), their weighted sum
+        (n_embd, n); without, each slot's output (n_embd, n_used, n)."""
+        c = g.ctx
+        n_used, n = ids.contents.ne[0], ids.contents.ne[1]
         experts = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, down), h, ids)  # (n_embd, n_used, n)
+        n_embd = experts.contents.ne[0]
         if weights is None:
             return experts
         experts = ggml.ggml_mul(c, experts, weights)
@@ -449,6 +458,39 @@ class CpuBackend:
         if out is None:
             out = torch.empty((n, n_embd) if weights is not None else (n, j, n_embd), dtype=torch.float32)
         return self._graph(up, ("experts", id(gate), id(down), n, j, weights is None, act), build).run(inputs, out)
+
+    def moe_up_gate(self, x: torch.Tensor, ids: torch.Tensor, up: Weight, gate: Weight, act: str) -> torch.Tensor:
+        """The first half of routed experts chosen elsewhere, when the second runs on the GPU: x (n, n_embd) float32,
+        ids (n, j) int32 -> act(gate x) * up x of each slot, (n, j, n_ff) float32."""
+        x = x.contiguous().float()
+        ids = ids.to(torch.int32).contiguous()
+        (n, n_embd), j = x.shape, ids.shape[1]
+
+        def build() -> _Graph:
+            g = _Graph(self, n)
+            xs = g.input(ggml.GGML_TYPE_F32, (n_embd, 1, n))
+            g.finish(self.up_gate_nodes(g, xs, g.input(ggml.GGML_TYPE_I32, (j, n)), up, gate, act))
+            return g
+
+        out = torch.empty(n, j, up.ne[1], dtype=torch.float32)
+        return self._graph(up, ("up_gate", id(gate), n, j, act), build).run([x, ids], out)
+
+    def moe_down(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: Weight) -> torch.Tensor:
+        """The second half of routed experts, when the first ran on the GPU: h (n, j, n_ff) float32, ids (n, j)
+        int32, weights (n, j) -> the weighted sum of each token's slots, (n, n_embd) float32."""
+        h = h.contiguous().float()
+        ids = ids.to(torch.int32).contiguous()
+        n, j, n_ff = h.shape
+
+        def build() -> _Graph:
+            g = _Graph(self, n)
+            w = g.input(ggml.GGML_TYPE_F32, (1, j, n))
+            hs = g.input(ggml.GGML_TYPE_F32, (n_ff, j, n))
+            g.finish(self.down_nodes(g, hs, g.input(ggml.GGML_TYPE_I32, (j, n)), w, down))
+            return g
+
+        out = torch.empty(n, down.ne[1], dtype=torch.float32)
+        return self._graph(down, ("down", n, j), build).run([weights.contiguous().float(), h, ids], out)
 
     def close(self) -> None:
         if getattr(self, "galloc", None):

@@ -58,12 +58,8 @@ class HybridBackend:
 
     def __init__(self, gpu: CudaBackend, cpu, devices: dict[str, str], policy: Policy, calib: Calibration,
                  timed: bool = False, layer_first: bool = True):
-        from ferry.errors import FerryError
         from ferry.ops.cuda.kernels import GEMV_KINDS
 
-        if policy.setting("moe_up_gate") != policy.setting("moe_down"):
-            raise FerryError("--offload-policy: moe_up_gate and moe_down differ, but ferry moves a layer's experts "
-                             "whole so far; set mul_mat_id=on|off instead")
         self.gpu, self.cpu, self.devices = gpu, cpu, devices
         self.device = gpu.device
         self.policy, self.calib = policy, calib
@@ -241,6 +237,8 @@ class HybridBackend:
         if self.timed or self.stats.keep:  # verbose runs record each decision
             return False
         setting = self.policy.setting("moe_up_gate")
+        if setting != self.policy.setting("moe_down"):  # the halves set apart
+            return False
         if setting == "off":
             return True
         return (setting == "auto" and self.policy.mode == "auto" and (id(gate), n) in self._seen
@@ -272,14 +270,18 @@ class HybridBackend:
         flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
         trial = None
         if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
-            split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, self.policy, n_used)
+            share = (gate.data.nbytes + up.data.nbytes) / (n_expert * expert_bytes)
+            split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, self.policy, n_used, share)
             if split.why.startswith("auto"):  # measure between the plausible ways, then keep the fastest
                 split, trial = self._measured_choice(gate, n, counts.tolist(), split, expert_bytes, flops, n_used)
         else:
             split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, _ALL_OFF, n_used)
             split = type(split)(split.gpu, split.cpu, split.gpu_s, split.cpu_s,
                                 "experts of a type (or a placement) the GPU cannot stream: on the CPU")
-        if not split.gpu:  # all on the CPU: ggml sums each token's experts
+        if split.halves:
+            out = self._halves_moe(x, x_host, ids, ids_host, weights, weights_host, split, up, gate, down, act,
+                                   parts)
+        elif not split.gpu:  # all on the CPU: ggml sums each token's experts
             if x_host is None:
                 x_host = x.float().cpu()
             t1 = time.perf_counter()
@@ -293,8 +295,10 @@ class HybridBackend:
         if trial is not None:
             self._trial = (self.explorer, gate, n, trial, t_decided)
         if self.stats.keep:
-            self.stats.add(OpRecord("mul_mat_id", gate.name, n, f"GPU {len(split.gpu)} / CPU {len(split.cpu)}",
-                                    max(split.gpu_s, split.cpu_s), self._measured(t0), split.why, parts))
+            where = (f"GPU {split.halves} / CPU {'down' if split.halves == 'up_gate' else 'up_gate'}" if split.halves
+                     else f"GPU {len(split.gpu)} / CPU {len(split.cpu)}")
+            self.stats.add(OpRecord("mul_mat_id", gate.name, n, where, split.predicted_s, self._measured(t0),
+                                    split.why, parts))
         return out
 
     def _end_trial(self, gate: Weight, n: int, now: float) -> None:
@@ -342,7 +346,7 @@ class HybridBackend:
         x_cold = None
         if len(cold):  # before the GPU work is queued
             x_cold = x_host[cold // k] if x_host is not None else x.float()[cold.to(self.device) // k].cpu()
-        staged = self._staged_experts(gate, up, down, list(split.gpu))
+        staged = self._staged_experts((gate, up, down), list(split.gpu))
         stream = torch.cuda.current_stream(self.device)
         (g, _), (u, up_done), (dn, down_done) = staged
         stream.wait_event(up_done)  # gate and up are there; down may still be on its way
@@ -372,14 +376,43 @@ class HybridBackend:
             self._prefetch_after(gate)  # a u-batch this large will want (nearly) all of the next layer's experts
         return out
 
-    def _staged_experts(self, gate: Weight, up: Weight, down: Weight, experts: list[int]):
-        """This layer's experts on the GPU: prefetched while the previous layer computed, or copied now."""
+    def _halves_moe(self, x, x_host, ids, ids_host, weights, weights_host, split, up: Weight, gate: Weight,
+                    down: Weight, act: str, parts: dict) -> torch.Tensor:
+        """moe_up_gate and moe_down on different sides: one half of every expert hit on the GPU (its weights
+        copied), the other by ggml, one after the other; each pair's intermediate row (n_ff wide) crosses PCIe
+        between them. The result is on the GPU."""
+        n, k = ids.shape
+        stream = torch.cuda.current_stream(self.device)
+        layer, hit = (gate, up, down), list(split.gpu)
+        t1 = time.perf_counter()
+        if split.halves == "up_gate":  # the GPU first; ggml's down projections sum each token's slots
+            (g, _), (u, done) = self._staged_experts(layer, hit, slice(0, 2))
+            stream.wait_event(done)
+            h = self.gpu.pair_up_gate(x, ids, g, u, act)
+            self.streamer.release(("moe", self._slot))
+            t1 = time.perf_counter()
+            y = self.cpu.moe_down(h.float().view(n, k, -1).cpu(), ids_host, weights_host, down)
+            out = y.to(self.device, non_blocking=True)
+        else:  # ggml first, while the down projections are copied; then the GPU's
+            ((dn, done),) = self._staged_experts(layer, hit, slice(2, 3))
+            h = self.cpu.moe_up_gate(x.float().cpu() if x_host is None else x_host, ids_host, up, gate, act)
+            h = h.view(n * k, -1).to(self.device, non_blocking=True)
+            stream.wait_event(done)
+            out = self.gpu.pair_down(h, ids, dn, weights)
+            self.streamer.release(("moe", self._slot))
+        if self.timed:
+            parts["cpu"] = time.perf_counter() - t1
+        return out
+
+    def _staged_experts(self, layer: tuple[Weight, Weight, Weight], experts: list[int], which: slice = slice(None)):
+        """(gate, up, down)[which] of this layer's experts on the GPU: prefetched while the previous layer
+        computed, or copied now."""
         self._slot ^= 1
         pre = self._prefetched
         self._prefetched = None
-        if pre is not None and pre[0] is gate:  # every expert of this layer was prefetched
-            return pre[1]
-        return self.streamer.stage_experts([gate, up, down], experts, ("moe", self._slot))
+        if pre is not None and pre[0] is layer[0]:  # every expert of this layer was prefetched
+            return pre[1][which]
+        return self.streamer.stage_experts(list(layer[which]), experts, ("moe", self._slot))
 
     def _prefetch_after(self, gate: Weight) -> None:
         nxt = self._next_experts.get(id(gate))

@@ -222,6 +222,32 @@ class CudaBackend:
             torch.cuda.current_stream(x.device).wait_event(wait_down)
         return kernels.moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights)
 
+    def pair_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str) -> torch.Tensor:
+        """act(gate . x) * (up . x) of each (token, slot) pair, (n * k, n_ff) float16 in pair order: the experts'
+        first half when the second runs on the CPU (the hybrid runtime, moe_up_gate and moe_down set apart).
+        x (n, n_embd), ids (n, k) on the GPU; gate / up stacked Splits. The grouped GEMM at every size."""
+        from ferry.ops.cuda import kernels
+
+        n, k = ids.shape
+        block = kernels.moe_tile_rows(n * k, gate.ne[2])
+        sched = kernels.moe_tiles(ids, gate.ne[2], block)
+        order = sched[0].to(torch.int32)
+        return kernels.moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
+                              rows_from=torch.div(order, k, rounding_mode="floor"), rows_to=order)
+
+    def pair_down(self, h: torch.Tensor, ids: torch.Tensor, down, weights: torch.Tensor) -> torch.Tensor:
+        """The experts' second half when the first ran on the CPU: h (n * k, n_ff) in pair order, ids / weights
+        (n, k) on the GPU, down a stacked Split -> each token's weighted sum of its slots, (n, n_embd) float32."""
+        from ferry.ops.cuda import kernels
+
+        n, k = ids.shape
+        block = kernels.moe_tile_rows(n * k, down.ne[2])
+        sched = kernels.moe_tiles(ids, down.ne[2], block)
+        order = sched[0].to(torch.int32)
+        y = kernels.moe_mm(h.to(torch.float16), down, sched, torch.float32, block, rows_from=order, rows_to=order,
+                           row_scale=weights.float().reshape(-1).contiguous())
+        return y.view(n, k, -1).sum(1)
+
     def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
         from ferry.ops.cuda.kernels import sort_pairs
 
