@@ -1,10 +1,12 @@
 """Where -mla 3 should switch a prompt u-batch from absorbed to expanded attention, measured: one u-batch of n tokens
 over a cache already holding d positions, timed in both forms on the same model (all on one GPU by default), against
-the forms ferry picks: on the GPU by the fitted crossover (ferry/ops/cuda/executor.py, MLA_EXPAND_CELLS), on the CPU
-by the multiply-add count (LatentAttention.expand_from: 171 tokens at DeepSeek's shapes).
+the form ferry picks: on the GPU by timing both on the first u-batches of each size class (executor.LatentForms), on
+the CPU by the multiply-add count (LatentAttention.expand_from: 171 tokens at DeepSeek's shapes).
   python benchmarks/mla_crossover.py -m deepseek-v2-lite.gguf [-ub 16,32,64,128,256,512] [-d 0,4096,16384] [-r 5]
 Each (n, d, form) runs on its own engine (CUDA graphs are recorded per form), twice as a warm-up, then -r times after
 the cache is cut back to d; the table gives the median in ms and absorbed / expanded (above 1: expanding is faster).
+On the GPU a third engine picks as ferry does (its warm-up runs are where it times the forms): its median, the form
+it kept, and its time over the faster form's.
 """
 
 import argparse
@@ -16,10 +18,10 @@ import torch
 
 from ferry.cli import GpuOptions, open_model
 from ferry.layers.attention import LatentAttention
-from ferry.ops.cuda import executor
+from ferry.policy import Explorer
 from ferry.runtime.engine import Engine
 
-_RULE, _CELLS = LatentAttention.expand_from, executor.MLA_EXPAND_CELLS
+_RULE = LatentAttention.expand_from
 
 
 def _sync() -> None:
@@ -27,12 +29,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(model, backend, tokens: list[int], depth: int, n: int, expand: bool, reps: int) -> float:
-    """Median ms of one n-token u-batch at cache depth `depth`, expanded or absorbed (both rules forced)."""
-    LatentAttention.expand_from = property(lambda self: 1 if expand else 1 << 30)
-    executor.MLA_EXPAND_CELLS = 0 if expand else 1 << 40
+def _timed(model, backend, tokens: list[int], depth: int, n: int, form: str | None, reps: int) -> tuple[float, str]:
+    """(median ms of one n-token u-batch at cache depth `depth`, the form it ran): `form` absorbed or expanded
+    (the CPU's rule and the GPU's choice both forced), or None: as ferry picks on the GPU, by timing."""
+    if form is not None:
+        LatentAttention.expand_from = property(lambda self: 1 if form == "expanded" else 1 << 30)
     try:
         e = Engine(model, backend, n_ctx=depth + n, n_batch=max(n, 512), n_ubatch=max(n, 512))
+        forms = getattr(e.executor, "latent_forms", None)
+        if forms is not None and form is not None:
+            forms.fixed = lambda n_tokens, n_kv: form
         if depth:
             e.decode(tokens[:depth])
         e.n_ubatch = e.n_batch = n
@@ -45,9 +51,11 @@ def _timed(model, backend, tokens: list[int], depth: int, n: int, expand: bool, 
             _sync()
             if i >= 2:
                 times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
+        if form is None:  # the GPU's timed choice for this class
+            form = forms.explorer.chosen.get(Explorer.key(n, depth + n), "undecided")
+        return statistics.median(times), form
     finally:
-        LatentAttention.expand_from, executor.MLA_EXPAND_CELLS = _RULE, _CELLS
+        LatentAttention.expand_from = _RULE
 
 
 def main() -> None:
@@ -66,28 +74,27 @@ def main() -> None:
     tokens = torch.randint(0, model.args.n_vocab, (max(depths) + max(ubs),)).tolist()
     rows = []
     gpu = a.ngl > 0 and torch.cuda.is_available()
-    print(f"rule: {'GPU: expand when n_kv + %d n >= %d' % (executor.MLA_TOKEN_WEIGHT, _CELLS) if gpu else 'CPU'}; "
-          f"multiply-adds: expand from {attn.expand_from} tokens (lora {attn.kv_lora_rank}, nope {attn.head_dim_nope}, "
-          f"v {attn.head_dim_v})")
-    print("| depth | u-batch | absorbed ms | expanded ms | absorbed / expanded | ferry picks | picked / best |")
-    print("| ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    print(f"ferry picks {'by timing both forms (GPU)' if gpu else 'by multiply-adds (CPU)'}; multiply-adds: expand "
+          f"from {attn.expand_from} tokens (lora {attn.kv_lora_rank}, nope {attn.head_dim_nope}, v {attn.head_dim_v})")
+    print("| depth | u-batch | absorbed ms | expanded ms | absorbed / expanded | ferry ms | ferry's form | "
+          "ferry / best |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for d in depths:
         for n in ubs:
-            absorbed = _timed(model, backend, tokens, d, n, False, a.r)
-            expanded = _timed(model, backend, tokens, d, n, True, a.r)
+            absorbed, _ = _timed(model, backend, tokens, d, n, "absorbed", a.r)
+            expanded, _ = _timed(model, backend, tokens, d, n, "expanded", a.r)
             if gpu:
-                expands = executor.mla_expands(n, d + n)
-            else:
-                expands = n >= attn.expand_from
-            picked = expanded if expands else absorbed
-            rule = "expand" if expands else "absorb"
-            rows.append({"depth": d, "ubatch": n, "absorbed_ms": absorbed, "expanded_ms": expanded, "rule": rule,
-                         "picked_over_best": picked / min(absorbed, expanded)})
-            print(f"| {d} | {n} | {absorbed:.3f} | {expanded:.3f} | {absorbed / expanded:.2f} | {rule} | "
-                  f"{picked / min(absorbed, expanded):.2f} |", flush=True)
+                picked, form = _timed(model, backend, tokens, d, n, None, a.r)
+            else:  # the CPU's rule (ggml fixes the form when it builds a graph): that form's time
+                form = "expanded" if n >= attn.expand_from else "absorbed"
+                picked = expanded if form == "expanded" else absorbed
+            best = min(absorbed, expanded)
+            rows.append({"depth": d, "ubatch": n, "absorbed_ms": absorbed, "expanded_ms": expanded, "ferry_ms": picked,
+                         "form": form, "picked_over_best": picked / best})
+            print(f"| {d} | {n} | {absorbed:.3f} | {expanded:.3f} | {absorbed / expanded:.2f} | {picked:.3f} | {form} | "
+                  f"{picked / best:.2f} |", flush=True)
     with open(a.json, "w") as f:
-        json.dump({"model": a.model, "expand_from": attn.expand_from, "gpu": gpu, "expand_cells": _CELLS,
-                   "token_weight": executor.MLA_TOKEN_WEIGHT, "rows": rows}, f, indent=1)
+        json.dump({"model": a.model, "expand_from": attn.expand_from, "gpu": gpu, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -249,20 +249,25 @@ class Explorer:
     way is kept for that size. A way's first `warmup` layers are run but not counted: the first CPU layers after a
     stretch on the GPU were measured 10x slower than the next ones (9.8 against 1.0 ms), which made auto stream
     generation that the CPU computes faster. Generation's layers (up to 8 tokens) are short and noisy: they take
-    `samples` x 2. The prediction only rules out ways it expects to be over `margin` times the best."""
+    `samples` x 2. The prediction only rules out ways it expects to be over `margin` times the best. Work that
+    also grows with the cache (-mla 3's forms) passes `cells`: its classes are then (tokens, cells) size pairs."""
 
     samples: int = 2
     margin: float = 3.0
     warmup: int = 1
-    trials: dict[int, dict[str, list[float]]] = field(default_factory=dict)
-    chosen: dict[int, str] = field(default_factory=dict)
+    trials: dict[int | tuple[int, int], dict[str, list[float]]] = field(default_factory=dict)
+    chosen: dict[int | tuple[int, int], str] = field(default_factory=dict)
 
-    def _needed(self, size: int) -> int:
-        return self.warmup + self.samples * (2 if size <= 8 else 1)
+    @staticmethod
+    def key(n_tokens: int, cells: int | None = None) -> int | tuple[int, int]:
+        return size_class(n_tokens) if cells is None else (size_class(n_tokens), size_class(cells))
 
-    def mode(self, n_tokens: int, predicted: dict[str, float]) -> tuple[str, bool]:
+    def _needed(self, n_tokens: int) -> int:
+        return self.warmup + self.samples * (2 if n_tokens <= 8 else 1)
+
+    def mode(self, n_tokens: int, predicted: dict[str, float], cells: int | None = None) -> tuple[str, bool]:
         """(the way to run this layer, whether it is a trial to be timed and recorded)."""
-        size = size_class(n_tokens)
+        size = self.key(n_tokens, cells)
         if size in self.chosen:
             return self.chosen[size], False
         best = min(predicted.values())
@@ -270,17 +275,18 @@ class Explorer:
         if len(trials) == 1:
             self.chosen[size] = next(iter(trials))
             return self.chosen[size], False
-        return next(k for k, v in trials.items() if len(v) < self._needed(size)), True
+        return next(k for k, v in trials.items() if len(v) < self._needed(n_tokens)), True
 
-    def record(self, n_tokens: int, mode: str, seconds: float) -> None:
-        size = size_class(n_tokens)
+    def record(self, n_tokens: int, mode: str, seconds: float, cells: int | None = None) -> None:
+        size = self.key(n_tokens, cells)
         trials = self.trials[size]
         trials[mode].append(seconds)
-        if all(len(v) >= self._needed(size) for v in trials.values()):
+        if all(len(v) >= self._needed(n_tokens) for v in trials.values()):
             self.chosen[size] = min(trials, key=lambda k: min(trials[k][self.warmup:]))
 
-    def why(self, n_tokens: int) -> str:
-        size = size_class(n_tokens)
+    def why(self, n_tokens: int, cells: int | None = None) -> str:
+        size = self.key(n_tokens, cells)
         t = self.trials.get(size, {})
         measured = ", ".join(f"{k} {1e3 * min(v[self.warmup:]):.3f} ms" for k, v in t.items() if v[self.warmup:])
-        return f"measured for u-batches up to {size}: {measured}" if measured else "the only plausible way"
+        span = f"u-batches up to {size}" if cells is None else f"u-batches up to {size[0]} over up to {size[1]} cells"
+        return f"measured for {span}: {measured}" if measured else "the only plausible way"

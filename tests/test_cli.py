@@ -116,10 +116,10 @@ def test_mla_modes_from_the_command_line(tmp_path):
     expanded = plans["0"]["kv_bytes_per_token"]
     assert f"KV cache: {expanded} bytes per token in f16 (-mla 0" in ferry("info", str(path), "-mla", "0").stdout
     # mode 3 says how it picks a prompt's form: deepseek2-tiny's multiply-add crossover (lora 64, nope 32, v 32:
-    # 64 * 64 / (128 - 64) = 64 tokens, as its layers compute it), the GPU's fitted line
+    # 64 * 64 / (128 - 64) = 64 tokens, as its layers compute it), the GPU's timing
     cpu_from = load_model(GGUFFile(path)).latent_layers()[0].expand_from
     says = ferry("plan", "-m", str(path)).stdout
-    assert cpu_from == 64 and "on a GPU when cells + 4 x tokens >= 4096" in says, says
+    assert cpu_from == 64 and "on a GPU as timed on the first u-batches of each size and cache length" in says, says
     assert f"on the CPU from {cpu_from} tokens" in says, says
     r = ferry("run", "-m", str(path), "hi", "-n", "3", "--temp", "0", "-mla", "1", "-amb", "64")
     assert r.returncode == 0, r.stderr

@@ -3,7 +3,7 @@ replaying them is checked on the GPU machine, tests_gpu/test_model_gpu.py and te
 
 from types import SimpleNamespace
 
-from ferry.ops.cuda.executor import DECODE_MAX, PROMPT_GRAPH_MAX, PROMPT_GRAPHS_KEPT, CudaExecutor, mla_expands
+from ferry.ops.cuda.executor import DECODE_MAX, PROMPT_GRAPH_MAX, PROMPT_GRAPHS_KEPT, CudaExecutor
 
 
 def _executor(graph_safe: bool = True, graphs: bool = True) -> CudaExecutor:
@@ -66,10 +66,3 @@ def test_the_hybrid_backend_offers_every_backend_call_of_the_gpu_ops():
         assigned = set(re.findall(r"self\.(\w+) = ", inspect.getsource(cls)))  # instance attributes
         missing = sorted(n for n in called if not hasattr(cls, n) and n not in assigned)
         assert not missing, f"{cls.__name__} lacks {missing}"
-
-
-def test_mla_3_on_the_gpu_expands_over_long_caches_and_never_for_decode_steps():
-    # the fitted line, n_kv + 4 n >= 4096: 16 tokens from 4032 cells, 512 from 2048; decode steps stay absorbed
-    assert not mla_expands(16, 4031) and mla_expands(16, 4032)
-    assert not mla_expands(512, 2047) and mla_expands(512, 2048)
-    assert not mla_expands(DECODE_MAX, 10 ** 6) and mla_expands(DECODE_MAX + 1, 10 ** 6)

@@ -258,3 +258,20 @@ def test_auto_does_not_try_a_way_predicted_far_slower_than_the_best():
     assert e.mode(4096, {"gpu": 1.0, "cpu": 40.0}) == ("gpu", False)
     mode, trial = e.mode(1, {"gpu": 1.0, "cpu": 2.9, "split": 10.0})
     assert trial and set(e.trials[1]) == {"gpu", "cpu"}
+
+
+def test_work_that_grows_with_the_cache_is_measured_per_u_batch_and_cache_size_class():
+    """-mla 3's forms on a GPU (ops/cuda/executor.LatentForms): a class is a pair of powers of two, so a longer
+    cache starts its own trials and a cache within the same class keeps the choice."""
+    from ferry.policy import Explorer
+
+    e = Explorer(samples=1, warmup=0)
+    forms = {"absorbed": 1.0, "expanded": 1.0}  # no prediction: both are tried
+    for n_kv, times in ((700, {"absorbed": 1.0, "expanded": 2.0}), (5000, {"absorbed": 3.0, "expanded": 2.0})):
+        for form in ("absorbed", "expanded"):
+            assert e.mode(512, forms, cells=n_kv) == (form, True)
+            e.record(512, form, times[form], cells=n_kv)
+    assert e.chosen == {(512, 1024): "absorbed", (512, 8192): "expanded"}
+    assert e.mode(300, forms, cells=1000) == ("absorbed", False) and e.mode(512, forms, cells=8000)[0] == "expanded"
+    assert e.mode(512, forms, cells=2000)[1] and e.mode(64, forms, cells=700)[1]  # other classes: trials
+    assert "u-batches up to 512 over up to 8192 cells: absorbed 3000.000 ms, expanded 2000.000 ms" in e.why(512, 5000)

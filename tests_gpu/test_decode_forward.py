@@ -12,7 +12,6 @@ import torch
 from conftest import kl_top1
 from ferry.cli import main, open_model
 from ferry.ops.cuda.backend import CudaBackend
-from ferry.ops.cuda import executor
 from ferry.ops.cuda.executor import DECODE_MAX, CudaExecutor
 from ferry.runtime.engine import Engine
 
@@ -47,16 +46,15 @@ def test_gpu_decode_steps_match_the_cpu(tmp_path, cache, n_ctx):
 
 
 @pytest.mark.parametrize("mla", [3] if DEV == "cpu" else [0, 1, 3])  # the interpreter takes a minute a mode
-def test_gpu_latent_attention_matches_the_cpu(tmp_path, monkeypatch, mla):
+def test_gpu_latent_attention_matches_the_cpu(tmp_path, mla):
     """DeepSeek's latent attention through the GPU executor: a prompt long enough for mode 3's expanded form (one
-    u-batch of expand_from tokens or more on the CPU; on the GPU the tiny cache is short of its measured crossover,
-    which is moved here so that it expands too), a short one absorbed, then decode steps; the cache is the latent's
+    u-batch of expand_from tokens or more on the CPU; on the GPU, which times both forms, set to expand too), a
+    short one absorbed, then decode steps; the cache is the latent's
     (1, 3) or the expanded keys and values (0). Under the interpreter this is CI's check of the GPU's MLA arithmetic
     (mode 3 runs both forms; tests_gpu/test_mla_gpu.py checks every mode on a GPU)."""
     path = tmp_path / "ds.gguf"
     assert main(["synth", "deepseek2-tiny", "-o", str(path), "-q"]) == 0
     _, cpu, model, _ = open_model(path, 2, mla=mla)
-    monkeypatch.setattr(executor, "MLA_EXPAND_CELLS", 0)
     expand_from = model.latent_layers()[0].expand_from
     tokens = np.random.default_rng(2).integers(0, model.args.n_vocab, expand_from + 6).tolist()
     backend = CudaBackend(DEV)
@@ -65,6 +63,7 @@ def test_gpu_latent_attention_matches_the_cpu(tmp_path, monkeypatch, mla):
         e = Engine(model, b, n_ctx=128, n_ubatch=expand_from + 2)
         if b is backend:
             e.executor = CudaExecutor(backend, graphs=False)
+            e.executor.latent_forms.fixed = lambda n, n_kv: "expanded"
         first = e.decode(tokens[:expand_from + 2], all_logits=True)  # expanded in mode 3
         second = e.decode(tokens[expand_from + 2:expand_from + 4], all_logits=True)  # absorbed
         steps = [e.decode([t], all_logits=True) for t in tokens[expand_from + 4:]]

@@ -11,7 +11,6 @@ from conftest import kl_top1
 from ferry.cli import GpuOptions, main, open_model
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
-from ferry.ops.cuda import executor
 from ferry.ops.cuda.backend import CudaBackend
 from ferry.ops.cuda.executor import CudaExecutor
 from ferry.runtime.engine import Engine
@@ -43,19 +42,47 @@ def _run(engine, tokens):
                      [engine.decode([t]) for t in tokens[N_PROMPT:]])
 
 
-@pytest.mark.parametrize("mla,cells", [(0, None), (1, None), (3, None), (3, 0)])  # mode 3 as measured (300
-# cells: absorbed at both u-batches), and with the crossover moved to 0 cells so that its prompts expand
+def _fixed(form: str):
+    return lambda n_tokens, n_kv: form
+
+
+@pytest.mark.parametrize("mla,form", [(0, None), (1, None), (3, None), (3, "absorbed"), (3, "expanded")])  # mode
+# 3 as timed (both forms run while it measures), and with each prompt form set
 @pytest.mark.parametrize("ubatch", [512, 64])
 @pytest.mark.parametrize("ctk", ["f16", "q8_0"])
-def test_all_gpu_matches_the_cpu(lite, monkeypatch, mla, cells, ubatch, ctk):
+def test_all_gpu_matches_the_cpu(lite, mla, form, ubatch, ctk):
     path, tokens, want = lite
-    if cells is not None:
-        monkeypatch.setattr(executor, "MLA_EXPAND_CELLS", cells)
     model = load_model(GGUFFile(path), mla=mla)
     engine = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=ubatch, type_k=ctk, type_v=ctk)
+    if form is not None:
+        engine.executor.latent_forms.fixed = _fixed(form)
     if mla:
         assert engine.kv.v_in_k and engine.kv.n_bytes == 512 * 4 * {"f16": 2 * 576, "q8_0": 576 // 32 * 34}[ctk]
-    _check(want, _run(engine, tokens), f"GPU -mla {mla} ub {ubatch} {ctk} expand-cells {cells}")
+    _check(want, _run(engine, tokens), f"GPU -mla {mla} ub {ubatch} {ctk} prompt form {form or 'timed'}")
+
+
+def test_mode_3_times_both_forms_per_size_class_and_keeps_the_faster(lite):
+    """The first u-batches of each (tokens, cells) class run 1 + 3 layers absorbed, then 1 + 3 expanded, timed
+    (CUDA events); the class keeps the faster form, and later u-batches of it run only that one. The 4-layer model
+    needs two 100-token prompts for its class (128 tokens, 128 cells)."""
+    path, tokens, want = lite
+    model = load_model(GGUFFile(path), mla=3)
+    e = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=128)
+    forms = e.executor.latent_forms
+    for _ in range(2):
+        e.truncate(0)
+        e.decode(tokens[:100])
+    trials = forms.explorer.trials[128, 128]
+    assert {k: len(v) for k, v in trials.items()} == {"absorbed": 4, "expanded": 4}
+    chosen = forms.explorer.chosen[128, 128]
+    assert chosen == min(trials, key=lambda k: min(trials[k][1:]))
+    print(f"\n100 tokens over 100 cells: {forms.explorer.why(100, 100)}; kept {chosen}")
+    e.truncate(0)
+    kept = e.decode(tokens[:100], all_logits=True)
+    assert {k: len(v) for k, v in forms.explorer.trials[128, 128].items()} == {"absorbed": 4, "expanded": 4}
+    fixed = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=128)
+    fixed.executor.latent_forms.fixed = _fixed(chosen)
+    assert torch.equal(kept, fixed.decode(tokens[:100], all_logits=True))
 
 
 @pytest.mark.parametrize("mla", [1, 3])
@@ -67,6 +94,7 @@ def test_graph_decoding_equals_eager_decoding(lite, mla):
     for graphs in (True, False):
         e = Engine(model, backend, n_ctx=512)
         e.executor = CudaExecutor(backend, graphs=graphs)
+        e.executor.latent_forms.fixed = _fixed("expanded")  # not timed: both runs take the same form
         out.append(_run(e, tokens))
     assert torch.equal(out[0], out[1])
 
@@ -80,23 +108,22 @@ def test_experts_in_ram_match_the_cpu(lite, policy, ubatch):
            f"-ot exps=CPU {policy} -mla 3 ub {ubatch}")
 
 
-def test_amb_splits_heads_on_the_gpu(lite, monkeypatch):
+def test_amb_splits_heads_on_the_gpu(lite):
     path, tokens, want = lite
-    monkeypatch.setattr(executor, "MLA_EXPAND_CELLS", 0)  # -amb bounds the expanded form only
     model = load_model(GGUFFile(path), mla=3, max_batch_mib=1)  # 6 * 300 * 320 bytes per head: 1 head at a time
     assert model.latent_layers()[0].heads_at_once(300) == 1
-    _check(want, _run(Engine(model, CudaBackend(), n_ctx=512, n_ubatch=512), tokens), "GPU -mla 3 -amb 1")
+    engine = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=512)
+    engine.executor.latent_forms.fixed = _fixed("expanded")  # -amb bounds the expanded form only
+    _check(want, _run(engine, tokens), "GPU -mla 3 -amb 1")
 
 
 @pytest.mark.parametrize("mla,where", [(0, "GPU"), (1, "GPU"), (3, "GPU"), (3, "all=off"), (3, "all=on")])
-def test_prompt_graphs_equal_eager_prompts(lite, monkeypatch, mla, where):
+def test_prompt_graphs_equal_eager_prompts(lite, mla, where):
     """u-batches of 200 tokens replayed as graphs cut at the cache-sized work give the bits of eager ones, all on
-    the GPU and with the experts in RAM (graphs between host steps). Mode 3's crossover is moved so that one
-    recorded shape runs both forms: absorbed over 200 and 400 cells (the first run, eager, then the first replay),
-    expanded over 600 (the second replay): n_kv + 4 * 200 against 1300."""
+    the GPU and with the experts in RAM (graphs between host steps). Mode 3's form is set by a rule under which one
+    recorded shape runs both: absorbed over 200 and 400 cells (the first run, eager, then the first replay),
+    expanded over 600 (the second replay)."""
     path, tokens, _ = lite
-    monkeypatch.setattr(executor, "MLA_EXPAND_CELLS", 1300)
-    assert executor.MLA_TOKEN_WEIGHT == 4
     out = []
     for graphs in (True, False):
         if where == "GPU":
@@ -106,5 +133,6 @@ def test_prompt_graphs_equal_eager_prompts(lite, monkeypatch, mla, where):
                                               n_ctx=1024)
         e = Engine(model, backend, n_ctx=1024, n_ubatch=200, layer_first=False)  # u-batches recorded one by one
         e.executor = CudaExecutor(backend, graphs=graphs)
+        e.executor.latent_forms.fixed = lambda n_tokens, n_kv: "expanded" if n_kv > 500 else "absorbed"
         out.append(e.decode(tokens[:N_PROMPT] * 2, all_logits=True))
     assert torch.equal(out[0], out[1])

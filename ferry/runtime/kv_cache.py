@@ -67,12 +67,11 @@ def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> 
     what = ("the latent and rope key" if cache.v_in_k else "expanded keys and values") if args.kv_lora_rank > 0 else ""
     if what and mla == 3:  # where the prompt form is chosen, and by what
         from ferry.layers.attention import expand_from
-        from ferry.ops.cuda.executor import MLA_EXPAND_CELLS, MLA_TOKEN_WEIGHT
 
         cpu_from = expand_from(args.kv_lora_rank, args.head_dim_k - args.n_rot, args.head_dim_v)
-        what += (f"; a prompt u-batch expands it where measured faster, on a GPU when cells + {MLA_TOKEN_WEIGHT} x "
-                 f"tokens >= {MLA_EXPAND_CELLS} (an H100's crossover), on the CPU from {cpu_from} tokens (fewer "
-                 "multiply-adds); generation attends in latent space")
+        what += ("; a prompt u-batch expands it where faster: on a GPU as timed on the first u-batches of each size "
+                 f"and cache length (powers of two), on the CPU from {cpu_from} tokens (fewer multiply-adds); "
+                 "generation attends in latent space")
     return per_token, f"KV cache: {per_token} bytes per token in {kinds}" + (f" (-mla {mla}: {what})" if what else "")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,23 +17,40 @@ from gguf.constants import GGMLQuantizationType as Q
 
 from ferry.layers.rope import Rope
 from ferry.ops.torch_ops import TorchOps
+from ferry.policy import Explorer
 from ferry.runtime.context import PROMPT_GRAPH_MAX, Batch
 from ferry.runtime.kv_cache import TORCH_TYPES
 
 DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
 PROMPT_GRAPHS_KEPT = 8  # prompt shapes recorded at once
-# -mla 3 on the GPU: a prompt u-batch of n tokens over n_kv cached cells (its own included) runs expanded when
-# n_kv + MLA_TOKEN_WEIGHT * n >= MLA_EXPAND_CELLS, else absorbed. Fitted to session 13's H100 measurement on
-# V2-Lite's shapes (benchmarks/mla_crossover.py, docs/performance.md): absorbing won over short caches at every
-# u-batch to 512, expanding over 4096 cells and more from 16 tokens on, and from about 1.5k cells at 512 tokens.
-# Session 14's grid agreed from 4096 cells on and at 0, and was noisy at 1024 (docs/decisions.md, MLA)
-MLA_EXPAND_CELLS = 4096
-MLA_TOKEN_WEIGHT = 4
 
 
-def mla_expands(n_tokens: int, n_kv: int) -> bool:
-    """Whether -mla 3 runs a u-batch of n_tokens over n_kv cells expanded on the GPU (decode steps never do)."""
-    return n_tokens > DECODE_MAX and n_kv + MLA_TOKEN_WEIGHT * n_tokens >= MLA_EXPAND_CELLS
+class LatentForms:
+    """-mla 3 on a GPU: the form (absorbed or expanded) a prompt u-batch's latent attention takes, measured on this
+    machine and model, as auto measures where experts run (policy.Explorer; classes by the u-batch's and the
+    cache's sizes, powers of two): the first u-batches of a class run `warmup` + `samples` layers in each form,
+    timed by CUDA events, and the faster form is kept for the class. The crossover moves with the GPU, the head
+    count, the cache type and -amb: on one H100 at V2-Lite's shapes, absorbing won over short caches at every
+    u-batch and expanding over 4096 cells and more (docs/performance.md, sessions 13-14). `fixed`: a rule
+    (n_tokens, n_kv) -> form instead of measuring (tests, benchmarks)."""
+
+    def __init__(self, fixed: Callable[[int, int], str] | None = None):
+        self.explorer = Explorer(samples=3)
+        self.fixed = fixed
+
+    def run(self, n_tokens: int, n_kv: int, forms: dict[str, Callable[[], torch.Tensor]]) -> torch.Tensor:
+        if self.fixed is not None:
+            return forms[self.fixed(n_tokens, n_kv)]()
+        form, trial = self.explorer.mode(n_tokens, dict.fromkeys(forms, 1.0), cells=n_kv)
+        if not trial:
+            return forms[form]()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = forms[form]()
+        end.record()
+        end.synchronize()  # a few layers per class wait for their own attention: the next decision needs its time
+        self.explorer.record(n_tokens, form, start.elapsed_time(end) / 1e3, cells=n_kv)
+        return out
 
 
 class CudaOps(TorchOps):
@@ -40,9 +58,10 @@ class CudaOps(TorchOps):
     cache position."""
 
     def __init__(self, backend, batch: Batch, tokens: torch.Tensor, pos: torch.Tensor, cells: torch.Tensor,
-                 tables: dict):
+                 tables: dict, latent_forms: LatentForms):
         super().__init__(backend, batch, tokens)
         self.pos, self.cells, self.tables = pos, cells, tables
+        self.latent_forms = latent_forms
         self._base: torch.Tensor | None = None
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,14 +235,16 @@ class CudaOps(TorchOps):
 
     def mla3(self, attn, q_nope, q_pe, row) -> torch.Tensor:
         """-mla 3: decode steps absorbed (the decode kernel); a prompt u-batch in the form measured faster for its
-        size and the cache length (mla_expands), decided at each run: a recorded prompt graph serves every
-        cache length, so the whole latent attention runs between graphs."""
+        size and the cache length (LatentForms), decided at each run: a recorded prompt graph serves every cache
+        length, so the whole latent attention runs between graphs."""
         n = self.n_tokens
         if n <= DECODE_MAX:
             return attn.absorbed(self, q_nope, q_pe, row)
 
         def faster(q_nope, q_pe, row):
-            return (attn.expanded if mla_expands(n, self.batch.n_kv) else attn.absorbed)(self, q_nope, q_pe, row)
+            forms = {"absorbed": lambda: attn.absorbed(self, q_nope, q_pe, row),
+                     "expanded": lambda: attn.expanded(self, q_nope, q_pe, row)}
+            return self.latent_forms.run(n, self.batch.n_kv, forms)
 
         return self.cache_sized(faster, (q_nope, q_pe, row), (n, attn.n_head * attn.head_dim_v))
 
@@ -350,6 +371,7 @@ class CudaExecutor:
     def __init__(self, backend, graphs: bool | None = None):
         self.backend = backend
         self.device = backend.device
+        self.latent_forms = LatentForms()  # -mla 3's measured prompt forms, kept for this executor's runs
         self.graphs = graphs if graphs is not None else os.environ.get("FERRY_CUDA_GRAPHS", "1") != "0"
         self._tables: dict[tuple[int, int], dict[Rope, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._captured: dict[tuple, _Captured] = {}
@@ -366,7 +388,8 @@ class CudaExecutor:
         return self._tables[key]
 
     def _ops(self, model, batch: Batch, tokens, pos, cells) -> CudaOps:
-        return CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx))
+        return CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx),
+                       self.latent_forms)
 
     def placed_ops(self, model, batch: Batch, tokens: torch.Tensor) -> CudaOps:
         """The op set of an eager step: its tokens, positions and cache cells moved to this GPU."""
