@@ -25,7 +25,7 @@ def main() -> None:
     _, backend, model, _ = open_model(a.model, a.threads, True, a.threads, True, True,
                                       GpuOptions(999, ["exps=CPU"], a.policy), 4096, 512)
     times = {"wait": 0.0, "host": 0.0, "ggml": 0.0, "calls": 0}
-    original, cpu_experts = backend._experts, backend.cpu.moe_experts
+    original = backend._experts
 
     def timed_experts(*args, **kw):
         t0 = time.perf_counter()
@@ -38,13 +38,17 @@ def main() -> None:
         times["calls"] += 1
         return out
 
-    def timed_ggml(*args, **kw):
-        t0 = time.perf_counter()
-        out = cpu_experts(*args, **kw)
-        times["ggml"] += time.perf_counter() - t0
-        return out
+    def timed_ggml(fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            times["ggml"] += time.perf_counter() - t0
+            return out
+        return timed
 
-    backend._experts, backend.cpu.moe_experts = timed_experts, timed_ggml
+    backend._experts = timed_experts
+    for name in ("moe_experts", "moe_up_gate", "moe_down"):  # the whole experts, or a half of each (halves set apart)
+        setattr(backend.cpu, name, timed_ggml(getattr(backend.cpu, name)))
     e = Engine(model, backend, n_ctx=4096, n_batch=512, n_ubatch=512)
     e.decode(torch.randint(0, model.args.n_vocab, (64,)).tolist())
     for _ in range(3):
@@ -63,7 +67,7 @@ def main() -> None:
     print("| --- | ---: | ---: |")
     outside = per_tok - (times["wait"] + times["host"]) / a.n
     for name, v in (("wait for the GPU segment", times["wait"] / a.n), ("host step", times["host"] / a.n),
-                    ("  of which ggml (moe_experts call)", times["ggml"] / a.n), ("outside host steps", outside)):
+                    ("  of which ggml", times["ggml"] / a.n), ("outside host steps", outside)):
         print(f"| {name} | {1e3 * v:.3f} | {1e3 * v / max(calls, 1):.3f} |")
     for size, way in sorted(backend.explorer.chosen.items()):  # auto: what its trials measured and kept
         print(f"auto, u-batches up to {size}: {way} ({backend.explorer.why(size)})")
