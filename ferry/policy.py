@@ -9,7 +9,7 @@ The decision is a pure function of the calibration and the op's shape, so it is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -52,6 +52,11 @@ class Calibration:
             # below the table its first point, inside it interpolated, beyond it compute-bound: linear in tokens
             s = expert_bytes * np.where(t > c[-1], per[-1] * t / c[-1], np.interp(t, c, per))
         return s if np.ndim(tokens) else float(s)
+
+    def gpu_expert_s(self, expert_bytes: float, tokens: np.ndarray, flops_per_token: float) -> np.ndarray:
+        """Each expert's copy over PCIe and its compute on the GPU, for its count of tokens."""
+        return (self.h2d_latency_s + expert_bytes / self.h2d_bytes_per_s
+                + np.maximum(expert_bytes / self.gpu_bytes_per_s, tokens * flops_per_token / self.gpu_flops))
 
 
 # launches' worth of host time a MoE layer's GPU side adds (staging, the expert kernels, the sum): 1.1 ms beyond its
@@ -147,6 +152,11 @@ class ExpertSplit:
     halves: str = ""
 
     @property
+    def cpu_half(self) -> str:
+        """The half the CPU runs when the halves are apart."""
+        return {"up_gate": "down", "down": "up_gate"}.get(self.halves, "")
+
+    @property
     def predicted_s(self) -> float:
         """Both sides at once for a split (their overlap's cost aside); one after the other for halves."""
         return self.gpu_s + self.cpu_s if self.halves else max(self.gpu_s, self.cpu_s)
@@ -168,8 +178,7 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     hot = tokens[hit]
     # each expert's cost, hottest first (numpy: a layer of 128 experts decides in tens of microseconds, per layer)
     on_cpu = calib.cpu_expert_s(expert_bytes, hot, flops_per_token)
-    on_gpu = (calib.h2d_latency_s + expert_bytes / calib.h2d_bytes_per_s
-              + np.maximum(expert_bytes / calib.gpu_bytes_per_s, hot * flops_per_token / calib.gpu_flops))
+    on_gpu = calib.gpu_expert_s(expert_bytes, hot, flops_per_token)
     gpu_fixed = GPU_SIDE_LAUNCHES * calib.launch_s
 
     def split(n_gpu: int, why: str) -> ExpertSplit:
@@ -207,9 +216,7 @@ def _halves(ug: str, down: str, every: ExpertSplit, hot: np.ndarray, expert_byte
         return float(calib.cpu_expert_s(expert_bytes * part, hot, flops_per_token * part).sum())
 
     def gpu_s(part: float) -> float:
-        b = expert_bytes * part
-        per = calib.h2d_latency_s + b / calib.h2d_bytes_per_s + np.maximum(b / calib.gpu_bytes_per_s,
-                                                                          hot * flops_per_token * part / calib.gpu_flops)
+        per = calib.gpu_expert_s(expert_bytes * part, hot, flops_per_token * part)
         return float(per.sum()) + GPU_SIDE_LAUNCHES * calib.launch_s
 
     parts = {"up_gate": share, "down": 1.0 - share}
@@ -231,9 +238,8 @@ def _halves(ug: str, down: str, every: ExpertSplit, hot: np.ndarray, expert_byte
         if on["up_gate"]:
             return ExpertSplit(every.gpu, (), every.gpu_s, 0.0, why)
         return ExpertSplit((), every.gpu, 0.0, cpu_s(1.0), why)
-    on_gpu = "up_gate" if on["up_gate"] else "down"
-    on_cpu = "down" if on_gpu == "up_gate" else "up_gate"
-    return ExpertSplit(every.gpu, every.gpu, gpu_s(parts[on_gpu]), cpu_s(parts[on_cpu]), why, halves=on_gpu)
+    apart = ExpertSplit(every.gpu, every.gpu, 0.0, 0.0, why, halves="up_gate" if on["up_gate"] else "down")
+    return replace(apart, gpu_s=gpu_s(parts[apart.halves]), cpu_s=cpu_s(parts[apart.cpu_half]))
 
 
 def size_class(n_tokens: int) -> int:

@@ -295,7 +295,7 @@ class HybridBackend:
         if trial is not None:
             self._trial = (self.explorer, gate, n, trial, t_decided)
         if self.stats.keep:
-            where = (f"GPU {split.halves} / CPU {'down' if split.halves == 'up_gate' else 'up_gate'}" if split.halves
+            where = (f"GPU {split.halves} / CPU {split.cpu_half}" if split.halves
                      else f"GPU {len(split.gpu)} / CPU {len(split.cpu)}")
             self.stats.add(OpRecord("mul_mat_id", gate.name, n, where, split.predicted_s, self._measured(t0),
                                     split.why, parts))

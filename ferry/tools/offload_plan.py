@@ -39,7 +39,7 @@ def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
             flops = 2.0 * sum(t.ne[0] * t.ne[1] for t in experts)
             share = sum(t.nbytes for t in experts if EXPERTS_RE.match(t.name).group(2) != "down") / (n_expert * expert_bytes)
             s = split_experts(counts, expert_bytes, flops, calib, policy, k, share)
-            where = (f"{s.halves} on the GPU, {'down' if s.halves == 'up_gate' else 'up_gate'} on the CPU, of {hit} hit"
+            where = (f"{s.halves} on the GPU, {s.cpu_half} on the CPU, of {hit} hit"
                      if s.halves else f"GPU {len(s.gpu)} / CPU {len(s.cpu)} of {hit} hit")
             rows.append({"layer": layer, "op": "mul_mat_id", "tensor": f"blk.{layer}.ffn_*_exps",
                          "n_ubatch": n, "where": where,
