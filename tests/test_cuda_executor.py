@@ -66,3 +66,21 @@ def test_the_hybrid_backend_offers_every_backend_call_of_the_gpu_ops():
         assigned = set(re.findall(r"self\.(\w+) = ", inspect.getsource(cls)))  # instance attributes
         missing = sorted(n for n in called if not hasattr(cls, n) and n not in assigned)
         assert not missing, f"{cls.__name__} lacks {missing}"
+
+
+def test_the_timed_latent_forms_report_what_each_class_kept_and_why():
+    """`ferry run --verbose` prints, per (tokens, cells) class, the form -mla 3 kept on the GPU and the times."""
+    from ferry.ops.cuda.executor import LatentForms
+
+    forms = LatentForms()
+    ex = forms.explorer
+    for form, seconds in (("absorbed", [9e-3, 2e-3, 2e-3, 2e-3]), ("expanded", [9e-3, 1e-3, 1e-3, 1e-3])):
+        for t in seconds:
+            assert ex.mode(512, {"absorbed": 1.0, "expanded": 1.0}, cells=5000) == (form, True)
+            ex.record(512, form, t, cells=5000)
+    ex.mode(64, {"absorbed": 1.0, "expanded": 1.0}, cells=64)
+    ex.record(64, "absorbed", 1e-3, cells=64)
+    assert forms.report() == [
+        "-mla 3 prompt form expanded: measured for u-batches up to 512 over up to 8192 cells: absorbed 2.000 ms, "
+        "expanded 1.000 ms",
+        "-mla 3 prompt form for u-batches up to 64 over up to 64 cells: still being timed"]

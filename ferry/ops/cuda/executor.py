@@ -31,7 +31,7 @@ class LatentForms:
     cache's sizes, powers of two): the first u-batches of a class run `warmup` + `samples` layers in each form,
     timed by CUDA events, and the faster form is kept for the class. The crossover moves with the GPU, the head
     count, the cache type and -amb: on one H100 at V2-Lite's shapes, absorbing won over short caches at every
-    u-batch and expanding over 4096 cells and more (docs/performance.md, sessions 13-14). `fixed`: a rule
+    u-batch and expanding over 4096 cells and more (docs/performance.md, sessions 13-15). `fixed`: a rule
     (n_tokens, n_kv) -> form instead of measuring (tests, benchmarks)."""
 
     def __init__(self, fixed: Callable[[int, int], str] | None = None):
@@ -51,6 +51,14 @@ class LatentForms:
         end.synchronize()  # a few layers per class wait for their own attention: the next decision needs its time
         self.explorer.record(n_tokens, form, start.elapsed_time(end) / 1e3, cells=n_kv)
         return out
+
+    def report(self) -> list[str]:
+        """One line per class timed so far: the form kept (or that it is still being timed) and the times behind it
+        (`ferry run --verbose`)."""
+        ex = self.explorer
+        return [f"-mla 3 prompt form {ex.chosen[key]}: {ex.why(*key)}" if key in ex.chosen else
+                f"-mla 3 prompt form for u-batches up to {key[0]} over up to {key[1]} cells: still being timed"
+                for key in ex.trials]
 
 
 class CudaOps(TorchOps):
