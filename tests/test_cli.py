@@ -93,6 +93,23 @@ def test_info_says_which_cpu_tensors_are_repacked(tiny):
     assert "never offloaded" in r.stdout
 
 
+def test_a_transformers_without_a_converter_for_the_architecture_says_which_version_to_install(monkeypatch, tiny):
+    """transformers 4.x keys its GGUF tokenizer converters by architecture (no deepseek2 there): a user error naming
+    the version ferry is tested with, not 'not supported'."""
+    import ferry.tokenizer as tokenizer
+    from ferry.errors import FerryError
+    from ferry.gguf.file import GGUFFile
+
+    f = GGUFFile(tiny)
+
+    def by_architecture(architecture, meta):
+        raise KeyError(architecture)
+
+    monkeypatch.setattr(tokenizer, "_converter", lambda: by_architecture)
+    with pytest.raises(FerryError, match=f"builds no tokenizer for '{f.architecture}' files.*transformers==5.23"):
+        tokenizer.Tokenizer(f)
+
+
 def test_a_transformers_without_the_tokenizer_converter_is_one_clear_error(monkeypatch):
     from ferry.errors import FerryError
     from ferry.tokenizer import _converter
