@@ -261,6 +261,9 @@ class Explorer:
     samples: int = 2
     margin: float = 3.0
     warmup: int = 1
+    # the ways one layer each in turn instead of in a row: for work that leaves nothing to the next layer (-mla 3's
+    # forms), so that a slow start (a process's first u-batch) falls on every way alike
+    alternate: bool = False
     trials: dict[int | tuple[int, int], dict[str, list[float]]] = field(default_factory=dict)
     chosen: dict[int | tuple[int, int], str] = field(default_factory=dict)
 
@@ -281,7 +284,8 @@ class Explorer:
         if len(trials) == 1:
             self.chosen[size] = next(iter(trials))
             return self.chosen[size], False
-        return next(k for k, v in trials.items() if len(v) < self._needed(n_tokens)), True
+        pending = [k for k, v in trials.items() if len(v) < self._needed(n_tokens)]
+        return (min(pending, key=lambda k: len(trials[k])) if self.alternate else pending[0]), True
 
     def record(self, n_tokens: int, mode: str, seconds: float, cells: int | None = None) -> None:
         size = self.key(n_tokens, cells)

@@ -265,7 +265,7 @@ def test_work_that_grows_with_the_cache_is_measured_per_u_batch_and_cache_size_c
     cache starts its own trials and a cache within the same class keeps the choice."""
     from ferry.policy import Explorer
 
-    e = Explorer(samples=1, warmup=0)
+    e = Explorer(samples=1, warmup=0, alternate=True)
     forms = {"absorbed": 1.0, "expanded": 1.0}  # no prediction: both are tried
     for n_kv, times in ((700, {"absorbed": 1.0, "expanded": 2.0}), (5000, {"absorbed": 3.0, "expanded": 2.0})):
         for form in ("absorbed", "expanded"):
@@ -275,3 +275,17 @@ def test_work_that_grows_with_the_cache_is_measured_per_u_batch_and_cache_size_c
     assert e.mode(300, forms, cells=1000) == ("absorbed", False) and e.mode(512, forms, cells=8000)[0] == "expanded"
     assert e.mode(512, forms, cells=2000)[1] and e.mode(64, forms, cells=700)[1]  # other classes: trials
     assert "u-batches up to 512 over up to 8192 cells: absorbed 3000.000 ms, expanded 2000.000 ms" in e.why(512, 5000)
+
+
+def test_ways_taken_in_turn_spread_a_slow_start_over_each_of_them():
+    from ferry.policy import Explorer
+
+    e = Explorer(samples=2, warmup=1, alternate=True)
+    ways = []
+    for t in (9.0, 8.0, 2.0, 1.0, 2.0, 1.0):  # a slow start, then absorbed 2 and expanded 1 per layer
+        way, trial = e.mode(512, {"absorbed": 1.0, "expanded": 1.0}, cells=4096)
+        assert trial
+        ways.append(way)
+        e.record(512, way, t, cells=4096)
+    assert ways == ["absorbed", "expanded"] * 3 and e.chosen[512, 4096] == "expanded"
+
