@@ -107,7 +107,8 @@ class Tokenizer:
         try:
             self._tok, _ = convert_gguf_tokenizer(f.architecture, meta)
         except KeyError as e:
-            if e.args and e.args[0] == f.architecture:  # transformers 4.x looks converters up by architecture
+            # older transformers (5.17 on the GPU machine) look their converters up by architecture
+            if e.args and e.args[0] == f.architecture:
                 import transformers
 
                 raise FerryError(f"{f.path}: transformers {transformers.__version__} builds no tokenizer for "

@@ -94,8 +94,8 @@ def test_info_says_which_cpu_tensors_are_repacked(tiny):
 
 
 def test_a_transformers_without_a_converter_for_the_architecture_says_which_version_to_install(monkeypatch, tiny):
-    """transformers 4.x keys its GGUF tokenizer converters by architecture (no deepseek2 there): a user error naming
-    the version ferry is tested with, not 'not supported'."""
+    """Older transformers (5.17) key their GGUF tokenizer converters by architecture (no deepseek2 there): an error
+    naming the version ferry is tested with, not 'not supported'."""
     import ferry.tokenizer as tokenizer
     from ferry.errors import FerryError
     from ferry.gguf.file import GGUFFile
