@@ -223,12 +223,15 @@ class CudaBackend:
         return kernels.moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights)
 
     def pair_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str) -> torch.Tensor:
-        """act(gate . x) * (up . x) of each (token, slot) pair, (n * k, n_ff) float16 in pair order: the experts'
-        first half when the second runs on the CPU (the hybrid runtime, moe_up_gate and moe_down set apart).
-        x (n, n_embd), ids (n, k) on the GPU; gate / up stacked Splits. The grouped GEMM at every size."""
+        """act(gate . x) * (up . x) of each (token, slot) pair, (n * k, n_ff) in pair order (float32 for few pairs,
+        float16 for many): the experts' first half when the second runs on the CPU (the hybrid runtime, moe_up_gate
+        and moe_down set apart). x (n, n_embd), ids (n, k) on the GPU; gate / up stacked Splits. Expert GEMVs for
+        few pairs (one launch), else the grouped GEMM, whose schedule is two dozen small torch ops."""
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
+        if n * k <= MOE_GEMV_MAX and self.moe_strategy in ("auto", "gemv"):
+            return kernels.moe_gate_up_gemv(x, ids, gate, up, act)
         block = kernels.moe_tile_rows(n * k, gate.ne[2])
         sched = kernels.moe_tiles(ids, gate.ne[2], block)
         order = sched[0].to(torch.int32)
@@ -241,6 +244,8 @@ class CudaBackend:
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
+        if n * k <= MOE_GEMV_MAX and self.moe_strategy in ("auto", "gemv"):
+            return kernels.moe_down_gemv(h, ids, weights, down)
         block = kernels.moe_tile_rows(n * k, down.ne[2])
         sched = kernels.moe_tiles(ids, down.ne[2], block)
         order = sched[0].to(torch.int32)

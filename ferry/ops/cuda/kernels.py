@@ -574,22 +574,45 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Sp
     """The routed experts of few tokens: x (n, n_embd), ids / weights (n, n_used) on the GPU; gate/up/down the
     stacked expert tensors. Returns (n, n_embd) float32, plus `residual` (n, n_embd) when given. config: (rows per
     program, columns per step, warps)."""
+    h = moe_gate_up_gemv(x, ids, gate, up, act, config)
+    if wait_down is not None:  # the down projection's weights are still being copied
+        torch.cuda.current_stream(x.device).wait_event(wait_down)
+    return moe_down_gemv(h, ids, weights, down, residual, config)
+
+
+def _moe_gemv_config(n_ff: int, pairs: int) -> tuple[int, int, int]:
+    # the fastest of sweeps on an H100 / H200 at Qwen3-30B-A3B's (first) and DeepSeek-V2-Lite's (second) expert shapes
+    return (8, 256, 4) if n_ff * pairs < 8192 else (8, 512, 2)
+
+
+def moe_gate_up_gemv(x: torch.Tensor, ids: torch.Tensor, gate: Split, up: Split, act: str,
+                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The experts' first half for few tokens: act(gate . x) * (up . x) of each (token, slot) pair, (n * n_used,
+    n_ff) float32 in pair order."""
     n, n_used = ids.shape
     n_embd, n_ff = gate.ne[0], gate.ne[1]
-    # the fastest of sweeps on an H100 / H200 at Qwen3-30B-A3B's (first) and DeepSeek-V2-Lite's (second) expert shapes
-    br, bk, warps = config or ((8, 256, 4) if n_ff * n * n_used < 8192 else (8, 512, 2))
+    br, bk, warps = config or _moe_gemv_config(n_ff, n * n_used)
     x = x.float().contiguous()
     ids = ids.to(torch.int32).contiguous()
     h = torch.empty(n * n_used, n_ff, dtype=torch.float32, device=x.device)
-    kind = GEMV_KINDS[gate.qtype]
     _moe_gate_up[(triton.cdiv(n_ff, br), n * n_used)](gate.qs, gate.d, up.qs, up.d, x, ids, h, n_ff, n_embd, n_used,
-                                                       KIND=kind, ACT=ACTS[act], BR=br, BK=bk, num_warps=warps)
-    y = torch.empty(n * n_used, n_embd, dtype=torch.float32, device=x.device)
-    if wait_down is not None:  # the down projection's weights are still being copied
-        torch.cuda.current_stream(x.device).wait_event(wait_down)
-    _moe_down[(triton.cdiv(n_embd, br), n * n_used)](down.qs, down.d, h, ids, weights.float().contiguous(), y, n_embd,
-                                                      n_ff, KIND=GEMV_KINDS[down.qtype], BR=br, BK=bk,
-                                                      num_warps=warps)
+                                                       KIND=GEMV_KINDS[gate.qtype], ACT=ACTS[act], BR=br, BK=bk,
+                                                       num_warps=warps)
+    return h
+
+
+def moe_down_gemv(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: Split,
+                  residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The experts' second half for few tokens: h (n * n_used, n_ff) in pair order -> each token's router-weighted
+    sum of down . h over its slots, (n, n_embd) float32 (plus `residual` when given)."""
+    n, n_used = ids.shape
+    n_ff, n_embd = down.ne[0], down.ne[1]
+    br, bk, warps = config or _moe_gemv_config(n_ff, n * n_used)
+    ids = ids.to(torch.int32).contiguous()
+    y = torch.empty(n * n_used, n_embd, dtype=torch.float32, device=h.device)
+    _moe_down[(triton.cdiv(n_embd, br), n * n_used)](down.qs, down.d, h.float().contiguous(), ids,
+                                                      weights.float().contiguous(), y, n_embd, n_ff,
+                                                      KIND=GEMV_KINDS[down.qtype], BR=br, BK=bk, num_warps=warps)
     if n_used == 1 and residual is None:
         return y
     return sum_pairs(y, n_used, residual)
