@@ -26,6 +26,23 @@ def test_decode_steps_are_recorded_from_their_first_run_and_prompts_from_their_s
     assert not _step(ex, PROMPT_GRAPH_MAX + 1) and not _step(ex, PROMPT_GRAPH_MAX + 1)  # bound by its kernels
 
 
+def test_a_benchmark_warms_up_again_only_where_the_next_run_records_a_prompt_shape():
+    """ferry bench's warm-up (tools/bench.measure): a prompt of one 512-token u-batch runs eagerly first and records
+    on its second run, which must not be a timed one; shapes already recorded, decode steps and shapes past
+    PROMPT_GRAPH_MAX leave nothing to record."""
+    ex = _executor()
+    _step(ex, 1)
+    _step(ex, PROMPT_GRAPH_MAX + 1)
+    assert not ex.will_record()
+    _step(ex, 512)
+    assert ex.will_record()
+    _step(ex, 512)  # recorded
+    assert not ex.will_record()
+    eager = _executor(graphs=False)
+    _step(eager, 512)
+    assert not eager.will_record()
+
+
 def test_nothing_is_recorded_without_graphs_or_where_the_backend_needs_the_host():
     for ex in (_executor(graphs=False), _executor(graph_safe=False)):
         assert not _step(ex, 1) and not _step(ex, 64) and not _step(ex, 64)

@@ -23,6 +23,7 @@ from ferry.runtime.kv_cache import TORCH_TYPES
 
 DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
 PROMPT_GRAPHS_KEPT = 8  # prompt shapes recorded at once
+PROMPT_RECORDED_AT = 2  # the run of a prompt shape that records it as CUDA graphs (the first runs eagerly)
 
 
 class LatentForms:
@@ -403,6 +404,11 @@ class CudaExecutor:
         """The op set of an eager step: its tokens, positions and cache cells moved to this GPU."""
         return self._ops(model, batch, *(t.to(self.device) for t in (tokens, batch.positions, batch.cells)))
 
+    def will_record(self) -> bool:
+        """Whether a prompt shape has run but is not recorded yet, and will record its CUDA graphs when it runs
+        again: a one-time cost a benchmark's warm-up should take (as llama-bench's takes llama.cpp's)."""
+        return any(runs < PROMPT_RECORDED_AT and key not in self._captured for key, runs in self._prompt_runs.items())
+
     def _recorded(self, key: tuple, n_tokens: int) -> bool:
         """Whether this step runs as graphs: decode steps always, prompt u-batches from their shape's second run.
         At most PROMPT_GRAPHS_KEPT prompt shapes stay recorded (a server meets many prompt tails): recording
@@ -416,7 +422,7 @@ class CudaExecutor:
             self._captured[key] = self._captured.pop(key)  # the most recently replayed last
             return True
         self._prompt_runs[key] = self._prompt_runs.get(key, 0) + 1
-        if self._prompt_runs[key] < 2:
+        if self._prompt_runs[key] < PROMPT_RECORDED_AT:
             return False
         prompts = [k for k in self._captured if k[2] > DECODE_MAX]
         if len(prompts) >= PROMPT_GRAPHS_KEPT:
