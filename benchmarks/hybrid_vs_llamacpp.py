@@ -58,6 +58,7 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
                 and not (label != policy and not p)]  # generation has one token per batch: no order to choose
         samples: dict[str, list[float]] = {label: [] for _, label in runs}
         copied: dict[str, int] = dict.fromkeys(samples, 0)
+        n_runs: dict[str, int] = dict.fromkeys(samples, 0)  # warm-up and timed runs: what the copies are spread over
         hits: dict[str, list[int]] = {}
         for _ in range(reps if interleave else 1):
             for policy, label in runs:
@@ -65,13 +66,14 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
                 backend.explorer = explorers[label]
                 backend.layer_first = layer_first and not label.endswith("ubatch-first")  # read by each Engine
                 before = backend.streamer.bytes_copied
-                got, hits[label] = measure(model, backend, p, n, p or 512, ub, 1 if interleave else reps)
+                got, hits[label], warmups = measure(model, backend, p, n, p or 512, ub, 1 if interleave else reps)
                 samples[label] += got
                 copied[label] += backend.streamer.bytes_copied - before
+                n_runs[label] += warmups + len(got)
         for policy, label in runs:
             got, hit = samples[label], hits[label]
             avg = sum(got) / len(got)
-            per_run = copied[label] / (2 * reps if interleave else reps + 1)  # the warm-up runs and the timed ones
+            per_run = copied[label] / n_runs[label]
             row = {"samples_ts": got, "avg_ts": avg,
                    "stddev_ts": (sum((s - avg) ** 2 for s in got) / max(len(got) - 1, 1)) ** 0.5,
                    "experts_hit": hit, "copied_gb_per_run": per_run / 1e9,

@@ -186,16 +186,18 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
                            float(on_gpu[:n_gpu].sum()) + (gpu_fixed if n_gpu else 0.0), float(on_cpu[n_gpu:].sum()),
                            why)
 
-    need = policy.min_batch * len(counts) / max(n_expert_used, 1)
-    threshold = f"threshold: batch {n_tokens} {'>=' if n_tokens >= need else '<'} {need:g}"
+    threshold = None  # (on, why) under llama.cpp's rule
+    if policy.mode == "threshold":
+        need = policy.min_batch * len(counts) / max(n_expert_used, 1)
+        threshold = n_tokens >= need, f"threshold: batch {n_tokens} {'>=' if n_tokens >= need else '<'} {need:g}"
     ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
     if ug != down:
-        return _halves(ug, down, split(len(hit), ""), hot, expert_bytes, flops_per_token, up_gate_share, calib,
-                       (n_tokens >= need, threshold) if policy.mode == "threshold" else None)
+        return _halves({"up_gate": ug, "down": down}, split(len(hit), ""), split(0, ""), hot, expert_bytes,
+                       flops_per_token, up_gate_share, calib, threshold)
     if ug != "auto":
         return split(len(hit) if ug == "on" else 0, f"mul_mat_id={ug} (override)")
-    if policy.mode == "threshold":
-        return split(len(hit) if n_tokens >= need else 0, threshold)
+    if threshold:
+        return split(len(hit) if threshold[0] else 0, threshold[1])
     # the hottest i experts on the GPU, for each i: the slower side, plus what overlapping does not hide of the other
     gpu_total = gpu_fixed + np.cumsum(on_gpu)
     cpu_total = on_cpu.sum() - np.cumsum(on_cpu)
@@ -206,12 +208,13 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
                                                        f"predicted GPU {1e3 * s.gpu_s:.3f} ms, CPU {1e3 * s.cpu_s:.3f} ms")
 
 
-def _halves(ug: str, down: str, every: ExpertSplit, hot: np.ndarray, expert_bytes: float, flops_per_token: float,
-            share: float, calib: Calibration, threshold: tuple[bool, str] | None) -> ExpertSplit:
-    """moe_up_gate and moe_down set differently: every expert hit's two halves where the settings say, one after
-    the other, the rows between them crossing PCIe. A half left at auto goes where the threshold rule (when
-    `threshold` is (on, why)) or the prediction puts it: beside its other half (the experts move whole) or apart.
-    `every`: all experts hit on the GPU, whole."""
+def _halves(settings: dict[str, str], all_gpu: ExpertSplit, all_cpu: ExpertSplit, hot: np.ndarray,
+            expert_bytes: float, flops_per_token: float, share: float, calib: Calibration,
+            threshold: tuple[bool, str] | None) -> ExpertSplit:
+    """moe_up_gate and moe_down set differently (`settings`: half -> on / off / auto): every expert hit's two halves
+    where the settings say, one after the other, the rows between them crossing PCIe. A half left at auto goes where
+    the threshold rule (when `threshold` is (on, why)) or the prediction puts it: beside its other half (the experts
+    move whole: all_gpu or all_cpu) or apart."""
     def cpu_s(part: float) -> float:
         return float(calib.cpu_expert_s(expert_bytes * part, hot, flops_per_token * part).sum())
 
@@ -220,25 +223,23 @@ def _halves(ug: str, down: str, every: ExpertSplit, hot: np.ndarray, expert_byte
         return float(per.sum()) + GPU_SIDE_LAUNCHES * calib.launch_s
 
     parts = {"up_gate": share, "down": 1.0 - share}
-    fixed = "up_gate" if ug != "auto" else "down"
-    other = "down" if fixed == "up_gate" else "up_gate"
-    on = {"up_gate": ug == "on", "down": down == "on"}
-    why = f"moe_up_gate={ug}, moe_down={down} (override)"
-    if (ug if other == "up_gate" else down) == "auto":
+    on = {half: s == "on" for half, s in settings.items()}
+    why = f"moe_up_gate={settings['up_gate']}, moe_down={settings['down']} (override)"
+    other = next((half for half, s in settings.items() if s == "auto"), None)  # at most one: the two differ
+    if other is not None:
+        fixed = "down" if other == "up_gate" else "up_gate"
         if threshold:
             on[other], rule = threshold
         else:
             apart = (gpu_s(parts[fixed]) + cpu_s(parts[other]) if on[fixed] else
                      cpu_s(parts[fixed]) + gpu_s(parts[other]))
-            whole = gpu_s(1.0) if on[fixed] else cpu_s(1.0)
+            whole = all_gpu.gpu_s if on[fixed] else all_cpu.cpu_s
             on[other] = on[fixed] == (whole <= apart)
             rule = f"auto: predicted {1e3 * whole:.3f} ms beside it, {1e3 * apart:.3f} ms apart"
         why += f"; {other}: {rule}"
     if on["up_gate"] == on["down"]:
-        if on["up_gate"]:
-            return ExpertSplit(every.gpu, (), every.gpu_s, 0.0, why)
-        return ExpertSplit((), every.gpu, 0.0, cpu_s(1.0), why)
-    apart = ExpertSplit(every.gpu, every.gpu, 0.0, 0.0, why, halves="up_gate" if on["up_gate"] else "down")
+        return replace(all_gpu if on["up_gate"] else all_cpu, why=why)
+    apart = ExpertSplit(all_gpu.gpu, all_gpu.gpu, 0.0, 0.0, why, halves="up_gate" if on["up_gate"] else "down")
     return replace(apart, gpu_s=gpu_s(parts[apart.halves]), cpu_s=cpu_s(parts[apart.cpu_half]))
 
 

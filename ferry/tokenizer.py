@@ -106,16 +106,14 @@ class Tokenizer:
         self.tokens: list[str] = meta["tokens"]
         try:
             self._tok, _ = convert_gguf_tokenizer(f.architecture, meta)
-        except KeyError as e:
+        except (ValueError, KeyError) as e:
             # older transformers (5.17 on the GPU machine) look their converters up by architecture
-            if e.args and e.args[0] == f.architecture:
+            if isinstance(e, KeyError) and e.args and e.args[0] == f.architecture:
                 import transformers
 
                 raise FerryError(f"{f.path}: transformers {transformers.__version__} builds no tokenizer for "
                                  f"'{f.architecture}' files; install the version ferry is tested with "
                                  "(pip install transformers==5.23.*)") from None
-            raise FerryError(f"{f.path}: cannot build its tokenizer ({e}); this tokenizer type is not supported yet") from None
-        except ValueError as e:
             raise FerryError(f"{f.path}: cannot build its tokenizer ({e}); this tokenizer type is not supported yet") from None
         types = meta.get("token_type") or []
         kinds = {3: True, 4: False}  # llama.cpp's control (special) and user-defined tokens: matched in the text whole

@@ -384,7 +384,6 @@ class HybridBackend:
         n, k = ids.shape
         stream = torch.cuda.current_stream(self.device)
         layer, hit = (gate, up, down), list(split.gpu)
-        t1 = time.perf_counter()
         if split.halves == "up_gate":  # the GPU first; ggml's down projections sum each token's slots
             (g, _), (u, done) = self._staged_experts(layer, hit, slice(0, 2))
             stream.wait_event(done)
@@ -395,6 +394,7 @@ class HybridBackend:
             out = y.to(self.device, non_blocking=True)
         else:  # ggml first, while the down projections are copied; then the GPU's
             ((dn, done),) = self._staged_experts(layer, hit, slice(2, 3))
+            t1 = time.perf_counter()
             h = self.cpu.moe_up_gate(x.float().cpu() if x_host is None else x_host, ids_host, up, gate, act)
             h = h.view(n * k, -1).to(self.device, non_blocking=True)
             stream.wait_event(done)

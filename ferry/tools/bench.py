@@ -80,9 +80,9 @@ class BenchRow:
 
 
 def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, type_k: str = "f16",
-            type_v: str = "f16", n_depth: int = 0, seed: int = 0) -> tuple[list[float], list[int]]:
+            type_v: str = "f16", n_depth: int = 0, seed: int = 0) -> tuple[list[float], list[int], int]:
     """tokens/s of `reps` runs after a warm-up run (two where the second records a prompt shape's CUDA graphs: a
-    prompt of one u-batch on a GPU), and the experts hit per layer in the first timed u-batch."""
+    prompt of one u-batch on a GPU), the experts hit per layer in the first timed u-batch, and the warm-up runs."""
     from ferry.runtime.engine import Engine
 
     engine = Engine(model, backend, n_ctx=n_depth + n_prompt + n_gen + 1, n_batch=n_batch, n_ubatch=n_ubatch,
@@ -105,10 +105,12 @@ def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: i
         return (n_prompt + n_gen) / (time.perf_counter() - t0)
 
     once()
+    warmups = 1
     if getattr(engine.executor, "will_record", lambda: False)():
         once()
+        warmups += 1
     samples = [once() for _ in range(reps)]
-    return samples, (engine.experts_hit[0] if engine.experts_hit and n_prompt else [])
+    return samples, (engine.experts_hit[0] if engine.experts_hit and n_prompt else []), warmups
 
 
 def parse_pairs(flag: str, texts: list[str]) -> list[tuple[int, int]]:
@@ -148,7 +150,7 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
                            repack and backend.name != "CUDA", type_k,
                            type_v, p, n, d, mla=model.use_mla(mode, amb))
             row.layer_first = bool(getattr(backend, "layer_first", False)) and min(p, b) > min(ub, b)
-            row.samples_ts, row.experts_hit = measure(model, backend, p, n, b, ub, reps, type_k, type_v, d)
+            row.samples_ts, row.experts_hit, _ = measure(model, backend, p, n, b, ub, reps, type_k, type_v, d)
             rows.append(row)
             if on_row:
                 on_row(row)

@@ -37,7 +37,8 @@ def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
             counts = [per] * hit + [0] * (n_expert - hit)
             expert_bytes = sum(t.nbytes for t in experts) / n_expert
             flops = 2.0 * sum(t.ne[0] * t.ne[1] for t in experts)
-            share = sum(t.nbytes for t in experts if EXPERTS_RE.match(t.name).group(2) != "down") / (n_expert * expert_bytes)
+            by_role = {EXPERTS_RE.match(t.name).group(2): t.nbytes for t in experts}
+            share = 1.0 - by_role["down"] / sum(by_role.values())  # gate and up's part
             s = split_experts(counts, expert_bytes, flops, calib, policy, k, share)
             where = (f"{s.halves} on the GPU, {s.cpu_half} on the CPU, of {hit} hit"
                      if s.halves else f"GPU {len(s.gpu)} / CPU {len(s.cpu)} of {hit} hit")

@@ -196,6 +196,19 @@ class CudaBackend:
         out = (y.view(n, k, -1) * weights[..., None]).sum(1)
         return out if residual is None else residual + out
 
+    def _gemv_pairs(self, pairs: int) -> bool:
+        """Whether this many (token, expert) pairs run as expert GEMVs rather than the grouped GEMM."""
+        return pairs <= MOE_GEMV_MAX and self.moe_strategy in ("auto", "gemv")
+
+    @staticmethod
+    def _schedule(ids: torch.Tensor, n_expert: int):
+        """The grouped GEMM's tile height, its schedule (kernels.moe_tiles) and the pairs' order by expert (int32)."""
+        from ferry.ops.cuda import kernels
+
+        block = kernels.moe_tile_rows(ids.numel(), n_expert)
+        sched = kernels.moe_tiles(ids, n_expert, block)
+        return block, sched, sched[0].to(torch.int32)
+
     def expert_pairs(self, x: torch.Tensor, ids: torch.Tensor, gate, up, down, act: str,
                      wait_down: torch.cuda.Event | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Each (token, slot) pair's expert output, times its router weight when `weights` (n, k) is given,
@@ -206,16 +219,13 @@ class CudaBackend:
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
-        n_expert = gate.ne[2]
         pair_weights = None if weights is None else weights.float().reshape(-1).contiguous()
-        if n * k <= MOE_GEMV_MAX and self.moe_strategy in ("auto", "gemv"):
+        if self._gemv_pairs(n * k):
             if pair_weights is None:
                 pair_weights = torch.ones(n * k, dtype=torch.float32, device=x.device)
             xs = x.float()[torch.arange(n, device=x.device).repeat_interleave(k)] if k > 1 else x
             return kernels.moe_gemv(xs, ids.reshape(-1, 1), pair_weights.view(-1, 1), gate, up, down, act, wait_down)
-        block = kernels.moe_tile_rows(n * k, n_expert)
-        sched = kernels.moe_tiles(ids, n_expert, block)
-        order = sched[0].to(torch.int32)
+        block, sched, order = self._schedule(ids, gate.ne[2])
         h = kernels.moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
                            rows_from=torch.div(order, k, rounding_mode="floor"))
         if wait_down is not None:
@@ -230,11 +240,9 @@ class CudaBackend:
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
-        if n * k <= MOE_GEMV_MAX and self.moe_strategy in ("auto", "gemv"):
+        if self._gemv_pairs(n * k):
             return kernels.moe_gate_up_gemv(x, ids, gate, up, act)
-        block = kernels.moe_tile_rows(n * k, gate.ne[2])
-        sched = kernels.moe_tiles(ids, gate.ne[2], block)
-        order = sched[0].to(torch.int32)
+        block, sched, order = self._schedule(ids, gate.ne[2])
         return kernels.moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
                               rows_from=torch.div(order, k, rounding_mode="floor"), rows_to=order)
 
@@ -244,11 +252,9 @@ class CudaBackend:
         from ferry.ops.cuda import kernels
 
         n, k = ids.shape
-        if n * k <= MOE_GEMV_MAX and self.moe_strategy in ("auto", "gemv"):
+        if self._gemv_pairs(n * k):
             return kernels.moe_down_gemv(h, ids, weights, down)
-        block = kernels.moe_tile_rows(n * k, down.ne[2])
-        sched = kernels.moe_tiles(ids, down.ne[2], block)
-        order = sched[0].to(torch.int32)
+        block, sched, order = self._schedule(ids, down.ne[2])
         y = kernels.moe_mm(h.to(torch.float16), down, sched, torch.float32, block, rows_from=order, rows_to=order,
                            row_scale=weights.float().reshape(-1).contiguous())
         return y.view(n, k, -1).sum(1)

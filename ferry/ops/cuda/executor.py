@@ -30,10 +30,10 @@ class LatentForms:
     """-mla 3 on a GPU: the form (absorbed or expanded) a prompt u-batch's latent attention takes, measured on this
     machine and model, as auto measures where experts run (policy.Explorer; classes by the u-batch's and the
     cache's sizes, powers of two): the first u-batches of a class run `warmup` + `samples` layers in each form,
-    one layer each in turn, timed by CUDA events, and the faster form is kept for the class. The crossover moves with the GPU, the head
-    count, the cache type and -amb: on one H100 at V2-Lite's shapes, absorbing won over short caches at every
-    u-batch and expanding over 4096 cells and more (docs/performance.md, sessions 13-15). `fixed`: a rule
-    (n_tokens, n_kv) -> form instead of measuring (tests, benchmarks)."""
+    one layer each in turn, timed by CUDA events, and the faster form is kept for the class. The crossover moves
+    with the GPU, the head count, the cache type and -amb: on one H100 at V2-Lite's shapes, absorbing won over
+    short caches at every u-batch and expanding over 4096 cells and more (docs/performance.md, sessions 13-15).
+    `fixed`: a rule (n_tokens, n_kv) -> form instead of measuring (tests, benchmarks)."""
 
     def __init__(self, fixed: Callable[[int, int], str] | None = None):
         self.explorer = Explorer(samples=3, alternate=True)
