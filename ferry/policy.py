@@ -186,10 +186,7 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
                            float(on_gpu[:n_gpu].sum()) + (gpu_fixed if n_gpu else 0.0), float(on_cpu[n_gpu:].sum()),
                            why)
 
-    threshold = None  # (on, why) under llama.cpp's rule
-    if policy.mode == "threshold":
-        need = policy.min_batch * len(counts) / max(n_expert_used, 1)
-        threshold = n_tokens >= need, f"threshold: batch {n_tokens} {'>=' if n_tokens >= need else '<'} {need:g}"
+    threshold = _threshold(policy, n_tokens, len(counts), n_expert_used)
     ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
     if ug != down:
         return _halves({"up_gate": ug, "down": down}, split(len(hit), ""), split(0, ""), hot, expert_bytes,
@@ -206,6 +203,27 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     s = split(best, "")
     return ExpertSplit(s.gpu, s.cpu, s.gpu_s, s.cpu_s, f"auto: {len(s.gpu)} of {len(hit)} experts hit to the GPU, "
                                                        f"predicted GPU {1e3 * s.gpu_s:.3f} ms, CPU {1e3 * s.cpu_s:.3f} ms")
+
+
+def _threshold(policy: Policy, n_tokens: int, n_expert: int, n_expert_used: int) -> tuple[bool, str] | None:
+    """(whether the experts go to the GPU, why) under llama.cpp's rule in threshold mode; None in auto mode."""
+    if policy.mode != "threshold":
+        return None
+    need = policy.min_batch * n_expert / max(n_expert_used, 1)
+    return n_tokens >= need, f"threshold: batch {n_tokens} {'>=' if n_tokens >= need else '<'} {need:g}"
+
+
+def experts_fixed_side(policy: Policy, n_tokens: int, n_expert: int, n_expert_used: int) -> str | None:
+    """"gpu" or "cpu" where the policy alone puts every routed expert of a u-batch of n_tokens on one side (both
+    halves set alike, or llama.cpp's rule where they are left at auto in threshold mode), so that no prediction need
+    run; None where auto decides or the halves go apart."""
+    ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
+    if ug != down:
+        return None
+    if ug != "auto":
+        return "gpu" if ug == "on" else "cpu"
+    rule = _threshold(policy, n_tokens, n_expert, n_expert_used)
+    return None if rule is None else ("gpu" if rule[0] else "cpu")
 
 
 def _halves(settings: dict[str, str], all_gpu: ExpertSplit, all_cpu: ExpertSplit, hot: np.ndarray,

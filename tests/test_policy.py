@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ferry.errors import FerryError
-from ferry.policy import Calibration, decide, experts_hit, parse_policy, split_experts
+from ferry.policy import Calibration, decide, experts_fixed_side, experts_hit, parse_policy, split_experts
 
 # qwen3-30b-a3b's experts: 768 x 2048 Q4_0 (0.5625 bytes per weight), 128 experts, 8 used
 EXPERT = dict(rows=768, cols=2048, bytes_per_weight=0.5625, n_expert=128, n_expert_used=8)
@@ -165,6 +165,22 @@ def test_a_half_left_at_auto_follows_the_threshold_rule_in_threshold_mode():
     s = _split(big, FAST_PCIE, "threshold,moe_up_gate=on")
     assert not s.halves and len(s.gpu) == 128 and "threshold: batch 4096 >= 512" in s.why
     assert _split(big, FAST_PCIE, "threshold,moe_up_gate=off").halves == "down"
+
+
+@pytest.mark.parametrize("text, tokens, side", [
+    ("all=off", 4096, "cpu"), ("mul_mat_id=on", 1, "gpu"), ("moe_up_gate=on,moe_down=on", 1, "gpu"),
+    ("threshold", 1, "cpu"), ("threshold", 511, "cpu"), ("threshold", 512, "gpu"),
+    ("threshold,mul_mat_id=on", 1, "gpu"), ("threshold,moe_down=off", 4096, None),  # the halves apart
+    ("auto", 1, None), ("auto", 4096, None), ("moe_up_gate=off", 1, None)])
+def test_the_side_a_policy_fixes_without_a_prediction(text, tokens, side):
+    # generation's host step goes straight to ggml where this says "cpu": threshold at one token too (its rule
+    # puts it on the CPU), which used to run the whole split machinery for every layer
+    assert experts_fixed_side(parse_policy(text), tokens, 128, 8) == side
+
+
+def test_the_threshold_side_follows_offload_min_batch():
+    p = parse_policy("threshold", min_batch=1)  # 1 * 128 / 8 = 16 tokens
+    assert [experts_fixed_side(p, n, 128, 8) for n in (1, 15, 16, 17)] == ["cpu", "cpu", "gpu", "gpu"]
 
 
 # the H100 machine's measured experts (ggml, 16 threads, session 5): 54 GB/s at one token per expert, then

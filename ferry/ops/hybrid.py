@@ -15,7 +15,7 @@ import torch
 from ferry.ops import Weight
 from ferry.ops.cuda.backend import CudaBackend, gpu_route
 from ferry.placement import EXPERTS_RE
-from ferry.policy import Calibration, Explorer, Policy, decide, size_class, split_experts
+from ferry.policy import Calibration, Explorer, Policy, decide, experts_fixed_side, size_class, split_experts
 from ferry.quant import bytes_per_weight
 from ferry.runtime.streamer import Streamer
 
@@ -231,18 +231,17 @@ class HybridBackend:
             self.streamer.copy_async(d, src.to(d.dtype).contiguous(), stream)
         return dst
 
-    def _cpu_decided(self, n: int, gate: Weight) -> bool:
-        """Whether every expert of this u-batch size runs on the CPU without a prediction: the policy says off, or
-        auto measured the CPU fastest for this size class and this layer has run it before."""
+    def _cpu_decided(self, n: int, n_used: int, gate: Weight) -> bool:
+        """Whether every expert of this u-batch size runs on the CPU without a prediction: the policy says so (off,
+        or llama.cpp's rule in threshold mode), or auto measured the CPU fastest for this size class and this layer
+        has run it before."""
         if self.timed or self.stats.keep:  # verbose runs record each decision
             return False
-        setting = self.policy.setting("moe_up_gate")
-        if setting != self.policy.setting("moe_down"):  # the halves set apart
-            return False
-        if setting == "off":
-            return True
-        return (setting == "auto" and self.policy.mode == "auto" and (id(gate), n) in self._seen
-                and self.explorer.chosen.get(size_class(n)) == "cpu")
+        fixed = experts_fixed_side(self.policy, n, gate.ne[2], n_used)
+        if fixed is not None:
+            return fixed == "cpu"
+        return (self.policy.mode == "auto" and self.policy.setting("moe_up_gate") == self.policy.setting("moe_down")
+                and (id(gate), n) in self._seen and self.explorer.chosen.get(size_class(n)) == "cpu")
 
     def _experts(self, x, ids, weights, host, up: Weight, gate: Weight, down: Weight, n_used: int, act: str,
                  t0: float) -> torch.Tensor:
@@ -260,7 +259,7 @@ class HybridBackend:
         t_decided = time.perf_counter()
         if self._trial is not None:
             self._end_trial(gate, n, t_decided)
-        if x_host is not None and self._cpu_decided(n, gate):  # generation's usual case: straight to ggml
+        if x_host is not None and self._cpu_decided(n, k, gate):  # generation's usual case: straight to ggml
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
             return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
                                         out=self._pinned("out", x_host.shape, torch.float32))
