@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 
+from ferry.tools.compare import welch  # noqa: E402
+
 POLICIES = ["auto", "all=on", "all=off", "threshold"]
 
 
@@ -141,12 +143,16 @@ def main() -> None:
         best = max(manual, key=manual.get) if manual else None
         auto = by_policy.get("auto", {}).get("avg_ts")
         ref = lc.get(test)
+        vs = welch(by_policy[best]["samples_ts"], by_policy["auto"]["samples_ts"]) if auto and best else None
         results.append({"model": path.name, "test": test, "ferry": by_policy, "llama.cpp": ref,
                         "ratio_auto": auto / ref["avg_ts"] if auto and ref else None,
-                        "best_manual": best, "auto_vs_best_manual": auto / manual[best] if auto and best else None})
+                        "best_manual": best, "auto_vs_best_manual": auto / manual[best] if auto and best else None,
+                        # Welch: the ratio's 95% interval and whether the difference is real at these repetitions
+                        "auto_vs_best_ci": [vs.ci_low, vs.ci_high] if vs else None,
+                        "auto_vs_best_verdict": vs.verdict if vs else None})
     Path(a.out).write_text(json.dumps(results, indent=1))
     print("| test | experts hit/layer | " + " | ".join(f"ferry {p} t/s" for p in policies)
-          + " | llama.cpp t/s | auto / llama.cpp | auto / best manual |")
+          + " | llama.cpp t/s | auto / llama.cpp | auto / best manual [95% interval] |")
     print("| --- | --- | " + " | ".join("---:" for _ in policies) + " | ---: | ---: | ---: |")
     for r in results:
         cells = []
@@ -158,7 +164,11 @@ def main() -> None:
         ref = r["llama.cpp"]
         lt = f"{ref['avg_ts']:.1f} ± {ref['stddev_ts']:.1f}" if ref else "not run"
         ra = f"{r['ratio_auto']:.2f}" if r["ratio_auto"] else ""
-        rb = f"{r['auto_vs_best_manual']:.2f} ({r['best_manual']})" if r["auto_vs_best_manual"] else ""
+        rb = ""
+        if r["auto_vs_best_manual"]:
+            lo, hi = r["auto_vs_best_ci"]
+            ci = f" [{lo:.2f}, {hi:.2f}]" if lo == lo else ""  # NaN below compare's minimum repetitions
+            rb = f"{r['auto_vs_best_manual']:.2f}{ci} ({r['best_manual']}; {r['auto_vs_best_verdict']})"
         print(f"| {r['test']} | {hit} | " + " | ".join(cells) + f" | {lt} | {ra} | {rb} |")
 
 
