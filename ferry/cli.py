@@ -531,11 +531,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, args.n_gpu_layers, overrides, gpus,
                        available, args.ctx_size, args.ubatch_size, kv, split, kv_on_gpu=kv_on_gpu, cache=cache,
                        n_batch=max(args.batch_size, args.ubatch_size) if args.batch_order == "layer-first" else 0)
-    ops, ops_note = _op_view(f, margs, args, overrides) if kv_on_gpu else ([], "")
+    ops, ops_note, floor = _op_view(f, margs, args, overrides) if kv_on_gpu else ([], "", None)
     if args.json:
         print(json.dumps({"fits": plan.fits, "advice": plan.advice,
                           "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices],
-                          "kv_bytes_per_token": per_token, "mla": mla, "ops": ops, "ops_note": ops_note}, indent=1))
+                          "kv_bytes_per_token": per_token, "mla": mla, "ops": ops, "ops_note": ops_note, "generation": floor}, indent=1))
     else:
         print("| device | weights GiB | KV cache GiB | compute GiB | total GiB | available GiB |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -556,28 +556,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _op_view(f, margs, args, overrides) -> tuple[list[dict], str]:
-    """Where the ops on weights left in RAM run per u-batch (plan's second table), from a calibration with a GPU."""
+def _op_view(f, margs, args, overrides) -> tuple[list[dict], str, dict | None]:
+    """Where the ops on weights left in RAM run per u-batch (plan's second table), from a calibration with a GPU, and
+    what those weights cost each generated token (offload_plan.generation_floor)."""
     from ferry import calibrate
     from ferry.tools.bench import parse_int_list
     from ferry.policy import parse_policy
-    from ferry.tools.offload_plan import op_plan
+    from ferry.tools.offload_plan import describe_floor, generation_floor, op_plan
 
     policy = parse_policy(args.offload_policy, args.offload_min_batch)
     path = Path(args.calibration) if args.calibration else calibrate.default_path()
     if not path.exists():
-        return [], f"no calibration at {path}: run `ferry calibrate` on the GPU machine (or pass --calibration FILE) to see where each op runs"
+        return [], (f"no calibration at {path}: run `ferry calibrate` on the GPU machine (or pass --calibration FILE) "
+                    "to see where each op runs"), None
     calib = calibrate.load(path)
     if calib is None:
-        return [], f"{path} was measured without a GPU: nothing to offload to"
+        return [], f"{path} was measured without a GPU: nothing to offload to", None
     ubatches = parse_int_list("--ubatches", args.ubatches or f"1,{args.ubatch_size}")
     rows = op_plan(f, margs, args.n_gpu_layers, overrides, calib, policy, ubatches)
+    floor = generation_floor(f, margs, args.n_gpu_layers, overrides, calib, policy)
     note = ("auto predicts here; a run also times the plausible ways on its first u-batches of each size and keeps "
             "the fastest (--verbose prints them)") if rows and policy.mode == "auto" else ""
     if rows and args.batch_order == "layer-first" and margs.n_expert:
         note += ("; " if note else "") + (f"layer first, a MoE layer's routed experts run once per logical batch: "
                                           f"up to -b {args.batch_size} tokens, not -ub")
-    return rows, note or ("" if rows else "every matmul weight is on the GPU: nothing to decide")
+    if floor is not None:
+        note += ("\n" if note else "") + describe_floor(floor)
+    return rows, note or ("" if rows else "every matmul weight is on the GPU: nothing to decide"), floor
 
 
 def cmd_info(args: argparse.Namespace) -> int:

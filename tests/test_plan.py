@@ -130,6 +130,33 @@ def test_plan_shows_where_each_op_on_weights_in_ram_runs_per_u_batch_and_why(tin
     assert missing.returncode == 0 and "no calibration at" in missing.stdout
 
 
+def test_plan_states_what_the_weights_in_ram_cost_each_generated_token(tiny, tmp_path):
+    """One token reads n_expert_used of each layer's experts where they lie: at the calibration's measured ggml rate
+    for one token per expert, that time is a floor under generation, printed with its t/s bound."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(H100_LIKE))
+    f = GGUFFile(tiny)
+    a = ModelArgs.from_gguf(f)
+
+    def plan(*args):
+        r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(tiny), "--gpu-memory", "CUDA0=80GiB",
+                            "-ngl", "999", "--calibration", str(cal), *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    experts = sum(t.nbytes for t in f.tensors.values() if "_exps" in t.name)
+    per_token = experts * a.n_expert_used / a.n_expert  # every layer's experts are in RAM
+    g = json.loads(plan("-ot", "exps=CPU", "--json"))["generation"]
+    assert g["layers"] == a.n_layer and g["cpu_bytes_per_token"] == pytest.approx(per_token)
+    seconds_per_byte = H100_LIKE["cpu"]["cpu_moe"][0][1]  # ggml's measured rate at one token per expert
+    assert g["seconds_per_token"] == pytest.approx(per_token * seconds_per_byte)
+    assert g["max_tokens_per_s"] == pytest.approx(1 / g["seconds_per_token"])
+    assert f"at most {g['max_tokens_per_s']:.1f} t/s" in plan("-ot", "exps=CPU")
+    streamed = json.loads(plan("-ot", "exps=CPU", "--offload-policy", "all=on", "--json"))["generation"]
+    assert streamed["cpu_bytes_per_token"] == 0 and streamed["seconds_per_token"] > 0  # copies over PCIe instead
+    assert json.loads(plan("--json"))["generation"] is None  # nothing in RAM
+
+
 def test_deepseek2s_kv_b_is_no_weight_a_gpu_loads(tmp_path):
     """kv_b (joined from the file's attn_k_b / attn_v_b, or the file's attn_kv_b) is read by ggml's graphs only:
     it is no model weight, so no GPU uploads it; the CPU graph joins it when it first expands a latent."""

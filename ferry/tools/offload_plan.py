@@ -31,21 +31,62 @@ def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
             rows.append({"layer": layer, "op": "mul_mat", "tensor": t.name, "n_ubatch": n, "where": d.device,
                          "cpu_ms": 1e3 * d.cpu_s, "gpu_ms": 1e3 * d.gpu_s, "why": d.why})
         if len(experts) == 3:
-            n_expert, k = args.n_expert, args.n_expert_used
-            hit = max(1, round(experts_hit(n, n_expert, k)))
-            per = n * k // hit  # expected tokens per expert hit, routing spread evenly
-            counts = [per] * hit + [0] * (n_expert - hit)
-            expert_bytes = sum(t.nbytes for t in experts) / n_expert
-            flops = 2.0 * sum(t.ne[0] * t.ne[1] for t in experts)
-            by_role = {EXPERTS_RE.match(t.name).group(2): t.nbytes for t in experts}
-            share = 1.0 - by_role["down"] / sum(by_role.values())  # gate and up's part
-            s = split_experts(counts, expert_bytes, flops, calib, policy, k, share)
+            s, hit = _experts_split(experts, args, calib, policy, n)
             where = (f"{s.halves} on the GPU, {s.cpu_half} on the CPU, of {hit} hit"
                      if s.halves else f"GPU {len(s.gpu)} / CPU {len(s.cpu)} of {hit} hit")
             rows.append({"layer": layer, "op": "mul_mat_id", "tensor": f"blk.{layer}.ffn_*_exps",
                          "n_ubatch": n, "where": where,
                          "cpu_ms": 1e3 * s.cpu_s, "gpu_ms": 1e3 * s.gpu_s, "why": s.why})
     return rows
+
+
+def _experts_split(experts: list, args, calib: Calibration, policy: Policy, n: int):
+    """(the policy's split of one MoE layer's experts for a u-batch of n tokens routed evenly, the experts hit)."""
+    n_expert, k = args.n_expert, args.n_expert_used
+    hit = max(1, round(experts_hit(n, n_expert, k)))
+    per = n * k // hit  # expected tokens per expert hit, routing spread evenly
+    counts = [per] * hit + [0] * (n_expert - hit)
+    expert_bytes = sum(t.nbytes for t in experts) / n_expert
+    flops = 2.0 * sum(t.ne[0] * t.ne[1] for t in experts)
+    by_role = {EXPERTS_RE.match(t.name).group(2): t.nbytes for t in experts}
+    share = 1.0 - by_role["down"] / sum(by_role.values())  # gate and up's part
+    return split_experts(counts, expert_bytes, flops, calib, policy, k, share), hit
+
+
+def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration, policy: Policy) -> dict | None:
+    """What the weights left in RAM cost each generated token, as the policy places one token's ops (a dense weight
+    read whole, n_expert_used of each MoE layer's experts): the predicted seconds and the bytes ggml reads per token.
+    Each layer waits for its RAM-side work, so no GPU work hides it: a floor under a token's time. None when every
+    weight is on the GPU."""
+    layers = layer_devices(args.n_layer, n_gpu_layers, ["CUDA0"])
+    by_layer: dict[int, list] = {}
+    for t in f.tensors.values():
+        if t.name.startswith("blk.") and len(t.ne) >= 2 and place(t.name, args.n_layer, n_gpu_layers, overrides,
+                                                                  layers) == "CPU":
+            by_layer.setdefault(int(t.name.split(".")[1]), []).append(t)
+    if not by_layer:
+        return None
+    seconds = cpu_bytes = 0.0
+    for mine in by_layer.values():
+        experts = [t for t in mine if EXPERTS_RE.match(t.name)]
+        for t in mine:
+            if t not in experts:
+                d = decide("mul_mat", 1, t.ne[1], t.ne[0], bytes_per_weight(t.qtype), calib, policy)
+                seconds += d.cpu_s if d.device == "CPU" else d.gpu_s
+                cpu_bytes += t.nbytes if d.device == "CPU" else 0
+        if len(experts) == 3:
+            s, _ = _experts_split(experts, args, calib, policy, 1)
+            seconds += s.predicted_s
+            cpu_bytes += len(s.cpu) * sum(t.nbytes for t in experts) / args.n_expert
+    return {"seconds_per_token": seconds, "cpu_bytes_per_token": cpu_bytes, "layers": len(by_layer),
+            "max_tokens_per_s": 1.0 / seconds if seconds else float("inf")}
+
+
+def describe_floor(g: dict) -> str:
+    return (f"generation: the weights left in RAM in {g['layers']} layers cost each token "
+            f"{1e3 * g['seconds_per_token']:.2f} ms as placed at one token (ggml reads "
+            f"{g['cpu_bytes_per_token'] / 1e9:.3f} GB of them per token): at most {g['max_tokens_per_s']:.1f} t/s, "
+            "whatever the GPU does, as each layer waits for them")
 
 
 def render(rows: list[dict]) -> str:
