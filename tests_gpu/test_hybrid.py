@@ -108,6 +108,29 @@ def test_generation_with_experts_in_ram_matches_the_cpu_token_by_token(mid, poli
     _check(want[200:240], got, f"decode -ot exps=CPU {policy}")
 
 
+def test_auto_runs_a_decided_way_without_predicting_the_others(mid, monkeypatch):
+    """Once auto has measured a size class's way and a layer has run that size, the layer's next u-batches cost what
+    the manual policy's do: one split of the experts for that way, no prediction of auto's own; same logits."""
+    import ferry.ops.hybrid as hybrid
+
+    path, tokens, want = mid
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto"))
+    backend.stats.keep = False
+    backend.explorer.chosen[128] = "gpu"  # as if measured: u-batches of 65-128 tokens stream every expert hit
+    policies = []
+    real = hybrid.split_experts
+    monkeypatch.setattr(hybrid, "split_experts", lambda *a, **kw: policies.append(a[4]) or real(*a, **kw))
+    e = Engine(model, backend, n_ctx=512, n_batch=100, n_ubatch=100)
+    first = e.decode(tokens[:100], all_logits=True)
+    n_moe = len(policies) // 2  # a layer's first u-batch of a size: the prediction, then the measured way
+    assert n_moe == model.args.n_layer and policies[:2] == [backend.policy, hybrid._ALL_ON]
+    policies.clear()
+    second = e.decode(tokens[100:200], all_logits=True)
+    # (this second run of the shape records its CUDA graphs too: its host steps may run more than once per layer)
+    assert len(policies) >= n_moe and all(p == hybrid._ALL_ON for p in policies)
+    _check(want[:200], torch.cat([first, second]), "-ot exps=CPU auto, decided gpu")
+
+
 @pytest.mark.parametrize("policy", ["all=off", "all=on"])
 def test_layers_left_in_ram_by_ngl_match_the_cpu(mid, policy):
     """-ngl 3: most layers' weights in RAM, computed by ggml or streamed whole to the GPU; the output on the GPU."""

@@ -8,7 +8,7 @@ Activations, the KV cache, norms, rope and attention stay on the GPU; only the t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -46,6 +46,7 @@ class HybridStats:
 
 SMALL_MOE = 64  # tokens up to which a MoE host step's inputs and output travel through pinned buffers
 _ALL_ON, _ALL_OFF = Policy(overrides={"all": "on"}), Policy(overrides={"all": "off"})
+_SIDES = {"gpu": _ALL_ON, "cpu": _ALL_OFF}
 
 
 class HybridBackend:
@@ -231,17 +232,20 @@ class HybridBackend:
             self.streamer.copy_async(d, src.to(d.dtype).contiguous(), stream)
         return dst
 
-    def _cpu_decided(self, n: int, n_used: int, gate: Weight) -> bool:
-        """Whether every expert of this u-batch size runs on the CPU without a prediction: the policy says so (off,
-        or llama.cpp's rule in threshold mode), or auto measured the CPU fastest for this size class and this layer
-        has run it before."""
-        if self.timed or self.stats.keep:  # verbose runs record each decision
-            return False
+    def _decided_side(self, n: int, n_used: int, gate: Weight) -> str | None:
+        """"cpu" or "gpu" where every expert of this u-batch size goes one way without a prediction: the policy says
+        so (on / off, or llama.cpp's rule in threshold mode), or auto measured that way fastest for this size class
+        and this layer has run it before. None in verbose runs, which record each decision's prediction."""
+        if self.timed or self.stats.keep:
+            return None
         fixed = experts_fixed_side(self.policy, n, gate.ne[2], n_used)
         if fixed is not None:
-            return fixed == "cpu"
-        return (self.policy.mode == "auto" and self.policy.setting("moe_up_gate") == self.policy.setting("moe_down")
-                and (id(gate), n) in self._seen and self.explorer.chosen.get(size_class(n)) == "cpu")
+            return fixed
+        if (self.policy.mode != "auto" or self.policy.setting("moe_up_gate") != self.policy.setting("moe_down")
+                or (id(gate), n) not in self._seen):
+            return None
+        chosen = self.explorer.chosen.get(size_class(n))
+        return chosen if chosen in _SIDES else None
 
     def _experts(self, x, ids, weights, host, up: Weight, gate: Weight, down: Weight, n_used: int, act: str,
                  t0: float) -> torch.Tensor:
@@ -259,7 +263,8 @@ class HybridBackend:
         t_decided = time.perf_counter()
         if self._trial is not None:
             self._end_trial(gate, n, t_decided)
-        if x_host is not None and self._cpu_decided(n, k, gate):  # generation's usual case: straight to ggml
+        side = self._decided_side(n, k, gate)
+        if x_host is not None and side == "cpu":  # generation's usual case: straight to ggml
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
             return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
                                         out=self._pinned("out", x_host.shape, torch.float32))
@@ -270,13 +275,16 @@ class HybridBackend:
         trial = None
         if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
             share = (gate.data.nbytes + up.data.nbytes) / (n_expert * expert_bytes)
-            split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, self.policy, n_used, share)
+            if side is not None:  # decided: that way alone, without predicting the others (auto costs what on does)
+                split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, _SIDES[side], n_used, share)
+                split = replace(split, why=f"every expert hit on the {side.upper()}: decided without a prediction")
+            else:
+                split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, self.policy, n_used, share)
             if split.why.startswith("auto"):  # measure between the plausible ways, then keep the fastest
                 split, trial = self._measured_choice(gate, n, counts.tolist(), split, expert_bytes, flops, n_used)
         else:
             split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, _ALL_OFF, n_used)
-            split = type(split)(split.gpu, split.cpu, split.gpu_s, split.cpu_s,
-                                "experts of a type (or a placement) the GPU cannot stream: on the CPU")
+            split = replace(split, why="experts of a type (or a placement) the GPU cannot stream: on the CPU")
         if split.halves:
             out = self._halves_moe(x, x_host, ids, ids_host, weights, weights_host, split, up, gate, down, act,
                                    parts)
@@ -319,19 +327,18 @@ class HybridBackend:
         decided = self.explorer.chosen.get(size_class(n))
         if first and decided is None:
             return predicted, None
-        others = {"gpu": _ALL_ON, "cpu": _ALL_OFF}
         if decided is not None:  # measured already: only that way is built, every MoE layer of every u-batch
             ways = {decided: predicted if decided == "split" else
-                    split_experts(counts, expert_bytes, flops, self.calib, others[decided], n_used)}
+                    split_experts(counts, expert_bytes, flops, self.calib, _SIDES[decided], n_used)}
         else:
-            ways = {k: split_experts(counts, expert_bytes, flops, self.calib, p, n_used) for k, p in others.items()}
+            ways = {k: split_experts(counts, expert_bytes, flops, self.calib, p, n_used) for k, p in _SIDES.items()}
             if predicted.gpu and predicted.cpu:
                 ways["split"] = predicted
         cost = {k: max(v.gpu_s, v.cpu_s) + self.calib.overlap * min(v.gpu_s, v.cpu_s) for k, v in ways.items()}
         mode, trial = self.explorer.mode(n, cost)
         chosen = ways.get(mode, predicted)
         why = f"auto, {mode}: " + ("trial" if trial else self.explorer.why(n)) + f"; {predicted.why[6:]}"
-        return type(chosen)(chosen.gpu, chosen.cpu, chosen.gpu_s, chosen.cpu_s, why), (mode if trial else None)
+        return replace(chosen, why=why), (mode if trial else None)
 
     def _split_moe(self, x, x_host, ids, ids_host, weights, split, up: Weight, gate: Weight, down: Weight, act: str,
                    parts: dict):
