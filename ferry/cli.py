@@ -535,7 +535,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"fits": plan.fits, "advice": plan.advice,
                           "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices],
-                          "kv_bytes_per_token": per_token, "mla": mla, "ops": ops, "ops_note": ops_note, "generation": floor}, indent=1))
+                          "kv_bytes_per_token": per_token, "mla": mla, "ops": ops, "ops_note": ops_note,
+                          "generation": floor}, indent=1))
     else:
         print("| device | weights GiB | KV cache GiB | compute GiB | total GiB | available GiB |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")

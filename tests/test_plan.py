@@ -154,6 +154,9 @@ def test_plan_states_what_the_weights_in_ram_cost_each_generated_token(tiny, tmp
     assert f"at most {g['max_tokens_per_s']:.1f} t/s" in plan("-ot", "exps=CPU")
     streamed = json.loads(plan("-ot", "exps=CPU", "--offload-policy", "all=on", "--json"))["generation"]
     assert streamed["cpu_bytes_per_token"] == 0 and streamed["seconds_per_token"] > 0  # copies over PCIe instead
+    halves = json.loads(plan("-ot", "exps=CPU", "--offload-policy", "moe_up_gate=off,moe_down=on", "--json"))
+    down = sum(t.nbytes for t in f.tensors.values() if "ffn_down_exps" in t.name)
+    assert halves["generation"]["cpu_bytes_per_token"] == pytest.approx((experts - down) * a.n_expert_used / a.n_expert)
     assert json.loads(plan("--json"))["generation"] is None  # nothing in RAM
 
 

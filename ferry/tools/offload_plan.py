@@ -14,13 +14,11 @@ def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
             ubatches: list[int]) -> list[dict]:
     """Rows (one per op of the first layer with weights in RAM, per u-batch size); [] when every weight of every
     layer is on the GPU."""
-    layers = layer_devices(args.n_layer, n_gpu_layers, ["CUDA0"])
-    in_ram = [t for t in f.tensors.values() if t.name.startswith("blk.") and len(t.ne) >= 2
-              and place(t.name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU"]
+    in_ram = _in_ram_by_layer(f, args, n_gpu_layers, overrides)
     if not in_ram:
         return []
-    layer = min(int(t.name.split(".")[1]) for t in in_ram)
-    mine = [t for t in in_ram if t.name.startswith(f"blk.{layer}.")]
+    layer = min(in_ram)
+    mine = in_ram[layer]
     experts = [t for t in mine if EXPERTS_RE.match(t.name)]
     rows = []
     for n in ubatches:
@@ -40,6 +38,17 @@ def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
     return rows
 
 
+def _in_ram_by_layer(f: GGUFFile, args, n_gpu_layers: int, overrides) -> dict[int, list]:
+    """The matmul weights -ngl / -ot leave in RAM, by layer."""
+    layers = layer_devices(args.n_layer, n_gpu_layers, ["CUDA0"])
+    by_layer: dict[int, list] = {}
+    for t in f.tensors.values():
+        if (t.name.startswith("blk.") and len(t.ne) >= 2
+                and place(t.name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU"):
+            by_layer.setdefault(int(t.name.split(".")[1]), []).append(t)
+    return by_layer
+
+
 def _experts_split(experts: list, args, calib: Calibration, policy: Policy, n: int):
     """(the policy's split of one MoE layer's experts for a u-batch of n tokens routed evenly, the experts hit)."""
     n_expert, k = args.n_expert, args.n_expert_used
@@ -53,17 +62,16 @@ def _experts_split(experts: list, args, calib: Calibration, policy: Policy, n: i
     return split_experts(counts, expert_bytes, flops, calib, policy, k, share), hit
 
 
-def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration, policy: Policy) -> dict | None:
+_HALF = {"gate": "up_gate", "up": "up_gate", "down": "down"}
+
+
+def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
+                     policy: Policy) -> dict | None:
     """What the weights left in RAM cost each generated token, as the policy places one token's ops (a dense weight
     read whole, n_expert_used of each MoE layer's experts): the predicted seconds and the bytes ggml reads per token.
     Each layer waits for its RAM-side work, so no GPU work hides it: a floor under a token's time. None when every
     weight is on the GPU."""
-    layers = layer_devices(args.n_layer, n_gpu_layers, ["CUDA0"])
-    by_layer: dict[int, list] = {}
-    for t in f.tensors.values():
-        if t.name.startswith("blk.") and len(t.ne) >= 2 and place(t.name, args.n_layer, n_gpu_layers, overrides,
-                                                                  layers) == "CPU":
-            by_layer.setdefault(int(t.name.split(".")[1]), []).append(t)
+    by_layer = _in_ram_by_layer(f, args, n_gpu_layers, overrides)
     if not by_layer:
         return None
     seconds = cpu_bytes = 0.0
@@ -77,7 +85,9 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
         if len(experts) == 3:
             s, _ = _experts_split(experts, args, calib, policy, 1)
             seconds += s.predicted_s
-            cpu_bytes += len(s.cpu) * sum(t.nbytes for t in experts) / args.n_expert
+            # the CPU's experts whole, or (halves apart) its half of every expert hit
+            read = [t for t in experts if not s.halves or _HALF[EXPERTS_RE.match(t.name).group(2)] == s.cpu_half]
+            cpu_bytes += len(s.cpu) * sum(t.nbytes for t in read) / args.n_expert
     return {"seconds_per_token": seconds, "cpu_bytes_per_token": cpu_bytes, "layers": len(by_layer),
             "max_tokens_per_s": 1.0 / seconds if seconds else float("inf")}
 
