@@ -9,7 +9,8 @@
 #     bench   ferry all-GPU on qwen3-moe-mid: pp512 and tg64, against the 16-thread CPU
 #     big     ferry all-GPU on the qwen3-30b-a3b synthetic model: pp4096 at u-batch 128/512/2048/4096, tg128
 #     hybrid  ferry with the experts in RAM (-ngl 999 -ot exps=CPU) on the same big model, every offload policy,
-#             pp4096 at u-batch 512..4096, pp512 at 64..256, tg128 (HYBRID_ARGS: more options)
+#             pp4096 at u-batch 512..4096, pp512 at 64..256, tg128 (HYBRID_ARGS: more options, split at spaces
+#             without quote removal: write an empty value as --ub-big=)
 #     kernels the grouped MoE GEMM and the generation GEMVs alone (benchmarks/moe_kernels.py, gemv_kernels.py):
 #             default configurations and a sweep of them (KERNEL_ARGS: options of moe_kernels.py)
 #     llama   the big runs through llama.cpp's CUDA llama-bench too (built here, sm_90, cached in .build/)
