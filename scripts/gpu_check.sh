@@ -42,7 +42,12 @@ if has big || has llama || has hybrid; then
     SYNTH=$!
 fi
 wait_synth() { if [ -n "${SYNTH:-}" ]; then wait "$SYNTH"; SYNTH=; fi; }
-python3 -c "import ggml" 2>/dev/null || python3 benchmarks/llamacpp.py ggml-python .whl/ggml_python-*.tar.gz \
+# ggml-python built -march=native, as the llama stage builds llama.cpp (GGML_NATIVE=ON): the same build for both
+# engines. On this machine's Xeon native is the faster one for both (CPU-only tg64 30.3 against 25.3 t/s with the
+# explicit flags that benchmarks/llamacpp.py picks by default, docs/performance.md, issue 3); until session 16 the
+# hybrid comparisons ran ferry's ggml on those flags against a native llama.cpp
+python3 -c "import ggml" 2>/dev/null || CMAKE_ARGS="${FERRY_GGML_CMAKE_ARGS:--DGGML_NATIVE=ON}" \
+    python3 benchmarks/llamacpp.py ggml-python .whl/ggml_python-*.tar.gz \
     .whl/llama.cpp-src.tar.gz > "$OUT/ggml_python_build.log" 2>&1 || { tail -20 "$OUT/ggml_python_build.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
