@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 
+from ferry.calibrate import ggml_build  # noqa: E402
 from ferry.tools.compare import welch  # noqa: E402
 
 POLICIES = ["auto", "all=on", "all=off", "threshold"]
@@ -138,13 +139,14 @@ def main() -> None:
         a.llama_bench = llamacpp.wait_for_build(a.llama_bench_from)
     lc = llama_bench(a.llama_bench, path, a.threads, cases, a.r) if a.llama_bench else {}
     results = []
+    build = ggml_build()  # ferry's CPU side: the features its ggml was compiled for
     for test, by_policy in fe.items():
         manual = {k: v["avg_ts"] for k, v in by_policy.items() if k != "auto" and not k.endswith("ubatch-first")}
         best = max(manual, key=manual.get) if manual else None
         auto = by_policy.get("auto", {}).get("avg_ts")
         ref = lc.get(test)
         vs = welch(by_policy[best]["samples_ts"], by_policy["auto"]["samples_ts"]) if auto and best else None
-        results.append({"model": path.name, "test": test, "ferry": by_policy, "llama.cpp": ref,
+        results.append({"model": path.name, "test": test, "ferry": by_policy, "llama.cpp": ref, "ggml_build": build,
                         "ratio_auto": auto / ref["avg_ts"] if auto and ref else None,
                         "best_manual": best, "auto_vs_best_manual": auto / manual[best] if auto and best else None,
                         # Welch: the ratio's 95% interval and whether the difference is real at these repetitions

@@ -34,6 +34,37 @@ def _best(fn, reps: int) -> float:
     return best
 
 
+def ggml_build() -> list[str]:
+    """The CPU features ggml-python's ggml was compiled for (its ggml_cpu_has_* that say yes). The CPU's rates
+    depend on them: the same Xeon ran ferry's CPU-only generation 16% faster built -march=native than with an
+    explicit list of ISA flags (docs/decisions.md)."""
+    import ggml
+
+    found = []
+    for name in sorted(n for n in dir(ggml) if n.startswith("ggml_cpu_has_")):
+        try:
+            if getattr(ggml, name)():
+                found.append(name[len("ggml_cpu_has_"):])
+        except (RuntimeError, AttributeError):  # not in this build's library
+            pass
+    return found
+
+
+def stale(path: Path) -> str | None:
+    """Why the stored calibration no longer describes this machine's CPU side (ggml rebuilt with other features
+    since, or stored before builds were recorded); None when it still does, or when there is none."""
+    try:
+        cpu = json.loads(path.read_text())["cpu"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # load() says what is wrong with it
+    stored, now = cpu.get("ggml_build"), ggml_build()
+    if stored is None:
+        return "it does not record which ggml build it measured"
+    if sorted(stored) != now:
+        return f"ggml was built for other CPU features since (then: {' '.join(stored)}; now: {' '.join(now)})"
+    return None
+
+
 def measure_cpu(threads: int, quick: bool = False) -> dict:
     """ggml on this CPU: Q4_0 GEMV bytes/s over a weight larger than the caches, Q4_0 x 512-token matmul FLOP/s,
     and the routed experts' table (measure_cpu_moe); quick: fewer sizes and repetitions."""
@@ -57,7 +88,7 @@ def measure_cpu(threads: int, quick: bool = False) -> dict:
     moe = measure_cpu_moe(backend, rng, quick)
     backend.close()
     return {"cpu_bytes_per_s": w.data.nbytes / gemv_s, "cpu_flops": 2.0 * n * k * m / gemm_s, "threads": backend.n_threads,
-            "cpu_moe": moe}
+            "cpu_moe": moe, "ggml_build": ggml_build()}
 
 
 def measure_cpu_moe(backend, rng, quick: bool = False) -> list[list[float]]:
@@ -144,7 +175,8 @@ def table(result: dict) -> str:
     cpu, gpu = result["cpu"], result["gpu"]
     lines = ["| what | measured |", "| --- | --- |",
              f"| CPU Q4_0 GEMV ({cpu['threads']} threads) | {cpu['cpu_bytes_per_s'] / 1e9:.1f} GB/s of weights |",
-             f"| CPU Q4_0 x 512 tokens | {cpu['cpu_flops'] / 1e12:.2f} TFLOP/s |"]
+             f"| CPU Q4_0 x 512 tokens | {cpu['cpu_flops'] / 1e12:.2f} TFLOP/s |",
+             f"| ggml built for | {' '.join(cpu.get('ggml_build', [])) or 'not recorded'} |"]
     for c, spb in cpu.get("cpu_moe", ()):
         lines.append(f"| CPU Q4_0 routed experts, {c:g} tokens each | {1 / spb / 1e9:.1f} GB/s of expert weights |")
     if gpu:

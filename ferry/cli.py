@@ -141,9 +141,11 @@ def _calibration(threads: int, quiet: bool):
     from ferry import calibrate
 
     path = calibrate.default_path()
-    if not path.exists() or calibrate.load(path) is None:  # none yet, or one from a run that saw no GPU
+    why = calibrate.stale(path)  # a calibration of another ggml build misleads the policy about the CPU
+    if not path.exists() or calibrate.load(path) is None or why:  # none yet, or one from a run that saw no GPU
         if not quiet:
-            print(f"ferry: calibrating this machine for the offload policy (once; stored in {path}, "
+            again = f"again, as {why}; " if why else "once; "
+            print(f"ferry: calibrating this machine for the offload policy ({again}stored in {path}, "
                   "`ferry calibrate` measures it fully)", file=sys.stderr)
         calibrate.save(calibrate.calibrate(threads, quick=True), path)
     return calibrate.load(path)
