@@ -321,7 +321,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print("ferry: offload decisions of this run (measured: synchronized around each op)", file=sys.stderr)
             print("\n".join(backend.report()), file=sys.stderr)
         forms = getattr(engine.executor, "latent_forms", None)
-        if getattr(args, "verbose", False) and forms is not None:  # what -mla 3 timed on the GPU, and kept
+        if args.verbose and forms is not None:  # what -mla 3 timed on the GPU, and kept
             print("\n".join(f"ferry: {line}" for line in forms.report()), file=sys.stderr)
         print("\n".join(gen.timings.lines()), file=sys.stderr)
     return 0

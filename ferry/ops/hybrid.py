@@ -241,8 +241,8 @@ class HybridBackend:
         fixed = experts_fixed_side(self.policy, n, gate.ne[2], n_used)
         if fixed is not None:
             return fixed
-        if (self.policy.mode != "auto" or self.policy.setting("moe_up_gate") != self.policy.setting("moe_down")
-                or (id(gate), n) not in self._seen):
+        # no fixed side: auto mode, or the halves set apart (which no measured way covers)
+        if self.policy.setting("moe_up_gate") != self.policy.setting("moe_down") or (id(gate), n) not in self._seen:
             return None
         chosen = self.explorer.chosen.get(size_class(n))
         return chosen if chosen in _SIDES else None
@@ -269,21 +269,21 @@ class HybridBackend:
             return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
                                         out=self._pinned("out", x_host.shape, torch.float32))
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
-        counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert)
+        counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert).tolist()
         expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
         flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
         trial = None
         if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
             share = (gate.data.nbytes + up.data.nbytes) / (n_expert * expert_bytes)
             if side is not None:  # decided: that way alone, without predicting the others (auto costs what on does)
-                split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, _SIDES[side], n_used, share)
+                split = split_experts(counts, expert_bytes, flops, self.calib, _SIDES[side], n_used, share)
                 split = replace(split, why=f"every expert hit on the {side.upper()}: decided without a prediction")
             else:
-                split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, self.policy, n_used, share)
+                split = split_experts(counts, expert_bytes, flops, self.calib, self.policy, n_used, share)
             if split.why.startswith("auto"):  # measure between the plausible ways, then keep the fastest
-                split, trial = self._measured_choice(gate, n, counts.tolist(), split, expert_bytes, flops, n_used)
+                split, trial = self._measured_choice(gate, n, counts, split, expert_bytes, flops, n_used)
         else:
-            split = split_experts(counts.tolist(), expert_bytes, flops, self.calib, _ALL_OFF, n_used)
+            split = split_experts(counts, expert_bytes, flops, self.calib, _ALL_OFF, n_used)
             split = replace(split, why="experts of a type (or a placement) the GPU cannot stream: on the CPU")
         if split.halves:
             out = self._halves_moe(x, x_host, ids, ids_host, weights, weights_host, split, up, gate, down, act,
