@@ -77,11 +77,10 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
     seconds = cpu_bytes = 0.0
     for mine in by_layer.values():
         experts = [t for t in mine if EXPERTS_RE.match(t.name)]
-        for t in mine:
-            if t not in experts:
-                d = decide("mul_mat", 1, t.ne[1], t.ne[0], bytes_per_weight(t.qtype), calib, policy)
-                seconds += d.cpu_s if d.device == "CPU" else d.gpu_s
-                cpu_bytes += t.nbytes if d.device == "CPU" else 0
+        for t in (t for t in mine if not EXPERTS_RE.match(t.name)):  # the dense weights
+            d = decide("mul_mat", 1, t.ne[1], t.ne[0], bytes_per_weight(t.qtype), calib, policy)
+            seconds += d.cpu_s if d.device == "CPU" else d.gpu_s
+            cpu_bytes += t.nbytes if d.device == "CPU" else 0
         if len(experts) == 3:
             s, _ = _experts_split(experts, args, calib, policy, 1)
             seconds += s.predicted_s
