@@ -9,12 +9,13 @@ Both engines get `-b` = the prompt, so a prompt is one logical batch: ferry take
 experts cross PCIe once per batch, its default) and, in the columns marked "ubatch-first", u-batch by u-batch
 through every layer as llama.cpp does (--ubatch-first-policies).
 Both engines measure llama-bench's way (a warm-up, then -r repetitions; mean ± std). The experts hit per layer in
-the first u-batch stand beside every number. Without --llama-bench, only ferry runs.
+the first u-batch stand beside every number (interleaved: per layer, the median over the runs). Without --llama-bench, only ferry runs.
   python benchmarks/hybrid_vs_llamacpp.py --llama-bench PATH -m qwen3-30b-a3b.gguf -t 16
 """
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 
 from ferry.calibrate import ggml_build  # noqa: E402
-from ferry.tools.compare import welch  # noqa: E402
+from ferry.tools.compare import paired, welch  # noqa: E402
 
 POLICIES = ["auto", "all=on", "all=off", "threshold"]
 
@@ -38,13 +39,14 @@ def name(p: int, n: int, ub: int) -> str:
 
 
 def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str], skip_slow_cpu: bool,
-                ubatch_first: list[str], interleave: bool = False) -> dict:
-    """Every config's runs of each test, one after another; interleave: one run (after its own warm-up) of each
-    config in turn, reps times over, so that a drift of the machine's speed during a test spreads over every config
-    (for telling apart configs that do the same work)."""
+                ubatch_first: list[str], interleave: bool = False, partial: Path | None = None) -> dict:
+    """Every config's runs of each test, one after another; interleave: one engine shared by the configs (one per
+    batch order), warmed up once under each, then one run of each config in turn, reps times over (the order
+    reversed every other time, each turn's runs on the same tokens), so that a drift of the machine's speed falls on
+    every config alike and each turn is a set of pairs (for telling apart configs that do the same work)."""
     from ferry.cli import GpuOptions, open_model
     from ferry.policy import Explorer, parse_policy
-    from ferry.tools.bench import measure
+    from ferry.tools.bench import Runs, measure
 
     ub_max = max(ub for _, _, ub in cases)
     t0 = time.perf_counter()
@@ -55,6 +57,12 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
     layer_first = backend.layer_first
     configs = [(p, p) for p in policies] + [(p, f"{p} ubatch-first") for p in ubatch_first]
     explorers = {label: Explorer() for _, label in configs}  # each auto run measures for itself, once
+
+    def use(policy: str, label: str) -> None:
+        backend.policy = parse_policy(policy)
+        backend.explorer = explorers[label]
+        backend.layer_first = layer_first and not label.endswith("ubatch-first")  # read by each Engine
+
     for p, n, ub in cases:  # each test's runs side by side in time: no policy gains from running later
         runs = [(policy, label) for policy, label in configs
                 if not (skip_slow_cpu and policy == "all=off" and p > 512)  # every expert by the CPU at 4096 tokens
@@ -63,13 +71,38 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
         copied: dict[str, int] = dict.fromkeys(samples, 0)
         n_runs: dict[str, int] = dict.fromkeys(samples, 0)  # warm-up and timed runs: what the copies are spread over
         hits: dict[str, list[int]] = {}
-        for _ in range(reps if interleave else 1):
+        if interleave:
+            # one engine for every config of a batch order (the policy is read at run time): configs that do the
+            # same work then share every buffer, cache and recorded graph, and differ only by their policy
+            shared: dict[bool, Runs] = {}
+            engines = {}
+            each_hit: dict[str, list[list[int]]] = {label: [] for _, label in runs}
             for policy, label in runs:
-                backend.policy = parse_policy(policy)
-                backend.explorer = explorers[label]
-                backend.layer_first = layer_first and not label.endswith("ubatch-first")  # read by each Engine
+                use(policy, label)
                 before = backend.streamer.bytes_copied
-                got, hits[label], warmups = measure(model, backend, p, n, p or 512, ub, 1 if interleave else reps)
+                order = label.endswith("ubatch-first")
+                if order not in shared:
+                    shared[order] = Runs(model, backend, p, n, p or 512, ub)
+                engines[label] = shared[order]
+                n_runs[label] += engines[label].warm_up()  # auto's trials fall in its own warm-up
+                copied[label] += backend.streamer.bytes_copied - before
+            for i in range(reps):
+                for policy, label in (runs if i % 2 == 0 else runs[::-1]):
+                    use(policy, label)
+                    before = backend.streamer.bytes_copied
+                    samples[label].append(engines[label].once(i))
+                    copied[label] += backend.streamer.bytes_copied - before
+                    n_runs[label] += 1
+                    each_hit[label].append(engines[label].experts_hit)  # read after the run: not timed
+            del engines, shared  # their caches and recorded graphs
+            # how many experts a first u-batch reaches depends on its tokens (one seed's 16 tokens route to the
+            # same 8 in every deep layer, another's to 40-50): per layer, the median over the runs
+            hits = {label: [int(statistics.median(h)) for h in zip(*got)] for label, got in each_hit.items()}
+        else:
+            for policy, label in runs:
+                use(policy, label)
+                before = backend.streamer.bytes_copied
+                got, hits[label], warmups = measure(model, backend, p, n, p or 512, ub, reps)
                 samples[label] += got
                 copied[label] += backend.streamer.bytes_copied - before
                 n_runs[label] += warmups + len(got)
@@ -87,8 +120,24 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
             print(f"ferry {label:9s} {name(p, n, ub):14s} {avg:9.2f} t/s  hit {min(hit) if hit else ''}-"
                   f"{max(hit) if hit else ''}  copied {row['copied_gb_per_run']:.1f} GB/run "
                   f"({row['copied_gb_per_s']:.1f} GB/s)  {row['auto_choices'] or ''}", file=sys.stderr, flush=True)
+        best, vs = versus_best(out[name(p, n, ub)], interleave)
+        if vs:
+            print(f"ferry auto / {best} {name(p, n, ub)}: {vs.ratio:.3f} [{vs.ci_low:.3f}, {vs.ci_high:.3f}] "
+                  f"({vs.verdict})", file=sys.stderr, flush=True)
+        if partial:  # a call cut short keeps the tests it finished
+            partial.write_text(json.dumps(out, indent=1))
     backend.close()
     return out
+
+
+def versus_best(by_policy: dict, paired_runs: bool):
+    """The best manual policy (by mean) and auto's comparison with it: from the pairs of interleaved runs, else
+    from two independent samples (Welch); None where either is missing."""
+    manual = {k: v["avg_ts"] for k, v in by_policy.items() if k != "auto" and not k.endswith("ubatch-first")}
+    if not manual or "auto" not in by_policy:
+        return None, None
+    best = max(manual, key=manual.get)
+    return best, (paired if paired_runs else welch)(by_policy[best]["samples_ts"], by_policy["auto"]["samples_ts"])
 
 
 def llama_bench(exe: str, path: Path, threads: int, cases, reps: int) -> dict:
@@ -124,7 +173,8 @@ def main() -> None:
                     "(','-separated; empty: none)")
     ap.add_argument("--all-cpu-big", action="store_true", help="also time all=off at the big prompt (slow)")
     ap.add_argument("--interleave", action="store_true", help="run the configs in turn, one run each, -r times over "
-                    "(each run after its own warm-up): for comparing configs that do the same work")
+                    "(each config warmed up once; the order reversed every other turn; auto against the best manual "
+                    "policy from the turns' pairs): for comparing configs that do the same work")
     ap.add_argument("--out", default="hybrid_vs_llamacpp.json")
     a = ap.parse_args()
     path = Path(a.model)
@@ -132,26 +182,27 @@ def main() -> None:
                   [int(v) for v in a.ub_small.split(",") if v], a.n)
     policies = a.policies.split(";") if ";" in a.policies else a.policies.split(",")
     ubatch_first = [p for p in a.ubatch_first_policies.split(",") if p]
-    fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big, ubatch_first, a.interleave)
+    # ferry's part is kept if llama.cpp's fails, and test by test if the run is cut short
+    fe = ferry_bench(path, a.threads, cases, a.r, policies, not a.all_cpu_big, ubatch_first, a.interleave,
+                     Path(a.out).with_suffix(".ferry.json"))
     policies += [f"{p} ubatch-first" for p in ubatch_first]
-    Path(a.out).with_suffix(".ferry.json").write_text(json.dumps(fe, indent=1))  # kept if llama.cpp's part fails
     if a.llama_bench_from:
         a.llama_bench = llamacpp.wait_for_build(a.llama_bench_from)
     lc = llama_bench(a.llama_bench, path, a.threads, cases, a.r) if a.llama_bench else {}
     results = []
     build = ggml_build()  # ferry's CPU side: the features its ggml was compiled for
     for test, by_policy in fe.items():
-        manual = {k: v["avg_ts"] for k, v in by_policy.items() if k != "auto" and not k.endswith("ubatch-first")}
-        best = max(manual, key=manual.get) if manual else None
         auto = by_policy.get("auto", {}).get("avg_ts")
         ref = lc.get(test)
-        vs = welch(by_policy[best]["samples_ts"], by_policy["auto"]["samples_ts"]) if auto and best else None
+        # interleaved runs are pairs (auto's i-th run beside best's i-th); otherwise two independent samples
+        best, vs = versus_best(by_policy, a.interleave)
         results.append({"model": path.name, "test": test, "ferry": by_policy, "llama.cpp": ref, "ggml_build": build,
                         "ratio_auto": auto / ref["avg_ts"] if auto and ref else None,
-                        "best_manual": best, "auto_vs_best_manual": auto / manual[best] if auto and best else None,
-                        # Welch: the ratio's 95% interval and whether the difference is real at these repetitions
+                        "best_manual": best, "auto_vs_best_manual": vs.ratio if vs else None,
+                        # the ratio's 95% interval and whether the difference is real at these repetitions
                         "auto_vs_best_ci": [vs.ci_low, vs.ci_high] if vs else None,
-                        "auto_vs_best_verdict": vs.verdict if vs else None})
+                        "auto_vs_best_verdict": vs.verdict if vs else None,
+                        "auto_vs_best_statistics": ("paired" if a.interleave else "welch") if vs else None})
     Path(a.out).write_text(json.dumps(results, indent=1))
     print("| test | experts hit/layer | " + " | ".join(f"ferry {p} t/s" for p in policies)
           + " | llama.cpp t/s | auto / llama.cpp | auto / best manual [95% interval] |")

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from ferry.cli import main
-from ferry.tools.compare import t_quantile, t_two_sided_p, welch
+from ferry.tools.compare import paired, t_quantile, t_two_sided_p, welch
 
 
 def test_t_distribution_matches_tables():
@@ -82,3 +82,36 @@ def test_compare_rejects_files_that_are_not_bench_results(tmp_path, capsys, cont
     bad.write_text(content)
     assert main(["compare", str(bad), str(bad)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_paired_runs_see_through_a_drift_that_hides_the_difference_from_welch():
+    # the machine's speed wanders by +-15% from pair to pair; B is 2% faster than A within each pair
+    rng = random.Random(6)
+    drift = [100 * (1 + rng.uniform(-0.15, 0.15)) for _ in range(20)]
+    a = [d * (1 + rng.gauss(0, 0.005)) for d in drift]
+    b = [d * 1.02 * (1 + rng.gauss(0, 0.005)) for d in drift]
+    assert welch(a, b).verdict == "no significant difference"
+    r = paired(a, b)
+    assert r.verdict == "faster" and not r.warning
+    assert 1.0 < r.ci_low < 1.02 < r.ci_high < 1.04
+
+
+def test_paired_runs_of_equal_engines_are_called_different_five_percent_of_the_time():
+    rng = random.Random(7)
+    results = []
+    for _ in range(1000):
+        drift = [rng.uniform(80, 120) for _ in range(8)]
+        results.append(paired([d * rng.gauss(1, 0.03) for d in drift], [d * rng.gauss(1, 0.03) for d in drift]))
+    false_positive = sum(r.verdict != "no significant difference" for r in results) / len(results)
+    covered = sum(r.ci_low <= 1.0 <= r.ci_high for r in results) / len(results)
+    assert 0.03 < false_positive < 0.075 and covered > 0.92
+
+
+def test_paired_runs_need_pairs_and_enough_of_them():
+    with pytest.raises(ValueError, match="as many of A as of B"):
+        paired([1.0, 2.0, 3.0], [1.0, 2.0])
+    r = paired([100.0, 101.0], [110.0, 111.0])
+    assert r.verdict == "undecided" and "too few pairs" in r.warning and math.isnan(r.ci_low)
+    r = paired([100.0, 50.0, 80.0], [100.0, 50.0, 80.0])
+    assert r.ratio == 1.0 and r.p_value == 1.0 and r.verdict == "no significant difference"
+    assert "noisy" in paired([100.0, 100.0, 100.0], [70.0, 130.0, 100.0]).warning

@@ -79,38 +79,63 @@ class BenchRow:
         return {**asdict(self), "test": self.test, "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts}
 
 
-def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, type_k: str = "f16",
-            type_v: str = "f16", n_depth: int = 0, seed: int = 0) -> tuple[list[float], list[int], int]:
-    """tokens/s of `reps` runs after a warm-up run (two where the second records a prompt shape's CUDA graphs: a
-    prompt of one u-batch on a GPU), the experts hit per layer in the first timed u-batch, and the warm-up runs."""
-    from ferry.runtime.engine import Engine
+class Runs:
+    """One test's timed runs on one engine, llama-bench's way: each run resets the cache, fills it with `n_depth`
+    random tokens untimed, then times a prompt of `n_prompt` random tokens and `n_gen` single-token decodes. The
+    tokens come from the run's seed, so two engines given the same seeds run the same tokens."""
 
-    engine = Engine(model, backend, n_ctx=n_depth + n_prompt + n_gen + 1, n_batch=n_batch, n_ubatch=n_ubatch,
-                    type_k=type_k, type_v=type_v)
-    rng = random.Random(seed)
-    vocab = model.args.n_vocab
+    def __init__(self, model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, type_k: str = "f16",
+                 type_v: str = "f16", n_depth: int = 0):
+        from ferry.runtime.engine import Engine
 
-    def once() -> float:
+        self.model, self.backend = model, backend
+        self.n_prompt, self.n_gen, self.n_depth = n_prompt, n_gen, n_depth
+        self.engine = Engine(model, backend, n_ctx=n_depth + n_prompt + n_gen + 1, n_batch=n_batch,
+                             n_ubatch=n_ubatch, type_k=type_k, type_v=type_v)
+
+    def once(self, seed: int) -> float:
+        """tokens/s of one run."""
+        engine, rng, vocab = self.engine, random.Random(seed), self.model.args.n_vocab
         engine.reset()
-        if n_depth:  # fill the cache first, untimed
-            engine.decode([rng.randrange(vocab) for _ in range(n_depth)])
+        if self.n_depth:  # fill the cache first, untimed
+            engine.decode([rng.randrange(vocab) for _ in range(self.n_depth)])
             engine.experts_hit.clear()
         t0 = time.perf_counter()
-        if n_prompt:
-            engine.decode([rng.randrange(vocab) for _ in range(n_prompt)])
-        for _ in range(n_gen):
+        if self.n_prompt:
+            engine.decode([rng.randrange(vocab) for _ in range(self.n_prompt)])
+        for _ in range(self.n_gen):
             engine.decode([rng.randrange(vocab)])
-        if hasattr(backend, "synchronize"):  # a GPU: wait for the queued work
-            backend.synchronize()
-        return (n_prompt + n_gen) / (time.perf_counter() - t0)
+        if hasattr(self.backend, "synchronize"):  # a GPU: wait for the queued work
+            self.backend.synchronize()
+        return (self.n_prompt + self.n_gen) / (time.perf_counter() - t0)
 
-    once()
-    warmups = 1
-    if getattr(engine.executor, "will_record", lambda: False)():
-        once()
-        warmups += 1
-    samples = [once() for _ in range(reps)]
-    return samples, (engine.experts_hit[0] if engine.experts_hit and n_prompt else []), warmups
+    def warm_up(self, seed: int = -1) -> int:
+        """The untimed runs a steady state needs: one, and a second where it records a prompt shape's CUDA graphs
+        (a prompt of one u-batch on a GPU). Returns how many ran."""
+        self.once(seed)
+        if getattr(self.engine.executor, "will_record", lambda: False)():
+            self.once(seed)
+            return 2
+        return 1
+
+    @property
+    def experts_hit(self) -> list[int]:
+        """The experts hit per layer in the first u-batch of the last run's prompt."""
+        hit = self.engine.experts_hit
+        return hit[0] if hit and self.n_prompt else []
+
+
+def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, type_k: str = "f16",
+            type_v: str = "f16", n_depth: int = 0, seed: int = 0) -> tuple[list[float], list[int], int]:
+    """tokens/s of `reps` runs after the warm-up, the experts hit per layer in the first timed u-batch, and the
+    warm-up runs."""
+    runs = Runs(model, backend, n_prompt, n_gen, n_batch, n_ubatch, type_k, type_v, n_depth)
+    warmups = runs.warm_up(seed)
+    samples, hit = [], []
+    for i in range(reps):
+        samples.append(runs.once(seed + 1 + i))
+        hit = hit or runs.experts_hit
+    return samples, hit, warmups
 
 
 def parse_pairs(flag: str, texts: list[str]) -> list[tuple[int, int]]:

@@ -115,6 +115,29 @@ def welch(a: list[float], b: list[float], label: str = "") -> Comparison:
                       "; ".join(warnings))
 
 
+def paired(a: list[float], b: list[float], label: str = "") -> Comparison:
+    """B against A from runs taken in pairs, a[i] beside b[i] in time: the geometric mean of the pairs' ratios
+    b[i] / a[i] with a 95% t-interval over their logarithms, and the t-test of that mean against zero. What drifts
+    between pairs (a machine slower for a minute) falls out of every ratio; Welch's test counts it as noise."""
+    if len(a) != len(b):
+        raise ValueError(f"paired runs need as many of A as of B ({len(a)} and {len(b)})")
+    n = len(a)
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    if n < MIN_REPS:
+        return Comparison(label, n, n, ma, mb, mb / ma, math.nan, math.nan, math.nan, "undecided",
+                          f"too few pairs ({n}; use -r {MIN_REPS} or more)")
+    logs = [math.log(y / x) for x, y in zip(a, b)]
+    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
+    df = float(n - 1)
+    se = sd / math.sqrt(n)
+    p = (1.0 if mean == 0.0 else 0.0) if se == 0.0 else t_two_sided_p(mean / se, df)
+    half = t_quantile(1 - ALPHA / 2, df) * se
+    warning = f"the pairs' ratios are noisy (std {100 * sd:.0f}%)" if sd > NOISY_CV else ""
+    verdict = "no significant difference" if p >= ALPHA else "faster" if mean > 0 else "slower"
+    return Comparison(label, n, n, ma, mb, math.exp(mean), math.exp(mean - half), math.exp(mean + half), p, verdict,
+                      warning)
+
+
 def _load(path: Path) -> list[dict]:
     try:
         data = json.loads(path.read_text())
