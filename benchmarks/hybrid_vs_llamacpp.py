@@ -9,7 +9,8 @@ Both engines get `-b` = the prompt, so a prompt is one logical batch: ferry take
 experts cross PCIe once per batch, its default) and, in the columns marked "ubatch-first", u-batch by u-batch
 through every layer as llama.cpp does (--ubatch-first-policies).
 Both engines measure llama-bench's way (a warm-up, then -r repetitions; mean ± std). The experts hit per layer in
-the first u-batch stand beside every number (interleaved: per layer, the median over the runs). Without --llama-bench, only ferry runs.
+the first u-batch stand beside every number (interleaved: per layer, the median over the runs). Without
+--llama-bench, only ferry runs.
   python benchmarks/hybrid_vs_llamacpp.py --llama-bench PATH -m qwen3-30b-a3b.gguf -t 16
 """
 
@@ -173,8 +174,8 @@ def main() -> None:
                     "(','-separated; empty: none)")
     ap.add_argument("--all-cpu-big", action="store_true", help="also time all=off at the big prompt (slow)")
     ap.add_argument("--interleave", action="store_true", help="run the configs in turn, one run each, -r times over "
-                    "(each config warmed up once; the order reversed every other turn; auto against the best manual "
-                    "policy from the turns' pairs): for comparing configs that do the same work")
+                    "on one engine, warmed up once under each; the order reversed every other turn; auto against the "
+                    "best manual policy from the turns' pairs): for comparing configs that do the same work")
     ap.add_argument("--out", default="hybrid_vs_llamacpp.json")
     a = ap.parse_args()
     path = Path(a.model)
