@@ -75,8 +75,7 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
         if interleave:
             # one engine for every config of a batch order (the policy is read at run time): configs that do the
             # same work then share every buffer, cache and recorded graph, and differ only by their policy
-            shared: dict[bool, Runs] = {}
-            engines = {}
+            shared: dict[bool, Runs] = {}  # by batch order: ubatch-first or not
             each_hit: dict[str, list[list[int]]] = {label: [] for _, label in runs}
             for policy, label in runs:
                 use(policy, label)
@@ -84,18 +83,18 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
                 order = label.endswith("ubatch-first")
                 if order not in shared:
                     shared[order] = Runs(model, backend, p, n, p or 512, ub)
-                engines[label] = shared[order]
-                n_runs[label] += engines[label].warm_up()  # auto's trials fall in its own warm-up
+                n_runs[label] += shared[order].warm_up()  # auto's trials fall in its own warm-up
                 copied[label] += backend.streamer.bytes_copied - before
             for i in range(reps):
                 for policy, label in (runs if i % 2 == 0 else runs[::-1]):
                     use(policy, label)
+                    engine = shared[label.endswith("ubatch-first")]
                     before = backend.streamer.bytes_copied
-                    samples[label].append(engines[label].once(i))
+                    samples[label].append(engine.once(i))
                     copied[label] += backend.streamer.bytes_copied - before
                     n_runs[label] += 1
-                    each_hit[label].append(engines[label].experts_hit)  # read after the run: not timed
-            del engines, shared  # their caches and recorded graphs
+                    each_hit[label].append(engine.experts_hit)  # read after the run: not timed
+            del shared  # their caches and recorded graphs
             # how many experts a first u-batch reaches depends on its tokens (one seed's 16 tokens route to the
             # same 8 in every deep layer, another's to 40-50): per layer, the median over the runs
             hits = {label: [int(statistics.median(h)) for h in zip(*got)] for label, got in each_hit.items()}
