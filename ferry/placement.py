@@ -206,9 +206,10 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
             if m and "_exps" in name and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU":
                 in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
         need(gpus[0]).compute += 3 * max(in_ram.values(), default=0)
-        if in_ram and n_batch:  # the batch's residual and normed rows per u-batch and joined; each pair's rows
-            k = max(args.n_expert_used, 1)
-            need(gpus[0]).compute += 4 * n_batch * (4 * args.n_embd + k * (args.n_embd + args.n_ff_exp))
+        if in_ram and n_batch:  # the batch's residual and normed rows per u-batch and joined; each pair's rows;
+            k = max(args.n_expert_used, 1)  # twice where the batch is replayed as CUDA graphs (their memory pool)
+            joined = 4 * n_batch * (4 * args.n_embd + k * (args.n_embd + args.n_ff_exp))
+            need(gpus[0]).compute += joined * (2 if n_ubatch <= PROMPT_GRAPH_MAX else 1)
     width = max(args.n_ff, args.n_ff_exp * max(args.n_expert_used, 1), args.n_head * args.head_dim_k)
     activations = 4 * n_ubatch * (4 * args.n_embd + 3 * width)
     for d in {place(f"blk.{i}.ffn_up.weight", args.n_layer, n_gpu_layers, overrides, layers) for i in range(args.n_layer)}:

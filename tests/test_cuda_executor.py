@@ -10,10 +10,11 @@ def _executor(graph_safe: bool = True, graphs: bool = True) -> CudaExecutor:
     return CudaExecutor(SimpleNamespace(device="cpu", graph_safe=graph_safe), graphs=graphs)
 
 
-def _step(ex: CudaExecutor, n: int) -> bool:
-    """One forward's decision; a step decided to be recorded is captured (a stand-in here)."""
-    key = ("model", "cache", n, False)
-    recorded = ex._recorded(key, n)
+def _step(ex: CudaExecutor, n: int, ubatches: tuple[int, ...] | None = None) -> bool:
+    """One forward's decision (of n tokens; or of a logical batch of these u-batches, taken layer first); a step
+    decided to be recorded is captured (a stand-in here)."""
+    key = ("model", "cache", n, False, ubatches)
+    recorded = ex._recorded(key, max(ubatches), prompt=True) if ubatches else ex._recorded(key, n)
     if recorded and key not in ex._captured:
         ex._captured[key] = object()
     return recorded
@@ -24,6 +25,18 @@ def test_decode_steps_are_recorded_from_their_first_run_and_prompts_from_their_s
     assert _step(ex, 1) and _step(ex, DECODE_MAX)
     assert not _step(ex, 64) and _step(ex, 64) and _step(ex, 64)
     assert not _step(ex, PROMPT_GRAPH_MAX + 1) and not _step(ex, PROMPT_GRAPH_MAX + 1)  # bound by its kernels
+
+
+def test_a_logical_batch_taken_layer_first_is_recorded_from_its_second_run_by_its_ubatch_sizes():
+    """Its shape is its u-batches' sizes: another split of the same rows is another shape; u-batches of decode size
+    wait for the second run too (a batch is a prompt), and u-batches past PROMPT_GRAPH_MAX are never recorded."""
+    ex = _executor()
+    assert not _step(ex, 4096, (512,) * 8) and _step(ex, 4096, (512,) * 8) and _step(ex, 4096, (512,) * 8)
+    assert not _step(ex, 4096, (1024,) * 4)
+    assert not _step(ex, 16, (DECODE_MAX,) * 2) and _step(ex, 16, (DECODE_MAX,) * 2)
+    big = (PROMPT_GRAPH_MAX + 1,) * 2
+    assert not _step(ex, sum(big), big) and not _step(ex, sum(big), big)
+    assert not _step(ex, 512)  # a single u-batch of 512 is a shape of its own
 
 
 def test_a_benchmark_warms_up_again_only_where_the_next_run_records_a_prompt_shape():
@@ -61,6 +74,10 @@ def test_a_new_prompt_shape_beyond_the_limit_drops_the_least_recently_replayed_o
     assert kept == sorted([sizes[0]] + sizes[2:] + [newcomer])  # sizes[1] was the least recent
     assert not _step(ex, sizes[1]) and _step(ex, sizes[1])  # it must run twice again to come back
     assert _step(ex, 1) and 1 in {k[2] for k in ex._captured}  # decode steps do not count against the limit
+    batch = (DECODE_MAX,) * 2  # a layer-first batch does, even of decode-sized u-batches
+    assert not _step(ex, 16, batch) and _step(ex, 16, batch)
+    prompts = [k[2] for k in ex._captured if k[2] > 1]
+    assert len(prompts) == PROMPT_GRAPHS_KEPT and sizes[3] not in prompts  # the least recent now
 
 
 def test_the_hybrid_backend_offers_every_backend_call_of_the_gpu_ops():

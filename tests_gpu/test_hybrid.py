@@ -96,6 +96,34 @@ def test_a_batch_taken_layer_first_matches_the_cpu_and_reads_each_expert_once(mi
     _check(got["ubatch-first"].cpu().float(), got["layer-first"], f"{policy}: layer-first against ubatch-first")
 
 
+@pytest.mark.parametrize("policy", ["all=on", "all=off"])
+def test_a_batch_taken_layer_first_replays_as_graphs_with_the_eager_bits(mid, policy):
+    """-b 300 -ub 64, three times over the same tokens: with graphs, the first run is eager, the second records CUDA
+    graphs cut at each u-batch's embedding (in RAM) and attention over the cache and at each layer's joined
+    experts, the third replays them; every run gives the bits of eager runs."""
+    from ferry.ops.cuda.executor import CudaExecutor, _Recorder
+
+    path, tokens, _ = mid
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], policy))
+    backend.stats.keep = False
+    runs = {}
+    for graphs in (False, True):
+        e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=64)
+        e.executor = CudaExecutor(backend, graphs=graphs)
+        runs[graphs] = []
+        for _ in range(3):
+            e.truncate(0)
+            runs[graphs].append(e.decode(tokens, all_logits=True))
+        assert len(e.experts_hit) == 3 * 5
+    recorded = list(e.executor._captured.values())
+    assert len(recorded) == 1 and isinstance(recorded[0].graph, _Recorder)
+    n_ubatch = 5  # 4 x 64 + 44
+    cuts = model.args.n_layer * (n_ubatch + 1) + (0 if backend.on_gpu(model.token_embd) else n_ubatch)
+    assert len(recorded[0].graph.graphs) == cuts + 1
+    for got in runs[False][1:] + runs[True]:
+        assert torch.equal(runs[False][0], got)
+
+
 @pytest.mark.parametrize("policy", ["all=off", "threshold", "balanced"])
 def test_generation_with_experts_in_ram_matches_the_cpu_token_by_token(mid, policy):
     path, tokens, want = mid

@@ -185,7 +185,8 @@ class HybridBackend:
             return self.gpu.get_rows(w, ids)
         rec = self.recorder
         if rec is not None:  # the embedding of a captured step: its tokens come from the host at replay
-            return rec.defer(lambda: self.cpu.get_rows(w, rec.host_tokens), (ids.shape[0], w.ne[0]), self.device)
+            return rec.defer(lambda: self.cpu.get_rows(w, rec.tokens_on_host(ids)), (ids.shape[0], w.ne[0]),
+                             self.device)
         return self.cpu.get_rows(w, ids.cpu()).to(self.device)
 
     # ---- routed experts ----------------------------------------------------------------------------------

@@ -261,6 +261,12 @@ class CudaOps(TorchOps):
         return self._sdpa_f16(q, k, v, scale, 0)
 
 
+def _is_prompt(key: tuple) -> bool:
+    """Whether a recorded step's key is a prompt's (a u-batch of more than DECODE_MAX tokens, or a logical batch
+    taken layer first, key[4] its u-batches' sizes): those count against PROMPT_GRAPHS_KEPT."""
+    return key[2] > DECODE_MAX or key[4] is not None
+
+
 def _typed(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
     """Cache rows as the kernels read them: q8_0 bytes, or the float type."""
     return rows if qtype == Q.Q8_0 else rows.view(TORCH_TYPES[qtype])
@@ -285,7 +291,7 @@ class _Recorder:
         self.pool = pool
         self.steps: list = []  # graph replays and host steps, in order
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.host_tokens: torch.Tensor | None = None  # the replayed step's tokens, for a host-side embedding
+        self.host_tokens: dict[int, torch.Tensor] = {}  # a host-side embedding's tokens, by its GPU input's address
         self._graph: torch.cuda.CUDAGraph | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}  # staged inputs and results of shared defers
 
@@ -328,6 +334,10 @@ class _Recorder:
         self.begin()
         return out
 
+    def tokens_on_host(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The replayed step's tokens whose GPU copy is the recording's input `tokens`, as the host holds them."""
+        return self.host_tokens[tokens.data_ptr()]
+
     def replay(self) -> None:
         for step in self.steps:
             step()
@@ -357,17 +367,34 @@ def _launcher(graph: torch.cuda.CUDAGraph):
 
 
 @dataclass
-class _Captured:
-    """A step of one shape as a CUDA graph (or, with host steps, graphs and host steps in turn): static
-    inputs filled before each replay; `ops` is the recorded forward's op set, whose host steps read its batch."""
+class _Input:
+    """One recorded forward's static inputs (its tokens, positions and cache cells on the GPU) and the op set that
+    reads them; a replay copies the next batch's into them."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
     cells: torch.Tensor
-    logits: torch.Tensor
+    ops: CudaOps | None = None  # made once the inputs are on the GPU
+
+    def load(self, tokens: torch.Tensor, batch: Batch, graph) -> None:
+        self.tokens.copy_(tokens)  # straight from the host into the graph's inputs
+        self.pos.copy_(batch.positions)
+        self.cells.copy_(batch.cells)
+        self.ops.rebind(batch)
+        if isinstance(graph, _Recorder):
+            graph.host_tokens[self.tokens.data_ptr()] = tokens.cpu()
+
+
+@dataclass
+class _Captured:
+    """A step of one shape as a CUDA graph (or, with host steps, graphs and host steps in turn): its forwards'
+    static inputs, filled before each replay (one forward; or a logical batch's u-batches, then their joined rows,
+    taken layer first); the logits of each u-batch; the routing the replay writes."""
+
+    inputs: list[_Input]
+    logits: list[torch.Tensor]
     expert_ids: list[torch.Tensor]
     graph: torch.cuda.CUDAGraph | _Recorder
-    ops: CudaOps
 
 
 class CudaExecutor:
@@ -375,7 +402,7 @@ class CudaExecutor:
     FERRY_CUDA_GRAPHS=0 or graphs=False to run eagerly): a decode step of up to DECODE_MAX tokens from its first
     run, a prompt u-batch of up to PROMPT_GRAPH_MAX tokens from the second run of its shape on (prompt tails of
     every length are run once and not kept; at most PROMPT_GRAPHS_KEPT shapes at once), with attention over the
-    cache between graphs."""
+    cache between graphs; likewise a logical batch taken layer first, whose shape is its u-batches' sizes."""
 
     def __init__(self, backend, graphs: bool | None = None):
         self.backend = backend
@@ -409,14 +436,15 @@ class CudaExecutor:
         again: a one-time cost a benchmark's warm-up should take (as llama-bench's takes llama.cpp's)."""
         return any(runs < PROMPT_RECORDED_AT and key not in self._captured for key, runs in self._prompt_runs.items())
 
-    def _recorded(self, key: tuple, n_tokens: int) -> bool:
-        """Whether this step runs as graphs: decode steps always, prompt u-batches from their shape's second run.
-        At most PROMPT_GRAPHS_KEPT prompt shapes stay recorded (a server meets many prompt tails): recording
-        another drops the least recently replayed one, which must then run twice again to come back."""
+    def _recorded(self, key: tuple, n_tokens: int, prompt: bool = False) -> bool:
+        """Whether this step runs as graphs: decode steps always, prompt u-batches (and logical batches of
+        u-batches of up to `n_tokens`, `prompt`) from their shape's second run. At most PROMPT_GRAPHS_KEPT prompt
+        shapes stay recorded (a server meets many prompt tails): recording another drops the least recently
+        replayed one, which must then run twice again to come back."""
         recordable = self.backend.graph_safe or getattr(self.backend, "host_steps", False)
         if not self.graphs or not recordable or n_tokens > PROMPT_GRAPH_MAX:
             return False
-        if n_tokens <= DECODE_MAX:
+        if n_tokens <= DECODE_MAX and not prompt:
             return True
         if key in self._captured:
             self._captured[key] = self._captured.pop(key)  # the most recently replayed last
@@ -424,58 +452,76 @@ class CudaExecutor:
         self._prompt_runs[key] = self._prompt_runs.get(key, 0) + 1
         if self._prompt_runs[key] < PROMPT_RECORDED_AT:
             return False
-        prompts = [k for k in self._captured if k[2] > DECODE_MAX]
+        prompts = [k for k in self._captured if _is_prompt(k)]
         if len(prompts) >= PROMPT_GRAPHS_KEPT:
             del self._captured[prompts[0]]
             self._prompt_runs.pop(prompts[0], None)
         return True
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits)  # key[2]: the u-batch size
+        key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits, None)  # key[2]: the u-batch size
         if not self._recorded(key, batch.n_tokens):
             return model.forward(self.placed_ops(model, batch, tokens))
         c = self._captured.get(key)
         if c is None:
-            tokens, pos, cells = (t.to(self.device) for t in (tokens, batch.positions, batch.cells))
-            c = self._captured[key] = self._capture(model, batch, tokens, pos, cells)
-        else:  # straight from the host into the graph's inputs
-            c.tokens.copy_(tokens)
-            c.pos.copy_(batch.positions)
-            c.cells.copy_(batch.cells)
-            c.ops.rebind(batch)
-            if isinstance(c.graph, _Recorder):
-                c.graph.host_tokens = tokens.cpu()
+            c = self._captured[key] = self._capture(model, [(tokens, batch)], batch,
+                                                    lambda opss: [model.forward(opss[0])])
+        else:
+            c.inputs[0].load(tokens, batch, c.graph)
             c.graph.replay()
         batch.expert_ids = list(c.expert_ids)
-        return c.logits.clone()
+        return c.logits[0].clone()
 
     def forward_layer_first(self, model, tokens: list[torch.Tensor], batches: list[Batch],
                             joined: Batch) -> list[torch.Tensor]:
-        """The u-batches of one logical batch, layer by layer (Model.forward_layer_first), eagerly: each one's
-        logits. `joined`: Batch.join(batches)."""
-        return model.forward_layer_first([self.placed_ops(model, b, t) for t, b in zip(tokens, batches)],
-                                         self.placed_ops(model, joined, torch.cat(tokens)))
+        """The u-batches of one logical batch, layer by layer (Model.forward_layer_first): each one's logits.
+        `joined`: Batch.join(batches). Recorded as a prompt u-batch is, its shape being the u-batches' sizes: each
+        u-batch's attention over the cache and the joined rows' experts in RAM run between graphs. Eagerly, the
+        u-batches' launches bound the run at small u-batches (docs/performance.md, sessions 10 and 19)."""
+        sizes = tuple(b.n_tokens for b in batches)
+        key = (id(model), id(joined.kv), joined.n_tokens, joined.all_logits, sizes)
+        if not self._recorded(key, max(sizes), prompt=True):
+            return model.forward_layer_first([self.placed_ops(model, b, t) for t, b in zip(tokens, batches)],
+                                             self.placed_ops(model, joined, torch.cat(tokens)))
+        everything = [*zip(tokens, batches), (torch.cat(tokens), joined)]
+        c = self._captured.get(key)
+        if c is None:
+            c = self._captured[key] = self._capture(
+                model, everything, joined, lambda opss: model.forward_layer_first(opss[:-1], opss[-1]))
+        else:
+            for i, (t, b) in zip(c.inputs, everything):
+                i.load(t, b, c.graph)
+            c.graph.replay()
+        joined.expert_ids = list(c.expert_ids)
+        return [x.clone() for x in c.logits]
 
-    def _capture(self, model, batch: Batch, tokens, pos, cells) -> _Captured:
-        """Run the step once eagerly on a side stream (compiles kernels, sizes scratch buffers, and is this
-        step's result), then record it: as one graph, or as graphs cut at host steps (a prompt's attention over
-        the cache, the hybrid runtime's ops on weights in RAM)."""
+    def _capture(self, model, forwards: list[tuple[torch.Tensor, Batch]], routed: Batch, run) -> _Captured:
+        """Run the step once eagerly on a side stream (compiles kernels, sizes scratch buffers), then record it: as
+        one graph, or as graphs cut at host steps (a prompt's attention over the cache, the hybrid runtime's ops on
+        weights in RAM), and replay it for this step's result. `forwards`: each op set's tokens and batch;
+        `run(op sets)`: the step's logits, one tensor per u-batch; `routed`: the batch whose MoE layers record their
+        routing."""
+        inputs = [_Input(*(t.to(self.device) for t in (tokens, b.positions, b.cells))) for tokens, b in forwards]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            model.forward(self._ops(model, batch, tokens, pos, cells))
+            run([self._ops(model, b, i.tokens, i.pos, i.cells) for i, (_, b) in zip(inputs, forwards)])
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        batch.expert_ids = []
+        routed.expert_ids = []
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        ops = self._ops(model, batch, tokens, pos, cells)
-        if self.backend.graph_safe and batch.n_tokens <= DECODE_MAX:
+        for i, (_, b) in zip(inputs, forwards):
+            i.ops = self._ops(model, b, i.tokens, i.pos, i.cells)
+        opss = [i.ops for i in inputs]
+        n_tokens = max(b.n_tokens for _, b in forwards)
+        if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                logits = model.forward(ops)
+                logits = run(opss)
         else:
             graph = _Recorder(self._pool)
-            graph.host_tokens = tokens.cpu()
+            for i, (tokens, _) in zip(inputs, forwards):
+                graph.host_tokens[i.tokens.data_ptr()] = tokens.cpu()
             torch.cuda.synchronize(self.device)
             gc.collect()  # as torch.cuda.graph does: no collection (freeing events, pinned buffers) mid-capture
             gc.disable()
@@ -483,13 +529,13 @@ class CudaExecutor:
                 self.backend.recorder = graph
                 graph.begin()
                 try:
-                    logits = model.forward(ops)
+                    logits = run(opss)
                     graph.end()
                 finally:
                     self.backend.recorder = None
                     gc.enable()
             torch.cuda.current_stream(self.device).wait_stream(stream)
         graph.replay()
-        if batch.n_tokens > DECODE_MAX:  # the warm-up's cached blocks belong to its stream: give them back
+        if n_tokens > DECODE_MAX:  # the warm-up's cached blocks belong to its stream: give them back
             torch.cuda.empty_cache()
-        return _Captured(tokens, pos, cells, logits, list(batch.expert_ids), graph, ops)
+        return _Captured(inputs, logits, list(routed.expert_ids), graph)
