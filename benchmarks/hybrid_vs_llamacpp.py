@@ -47,7 +47,7 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
     every config alike and each turn is a set of pairs (for telling apart configs that do the same work)."""
     from ferry.cli import GpuOptions, open_model
     from ferry.policy import Explorer, parse_policy
-    from ferry.tools.bench import Runs, measure
+    from ferry.tools.bench import Runs
 
     ub_max = max(ub for _, _, ub in cases)
     t0 = time.perf_counter()
@@ -70,7 +70,7 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
                 and not (label != policy and not p)]  # generation has one token per batch: no order to choose
         samples: dict[str, list[float]] = {label: [] for _, label in runs}
         copied: dict[str, int] = dict.fromkeys(samples, 0)
-        n_runs: dict[str, int] = dict.fromkeys(samples, 0)  # warm-up and timed runs: what the copies are spread over
+        n_runs: dict[str, int] = dict.fromkeys(samples, 0)  # timed runs, over which the copies are counted
         hits: dict[str, list[int]] = {}
         if interleave:
             # one engine for every config of a batch order (the policy is read at run time): configs that do the
@@ -79,12 +79,10 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
             each_hit: dict[str, list[list[int]]] = {label: [] for _, label in runs}
             for policy, label in runs:
                 use(policy, label)
-                before = backend.streamer.bytes_copied
                 order = label.endswith("ubatch-first")
                 if order not in shared:
                     shared[order] = Runs(model, backend, p, n, p or 512, ub)
-                n_runs[label] += shared[order].warm_up()  # auto's trials fall in its own warm-up
-                copied[label] += backend.streamer.bytes_copied - before
+                shared[order].warm_up()  # auto's trials fall in its own warm-up, a recording's second pass in one
             for i in range(reps):
                 for policy, label in (runs if i % 2 == 0 else runs[::-1]):
                     use(policy, label)
@@ -101,11 +99,12 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
         else:
             for policy, label in runs:
                 use(policy, label)
+                engine = Runs(model, backend, p, n, p or 512, ub)
+                engine.warm_up(0)
                 before = backend.streamer.bytes_copied
-                got, hits[label], warmups = measure(model, backend, p, n, p or 512, ub, reps)
-                samples[label] += got
+                samples[label], hits[label] = engine.timed(reps)
                 copied[label] += backend.streamer.bytes_copied - before
-                n_runs[label] += warmups + len(got)
+                n_runs[label] += reps
         for policy, label in runs:
             got, hit = samples[label], hits[label]
             avg = sum(got) / len(got)

@@ -124,6 +124,15 @@ class Runs:
         hit = self.engine.experts_hit
         return hit[0] if hit and self.n_prompt else []
 
+    def timed(self, reps: int, seed: int = 0) -> tuple[list[float], list[int]]:
+        """tokens/s of `reps` runs (seeds seed + 1 on), and the experts hit per layer in the first one."""
+        samples, hit = [], []
+        for i in range(reps):
+            samples.append(self.once(seed + 1 + i))
+            if i == 0:  # the first timed run's, read once
+                hit = self.experts_hit
+        return samples, hit
+
 
 def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, type_k: str = "f16",
             type_v: str = "f16", n_depth: int = 0, seed: int = 0) -> tuple[list[float], list[int], int]:
@@ -131,12 +140,7 @@ def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: i
     warm-up runs."""
     runs = Runs(model, backend, n_prompt, n_gen, n_batch, n_ubatch, type_k, type_v, n_depth)
     warmups = runs.warm_up(seed)
-    samples, hit = [], []
-    for i in range(reps):
-        samples.append(runs.once(seed + 1 + i))
-        if i == 0:  # the first timed run's, read once
-            hit = runs.experts_hit
-    return samples, hit, warmups
+    return *runs.timed(reps, seed), warmups
 
 
 def parse_pairs(flag: str, texts: list[str]) -> list[tuple[int, int]]:
