@@ -483,13 +483,13 @@ class CudaExecutor:
         if not self._recorded(key, max(sizes), prompt=True):
             return model.forward_layer_first([self.placed_ops(model, b, t) for t, b in zip(tokens, batches)],
                                              self.placed_ops(model, joined, torch.cat(tokens)))
-        everything = [*zip(tokens, batches), (torch.cat(tokens), joined)]
+        forwards = [*zip(tokens, batches), (torch.cat(tokens), joined)]  # the u-batches, then their rows joined
         c = self._captured.get(key)
         if c is None:
             c = self._captured[key] = self._capture(
-                model, everything, joined, lambda opss: model.forward_layer_first(opss[:-1], opss[-1]))
+                model, forwards, joined, lambda opss: model.forward_layer_first(opss[:-1], opss[-1]))
         else:
-            for i, (t, b) in zip(c.inputs, everything):
+            for i, (t, b) in zip(c.inputs, forwards):
                 i.load(t, b, c.graph)
             c.graph.replay()
         joined.expert_ids = list(c.expert_ids)
@@ -502,17 +502,21 @@ class CudaExecutor:
         `run(op sets)`: the step's logits, one tensor per u-batch; `routed`: the batch whose MoE layers record their
         routing."""
         inputs = [_Input(*(t.to(self.device) for t in (tokens, b.positions, b.cells))) for tokens, b in forwards]
+
+        def op_sets() -> list[CudaOps]:
+            return [self._ops(model, b, i.tokens, i.pos, i.cells) for i, (_, b) in zip(inputs, forwards)]
+
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            run([self._ops(model, b, i.tokens, i.pos, i.cells) for i, (_, b) in zip(inputs, forwards)])
+            run(op_sets())
         torch.cuda.current_stream(self.device).wait_stream(stream)
         routed.expert_ids = []
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        for i, (_, b) in zip(inputs, forwards):
-            i.ops = self._ops(model, b, i.tokens, i.pos, i.cells)
-        opss = [i.ops for i in inputs]
+        opss = op_sets()
+        for i, ops in zip(inputs, opss):
+            i.ops = ops
         n_tokens = max(b.n_tokens for _, b in forwards)
         if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1:
             graph = torch.cuda.CUDAGraph()
