@@ -199,6 +199,9 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)
         need(kv_device).kv_cache += per_layer
+    # a GPU replays prompt u-batches (and batches of them) up to PROMPT_GRAPH_MAX tokens as CUDA graphs, whose memory
+    # pool is a second set of their activations beside the eager one
+    replayed = n_ubatch <= PROMPT_GRAPH_MAX
     if kv_on_gpu:
         in_ram: dict[str, int] = {}
         for name, size in tensors.items():
@@ -206,16 +209,14 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
             if m and "_exps" in name and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU":
                 in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
         need(gpus[0]).compute += 3 * max(in_ram.values(), default=0)
-        if in_ram and n_batch:  # the batch's residual and normed rows per u-batch and joined; each pair's rows;
-            k = max(args.n_expert_used, 1)  # twice where the batch is replayed as CUDA graphs (their memory pool)
+        if in_ram and n_batch:  # the batch's residual and normed rows per u-batch and joined; each pair's rows
+            k = max(args.n_expert_used, 1)
             joined = 4 * n_batch * (4 * args.n_embd + k * (args.n_embd + args.n_ff_exp))
-            need(gpus[0]).compute += joined * (2 if n_ubatch <= PROMPT_GRAPH_MAX else 1)
+            need(gpus[0]).compute += joined * (2 if replayed else 1)
     width = max(args.n_ff, args.n_ff_exp * max(args.n_expert_used, 1), args.n_head * args.head_dim_k)
     activations = 4 * n_ubatch * (4 * args.n_embd + 3 * width)
     for d in {place(f"blk.{i}.ffn_up.weight", args.n_layer, n_gpu_layers, overrides, layers) for i in range(args.n_layer)}:
-        # a GPU replays prompt u-batches up to PROMPT_GRAPH_MAX tokens as CUDA graphs, whose memory pool is a
-        # second set of activations beside the eager one
-        need(d).compute += activations * (2 if d != "CPU" and n_ubatch <= PROMPT_GRAPH_MAX else 1)
+        need(d).compute += activations * (2 if d != "CPU" and replayed else 1)
     need(place("output.weight", args.n_layer, n_gpu_layers, overrides, layers)).compute += 4 * n_ubatch * args.n_vocab
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:
