@@ -1,9 +1,10 @@
-"""Where a hybrid decode step's time goes between its host steps (experts in RAM, CUDA graphs between them, as a
-real run decodes): per MoE layer, the wait for the GPU segment before it (attention, router, the previous layer's
-result upload), the host step itself (ggml on the routed experts and the bookkeeping around it), and the time
-outside host steps (graph launches, the step's start and end). Only perf_counter around the host steps, whose
-one synchronize is moved ahead of them to time the wait.
-  python benchmarks/decode_steps.py -m model.gguf [-t 16] [--policy all=off] [-n 32]
+"""Where a hybrid decode step's time goes (experts in RAM, as a real run decodes): per token and per MoE layer, the
+graph launches, the host steps and the time outside them. A host step that cuts the graphs (FERRY_HANDSHAKES=0, or a
+step that needs the GPU's data) is split into the wait for the GPU segment before it and the step itself; a host step
+the graph waits at (a handshake) into the wait for the graph to reach it and the step. Then the last token's ggml
+calls again, back to back and with a spin of --gap us after each (as long as a GPU segment): what ggml alone takes
+of a token, and what an idle gap between two layers' ggml costs it. Only perf_counter around the steps.
+  python benchmarks/decode_steps.py -m model.gguf [-t 16] [--policy all=off] [-n 32] [--gap 100]
 """
 
 import argparse
@@ -21,54 +22,90 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=16)
     ap.add_argument("--policy", default="all=off")
     ap.add_argument("-n", type=int, default=32)
+    ap.add_argument("--gap", type=float, default=100.0, help="us spun after each ggml call when replayed alone")
     a = ap.parse_args()
     _, backend, model, _ = open_model(a.model, a.threads, True, a.threads, True, True,
                                       GpuOptions(999, ["exps=CPU"], a.policy), 4096, 512)
-    times = {"wait": 0.0, "host": 0.0, "ggml": 0.0, "calls": 0}
-    original = backend._experts
+    parts = ("launch", "cut wait", "cut step", "handshakes", "ggml")
+    times = dict.fromkeys(parts, 0.0)
+    steps = {"cut": 0, "handshake": 0}
+    last: list = []  # the last token's ggml calls: (function, args, keywords)
 
-    def timed_experts(*args, **kw):
-        t0 = time.perf_counter()
-        torch.cuda.current_stream(backend.device).synchronize()
-        t1 = time.perf_counter()
-        out = original(*args, **kw)
-        t2 = time.perf_counter()
-        times["wait"] += t1 - t0
-        times["host"] += t2 - t1
-        times["calls"] += 1
-        return out
-
-    def timed_ggml(fn):
+    def add(part: str, fn):
         def timed(*args, **kw):
             t0 = time.perf_counter()
             out = fn(*args, **kw)
-            times["ggml"] += time.perf_counter() - t0
+            times[part] += time.perf_counter() - t0
             return out
         return timed
 
-    backend._experts = timed_experts
+    def cut_step(fn):  # its one synchronize moved ahead of it, to time the wait apart
+        def timed():
+            t0 = time.perf_counter()
+            torch.cuda.current_stream(backend.device).synchronize()
+            times["cut wait"] += time.perf_counter() - t0
+            add("cut step", fn)()
+        return timed
+
+    def ggml(fn):
+        def called(*args, **kw):
+            last.append((fn, args, kw))
+            return add("ggml", fn)(*args, **kw)
+        return called
+
     for name in ("moe_experts", "moe_up_gate", "moe_down"):  # the whole experts, or a half of each (halves set apart)
-        setattr(backend.cpu, name, timed_ggml(getattr(backend.cpu, name)))
+        setattr(backend.cpu, name, ggml(getattr(backend.cpu, name)))
     e = Engine(model, backend, n_ctx=4096, n_batch=512, n_ubatch=512)
     e.decode(torch.randint(0, model.args.n_vocab, (64,)).tolist())
     for _ in range(3):
         e.decode([1])
+    for c in e.executor._captured.values():  # the recorded decode step: time each of its steps
+        recorded = getattr(c.graph, "steps", [])
+        for i, step in enumerate(recorded):
+            name = getattr(step, "__name__", "")
+            if name in ("launch", "replay"):
+                recorded[i] = add("launch", step)
+            elif name == "serve":
+                recorded[i] = add("handshakes", step)
+            else:
+                recorded[i] = cut_step(step)
+                steps["cut"] += 1
+        steps["handshake"] += getattr(c.graph, "n_handshakes", 0)
     for k in times:
-        times[k] = 0
+        times[k] = 0.0
     t0 = time.perf_counter()
     for i in range(a.n):
+        last.clear()
         e.decode([int(i) % model.args.n_vocab])
     torch.cuda.synchronize(backend.device)
     total = time.perf_counter() - t0
     per_tok = total / a.n
-    calls = times["calls"] / a.n
-    print(f"{a.policy}: {a.n / total:.2f} t/s, {1e3 * per_tok:.3f} ms per token, {calls:.0f} MoE host steps per token")
+    n_moe = sum(1 for b in model.blocks if hasattr(b.ffn, "gate_exps"))
+    print(f"{a.policy}: {a.n / total:.2f} t/s, {1e3 * per_tok:.3f} ms per token, {n_moe} MoE layers, "
+          f"{steps['cut']} cut host steps and {steps['handshake']} handshakes per step")
     print("| part | ms per token | ms per MoE layer |")
     print("| --- | ---: | ---: |")
-    outside = per_tok - (times["wait"] + times["host"]) / a.n
-    for name, v in (("wait for the GPU segment", times["wait"] / a.n), ("host step", times["host"] / a.n),
-                    ("  of which ggml", times["ggml"] / a.n), ("outside host steps", outside)):
-        print(f"| {name} | {1e3 * v:.3f} | {1e3 * v / max(calls, 1):.3f} |")
+    served = times["launch"] + times["cut wait"] + times["cut step"] + times["handshakes"]
+    rows = (("graph launches", times["launch"]), ("cut host steps: wait for the GPU segment", times["cut wait"]),
+            ("cut host steps: the step", times["cut step"]),
+            ("handshakes: waits and steps", times["handshakes"]), ("ggml (in either)", times["ggml"]),
+            ("outside the steps", total - served))
+    for name, v in rows:
+        print(f"| {name} | {1e3 * v / a.n:.3f} | {1e3 * v / a.n / n_moe:.3f} |")
+    if last:
+        calls_of_token = [(fn, [t.clone() if isinstance(t, torch.Tensor) else t for t in args], kw)
+                          for fn, args, kw in last]
+        for gap in (0.0, a.gap):
+            rounds, t0 = 8, time.perf_counter()
+            for _ in range(rounds):
+                for fn, args, kw in calls_of_token:
+                    fn(*args, **kw)
+                    end = time.perf_counter() + gap * 1e-6
+                    while time.perf_counter() < end:
+                        pass
+            alone = (time.perf_counter() - t0) / rounds - len(calls_of_token) * gap * 1e-6
+            print(f"ggml alone, {gap:.0f} us spun after each call: {1e3 * alone:.3f} ms per token, "
+                  f"{1e3 * alone / len(calls_of_token):.3f} ms per call")
     for size, way in sorted(backend.explorer.chosen.items()):  # auto: what its trials measured and kept
         print(f"auto, u-batches up to {size}: {way} ({backend.explorer.why(size)})")
     backend.close()

@@ -99,8 +99,8 @@ def test_a_batch_taken_layer_first_matches_the_cpu_and_reads_each_expert_once(mi
 @pytest.mark.parametrize("policy", ["all=on", "all=off"])
 def test_a_batch_taken_layer_first_replays_as_graphs_with_the_eager_bits(mid, policy):
     """-b 300 -ub 64, three times over the same tokens: with graphs, the first run is eager, the second records CUDA
-    graphs cut at each u-batch's embedding (in RAM) and attention over the cache and at each layer's joined
-    experts, the third replays them; every run gives the bits of eager runs."""
+    graphs cut at each u-batch's attention over the cache and at each layer's joined experts (each u-batch's
+    embedding from RAM is a handshake), the third replays them; every run gives the bits of eager runs."""
     from ferry.ops.cuda.executor import CudaExecutor, _Recorder
 
     path, tokens, _ = mid
@@ -118,8 +118,8 @@ def test_a_batch_taken_layer_first_replays_as_graphs_with_the_eager_bits(mid, po
     recorded = list(e.executor._captured.values())
     assert len(recorded) == 1 and isinstance(recorded[0].graph, _Recorder)
     n_ubatch = 5  # 4 x 64 + 44
-    cuts = model.args.n_layer * (n_ubatch + 1) + (0 if backend.on_gpu(model.token_embd) else n_ubatch)
-    assert len(recorded[0].graph.graphs) == cuts + 1
+    assert recorded[0].graph.n_handshakes == (0 if backend.on_gpu(model.token_embd) else n_ubatch)
+    assert len(recorded[0].graph.graphs) == model.args.n_layer * (n_ubatch + 1) + 1
     for got in runs[False][1:] + runs[True]:
         assert torch.equal(runs[False][0], got)
 
@@ -170,10 +170,13 @@ def test_layers_left_in_ram_by_ngl_match_the_cpu(mid, policy):
     assert dense == {"CPU" if policy == "all=off" else "GPU"}
 
 
+@pytest.mark.parametrize("handshakes", [True, False])
 @pytest.mark.parametrize("policy", ["all=off", "threshold", "balanced"])
-def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid, policy):
-    """A decode step with experts in RAM replays CUDA graphs cut at each MoE layer's host step: the same bits as
-    running it op by op."""
+def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid, policy, handshakes):
+    """A decode step with experts in RAM replays CUDA graphs: the same bits as running it op by op. With handshakes,
+    a host step that reads only host memory (the embedding from RAM, ggml on a MoE layer decided on the CPU) runs
+    while one graph waits at it; without them (or where the step needs the GPU, as a split does), the graphs are
+    cut at each host step."""
     from ferry.ops.cuda.executor import CudaExecutor, _Recorder
 
     path, tokens, _ = mid
@@ -193,12 +196,68 @@ def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid
     for graphs in (True, False):
         e = Engine(model, backend, n_ctx=512)
         e.executor = CudaExecutor(backend, graphs=graphs)
+        if not handshakes:
+            e.executor._handshakes = None
         e.decode(tokens[:50])
         out.append(torch.cat([e.decode([t]) for t in tokens[50:70]]))
         if graphs:
             recorded = list(e.executor._captured.values())
             assert recorded and isinstance(recorded[0].graph, _Recorder)
-            cuts = model.args.n_layer + (0 if backend.on_gpu(model.token_embd) else 1)  # each layer, the embedding
-            assert len(recorded[0].graph.graphs) == cuts + 1
+            embedding = 0 if backend.on_gpu(model.token_embd) else 1
+            waits = (embedding + (model.args.n_layer if policy != "balanced" else 0)) if handshakes else 0
+            assert recorded[0].graph.n_handshakes == waits
+            assert len(recorded[0].graph.graphs) == model.args.n_layer + embedding - waits + 1
     assert torch.equal(out[0], out[1])
     assert any(direct) == (policy != "balanced")  # threshold's rule puts one token on the CPU: the direct way
+
+
+def test_auto_records_its_decode_step_again_once_decided(mid):
+    """auto's first decode steps run before it has decided their way, so the step is recorded cut at every MoE
+    layer; once decided, the next step records it again, as handshakes where the way is the CPU's. Logits as the
+    CPU's."""
+    path, tokens, want = mid
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto"))
+    backend.stats.keep = False
+    e = Engine(model, backend, n_ctx=512)
+    got = [e.decode(tokens[:50], all_logits=True)]
+    first = None
+    for t in tokens[50:60]:
+        got.append(e.decode([t]))
+        step = next(c for k, c in e.executor._captured.items() if k[2] == 1)
+        first = first or step
+    way = backend.decided(1)
+    assert first.decided is None and way is not None and step is not first
+    embedding = 0 if backend.on_gpu(model.token_embd) else 1
+    waits = embedding + (model.args.n_layer if way == "cpu" else 0)
+    assert step.decided == way and step.graph.n_handshakes == waits
+    assert len(step.graph.graphs) == model.args.n_layer + embedding - waits + 1
+    _check(want[:60], torch.cat(got), f"-ot exps=CPU auto, decode decided {way}")
+
+def test_a_host_step_that_fails_lets_the_waiting_graph_go(mid):
+    """A host step that raises while its graph waits at it (handshakes): the error reaches the caller, the graph is
+    let past its remaining waits, and the next tokens decode to the same bits as where nothing failed."""
+    path, tokens, _ = mid
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "all=off"))
+    backend.stats.keep = False
+    moe_experts = backend.cpu.moe_experts
+    calls = []
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return moe_experts(*args, **kw)
+
+    out = []
+    for fail in (False, True):
+        e = Engine(model, backend, n_ctx=512)
+        e.decode(tokens[:50])
+        e.decode([tokens[50]])  # records the step
+        assert next(iter(e.executor._captured.values())).graph.n_handshakes > 0
+        if fail:
+            backend.cpu.moe_experts = failing
+            with pytest.raises(RuntimeError, match="injected"):
+                e.decode([tokens[51]])
+            backend.cpu.moe_experts = moe_experts
+        out.append(torch.cat([e.decode([t]) for t in tokens[51:60]]))
+    assert torch.equal(out[0], out[1])

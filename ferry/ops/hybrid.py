@@ -110,7 +110,7 @@ class HybridBackend:
         if layers:  # a small MoE u-batch's routing (int64 at most), activations and output
             n_embd, n_expert = max(d.ne[1] for _, _, d in layers), max(g.ne[2] for g, _, _ in layers)
             for key, nbytes in (("ids", 8 * n_expert), ("weights", 4 * n_expert), ("x", 4 * n_embd),
-                                ("out", 4 * n_embd)):
+                                ("out", 4 * n_embd), ("rows", 4 * n_embd)):  # rows: the embedding's, from RAM
                 self._pinned_buffers[key] = torch.empty(SMALL_MOE * nbytes, dtype=torch.uint8).pin_memory()
 
     def on_gpu(self, w: Weight) -> bool:
@@ -185,8 +185,10 @@ class HybridBackend:
             return self.gpu.get_rows(w, ids)
         rec = self.recorder
         if rec is not None:  # the embedding of a captured step: its tokens come from the host at replay
-            return rec.defer(lambda: self.cpu.get_rows(w, rec.tokens_on_host(ids)), (ids.shape[0], w.ne[0]),
-                             self.device)
+            shape = (ids.shape[0], w.ne[0])
+            rows = self._pinned("rows", torch.Size(shape), torch.float32)
+            host = None if rows is None else (lambda: rows.copy_(self.cpu.get_rows(w, rec.tokens_on_host(ids))), rows)
+            return rec.defer(lambda: self.cpu.get_rows(w, rec.tokens_on_host(ids)), shape, self.device, host=host)
         return self.cpu.get_rows(w, ids.cpu()).to(self.device)
 
     # ---- routed experts ----------------------------------------------------------------------------------
@@ -204,20 +206,33 @@ class HybridBackend:
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         host = self._to_host(x, ids, weights)  # inside the step's CUDA graph when one is recorded
         if self.recorder is not None:
+            direct = None  # the step as a function of host memory alone: ggml on the pinned copies
+            if host is not None and self._decided_side(x.shape[0], ids.shape[1], gate) == "cpu":
+                ids_host, weights_host, x_host = host
+                result = self._pinned("out", x.shape, torch.float32)
+                direct = (lambda: self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
+                                                       out=result), result)
             out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, host, up, gate, down,
                                                                             n_used, act, t0),
-                                      (x.shape[0], down.ne[1]), self.device, inputs=(x, ids, weights), shared="moe")
+                                      (x.shape[0], down.ne[1]), self.device, inputs=(x, ids, weights), shared="moe",
+                                      host=direct)
         else:
             out = self._experts(x, ids, weights, host, up, gate, down, n_used, act, t0).to(self.device,
                                                                                            non_blocking=True)
         return (out if residual is None else residual + out), ids
 
-    def _pinned(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def decided(self, n: int) -> str | None:
+        """auto's measured way for u-batches of n tokens so far (None before it has one): a step recorded before
+        it was decided cut its graphs at host steps that may now run as handshakes, and is recorded again."""
+        return self.explorer.chosen.get(size_class(n))
+
+    def _pinned(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
         """A view of `shape` at the start of the page-locked buffer for `key` (allocated by prepare(), outside any
-        CUDA graph capture): MoE layers take turns with it, as a layer's host step has consumed it before the next
-        layer's GPU segment writes it."""
+        CUDA graph capture), or None where there is none that large: MoE layers take turns with it, as a layer's
+        host step has consumed it before the next layer's GPU segment writes it."""
         n = shape.numel() * dtype.itemsize
-        return self._pinned_buffers[key][:n].view(dtype).view(shape)
+        buf = self._pinned_buffers.get(key)
+        return None if buf is None or n > buf.numel() else buf[:n].view(dtype).view(shape)
 
     def _to_host(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         """For few tokens, what a MoE host step reads on the CPU (the routing and the activations), copied into

@@ -53,6 +53,28 @@ def cudart_library():
     return lib
 
 
+_DRIVER: list = []  # (the library or None) once looked for
+
+
+def cuda_driver():
+    """The CUDA driver library (libcuda) with the stream memory operations' entry points typed (a GPU stream
+    writing or waiting on a word of memory); None where it or they are missing."""
+    import ctypes
+
+    if _DRIVER:
+        return _DRIVER[0]
+    lib = None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    except (OSError, AttributeError):
+        lib = None
+    _DRIVER.append(lib)
+    return lib
+
+
 def _clear_last_cuda_error() -> None:
     """A failed cudaHostRegister leaves the runtime's last-error set, and torch's next kernel launch check would
     report it as its own failure: read it once."""

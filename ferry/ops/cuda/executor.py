@@ -4,8 +4,10 @@ same); prompt u-batches are replayed as graphs cut at their attention over the c
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -282,16 +284,97 @@ def _floats(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
     return dequantize(rows.reshape(-1), qtype, (width, rows.shape[0]), torch.float16)
 
 
+class Handshakes:
+    """Words of page-locked memory through which a replayed CUDA graph and the host take turns with no CUDA call
+    between them (the driver's stream memory operations): at host step k the graph writes ready[k] = 1, waits until
+    done[k] = 1, sets it back to 0 and copies the step's result in; the host, which launched the graph, reads
+    ready[k] until it is set, runs the step and writes done[k]. Right after ggml's threads have run, each CUDA call
+    of the host costs 30-40 us against 10 on an idle host (docs/decisions.md, session 20): a hybrid decode step
+    cut into a graph per layer paid a launch, a copy and a synchronize per MoE layer; this way it pays one launch."""
+
+    CAPACITY = 1024  # host steps of one recording
+    TIMEOUT_S = 120.0  # a host step the graph never reaches: an error, not a hang
+
+    def __init__(self, lib, device):
+        self.lib = lib
+        self.device = device
+        self.words = torch.zeros(2 * self.CAPACITY, dtype=torch.int32).pin_memory()
+        self.host = self.words.numpy()  # ready[k] at 2k, done[k] at 2k + 1
+        ptr = ctypes.c_uint64()
+        if lib.cuMemHostGetDevicePointer_v2(ctypes.byref(ptr), ctypes.c_void_p(self.words.data_ptr()), 0):
+            raise RuntimeError("cuMemHostGetDevicePointer failed on a page-locked buffer")
+        self.base = ptr.value
+
+    @classmethod
+    def of(cls, device) -> Handshakes | None:
+        """Handshakes for recordings on `device`, or None where the driver lacks stream memory operations (or
+        FERRY_HANDSHAKES=0 turns them off): steps are then cut into graphs at every host step."""
+        from ferry.runtime.streamer import cuda_driver, cudart_library
+
+        lib = cuda_driver()
+        if lib is None or cudart_library() is None or os.environ.get("FERRY_HANDSHAKES", "1") == "0":
+            return None
+        return cls(lib, device)
+
+    def record(self, k: int, out: torch.Tensor, result: torch.Tensor) -> None:
+        """Capture host step k into the current graph: signal, wait, then copy `result` (page-locked, which the
+        host step fills) into `out`."""
+        from ferry.runtime.streamer import cudart_library
+
+        assert out.shape == result.shape and out.dtype == result.dtype and result.is_contiguous()
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        ready, done = self.base + 8 * k, self.base + 8 * k + 4
+        for rc in (self.lib.cuStreamWriteValue32_v2(stream, ready, 1, 0),
+                   self.lib.cuStreamWaitValue32_v2(stream, done, 1, _WAIT_EQ),
+                   self.lib.cuStreamWriteValue32_v2(stream, done, 0, 0),
+                   cudart_library().cudaMemcpyAsync(out.data_ptr(), result.data_ptr(),
+                                                    result.numel() * result.element_size(), _H2D, stream)):
+            if rc != 0:
+                raise RuntimeError(f"recording a host step's handshake failed with CUDA error {rc}")
+
+    def serve(self, k: int, step: Callable[[], None]) -> None:
+        """At replay: wait until the graph reaches host step k, run it, and let the graph go on."""
+        words, i = self.host, 2 * k
+        spins = 0
+        while words[i] != 1:
+            spins += 1
+            if not spins & 0xFFFFF:
+                if spins == 0x100000:
+                    start = time.monotonic()
+                elif time.monotonic() - start > self.TIMEOUT_S:
+                    raise RuntimeError(f"the GPU did not reach host step {k} in {self.TIMEOUT_S:.0f} s")
+        words[i] = 0
+        step()
+        words[i + 1] = 1
+
+    def release(self, ks: list[int]) -> None:
+        """After a host step failed: let the graph past the steps ks it would wait at, wait for it to end, and
+        clear what it signalled, so that the next replay starts from clean words."""
+        for k in ks:
+            self.host[2 * k + 1] = 1
+        torch.cuda.synchronize(self.device)
+        for k in ks:
+            self.host[2 * k] = 0
+
+
+_WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+_H2D = 1  # cudaMemcpyHostToDevice
+
+
 class _Recorder:
     """Records a step as CUDA graphs cut wherever the backend must run host code (ops on weights in RAM, in the
     hybrid runtime): the backend calls defer(fn, shape) and gets a tensor into which fn's result is copied at
-    replay, between the graph before and the graph after."""
+    replay, between the graph before and the graph after. With `handshakes`, a host step that reads only host
+    memory (the backend passes it as `host`) does not cut the graph: the graph waits at it (Handshakes)."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, handshakes: Handshakes | None = None):
         self.pool = pool
-        self.steps: list = []  # graph replays and host steps, in order
+        self.steps: list = []  # graph launches and host steps, in order
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.host_tokens: dict[int, torch.Tensor] = {}  # a host-side embedding's tokens, by its GPU input's address
+        self.handshakes = handshakes
+        self.n_handshakes = 0
+        self._waiting: list[tuple[int, Callable]] = []  # the current graph's handshakes: (k, host step)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}  # staged inputs and results of shared defers
 
@@ -306,14 +389,41 @@ class _Recorder:
             self._graph.capture_end()
         self.graphs.append(self._graph)
         self.steps.append(_launcher(self._graph))
+        if self._waiting:
+            self.steps.append(self._server(self._waiting))
+            self._waiting = []
         self._graph = None
 
+    def _server(self, waiting: list[tuple[int, Callable]]) -> Callable[[], None]:
+        """The host's side of one launched graph's handshakes, in order; if one fails, the graph is let past the
+        rest before the error goes on."""
+        hs = self.handshakes
+
+        def serve() -> None:
+            for i, (k, step) in enumerate(waiting):
+                try:
+                    hs.serve(k, step)
+                except BaseException:
+                    hs.release([j for j, _ in waiting[i:]])
+                    raise
+        return serve
+
     def defer(self, fn, shape: tuple[int, ...], device, inputs: tuple[torch.Tensor, ...] = (),
-              shared: str | None = None) -> torch.Tensor:
+              shared: str | None = None, host: tuple[Callable[[], torch.Tensor], torch.Tensor] | None = None
+              ) -> torch.Tensor:
         """A tensor of `shape` that holds fn(*inputs) at replay. The inputs are copied at the end of the graph
         before the cut into buffers of this recording (so that the capture may reuse the originals' memory).
         Defers of one `shared` name use the same buffers: each one's result must be consumed before the next
-        such step runs, as a layer's attention is before the next layer's."""
+        such step runs, as a layer's attention is before the next layer's. `host`: the same step as a function
+        of host memory only that writes its result into the page-locked tensor given with it (of `shape`, float32):
+        with handshakes it runs while the graph waits, without a cut."""
+        if host is not None and self.handshakes is not None and self.n_handshakes < Handshakes.CAPACITY:
+            step, result = host
+            out = torch.empty(shape, dtype=torch.float32, device=device)  # the graph's pool: a fixed address
+            self.handshakes.record(self.n_handshakes, out, result)
+            self._waiting.append((self.n_handshakes, step))
+            self.n_handshakes += 1
+            return out
         staged = []
         for i, t in enumerate(inputs):
             key = (shared, i, tuple(t.shape), t.dtype)
@@ -395,6 +505,7 @@ class _Captured:
     logits: list[torch.Tensor]
     expert_ids: list[torch.Tensor]
     graph: torch.cuda.CUDAGraph | _Recorder
+    decided: str | None = None  # the backend's decided way for this step's size when it was recorded
 
 
 class CudaExecutor:
@@ -413,6 +524,7 @@ class CudaExecutor:
         self._captured: dict[tuple, _Captured] = {}
         self._prompt_runs: dict[tuple, int] = {}
         self._pool = None
+        self._handshakes: Handshakes | None | bool = False  # made at the first recording with host steps
 
     def _rope_tables(self, model, n_ctx: int) -> dict:
         """cos/sin of every cache position for each rope the model uses (the CPU path's angles), once per model
@@ -430,6 +542,10 @@ class CudaExecutor:
     def placed_ops(self, model, batch: Batch, tokens: torch.Tensor) -> CudaOps:
         """The op set of an eager step: its tokens, positions and cache cells moved to this GPU."""
         return self._ops(model, batch, *(t.to(self.device) for t in (tokens, batch.positions, batch.cells)))
+
+    def _decided(self, n_tokens: int) -> str | None:
+        decided = getattr(self.backend, "decided", None)
+        return decided(n_tokens) if decided else None
 
     def will_record(self) -> bool:
         """Whether a prompt shape has run but is not recorded yet, and will record its CUDA graphs when it runs
@@ -463,6 +579,8 @@ class CudaExecutor:
         if not self._recorded(key, batch.n_tokens):
             return model.forward(self.placed_ops(model, batch, tokens))
         c = self._captured.get(key)
+        if c is not None and c.decided != self._decided(batch.n_tokens) and len(getattr(c.graph, "graphs", ())) > 1:
+            c = None  # cut before auto decided its way: recorded again, the old step dropped only after the capture
         if c is None:
             c = self._captured[key] = self._capture(model, [(tokens, batch)], batch,
                                                     lambda opss: [model.forward(opss[0])])
@@ -518,12 +636,15 @@ class CudaExecutor:
         for i, ops in zip(inputs, opss):
             i.ops = ops
         n_tokens = max(b.n_tokens for _, b in forwards)
+        decided = self._decided(n_tokens)
         if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = run(opss)
         else:
-            graph = _Recorder(self._pool)
+            if self._handshakes is False:
+                self._handshakes = Handshakes.of(self.device)
+            graph = _Recorder(self._pool, self._handshakes)
             for i, (tokens, _) in zip(inputs, forwards):
                 graph.host_tokens[i.tokens.data_ptr()] = tokens.cpu()
             torch.cuda.synchronize(self.device)
@@ -542,4 +663,4 @@ class CudaExecutor:
         graph.replay()
         if n_tokens > DECODE_MAX:  # the warm-up's cached blocks belong to its stream: give them back
             torch.cuda.empty_cache()
-        return _Captured(inputs, logits, list(routed.expert_ids), graph)
+        return _Captured(inputs, logits, list(routed.expert_ids), graph, decided)
