@@ -1,0 +1,144 @@
+"""How fast ggml reads a generated token's routed experts, against how fast this CPU reads memory at all; and what a
+CUDA call costs the host right after ggml's threads ran. Experts in RAM (-ngl 999 -ot exps=CPU), one token:
+- per thread count, a token's worth of MoE layers (8 random experts each, rotating over every layer so that none
+  sits in the CPU's cache) through CpuBackend.moe_experts: ms per token and the GB/s of expert bytes it reads;
+  with --plain also from the unrepacked Q4_0 bytes of the mmap;
+- torch's sum over 1 GiB of float32 at the same thread counts: the rate the cores can read memory at;
+- a 12-kernel CUDA graph's launch, an asynchronous 8 KiB copy and a synchronize, right after a ggml call, 20 ms after
+  one, and with no ggml before.
+Prints tables, writes JSON.
+  python benchmarks/expert_reads.py -m model.gguf [-t 16,8,12] [--plain] [--json expert_reads.json]
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from ferry.cli import GpuOptions, open_model
+from ferry.ops.cpu import CpuBackend
+from ferry.ops.cuda.executor import _launcher
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("-t", "--threads", default="16,8,12,16", help="thread counts, in this order")
+    ap.add_argument("--plain", action="store_true", help="also read the experts' Q4_0 bytes unrepacked")
+    ap.add_argument("-r", "--rounds", type=int, default=12)
+    ap.add_argument("--json", default="expert_reads.json")
+    a = ap.parse_args()
+    threads = [int(t) for t in a.threads.split(",")]
+    _, backend, model, _ = open_model(a.model, max(threads), True, max(threads), True, True,
+                                      GpuOptions(999, ["exps=CPU"], "all=off"), 4096, 512)
+    layers = [(b.ffn.up_exps, b.ffn.gate_exps, b.ffn.down_exps) for b in model.blocks if hasattr(b.ffn, "gate_exps")]
+    n_expert, n_used = layers[0][1].ne[2], model.args.n_expert_used
+    layer_bytes = sum(w.data.nbytes for w in layers[0]) / n_expert * n_used
+    x = torch.randn(1, layers[0][0].ne[0])
+    weights = torch.full((1, n_used), 1.0 / n_used)
+    out = torch.empty(1, layers[0][2].ne[1])
+    rng = random.Random(0)
+    results: dict = {"layer_bytes": layer_bytes, "layers": len(layers), "ggml": [], "torch_sum": [], "cuda_calls": []}
+
+    def one_layer(cpu: CpuBackend, layer) -> None:
+        ids = torch.tensor([rng.sample(range(n_expert), n_used)], dtype=torch.int32)
+        up, gate, down = layer
+        cpu.moe_experts(x, ids, weights, up, gate, down, "silu", out=out)
+
+    def token_rate(cpu: CpuBackend, label: str, t: int) -> None:
+        times = []
+        for i in range(a.rounds + 2):  # two to warm up
+            t0 = time.perf_counter()
+            for layer in layers:
+                one_layer(cpu, layer)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        results["ggml"].append({"layout": label, "threads": t, "ms_per_token": 1e3 * med,
+                                "gb_per_s": layer_bytes * len(layers) / med / 1e9,
+                                "best_gb_per_s": layer_bytes * len(layers) / min(times) / 1e9})
+
+    for t in threads:
+        token_rate(CpuBackend(t), "repacked", t)
+    if a.plain:
+        kept = {id(w): w.repacked for layer in layers for w in layer}
+        for layer in layers:
+            for w in layer:
+                w.repacked = False  # read from the mmap's bytes
+        for t in threads:
+            token_rate(CpuBackend(t, repack=False), "plain Q4_0", t)
+        for layer in layers:
+            for w in layer:
+                w.repacked = kept[id(w)]
+
+    big = torch.ones(2**28)
+    for t in sorted(set(threads)):
+        torch.set_num_threads(t)
+        big.sum()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            big.sum()
+        results["torch_sum"].append({"threads": t, "gb_per_s": big.numel() * 4 * 10 / (time.perf_counter() - t0) / 1e9})
+    torch.set_num_threads(1)  # as CpuBackend leaves it: torch's workers off ggml's cores
+
+    cpu = CpuBackend(max(threads))
+    acc = torch.zeros(4096, device=backend.device)
+    side = torch.cuda.Stream(backend.device)
+    side.wait_stream(torch.cuda.current_stream(backend.device))
+    with torch.cuda.stream(side):
+        acc.add_(1)
+    torch.cuda.synchronize(backend.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(12):
+            acc.add_(1)
+    launch = _launcher(graph)
+    pinned, dev = torch.empty(2048).pin_memory(), torch.empty(2048, device=backend.device)
+    for label, pause in (("right after ggml", 0.0), ("20 ms after ggml", 0.02), ("no ggml before", None)):
+        launches, copies, syncs = [], [], []
+        for _ in range(200):
+            if pause is not None:
+                one_layer(cpu, layers[rng.randrange(len(layers))])
+                time.sleep(pause)
+            t0 = time.perf_counter()
+            launch()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize(backend.device)
+            if pause is not None:
+                one_layer(cpu, layers[rng.randrange(len(layers))])
+                time.sleep(pause)
+            t2 = time.perf_counter()
+            dev.copy_(pinned, non_blocking=True)
+            t3 = time.perf_counter()
+            torch.cuda.synchronize(backend.device)
+            t4 = time.perf_counter()
+            launches.append(t1 - t0)
+            copies.append(t3 - t2)
+            syncs.append(t4 - t3)
+        results["cuda_calls"].append({"when": label, **{k: 1e6 * statistics.median(v) for k, v in
+                                                        (("launch_us", launches), ("copy_us", copies),
+                                                         ("sync_us", syncs))}})
+
+    print(f"{len(layers)} MoE layers, {layer_bytes / 1e6:.1f} MB of experts a layer at one token")
+    print("| experts | threads | ms per token | GB/s (median) | GB/s (best) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in results["ggml"]:
+        print(f"| {r['layout']} | {r['threads']} | {r['ms_per_token']:.2f} | {r['gb_per_s']:.1f} | "
+              f"{r['best_gb_per_s']:.1f} |")
+    print("| torch sum of 1 GiB f32 | threads | | GB/s | |")
+    for r in results["torch_sum"]:
+        print(f"| | {r['threads']} | | {r['gb_per_s']:.1f} | |")
+    print("| CUDA call (median us) | graph launch | 8 KiB copy issued | synchronize |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in results["cuda_calls"]:
+        print(f"| {r['when']} | {r['launch_us']:.1f} | {r['copy_us']:.1f} | {r['sync_us']:.1f} |")
+    with open(a.json, "w") as fh:
+        json.dump(results, fh, indent=1)
+    backend.close()
+
+
+if __name__ == "__main__":
+    main()
