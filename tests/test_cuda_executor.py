@@ -1,9 +1,16 @@
-"""Which steps the GPU executor records as CUDA graphs: pure bookkeeping, checked here without a GPU (recording and
-replaying them is checked on the GPU machine, tests_gpu/test_model_gpu.py and test_mla_gpu.py)."""
+"""Which steps the GPU executor records as CUDA graphs, and the host's side of a recording's handshakes: pure
+bookkeeping, checked here without a GPU (recording and replaying them is checked on the GPU machine,
+tests_gpu/test_model_gpu.py, test_mla_gpu.py and test_hybrid.py)."""
 
+import threading
+import time
 from types import SimpleNamespace
 
-from ferry.ops.cuda.executor import DECODE_MAX, PROMPT_GRAPH_MAX, PROMPT_GRAPHS_KEPT, CudaExecutor
+import numpy as np
+import pytest
+
+from ferry.ops.cuda.executor import (DECODE_MAX, PROMPT_GRAPH_MAX, PROMPT_GRAPHS_KEPT, CudaExecutor, Handshakes,
+                                     _Recorder)
 
 
 def _executor(graph_safe: bool = True, graphs: bool = True) -> CudaExecutor:
@@ -118,3 +125,50 @@ def test_the_timed_latent_forms_report_what_each_class_kept_and_why():
         "-mla 3 prompt form expanded: measured for u-batches up to 512 over up to 8192 cells: absorbed 2.000 ms, "
         "expanded 1.000 ms",
         "-mla 3 prompt form for u-batches up to 64 over up to 64 cells: still being timed"]
+
+
+def _words(capacity: int = 4) -> Handshakes:
+    """The host's side of Handshakes over plain memory: what the GPU would write, a test writes."""
+    hs = Handshakes.__new__(Handshakes)
+    hs.host = np.zeros(2 * capacity, dtype=np.int32)
+    return hs
+
+
+def test_a_host_step_runs_once_its_graph_signals_it_then_lets_the_graph_go():
+    hs = _words()
+    ran = []
+
+    def gpu() -> None:  # the graph reaches host step 1 a little later
+        time.sleep(0.05)
+        hs.host[2] = 1
+
+    t = threading.Thread(target=gpu)
+    t.start()
+    hs.serve(1, lambda: ran.append((int(hs.host[2]), int(hs.host[3]))))
+    t.join()
+    assert ran == [(0, 0)]  # the ready word taken, the done word not yet written while the step runs
+    assert hs.host.tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+
+
+def test_a_host_step_its_graph_never_reaches_is_an_error(monkeypatch):
+    monkeypatch.setattr(Handshakes, "TIMEOUT_S", 0.0)
+    with pytest.raises(RuntimeError, match="did not reach host step 2"):
+        _words().serve(2, lambda: None)
+
+
+def test_a_failed_host_step_lets_its_graph_past_the_rest_of_its_waits():
+    """The steps after it do not run; the graph is released at them (it would wait forever) and the error goes on."""
+    served, released = [], []
+
+    def serve(k, step):
+        step()
+        served.append(k)
+
+    def fail():
+        raise ValueError("ggml failed")
+
+    rec = _Recorder(None, SimpleNamespace(serve=serve, release=released.extend))
+    replay = rec._server([(0, lambda: None), (1, fail), (2, lambda: None)])
+    with pytest.raises(ValueError, match="ggml failed"):
+        replay()
+    assert served == [0] and released == [1, 2]
