@@ -513,7 +513,9 @@ class CudaExecutor:
     FERRY_CUDA_GRAPHS=0 or graphs=False to run eagerly): a decode step of up to DECODE_MAX tokens from its first
     run, a prompt u-batch of up to PROMPT_GRAPH_MAX tokens from the second run of its shape on (prompt tails of
     every length are run once and not kept; at most PROMPT_GRAPHS_KEPT shapes at once), with attention over the
-    cache between graphs; likewise a logical batch taken layer first, whose shape is its u-batches' sizes."""
+    cache between graphs; likewise a logical batch taken layer first, whose shape is its u-batches' sizes. A step
+    recorded with cuts is recorded again once the backend's auto has decided its size's way (its host steps may then
+    become handshakes)."""
 
     def __init__(self, backend, graphs: bool | None = None):
         self.backend = backend
