@@ -186,9 +186,13 @@ class HybridBackend:
         rec = self.recorder
         if rec is not None:  # the embedding of a captured step: its tokens come from the host at replay
             shape = (ids.shape[0], w.ne[0])
+
+            def rows_of() -> torch.Tensor:
+                return self.cpu.get_rows(w, rec.tokens_on_host(ids))
+
             rows = self._pinned("rows", torch.Size(shape), torch.float32)
-            host = None if rows is None else (lambda: rows.copy_(self.cpu.get_rows(w, rec.tokens_on_host(ids))), rows)
-            return rec.defer(lambda: self.cpu.get_rows(w, rec.tokens_on_host(ids)), shape, self.device, host=host)
+            host = None if rows is None else (lambda: rows.copy_(rows_of()), rows)
+            return rec.defer(rows_of, shape, self.device, host=host)
         return self.cpu.get_rows(w, ids.cpu()).to(self.device)
 
     # ---- routed experts ----------------------------------------------------------------------------------
@@ -208,10 +212,8 @@ class HybridBackend:
         if self.recorder is not None:
             direct = None  # the step as a function of host memory alone: ggml on the pinned copies
             if host is not None and self._decided_side(x.shape[0], ids.shape[1], gate) == "cpu":
-                ids_host, weights_host, x_host = host
                 result = self._pinned("out", x.shape, torch.float32)
-                direct = (lambda: self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
-                                                       out=result), result)
+                direct = (lambda: self._ggml_on_pinned(host, up, gate, down, act, result), result)
             out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, host, up, gate, down,
                                                                             n_used, act, t0),
                                       (x.shape[0], down.ne[1]), self.device, inputs=(x, ids, weights), shared="moe",
@@ -220,6 +222,13 @@ class HybridBackend:
             out = self._experts(x, ids, weights, host, up, gate, down, n_used, act, t0).to(self.device,
                                                                                            non_blocking=True)
         return (out if residual is None else residual + out), ids
+
+    def _ggml_on_pinned(self, host, up: Weight, gate: Weight, down: Weight, act: str,
+                        out: torch.Tensor) -> torch.Tensor:
+        """ggml on a small u-batch's routing and activations in their pinned buffers (`host`, as _to_host gives
+        them), into the pinned `out`: the way of every MoE layer decided on the CPU, cut or handshake."""
+        ids_host, weights_host, x_host = host
+        return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act, out=out)
 
     def decided(self, n: int) -> str | None:
         """auto's measured way for u-batches of n tokens so far (None before it has one): a step recorded before
@@ -282,8 +291,7 @@ class HybridBackend:
         side = self._decided_side(n, k, gate)
         if x_host is not None and side == "cpu":  # generation's usual case: straight to ggml
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
-            return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
-                                        out=self._pinned("out", x_host.shape, torch.float32))
+            return self._ggml_on_pinned(host, up, gate, down, act, self._pinned("out", x_host.shape, torch.float32))
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
         counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert).tolist()
         expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
