@@ -2,12 +2,13 @@
 CUDA call costs the host right after ggml's threads ran. Experts in RAM (-ngl 999 -ot exps=CPU), one token:
 - per thread count, a token's worth of MoE layers (8 random experts each, rotating over every layer so that none
   sits in the CPU's cache) through CpuBackend.moe_experts: ms per token and the GB/s of expert bytes it reads;
-  with --plain also from the unrepacked Q4_0 bytes of the mmap;
+  with --plain also from the unrepacked Q4_0 bytes of the mmap; with --native also by ferry's own kernel
+  (ferry/ops/moe_q4_0.c) from those bytes;
 - torch's sum over 1 GiB of float32 at the same thread counts: the rate the cores can read memory at;
 - a 12-kernel CUDA graph's launch, an asynchronous 8 KiB copy and a synchronize, right after a ggml call, 20 ms after
   one, and with no ggml before.
 Prints tables, writes JSON.
-  python benchmarks/expert_reads.py -m model.gguf [-t 16,8,12] [--plain] [--json expert_reads.json]
+  python benchmarks/expert_reads.py -m model.gguf [-t 16,8,12] [--plain] [--native] [--no-cuda] [--json FILE]
 """
 
 import argparse
@@ -19,6 +20,7 @@ import time
 import torch
 
 from ferry.cli import GpuOptions, open_model
+from ferry.ops import native
 from ferry.ops.cpu import CpuBackend
 from ferry.ops.cuda.executor import _launcher
 
@@ -28,6 +30,8 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-t", "--threads", default="16,8,12,16", help="thread counts, in this order")
     ap.add_argument("--plain", action="store_true", help="also read the experts' Q4_0 bytes unrepacked")
+    ap.add_argument("--native", action="store_true", help="also ferry's own kernel (ferry/ops/moe_q4_0.c)")
+    ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA calls' timings")
     ap.add_argument("-r", "--rounds", type=int, default=12)
     ap.add_argument("--json", default="expert_reads.json")
     a = ap.parse_args()
@@ -48,12 +52,19 @@ def main() -> None:
         up, gate, down = layer
         cpu.moe_experts(x, ids, weights, up, gate, down, "silu", out=out)
 
-    def token_rate(cpu: CpuBackend, label: str, t: int) -> None:
+    def native_layer(kernel, layer) -> None:
+        ids = torch.tensor(rng.sample(range(n_expert), n_used), dtype=torch.int32)
+        up, gate, down = layer
+        kernel(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_expert, up.data.ctypes.data,
+               gate.data.ctypes.data, down.data.ctypes.data, out.data_ptr())
+
+    def token_rate(cpu, label: str, t: int, run=None) -> None:
+        run = run or one_layer
         times = []
         for i in range(a.rounds + 2):  # two to warm up
             t0 = time.perf_counter()
             for layer in layers:
-                one_layer(cpu, layer)
+                run(cpu, layer)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
@@ -74,6 +85,15 @@ def main() -> None:
             for w in layer:
                 w.repacked = kept[id(w)]
 
+    if a.native:
+        lib = native.library()
+        if lib is None:
+            print(f"no native kernel: {native.why_not}")
+        else:
+            for t in threads:
+                kernel = native.MoeQ4_0(lib, x.shape[1], layers[0][0].ne[1], n_used, t)
+                token_rate(kernel, "ferry's own (Q4_0 of the mmap)", t, native_layer)
+
     big = torch.ones(2**28)
     for t in sorted(set(threads)):
         torch.set_num_threads(t)
@@ -84,43 +104,47 @@ def main() -> None:
         results["torch_sum"].append({"threads": t, "gb_per_s": big.numel() * 4 * 10 / (time.perf_counter() - t0) / 1e9})
     torch.set_num_threads(1)  # as CpuBackend leaves it: torch's workers off ggml's cores
 
-    cpu = CpuBackend(max(threads))
-    acc = torch.zeros(4096, device=backend.device)
-    side = torch.cuda.Stream(backend.device)
-    side.wait_stream(torch.cuda.current_stream(backend.device))
-    with torch.cuda.stream(side):
-        acc.add_(1)
-    torch.cuda.synchronize(backend.device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(12):
+    def cuda_calls() -> None:
+        cpu = CpuBackend(max(threads))
+        acc = torch.zeros(4096, device=backend.device)
+        side = torch.cuda.Stream(backend.device)
+        side.wait_stream(torch.cuda.current_stream(backend.device))
+        with torch.cuda.stream(side):
             acc.add_(1)
-    launch = _launcher(graph)
-    pinned, dev = torch.empty(2048).pin_memory(), torch.empty(2048, device=backend.device)
-    for label, pause in (("right after ggml", 0.0), ("20 ms after ggml", 0.02), ("no ggml before", None)):
-        launches, copies, syncs = [], [], []
-        for _ in range(200):
-            if pause is not None:
-                one_layer(cpu, layers[rng.randrange(len(layers))])
-                time.sleep(pause)
-            t0 = time.perf_counter()
-            launch()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize(backend.device)
-            if pause is not None:
-                one_layer(cpu, layers[rng.randrange(len(layers))])
-                time.sleep(pause)
-            t2 = time.perf_counter()
-            dev.copy_(pinned, non_blocking=True)
-            t3 = time.perf_counter()
-            torch.cuda.synchronize(backend.device)
-            t4 = time.perf_counter()
-            launches.append(t1 - t0)
-            copies.append(t3 - t2)
-            syncs.append(t4 - t3)
-        results["cuda_calls"].append({"when": label, **{k: 1e6 * statistics.median(v) for k, v in
-                                                        (("launch_us", launches), ("copy_us", copies),
-                                                         ("sync_us", syncs))}})
+        torch.cuda.synchronize(backend.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(12):
+                acc.add_(1)
+        launch = _launcher(graph)
+        pinned, dev = torch.empty(2048).pin_memory(), torch.empty(2048, device=backend.device)
+        for label, pause in (("right after ggml", 0.0), ("20 ms after ggml", 0.02), ("no ggml before", None)):
+            launches, copies, syncs = [], [], []
+            for _ in range(200):
+                if pause is not None:
+                    one_layer(cpu, layers[rng.randrange(len(layers))])
+                    time.sleep(pause)
+                t0 = time.perf_counter()
+                launch()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize(backend.device)
+                if pause is not None:
+                    one_layer(cpu, layers[rng.randrange(len(layers))])
+                    time.sleep(pause)
+                t2 = time.perf_counter()
+                dev.copy_(pinned, non_blocking=True)
+                t3 = time.perf_counter()
+                torch.cuda.synchronize(backend.device)
+                t4 = time.perf_counter()
+                launches.append(t1 - t0)
+                copies.append(t3 - t2)
+                syncs.append(t4 - t3)
+            results["cuda_calls"].append({"when": label, **{k: 1e6 * statistics.median(v) for k, v in
+                                                            (("launch_us", launches), ("copy_us", copies),
+                                                             ("sync_us", syncs))}})
+
+    if not a.no_cuda:
+        cuda_calls()
 
     print(f"{len(layers)} MoE layers, {layer_bytes / 1e6:.1f} MB of experts a layer at one token")
     print("| experts | threads | ms per token | GB/s (median) | GB/s (best) |")

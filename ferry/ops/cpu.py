@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ferry.errors import FerryError
-from ferry.ops import Weight
+from ferry.ops import Weight, native
+from ferry.quant import Q
 
 _GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weight, oldest dropped first
 _MAX_NODES = 64
@@ -217,6 +218,7 @@ class CpuBackend:
         cpu = ggml.ggml_backend_reg_dev_get(ggml.ggml_backend_cpu_reg(), 0)
         self.galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_dev_buffer_type(cpu))
         self.generation, self.buffer_size = 0, 0  # the compute buffer's moves so far, and its size
+        self._native: dict[tuple, native.MoeQ4_0] = {}  # ferry's expert kernel per shape (native.py)
         self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
         self.placeholder = self._placeholder.ctypes.data
 
@@ -446,6 +448,11 @@ class CpuBackend:
         ids = ids.to(torch.int32).contiguous()
         n, n_embd = x.shape
         j = ids.shape[1]
+        kernel = self.native_experts(n, weights is not None, up, gate, down, act)
+        if kernel is not None:
+            out = torch.empty(n, n_embd, dtype=torch.float32) if out is None else out
+            repacked = (w.repacked.tensor.contents.data for w in (up, gate, down))
+            return kernel(x, ids, weights.contiguous().float(), *repacked, gate.ne[2], out)
 
         def build() -> _Graph:
             g = _Graph(self, n)
@@ -458,6 +465,23 @@ class CpuBackend:
         if out is None:
             out = torch.empty((n, n_embd) if weights is not None else (n, j, n_embd), dtype=torch.float32)
         return self._graph(up, ("experts", id(gate), id(down), n, j, weights is None, act), build).run(inputs, out)
+
+    def native_experts(self, n: int, weighted: bool, up: Weight, gate: Weight, down: Weight,
+                       act: str) -> native.MoeQ4_0 | None:
+        """ferry's own kernel for n tokens' routed experts, where it runs them: one token, its weighted sum, silu, Q4_0
+        experts in ggml's repacked layout, a CPU with AVX512-VNNI (native.py); None where ggml runs them."""
+        if n != 1 or not weighted or act != "silu" or any(w.qtype != Q.Q4_0 for w in (up, gate, down)):
+            return None
+        n_embd, n_ff = up.ne[0], up.ne[1]
+        if n_embd % 32 or n_ff % 32 or not self.repack(up, gate, down) or not (gate.repacked and down.repacked):
+            return None
+        lib = native.library()
+        if lib is None:
+            return None
+        key = (n_embd, n_ff, self.n_threads)
+        if key not in self._native:
+            self._native[key] = native.MoeQ4_0(lib, n_embd, n_ff, self.n_threads)
+        return self._native[key]
 
     def moe_up_gate(self, x: torch.Tensor, ids: torch.Tensor, up: Weight, gate: Weight, act: str) -> torch.Tensor:
         """The first half of routed experts chosen elsewhere, when the second runs on the GPU: x (n, n_embd) float32,

@@ -1,0 +1,105 @@
+"""ferry's own CPU kernels (C beside this file), compiled for this machine at first use and kept in the cache.
+
+So far one: a token's routed experts for Q4_0 weights in ggml's repacked layout (moe_q4_0.c), which reads them
+faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py; docs/decisions.md). Where no C compiler
+works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None (`why_not` says why) and ggml runs those
+experts as before."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ferry.calibrate import CACHE
+
+_SOURCE = Path(__file__).with_name("moe_q4_0.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
+why_not = ""  # why the kernels are unavailable, for `ferry plan` and verbose runs
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _compile() -> Path:
+    """The shared library for this source, compiler and CPU, built once into the cache (written whole, then renamed)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (cc) on PATH")
+    flags = _FLAGS + os.environ.get("FERRY_NATIVE_CFLAGS", "").split()  # e.g. -DPREFETCH_AHEAD=4096 to try one
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(source + " ".join([cc, version, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = CACHE / f"native-{key}.so"
+    if target.exists():
+        return target
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        built = Path(tmp) / "lib.so"
+        r = subprocess.run([cc, *flags, "-o", str(built), str(_SOURCE), "-lm"], capture_output=True, text=True,
+                           timeout=300)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        os.replace(built, target)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (then `why_not` says why)."""
+    global _lib, why_not
+    if _lib is False:
+        if os.environ.get("FERRY_NATIVE", "1") == "0":
+            _lib, why_not = None, "FERRY_NATIVE=0"
+        else:
+            try:
+                lib = ctypes.CDLL(str(_compile()))
+                lib.ferry_moe_q4_0_scratch.restype = ctypes.c_size_t
+                lib.ferry_moe_q4_0_scratch.argtypes = [ctypes.c_int] * 3
+                p = ctypes.c_void_p
+                lib.ferry_moe_q4_0.restype = ctypes.c_int
+                lib.ferry_moe_q4_0.argtypes = [p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                               p, p, p, p, p, ctypes.c_int]
+                _lib = lib if lib.ferry_moe_q4_0_fast() else None
+                why_not = "" if _lib else "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for"
+            except (OSError, subprocess.SubprocessError) as e:
+                _lib, why_not = None, f"ferry's CPU kernels did not build ({e})"
+    return _lib
+
+
+class MoeQ4_0:
+    """One token's routed experts of one shape through moe_q4_0.c, with its scratch memory kept."""
+
+    def __init__(self, lib: ctypes.CDLL, n_embd: int, n_ff: int, n_threads: int):
+        self.lib, self.n_embd, self.n_ff, self.n_threads = lib, n_embd, n_ff, n_threads
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def _scratch_for(self, n_used: int) -> int:
+        size = self.lib.ferry_moe_q4_0_scratch(self.n_embd, self.n_ff, n_used) + 64
+        if self._scratch.nbytes < size:
+            self._scratch = np.empty(size, dtype=np.uint8)
+        return self._scratch.ctypes.data + (-self._scratch.ctypes.data) % 64
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: int, gate: int, down: int,
+                 n_expert: int, out: torch.Tensor) -> torch.Tensor:
+        """x (1, n_embd) float32, ids (1, n_used) int32, weights (1, n_used) float32, contiguous; up, gate, down: the
+        addresses of the stacked expert tensors in ggml's repacked Q4_0 layout; out (1, n_embd) float32."""
+        n_used = ids.shape[-1]
+        if self.lib.ferry_moe_q4_0(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_used, self.n_embd, self.n_ff,
+                                   n_expert, up, gate, down, out.data_ptr(), self._scratch_for(n_used),
+                                   self.n_threads):
+            raise ValueError(f"expert ids {ids.tolist()} are not all below {n_expert}")
+        return out
