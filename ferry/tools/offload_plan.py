@@ -68,7 +68,7 @@ _HALF = {"gate": "up_gate", "up": "up_gate", "down": "down"}
 def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
                      policy: Policy) -> dict | None:
     """What the weights left in RAM cost each generated token, as the policy places one token's ops (a dense weight
-    read whole, n_expert_used of each MoE layer's experts): the predicted seconds and the bytes ggml reads per token.
+    read whole, n_expert_used of each MoE layer's experts): the predicted seconds and the bytes the CPU reads per token.
     Each layer waits for its RAM-side work, so no GPU work hides it: a floor under a token's time. None when every
     weight is on the GPU."""
     by_layer = _in_ram_by_layer(f, args, n_gpu_layers, overrides)
@@ -93,7 +93,7 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
 
 def describe_floor(g: dict) -> str:
     return (f"generation: the weights left in RAM in {g['layers']} layers cost each token "
-            f"{1e3 * g['seconds_per_token']:.2f} ms as placed at one token (ggml reads "
+            f"{1e3 * g['seconds_per_token']:.2f} ms as placed at one token (the CPU reads "
             f"{g['cpu_bytes_per_token'] / 1e9:.3f} GB of them per token): at most {g['max_tokens_per_s']:.1f} t/s, "
             "whatever the GPU does, as each layer waits for them")
 
