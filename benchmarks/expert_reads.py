@@ -1,14 +1,14 @@
-"""How fast ggml reads a generated token's routed experts, against how fast this CPU reads memory at all; and what a
+"""How fast ggml and ferry's own kernel read a generated token's routed experts, against how fast this CPU reads memory at all; and what a
 CUDA call costs the host right after ggml's threads ran. Experts in RAM (-ngl 999 -ot exps=CPU), one token:
 - per thread count, a token's worth of MoE layers (8 random experts each, rotating over every layer so that none
   sits in the CPU's cache) through CpuBackend.moe_experts: ms per token and the GB/s of expert bytes it reads;
-  with --plain also from the unrepacked Q4_0 bytes of the mmap; with --native also by ferry's own kernel
-  (ferry/ops/moe_q4_0.c) from those bytes;
+  with --plain also from the unrepacked Q4_0 bytes of the mmap; and by ferry's own kernel (ferry/ops/moe_q4_0.c,
+  the repacked copy), which CpuBackend runs at one token where this CPU has AVX512-VNNI;
 - torch's sum over 1 GiB of float32 at the same thread counts: the rate the cores can read memory at;
 - a 12-kernel CUDA graph's launch, an asynchronous 8 KiB copy and a synchronize, right after a ggml call, 20 ms after
   one, and with no ggml before.
 Prints tables, writes JSON.
-  python benchmarks/expert_reads.py -m model.gguf [-t 16,8,12] [--plain] [--native] [--no-cuda] [--json FILE]
+  python benchmarks/expert_reads.py -m model.gguf [-t 16,8,12] [--plain] [--no-cuda] [--json FILE]
 """
 
 import argparse
@@ -30,7 +30,6 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-t", "--threads", default="16,8,12,16", help="thread counts, in this order")
     ap.add_argument("--plain", action="store_true", help="also read the experts' Q4_0 bytes unrepacked")
-    ap.add_argument("--native", action="store_true", help="also ferry's own kernel (ferry/ops/moe_q4_0.c)")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA calls' timings")
     ap.add_argument("-r", "--rounds", type=int, default=12)
     ap.add_argument("--json", default="expert_reads.json")
@@ -45,54 +44,43 @@ def main() -> None:
     weights = torch.full((1, n_used), 1.0 / n_used)
     out = torch.empty(1, layers[0][2].ne[1])
     rng = random.Random(0)
-    results: dict = {"layer_bytes": layer_bytes, "layers": len(layers), "ggml": [], "torch_sum": [], "cuda_calls": []}
+    results: dict = {"layer_bytes": layer_bytes, "layers": len(layers), "experts": [], "torch_sum": [], "cuda_calls": []}
 
     def one_layer(cpu: CpuBackend, layer) -> None:
         ids = torch.tensor([rng.sample(range(n_expert), n_used)], dtype=torch.int32)
         up, gate, down = layer
         cpu.moe_experts(x, ids, weights, up, gate, down, "silu", out=out)
 
-    def native_layer(kernel, layer) -> None:
-        ids = torch.tensor(rng.sample(range(n_expert), n_used), dtype=torch.int32)
-        up, gate, down = layer
-        kernel(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_expert, up.data.ctypes.data,
-               gate.data.ctypes.data, down.data.ctypes.data, out.data_ptr())
-
-    def token_rate(cpu, label: str, t: int, run=None) -> None:
-        run = run or one_layer
+    def token_rate(cpu: CpuBackend, label: str, t: int) -> None:
         times = []
         for i in range(a.rounds + 2):  # two to warm up
             t0 = time.perf_counter()
             for layer in layers:
-                run(cpu, layer)
+                one_layer(cpu, layer)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
         med = statistics.median(times)
-        results["ggml"].append({"layout": label, "threads": t, "ms_per_token": 1e3 * med,
-                                "gb_per_s": layer_bytes * len(layers) / med / 1e9,
-                                "best_gb_per_s": layer_bytes * len(layers) / min(times) / 1e9})
+        results["experts"].append({"layout": label, "threads": t, "ms_per_token": 1e3 * med,
+                                   "gb_per_s": layer_bytes * len(layers) / med / 1e9,
+                                   "best_gb_per_s": layer_bytes * len(layers) / min(times) / 1e9})
 
-    for t in threads:
-        token_rate(CpuBackend(t), "repacked", t)
+    own = CpuBackend(1).native_experts(1, True, *layers[0], "silu") is not None
+    if not own:
+        print(f"no rows of ferry's kernel: {native.why_not or 'it does not cover these experts'}")
+    for t in threads:  # the two in turn, so that a drift of the machine's speed falls on both
+        token_rate(CpuBackend(t, native_kernels=False), "ggml, repacked", t)
+        if own:
+            token_rate(CpuBackend(t), "ferry's kernel, repacked", t)
     if a.plain:
         kept = {id(w): w.repacked for layer in layers for w in layer}
         for layer in layers:
             for w in layer:
                 w.repacked = False  # read from the mmap's bytes
         for t in threads:
-            token_rate(CpuBackend(t, repack=False), "plain Q4_0", t)
+            token_rate(CpuBackend(t, repack=False), "ggml, plain Q4_0", t)
         for layer in layers:
             for w in layer:
                 w.repacked = kept[id(w)]
-
-    if a.native:
-        lib = native.library()
-        if lib is None:
-            print(f"no native kernel: {native.why_not}")
-        else:
-            for t in threads:
-                kernel = native.MoeQ4_0(lib, x.shape[1], layers[0][0].ne[1], n_used, t)
-                token_rate(kernel, "ferry's own (Q4_0 of the mmap)", t, native_layer)
 
     big = torch.ones(2**28)
     for t in sorted(set(threads)):
@@ -105,7 +93,7 @@ def main() -> None:
     torch.set_num_threads(1)  # as CpuBackend leaves it: torch's workers off ggml's cores
 
     def cuda_calls() -> None:
-        cpu = CpuBackend(max(threads))
+        cpu = CpuBackend(max(threads), native_kernels=False)
         acc = torch.zeros(4096, device=backend.device)
         side = torch.cuda.Stream(backend.device)
         side.wait_stream(torch.cuda.current_stream(backend.device))
@@ -149,7 +137,7 @@ def main() -> None:
     print(f"{len(layers)} MoE layers, {layer_bytes / 1e6:.1f} MB of experts a layer at one token")
     print("| experts | threads | ms per token | GB/s (median) | GB/s (best) |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for r in results["ggml"]:
+    for r in results["experts"]:
         print(f"| {r['layout']} | {r['threads']} | {r['ms_per_token']:.2f} | {r['gb_per_s']:.1f} | "
               f"{r['best_gb_per_s']:.1f} |")
     print("| torch sum of 1 GiB f32 | threads | | GB/s | |")

@@ -90,7 +90,8 @@ def test_an_expert_id_out_of_range_is_an_error_and_writes_nothing():
 
 
 def test_ggml_keeps_what_the_kernel_does_not_cover():
-    """More than one token, slots without their weighted sum, gelu, another type, or weights not repacked."""
+    """More than one token, slots without their weighted sum, gelu, another type, weights not repacked, or a backend
+    made without ferry's kernels."""
     rng = np.random.default_rng(6)
     cpu = CpuBackend(2)
     q4, _ = _layer(rng, 4, 64, 32)
@@ -102,6 +103,7 @@ def test_ggml_keeps_what_the_kernel_does_not_cover():
     assert cpu.native_experts(1, True, *q8, "silu") is None
     plain, _ = _layer(rng, 4, 64, 32)
     assert CpuBackend(2, repack=False).native_experts(1, True, *plain, "silu") is None
+    assert CpuBackend(2, native_kernels=False).native_experts(1, True, *q4, "silu") is None
 
 
 def test_ferry_native_0_turns_the_kernel_off(monkeypatch):

@@ -197,7 +197,7 @@ class CpuBackend:
     name = "CPU"
 
     def __init__(self, n_threads: int | None = None, repack: bool = True, n_threads_batch: int | None = None,
-                 fused_moe: bool = True):
+                 fused_moe: bool = True, native_kernels: bool = True):
         for flag, v in (("-t/--threads", n_threads), ("-tb/--threads-batch", n_threads_batch)):
             if v is not None and not (v in (0, -1) or 1 <= v <= MAX_THREADS):
                 raise FerryError(f"{flag} must be 1..{MAX_THREADS} (0 or -1: the physical core count), got {v}")
@@ -218,7 +218,8 @@ class CpuBackend:
         cpu = ggml.ggml_backend_reg_dev_get(ggml.ggml_backend_cpu_reg(), 0)
         self.galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_dev_buffer_type(cpu))
         self.generation, self.buffer_size = 0, 0  # the compute buffer's moves so far, and its size
-        self._native: dict[tuple, native.MoeQ4_0] = {}  # ferry's expert kernel per shape (native.py)
+        self.native_kernels = native_kernels  # ferry's own kernels where they run (native.py); False: ggml's
+        self._kernels: dict[tuple, native.MoeQ4_0] = {}  # ferry's expert kernel per shape
         self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
         self.placeholder = self._placeholder.ctypes.data
 
@@ -470,7 +471,8 @@ class CpuBackend:
                        act: str) -> native.MoeQ4_0 | None:
         """ferry's own kernel for n tokens' routed experts, where it runs them: one token, its weighted sum, silu, Q4_0
         experts in ggml's repacked layout, a CPU with AVX512-VNNI (native.py); None where ggml runs them."""
-        if n != 1 or not weighted or act != "silu" or any(w.qtype != Q.Q4_0 for w in (up, gate, down)):
+        if not self.native_kernels or n != 1 or not weighted or act != "silu" or any(
+                w.qtype != Q.Q4_0 for w in (up, gate, down)):
             return None
         n_embd, n_ff = up.ne[0], up.ne[1]
         if n_embd % 32 or n_ff % 32 or not self.repack(up, gate, down) or not (gate.repacked and down.repacked):
@@ -479,9 +481,9 @@ class CpuBackend:
         if lib is None:
             return None
         key = (n_embd, n_ff, self.n_threads)
-        if key not in self._native:
-            self._native[key] = native.MoeQ4_0(lib, n_embd, n_ff, self.n_threads)
-        return self._native[key]
+        if key not in self._kernels:
+            self._kernels[key] = native.MoeQ4_0(lib, n_embd, n_ff, self.n_threads)
+        return self._kernels[key]
 
     def moe_up_gate(self, x: torch.Tensor, ids: torch.Tensor, up: Weight, gate: Weight, act: str) -> torch.Tensor:
         """The first half of routed experts chosen elsewhere, when the second runs on the GPU: x (n, n_embd) float32,
