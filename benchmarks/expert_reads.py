@@ -1,5 +1,6 @@
-"""How fast ggml and ferry's own kernel read a generated token's routed experts, against how fast this CPU reads memory at all; and what a
-CUDA call costs the host right after ggml's threads ran. Experts in RAM (-ngl 999 -ot exps=CPU), one token:
+"""How fast ggml and ferry's own kernel read a generated token's routed experts, against how fast this CPU reads
+memory at all; and what a CUDA call costs the host right after ggml's threads ran. Experts in RAM (-ngl 999 -ot
+exps=CPU), one token:
 - per thread count, a token's worth of MoE layers (8 random experts each, rotating over every layer so that none
   sits in the CPU's cache) through CpuBackend.moe_experts: ms per token and the GB/s of expert bytes it reads;
   with --plain also from the unrepacked Q4_0 bytes of the mmap; and by ferry's own kernel (ferry/ops/moe_q4_0.c,
@@ -44,7 +45,8 @@ def main() -> None:
     weights = torch.full((1, n_used), 1.0 / n_used)
     out = torch.empty(1, layers[0][2].ne[1])
     rng = random.Random(0)
-    results: dict = {"layer_bytes": layer_bytes, "layers": len(layers), "experts": [], "torch_sum": [], "cuda_calls": []}
+    results: dict = {"layer_bytes": layer_bytes, "layers": len(layers), "experts": [], "torch_sum": [],
+                     "cuda_calls": []}
 
     def one_layer(cpu: CpuBackend, layer) -> None:
         ids = torch.tensor([rng.sample(range(n_expert), n_used)], dtype=torch.int32)

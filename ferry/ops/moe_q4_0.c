@@ -57,6 +57,12 @@ static void quantize_row(const float *x, int nb, act_block *a) {
 }
 
 #if FAST
+static inline int64_t load_i64(const void *p) { /* 8 bytes, whatever their type (a broadcast load once compiled) */
+    int64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
 /* out[0..7] = the 8 rows of the group at g (nb blocks of GROUP_BYTES) against the activation blocks */
 static void dot_group(const uint8_t *g, const act_block *a, int nb, float *out) {
     const __m512i flip = _mm512_set1_epi8((char)0x88), low = _mm512_set1_epi8(0x0f);
@@ -68,15 +74,16 @@ static void dot_group(const uint8_t *g, const act_block *a, int nb, float *out) 
         _mm_prefetch((const char *)g + PREFETCH_AHEAD + 128, _MM_HINT_T0);
         const __m512i lo = _mm512_loadu_si512(g + 16), hi = _mm512_loadu_si512(g + 80); /* bytes 0-7, 8-15 */
         const int8_t *q = a[b].q;
-        __m512i s = _mm512_set1_epi64(*(const int64_t *)a[b].corr);
+        __m512i s = _mm512_set1_epi64(load_i64(a[b].corr));
         /* (v ^ 0x88) & 0x0f: ternary logic 0x28 is (A ^ B) & C */
-        s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(lo, flip, low, 0x28), _mm512_set1_epi64(*(const int64_t *)q));
+        s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(lo, flip, low, 0x28),
+                                _mm512_set1_epi64(load_i64(q)));
         s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(hi, flip, low, 0x28),
-                                _mm512_set1_epi64(*(const int64_t *)(q + 8)));
+                                _mm512_set1_epi64(load_i64(q + 8)));
         s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), flip, low, 0x28),
-                                _mm512_set1_epi64(*(const int64_t *)(q + 16)));
+                                _mm512_set1_epi64(load_i64(q + 16)));
         s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(_mm512_srli_epi16(hi, 4), flip, low, 0x28),
-                                _mm512_set1_epi64(*(const int64_t *)(q + 24)));
+                                _mm512_set1_epi64(load_i64(q + 24)));
         const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(
                                                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g))));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a[b].d)), acc);
