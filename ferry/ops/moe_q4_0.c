@@ -99,22 +99,19 @@ static void thread_range(int64_t total, int t, int nt, int64_t *lo, int64_t *hi)
     *hi = total * (t + 1) / nt;
 }
 
+#if FAST
 /* y for groups lo..hi of the flattened (slot, matrix, group) list, where matrix m of a slot is base[m]'s expert
  * ids[slot], of `groups` row groups, against that slot's activation blocks */
 static void groups_of(int64_t lo, int64_t hi, int groups, int mats, const uint8_t *const *base, const int32_t *ids,
                       size_t expert_bytes, const act_block *act, size_t act_per_slot, int nb, float *y) {
-#if FAST
     for (int64_t u = lo; u < hi; u++) {
         const int64_t slot = u / ((int64_t)mats * groups), rem = u % ((int64_t)mats * groups);
         const uint8_t *g = base[rem / groups] + (size_t)ids[slot] * expert_bytes
                            + (size_t)(rem % groups) * nb * GROUP_BYTES;
         dot_group(g, act + slot * act_per_slot, nb, y + u * GROUP);
     }
-#else
-    (void)lo; (void)hi; (void)groups; (void)mats; (void)base; (void)ids; (void)expert_bytes; (void)act;
-    (void)act_per_slot; (void)nb; (void)y;
-#endif
 }
+#endif
 
 size_t ferry_moe_q4_0_scratch(int n_embd, int n_ff, int n_used) {
     return sizeof(act_block) * ((size_t)n_embd / QK + (size_t)n_used * n_ff / QK)
@@ -129,7 +126,9 @@ size_t ferry_moe_q4_0_scratch(int n_embd, int n_ff, int n_used) {
 int ferry_moe_q4_0(const float *x, const int32_t *ids, const float *weights, int n_used, int n_embd, int n_ff,
                    int n_expert, const uint8_t *up, const uint8_t *gate, const uint8_t *down, float *out,
                    void *scratch, int n_threads) {
-    if (!FAST) return -2;
+#if !FAST
+    return -2; /* native.py asks ferry_moe_q4_0_fast first and never gets here */
+#else
     if (n_embd % QK || n_ff % QK || n_used < 1) return -1;
     for (int j = 0; j < n_used; j++)
         if (ids[j] < 0 || ids[j] >= n_expert) return -1;
@@ -169,4 +168,5 @@ int ferry_moe_q4_0(const float *x, const int32_t *ids, const float *weights, int
         }
     }
     return 0;
+#endif
 }

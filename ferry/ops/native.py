@@ -80,6 +80,15 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def experts_kernel(qtypes: set[str]) -> str:
+    """Which kernel the CPU runs one token's routed experts of these quant types with, and why (`ferry plan`)."""
+    if qtypes != {"Q4_0"}:
+        return f"ggml's kernel (ferry's own covers Q4_0 experts; these are {', '.join(sorted(qtypes))})"
+    if library() is None:
+        return f"ggml's kernel ({why_not})"
+    return "ferry's own kernel (ferry/ops/moe_q4_0.c; ggml's with FERRY_NATIVE=0 or --no-repack)"
+
+
 class MoeQ4_0:
     """One token's routed experts of one shape through moe_q4_0.c, with its scratch memory kept."""
 

@@ -5,6 +5,7 @@ plausible ways on its first u-batches of each size (`--verbose` prints what it m
 from __future__ import annotations
 
 from ferry.gguf.file import GGUFFile
+from ferry.ops import native
 from ferry.placement import EXPERTS_RE, layer_devices, place
 from ferry.policy import Calibration, Policy, decide, experts_hit, split_experts
 from ferry.quant import bytes_per_weight
@@ -75,8 +76,10 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
     if not by_layer:
         return None
     seconds = cpu_bytes = 0.0
+    expert_types = set()
     for mine in by_layer.values():
         experts = [t for t in mine if EXPERTS_RE.match(t.name)]
+        expert_types |= {t.qtype.name for t in experts}
         for t in (t for t in mine if not EXPERTS_RE.match(t.name)):  # the dense weights
             d = decide("mul_mat", 1, t.ne[1], t.ne[0], bytes_per_weight(t.qtype), calib, policy)
             seconds += d.cpu_s if d.device == "CPU" else d.gpu_s
@@ -88,14 +91,17 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
             read = [t for t in experts if not s.halves or _HALF[EXPERTS_RE.match(t.name).group(2)] == s.cpu_half]
             cpu_bytes += len(s.cpu) * sum(t.nbytes for t in read) / args.n_expert
     return {"seconds_per_token": seconds, "cpu_bytes_per_token": cpu_bytes, "layers": len(by_layer),
-            "max_tokens_per_s": 1.0 / seconds if seconds else float("inf")}
+            "max_tokens_per_s": 1.0 / seconds if seconds else float("inf"),
+            "experts_kernel": native.experts_kernel(expert_types) if expert_types else None}
 
 
 def describe_floor(g: dict) -> str:
     return (f"generation: the weights left in RAM in {g['layers']} layers cost each token "
             f"{1e3 * g['seconds_per_token']:.2f} ms as placed at one token (the CPU reads "
             f"{g['cpu_bytes_per_token'] / 1e9:.3f} GB of them per token): at most {g['max_tokens_per_s']:.1f} t/s, "
-            "whatever the GPU does, as each layer waits for them")
+            "whatever the GPU does, as each layer waits for them"
+            + (f"; one token's routed experts run on the CPU with {g['experts_kernel']}"
+               if g["experts_kernel"] else ""))
 
 
 def render(rows: list[dict]) -> str:
