@@ -210,10 +210,10 @@ class HybridBackend:
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         host = self._to_host(x, ids, weights)  # inside the step's CUDA graph when one is recorded
         if self.recorder is not None:
-            direct = None  # the step as a function of host memory alone: ggml on the pinned copies
+            direct = None  # the step as a function of host memory alone: the CPU's experts on the pinned copies
             if host is not None and self._decided_side(x.shape[0], ids.shape[1], gate) == "cpu":
                 result = self._pinned("out", x.shape, torch.float32)
-                direct = (lambda: self._ggml_on_pinned(host, up, gate, down, act, result), result)
+                direct = (lambda: self._cpu_on_pinned(host, up, gate, down, act, result), result)
             out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, host, up, gate, down,
                                                                             n_used, act, t0),
                                       (x.shape[0], down.ne[1]), self.device, inputs=(x, ids, weights), shared="moe",
@@ -223,10 +223,11 @@ class HybridBackend:
                                                                                            non_blocking=True)
         return (out if residual is None else residual + out), ids
 
-    def _ggml_on_pinned(self, host, up: Weight, gate: Weight, down: Weight, act: str,
-                        out: torch.Tensor) -> torch.Tensor:
-        """ggml on a small u-batch's routing and activations in their pinned buffers (`host`, as _to_host gives
-        them), into the pinned `out`: the way of every MoE layer decided on the CPU, cut or handshake."""
+    def _cpu_on_pinned(self, host, up: Weight, gate: Weight, down: Weight, act: str,
+                       out: torch.Tensor) -> torch.Tensor:
+        """The CPU's experts (ferry's kernel at one token, else ggml: CpuBackend.moe_experts) on a small u-batch's
+        routing and activations in their pinned buffers (`host`, as _to_host gives them), into the pinned `out`: the
+        way of every MoE layer decided on the CPU, cut or handshake."""
         ids_host, weights_host, x_host = host
         return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act, out=out)
 
@@ -289,9 +290,9 @@ class HybridBackend:
         if self._trial is not None:
             self._end_trial(gate, n, t_decided)
         side = self._decided_side(n, k, gate)
-        if x_host is not None and side == "cpu":  # generation's usual case: straight to ggml
+        if x_host is not None and side == "cpu":  # generation's usual case: straight to the CPU's experts
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
-            return self._ggml_on_pinned(host, up, gate, down, act, self._pinned("out", x_host.shape, torch.float32))
+            return self._cpu_on_pinned(host, up, gate, down, act, self._pinned("out", x_host.shape, torch.float32))
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
         counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert).tolist()
         expert_bytes = sum(w.data.nbytes for w in experts) / n_expert

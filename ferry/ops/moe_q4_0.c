@@ -34,7 +34,6 @@ typedef struct { /* one activation block of 32, quantized to int8 */
     int8_t q[QK];
     int32_t corr[2]; /* -8 times the sum of q over the elements an even (odd) 32-bit lane meets: Q4_0's offset */
     float d;
-    float unused;
 } act_block;
 
 int ferry_moe_q4_0_fast(void) { return FAST; }

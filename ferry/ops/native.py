@@ -94,13 +94,13 @@ class MoeQ4_0:
 
     def __init__(self, lib: ctypes.CDLL, n_embd: int, n_ff: int, n_threads: int):
         self.lib, self.n_embd, self.n_ff, self.n_threads = lib, n_embd, n_ff, n_threads
-        self._scratch = np.empty(0, dtype=np.uint8)
+        self._scratch: dict[int, tuple[np.ndarray, int]] = {}  # n_used -> its buffer and 64-byte aligned address
 
     def _scratch_for(self, n_used: int) -> int:
-        size = self.lib.ferry_moe_q4_0_scratch(self.n_embd, self.n_ff, n_used) + 64
-        if self._scratch.nbytes < size:
-            self._scratch = np.empty(size, dtype=np.uint8)
-        return self._scratch.ctypes.data + (-self._scratch.ctypes.data) % 64
+        if n_used not in self._scratch:  # sized once: a layer's call on the decode path asks nothing of the library
+            buf = np.empty(self.lib.ferry_moe_q4_0_scratch(self.n_embd, self.n_ff, n_used) + 64, dtype=np.uint8)
+            self._scratch[n_used] = buf, buf.ctypes.data + (-buf.ctypes.data) % 64
+        return self._scratch[n_used][1]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: int, gate: int, down: int,
                  n_expert: int, out: torch.Tensor) -> torch.Tensor:
