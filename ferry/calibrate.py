@@ -65,9 +65,14 @@ def stale(path: Path) -> str | None:
     return None
 
 
+# the routed experts' quant types a full `ferry calibrate` measures (a run measures its model's others once, quickly)
+EXPERT_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS")
+
+
 def measure_cpu(threads: int, quick: bool = False) -> dict:
     """ggml on this CPU: Q4_0 GEMV bytes/s over a weight larger than the caches, Q4_0 x 512-token matmul FLOP/s,
-    and the routed experts' table (measure_cpu_moe); quick: fewer sizes and repetitions."""
+    and the routed experts' tables (measure_experts: Q4_0 when quick, else EXPERT_TYPES); quick: fewer sizes and
+    repetitions."""
     from ferry.gguf.synth import random_tensor
     from ferry.ops import Weight
     from ferry.ops.cpu import CpuBackend
@@ -85,32 +90,74 @@ def measure_cpu(threads: int, quick: bool = False) -> dict:
     backend.repack(wb)
     xb = torch.randn(n, k)
     gemm_s = _best(lambda: backend.linear(xb, wb), 2 if quick else 3)
-    moe = measure_cpu_moe(backend, rng, quick)
     backend.close()
     return {"cpu_bytes_per_s": w.data.nbytes / gemv_s, "cpu_flops": 2.0 * n * k * m / gemm_s, "threads": backend.n_threads,
-            "cpu_moe": moe, "ggml_build": ggml_build()}
+            **measure_experts(threads, ("Q4_0",) if quick else EXPERT_TYPES, quick), "ggml_build": ggml_build()}
 
 
-def measure_cpu_moe(backend, rng, quick: bool = False) -> list[list[float]]:
-    """ggml's routed experts (mul_mat_id, repacked like a run's) on a Qwen3-30B-A3B-shaped layer, 64 Q4_0 experts of
-    2048 x 768 (170 MB, beyond the caches): seconds per byte of expert weights when each expert gets c tokens."""
+def measure_experts(threads: int, qtypes, quick: bool = False) -> dict:
+    """The CPU's routed experts of each quant type, on a Qwen3-30B-A3B-shaped layer (64 experts of 2048 x 768, beyond
+    the caches), repacked like a run's: {"cpu_moe": type -> ggml's table of (tokens per expert, seconds per byte of
+    expert weights)}, and {"cpu_moe_token": type -> seconds per byte} for the types ferry's own kernel runs at one
+    token (a token's 8 experts, a different 8 each call, every expert once per pass)."""
     from ferry.gguf.synth import random_tensor
     from ferry.ops import Weight
+    from ferry.ops.cpu import CpuBackend
     from ferry.quant import Q
 
-    n_expert, d, ff = 64, 2048, 768
-    up, gate = (Weight(f"calibration-{n}", Q.Q4_0, (d, ff, n_expert), random_tensor(Q.Q4_0, (d, ff, n_expert), 1.0, rng))
-                for n in ("up", "gate"))
-    down = Weight("calibration-down", Q.Q4_0, (ff, d, n_expert), random_tensor(Q.Q4_0, (ff, d, n_expert), 1.0, rng))
-    backend.repack(up, gate, down)
-    total = sum(w.data.nbytes for w in (up, gate, down))
-    table = []
-    for c in ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):  # tokens per expert
-        ids = torch.arange(n_expert, dtype=torch.int32).repeat(c).view(-1, 1)
-        x = torch.randn(ids.shape[0], d)
-        t = _best(lambda: backend.moe_experts(x, ids, None, up, gate, down, "silu"), 3 if quick else 5)
-        table.append([float(c), t / total])
-    return table
+    n_expert, n_used, d, ff = 64, 8, 2048, 768
+    backend = CpuBackend(threads)
+    rng = np.random.default_rng(0)
+    tables, token = {}, {}
+    for name in qtypes:
+        q = Q[name]
+        # one random expert, copied to every slot: the rate depends on the bytes read, not their values, and
+        # types without a scale field to set are quantized from floats, slowly (IQ4_XS: 100 s for 64 experts)
+        up, gate, down = (Weight(f"calibration-{n}", q, (*ne, n_expert), np.tile(random_tensor(q, ne, 1.0, rng), n_expert))
+                          for n, ne in (("up", (d, ff)), ("gate", (d, ff)), ("down", (ff, d))))
+        backend.repack(up, gate, down)
+        total = sum(w.data.nbytes for w in (up, gate, down))
+        tables[name] = []
+        for c in ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):  # tokens per expert
+            ids = torch.arange(n_expert, dtype=torch.int32).repeat(c).view(-1, 1)
+            x = torch.randn(ids.shape[0], d)
+            t = _best(lambda: backend.moe_experts(x, ids, None, up, gate, down, "silu"), 3 if quick else 5)
+            tables[name].append([float(c), t / total])
+        if backend.native_experts(1, True, up, gate, down, "silu") is not None:
+            x1, weights = torch.randn(1, d), torch.full((1, n_used), 1.0 / n_used)
+            groups = torch.from_numpy(rng.permutation(n_expert).astype(np.int32)).view(-1, 1, n_used)  # each once
+            t = _best(lambda: [backend.moe_experts(x1, g, weights, up, gate, down, "silu") for g in groups],
+                      3 if quick else 5)
+            token[name] = t / total
+    backend.close()
+    return {"cpu_moe": tables, "cpu_moe_token": token}
+
+
+def missing_experts(path: Path, qtypes) -> list[str]:
+    """The routed experts' types this run needs that the stored calibration has not measured: no table, or no rate
+    of ferry's own kernel where it now runs them (native.runs_experts)."""
+    from ferry.ops import native
+
+    try:
+        cpu = json.loads(path.read_text())["cpu"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # load() says what is wrong with it
+    tables, token = _tables(cpu.get("cpu_moe")), cpu.get("cpu_moe_token") or {}
+    return sorted(q for q in set(qtypes) if q not in tables or (native.runs_experts(q) and q not in token))
+
+
+def add_experts(path: Path, threads: int, qtypes) -> None:
+    """Measure the routed experts of these types (quickly) into the stored calibration."""
+    data = json.loads(path.read_text())
+    got = measure_experts(threads, qtypes, quick=True)
+    data["cpu"]["cpu_moe"] = {**_tables(data["cpu"].get("cpu_moe")), **got["cpu_moe"]}
+    data["cpu"]["cpu_moe_token"] = {**(data["cpu"].get("cpu_moe_token") or {}), **got["cpu_moe_token"]}
+    save(data, path)
+
+
+def _tables(stored) -> dict:
+    """The experts' tables by type; files before session 22 stored Q4_0's alone, as a list."""
+    return {"Q4_0": stored} if isinstance(stored, list) else dict(stored or {})
 
 
 def measure_gpu(quick: bool = False) -> dict | None:
@@ -162,7 +209,8 @@ def load(path: Path) -> Calibration | None:
             return None
         fields = {**{k: cpu[k] for k in ("cpu_bytes_per_s", "cpu_flops")},
                   **{k: gpu[k] for k in ("h2d_bytes_per_s", "h2d_latency_s", "gpu_bytes_per_s", "gpu_flops")}}
-        fields["cpu_moe"] = tuple((float(c), float(s)) for c, s in cpu.get("cpu_moe", ()))  # older files: none
+        fields["cpu_moe"] = {q: tuple((float(c), float(s)) for c, s in t) for q, t in _tables(cpu.get("cpu_moe")).items()}
+        fields["cpu_moe_token"] = {q: float(s) for q, s in (cpu.get("cpu_moe_token") or {}).items()}
         fields["launch_s"] = float(gpu.get("launch_s", 0.0))
     except FileNotFoundError:
         raise FerryError(f"{path}: no calibration; run `ferry calibrate`") from None
@@ -177,8 +225,12 @@ def table(result: dict) -> str:
              f"| CPU Q4_0 GEMV ({cpu['threads']} threads) | {cpu['cpu_bytes_per_s'] / 1e9:.1f} GB/s of weights |",
              f"| CPU Q4_0 x 512 tokens | {cpu['cpu_flops'] / 1e12:.2f} TFLOP/s |",
              f"| ggml built for | {' '.join(cpu.get('ggml_build', [])) or 'not recorded'} |"]
-    for c, spb in cpu.get("cpu_moe", ()):
-        lines.append(f"| CPU Q4_0 routed experts, {c:g} tokens each | {1 / spb / 1e9:.1f} GB/s of expert weights |")
+    for q, t in _tables(cpu.get("cpu_moe")).items():
+        lines += [f"| CPU {q} routed experts, {c:g} tokens each | {1 / spb / 1e9:.1f} GB/s of expert weights |"
+                  for c, spb in t]
+    for q, spb in (cpu.get("cpu_moe_token") or {}).items():
+        lines.append(f"| CPU {q} routed experts, one token, ferry's kernel | {1 / spb / 1e9:.1f} GB/s of expert "
+                     "weights |")
     if gpu:
         lines += [f"| H2D pinned ({gpu['gpu_name']}) | {gpu['h2d_bytes_per_s'] / 1e9:.1f} GB/s, "
                   f"{gpu['h2d_latency_s'] * 1e6:.1f} us per small copy |",

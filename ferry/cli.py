@@ -136,8 +136,9 @@ class GpuOptions:
         return _wants_gpu(self.n_gpu_layers, self.override_tensor)
 
 
-def _calibration(threads: int, quiet: bool):
-    """This machine's stored calibration; measured quickly (and stored) the first time."""
+def _calibration(threads: int, quiet: bool, expert_types=()):
+    """This machine's stored calibration; measured quickly (and stored) the first time, and for routed experts of
+    quant types (`expert_types`, those in RAM) it has not measured yet."""
     from ferry import calibrate
 
     path = calibrate.default_path()
@@ -148,6 +149,12 @@ def _calibration(threads: int, quiet: bool):
             print(f"ferry: calibrating this machine for the offload policy ({again}stored in {path}, "
                   "`ferry calibrate` measures it fully)", file=sys.stderr)
         calibrate.save(calibrate.calibrate(threads, quick=True), path)
+    todo = calibrate.missing_experts(path, expert_types)
+    if todo:
+        if not quiet:
+            print(f"ferry: calibrating the CPU's routed experts of {', '.join(todo)} for the offload policy (once; "
+                  f"stored in {path})", file=sys.stderr)
+        calibrate.add_experts(path, threads, todo)
     return calibrate.load(path)
 
 
@@ -186,8 +193,10 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
     if all_on_gpu:
         return backend
     from ferry.ops.hybrid import HybridBackend
+    from ferry.placement import EXPERTS_RE
 
-    return HybridBackend(backend, cpu_backend, devices, policy, _calibration(cpu_backend.n_threads, quiet),
+    in_ram = {w.qtype.name for w in model.weights() if devices.get(w.name) == "CPU" and EXPERTS_RE.match(w.name)}
+    return HybridBackend(backend, cpu_backend, devices, policy, _calibration(cpu_backend.n_threads, quiet, in_ram),
                          timed=gpu.verbose, layer_first=gpu.batch_order == "layer-first")
 
 
@@ -472,8 +481,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ferry import calibrate
 
     if not args.quiet:
-        print("ferry: measuring this machine (CPU GEMV and matmul through ggml; pinned PCIe copies and the GPU "
-              "where one is visible) ...", file=sys.stderr)
+        print("ferry: measuring this machine (CPU GEMV, matmul and routed experts per quant type; pinned PCIe copies "
+              "and the GPU where one is visible) ...", file=sys.stderr)
     result = calibrate.calibrate(args.threads, args.quick)
     path = Path(args.out) if args.out else calibrate.default_path()
     calibrate.save(result, path)

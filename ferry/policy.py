@@ -32,25 +32,38 @@ class Calibration:
     cpu_flops: float  # dense matmul throughput (large batches)
     gpu_bytes_per_s: float
     gpu_flops: float
-    # ggml's routed experts, measured: (tokens per expert, seconds per byte of expert weights), rising tokens; a
-    # batched mul_mat_id is neither GEMV- nor FLOP-bound on a CPU, so the policy interpolates this table
-    cpu_moe: tuple[tuple[float, float], ...] = ()
+    # ggml's routed experts, measured per quant type: its name -> ((tokens per expert, seconds per byte of expert
+    # weights), rising tokens); a batched mul_mat_id is neither GEMV- nor FLOP-bound on a CPU, so the policy
+    # interpolates this table. A type not measured takes Q4_0's rate per byte
+    cpu_moe: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # ferry's own kernel for one token's routed experts (ops/native.py), measured: type -> seconds per byte of the
+    # experts it reads (1.3x ggml's rate on the H100 machine, docs/decisions.md); none where it did not run
+    cpu_moe_token: dict[str, float] = field(default_factory=dict)
     launch_s: float = 0.0  # one GPU kernel launch from Python: the GPU side of a split MoE costs a few dozen
     # the share of the shorter side's time that running both sides at once does not hide: PCIe copies and ggml's
     # experts slow each other (H100 machine: copy 4.3 ms, ggml 6.7 ms, both 9.9 ms; benchmarks/profile_hybrid.py;
     # 0.55 in session 14). Not calibrated: a copy and ggml alone overlap almost fully (docs/decisions.md)
     overlap: float = 0.73
 
-    def cpu_expert_s(self, expert_bytes: float, tokens, flops_per_token: float):
-        """One expert's weights times `tokens` tokens by ggml, from the measured table where there is one; tokens
-        may be an array (each expert's count), and so is the result then."""
+    def cpu_expert_s(self, expert_bytes: float, tokens, flops_per_token: float, types: dict[str, float] | None = None,
+                     token_kernel: bool = False):
+        """One expert's weights times `tokens` tokens on the CPU, from the measured tables where there are some;
+        tokens may be an array (each expert's count), and so is the result then. types: each quant type's share of
+        the expert's bytes (Q4_0 alone by default); token_kernel: the u-batch is one token and ferry's own kernel
+        runs it (CpuBackend.native_experts), at its measured rate where there is one."""
         t = np.asarray(tokens, dtype=np.float64)
-        if not self.cpu_moe:
-            s = np.maximum(expert_bytes / self.cpu_bytes_per_s, t * flops_per_token / self.cpu_flops)
-        else:
-            c, per = np.array(self.cpu_moe, dtype=np.float64).T
-            # below the table its first point, inside it interpolated, beyond it compute-bound: linear in tokens
-            s = expert_bytes * np.where(t > c[-1], per[-1] * t / c[-1], np.interp(t, c, per))
+        s = np.zeros_like(t)
+        for qtype, share in (types or {"Q4_0": 1.0}).items():
+            part = expert_bytes * share
+            table = self.cpu_moe.get(qtype) or self.cpu_moe.get("Q4_0")
+            if token_kernel and qtype in self.cpu_moe_token:
+                s = s + part * self.cpu_moe_token[qtype] * t
+            elif not table:
+                s = s + np.maximum(part / self.cpu_bytes_per_s, t * flops_per_token * share / self.cpu_flops)
+            else:
+                c, per = np.array(table, dtype=np.float64).T
+                # below the table its first point, inside it interpolated, beyond it compute-bound: linear in tokens
+                s = s + part * np.where(t > c[-1], per[-1] * t / c[-1], np.interp(t, c, per))
         return s if np.ndim(tokens) else float(s)
 
     def gpu_expert_s(self, expert_bytes: float, tokens: np.ndarray, flops_per_token: float) -> np.ndarray:
@@ -96,6 +109,15 @@ def parse_policy(text: str, min_batch: int = DEFAULT_MIN_BATCH) -> Policy:
             raise FerryError(f"--offload-policy: '{item}' must set on, off or auto")
         policy.overrides[name] = value
     return policy
+
+
+def type_shares(tensors) -> dict[str, float]:
+    """Each quant type's share of a layer's expert bytes, from its expert tensors' (type name, bytes) pairs."""
+    total = sum(n for _, n in tensors)
+    shares: dict[str, float] = {}
+    for qtype, n in tensors:
+        shares[qtype] = shares.get(qtype, 0.0) + n / total
+    return shares
 
 
 def experts_hit(n_tokens: int, n_expert: int, n_expert_used: int) -> float:
@@ -163,21 +185,22 @@ class ExpertSplit:
 
 
 def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float, calib: Calibration,
-                  policy: Policy, n_expert_used: int, up_gate_share: float = 2 / 3) -> ExpertSplit:
+                  policy: Policy, n_expert_used: int, up_gate_share: float = 2 / 3, types: dict[str, float] | None = None,
+                  token_kernel: bool = False) -> ExpertSplit:
     """counts[e]: tokens of the u-batch routed to expert e; expert_bytes: its gate+up+down weights;
     flops_per_token: its work per token; up_gate_share: the gate and up projections' part of both (2/3 when the
-    three share a quant type). `on` / `off` / threshold move every expert hit one way; auto predicts each side's
-    time (a GPU expert costs its copy and its compute, a CPU expert the larger of reading its weights and its
-    FLOPs) and takes the split by token count (hottest first to the GPU) predicted fastest: the slower side, plus
-    what overlapping does not hide of the faster one. moe_up_gate and moe_down set apart run each expert's halves
-    on different sides (_halves)."""
+    three share a quant type); types, token_kernel: what the CPU's rate depends on (Calibration.cpu_expert_s).
+    `on` / `off` / threshold move every expert hit one way; auto predicts each side's time (a GPU expert costs its
+    copy and its compute, a CPU expert its measured rate) and takes the split by token count (hottest first to the
+    GPU) predicted fastest: the slower side, plus what overlapping does not hide of the faster one. moe_up_gate and
+    moe_down set apart run each expert's halves on different sides (_halves)."""
     tokens = np.asarray(counts, dtype=np.int64)
     order = np.lexsort((np.arange(len(tokens)), -tokens))  # hottest first, ties by id
     hit = order[tokens[order] > 0]
     n_tokens = int(tokens.sum()) // max(n_expert_used, 1)
     hot = tokens[hit]
     # each expert's cost, hottest first (numpy: a layer of 128 experts decides in tens of microseconds, per layer)
-    on_cpu = calib.cpu_expert_s(expert_bytes, hot, flops_per_token)
+    on_cpu = calib.cpu_expert_s(expert_bytes, hot, flops_per_token, types, token_kernel and n_tokens == 1)
     on_gpu = calib.gpu_expert_s(expert_bytes, hot, flops_per_token)
     gpu_fixed = GPU_SIDE_LAUNCHES * calib.launch_s
 
@@ -190,7 +213,7 @@ def split_experts(counts: list[int], expert_bytes: float, flops_per_token: float
     ug, down = policy.setting("moe_up_gate"), policy.setting("moe_down")
     if ug != down:
         return _halves({"up_gate": ug, "down": down}, split(len(hit), ""), split(0, ""), hot, expert_bytes,
-                       flops_per_token, up_gate_share, calib, threshold)
+                       flops_per_token, up_gate_share, calib, threshold, types)
     if ug != "auto":
         return split(len(hit) if ug == "on" else 0, f"mul_mat_id={ug} (override)")
     if threshold:
@@ -228,13 +251,13 @@ def experts_fixed_side(policy: Policy, n_tokens: int, n_expert: int, n_expert_us
 
 def _halves(settings: dict[str, str], all_gpu: ExpertSplit, all_cpu: ExpertSplit, hot: np.ndarray,
             expert_bytes: float, flops_per_token: float, share: float, calib: Calibration,
-            threshold: tuple[bool, str] | None) -> ExpertSplit:
+            threshold: tuple[bool, str] | None, types: dict[str, float] | None = None) -> ExpertSplit:
     """moe_up_gate and moe_down set differently (`settings`: half -> on / off / auto): every expert hit's two halves
     where the settings say, one after the other, the rows between them crossing PCIe. A half left at auto goes where
     the threshold rule (when `threshold` is (on, why)) or the prediction puts it: beside its other half (the experts
     move whole: all_gpu or all_cpu) or apart."""
     def cpu_s(part: float) -> float:
-        return float(calib.cpu_expert_s(expert_bytes * part, hot, flops_per_token * part).sum())
+        return float(calib.cpu_expert_s(expert_bytes * part, hot, flops_per_token * part, types).sum())
 
     def gpu_s(part: float) -> float:
         per = calib.gpu_expert_s(expert_bytes * part, hot, flops_per_token * part)

@@ -20,9 +20,15 @@ def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys):
     assert f"| ggml built for | {' '.join(data['cpu']['ggml_build'])} |" in printed
     # a GEMV reads weights at well over 100 MB/s on any machine, a 512-token matmul does over 1 GFLOP/s
     assert data["cpu"]["cpu_bytes_per_s"] > 1e8 and data["cpu"]["cpu_flops"] > 1e9
-    # the experts' table: tokens per expert rising, and more tokens never cost less time per expert
-    table = data["cpu"]["cpu_moe"]
+    # the experts' table (Q4_0 when quick): tokens per expert rising, and more tokens never cost less time per expert
+    assert list(data["cpu"]["cpu_moe"]) == ["Q4_0"]
+    table = data["cpu"]["cpu_moe"]["Q4_0"]
     assert [c for c, _ in table] == [1, 4, 16, 64]
+    # ferry's own kernel at one token, measured where it runs on this machine
+    from ferry.ops import native
+
+    assert set(data["cpu"]["cpu_moe_token"]) == ({"Q4_0"} if native.runs_experts("Q4_0") else set())
+    assert all(s > 0 for s in data["cpu"]["cpu_moe_token"].values())
     assert all(c1 * s1 >= 0.5 * c0 * s0 for (c0, s0), (c1, s1) in zip(table, table[1:]))
     assert all(s0 <= s1 * 1.5 for (_, s0), (_, s1) in zip(table, table[1:]))
 
@@ -68,10 +74,49 @@ def test_the_policy_reads_a_stored_calibration(tmp_path):
                                      cpu_flops=1e12, gpu_bytes_per_s=3e12, gpu_flops=8e14)  # an older file: no table
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 16,
                                         "cpu_moe": [[1, 2e-11], [64, 1e-9]]}, "gpu": {**gpu, "launch_s": 1e-5}}))
+    c = load(path)  # a file of before session 22: Q4_0's table alone, as a list
+    assert c.cpu_moe == {"Q4_0": ((1.0, 2e-11), (64.0, 1e-9))} and c.launch_s == 1e-5 and c.cpu_moe_token == {}
+    path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 16,
+                                        "cpu_moe": {"Q4_0": [[1, 2e-11]], "Q4_K": [[1, 3e-11]]},
+                                        "cpu_moe_token": {"Q4_0": 1.5e-11}}, "gpu": gpu}))
     c = load(path)
-    assert c.cpu_moe == ((1.0, 2e-11), (64.0, 1e-9)) and c.launch_s == 1e-5
+    assert c.cpu_moe == {"Q4_0": ((1.0, 2e-11),), "Q4_K": ((1.0, 3e-11),)} and c.cpu_moe_token == {"Q4_0": 1.5e-11}
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 2}, "gpu": None}))
     assert load(path) is None  # no GPU: nothing to offload to
     path.write_text("{}")
     with pytest.raises(FerryError, match="not a `ferry calibrate` result"):
         load(path)
+
+
+def test_a_run_measures_the_expert_types_of_its_model_that_the_calibration_lacks_once(tmp_path, monkeypatch, capsys):
+    """A quick calibration measures Q4_0's experts; a model whose experts in RAM are Q8_0 gets Q8_0's table measured
+    (quickly, on a real layer) and stored beside it by its first run; the next run finds it and measures nothing."""
+    from ferry import calibrate
+    from ferry.cli import _calibration
+
+    path = tmp_path / "c.json"
+    gpu = {"h2d_bytes_per_s": 55e9, "h2d_latency_s": 2.3e-5, "gpu_bytes_per_s": 3e12, "gpu_flops": 8e14, "gpu_name": "x"}
+    q4_0 = {"Q4_0": [[1, 2e-11], [64, 1e-9]]}
+    path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 5e10, "cpu_flops": 1e12, "threads": 1, "cpu_moe": q4_0,
+                                        "cpu_moe_token": {"Q4_0": 1.5e-11}, "ggml_build": calibrate.ggml_build()},
+                                "gpu": gpu}))
+    monkeypatch.setattr(calibrate, "default_path", lambda: path)
+    assert calibrate.missing_experts(path, {"Q4_0"}) == []
+    assert calibrate.missing_experts(path, {"Q4_0", "Q8_0"}) == ["Q8_0"]
+    c = _calibration(1, quiet=False, expert_types={"Q8_0"})
+    assert "calibrating the CPU's routed experts of Q8_0" in capsys.readouterr().err
+    assert set(c.cpu_moe) == {"Q4_0", "Q8_0"} and c.cpu_moe["Q4_0"] == ((1.0, 2e-11), (64.0, 1e-9))
+    assert [t for t, _ in c.cpu_moe["Q8_0"]] == [1, 4, 16, 64] and all(s > 0 for _, s in c.cpu_moe["Q8_0"])
+    assert c.cpu_moe_token == {"Q4_0": 1.5e-11}  # ferry's kernel does not run Q8_0: no rate of it to measure
+    _calibration(1, quiet=False, expert_types={"Q8_0"})
+    assert "calibrating" not in capsys.readouterr().err
+
+
+def test_a_calibration_without_the_kernels_rate_measures_it_where_the_kernel_runs(tmp_path):
+    from ferry import calibrate
+    from ferry.ops import native
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 5e10, "cpu_flops": 1e12, "threads": 1,
+                                        "cpu_moe": [[1, 2e-11]]}, "gpu": None}))  # a file of before session 22
+    assert calibrate.missing_experts(path, {"Q4_0"}) == (["Q4_0"] if native.runs_experts("Q4_0") else [])

@@ -165,6 +165,10 @@ def test_plan_states_what_the_weights_in_ram_cost_each_generated_token(tiny, tmp
     down = sum(t.nbytes for t in f.tensors.values() if "ffn_down_exps" in t.name)
     assert halves["generation"]["cpu_bytes_per_token"] == pytest.approx((experts - down) * a.n_expert_used / a.n_expert)
     assert json.loads(plan("--json"))["generation"] is None  # nothing in RAM
+    # a calibration that timed ferry's kernel at one token: its rate, where the kernel runs these experts
+    cal.write_text(json.dumps({**H100_LIKE, "cpu": {**H100_LIKE["cpu"], "cpu_moe_token": {"Q4_0": 1.6e-11}}}))
+    g = json.loads(plan("-ot", "exps=CPU", "--json"))["generation"]
+    assert g["seconds_per_token"] == pytest.approx(per_token * (1.6e-11 if own else seconds_per_byte))
 
 
 def test_deepseek2s_kv_b_is_no_weight_a_gpu_loads(tmp_path):

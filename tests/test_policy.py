@@ -90,8 +90,8 @@ EXPERT_BYTES = 3 * 768 * 2048 * 0.5625
 EXPERT_FLOPS = 2 * 3 * 768 * 2048
 
 
-def _split(counts, machine, text="auto"):
-    return split_experts(counts, EXPERT_BYTES, EXPERT_FLOPS, machine, parse_policy(text), 8)
+def _split(counts, machine, text="auto", **rate):
+    return split_experts(counts, EXPERT_BYTES, EXPERT_FLOPS, machine, parse_policy(text), 8, **rate)
 
 
 def test_a_generated_token_splits_its_experts_between_pcie_and_cpu_when_both_are_fast():
@@ -187,7 +187,7 @@ def test_the_threshold_side_follows_offload_min_batch():
 # compute-bound; and its 15 us launches from Python
 MEASURED = Calibration(h2d_bytes_per_s=52e9, h2d_latency_s=15e-6, cpu_bytes_per_s=54e9, cpu_flops=0.4e12,
                        gpu_bytes_per_s=1.4e12, gpu_flops=700e12,
-                       cpu_moe=((1, 1 / 54e9), (4, 1 / 25e9), (16, 1 / 8e9), (64, 1 / 2.2e9)), launch_s=15e-6)
+                       cpu_moe={"Q4_0": ((1, 1 / 54e9), (4, 1 / 25e9), (16, 1 / 8e9), (64, 1 / 2.2e9))}, launch_s=15e-6)
 
 
 def test_the_measured_expert_table_replaces_the_two_number_cpu_model():
@@ -198,14 +198,38 @@ def test_the_measured_expert_table_replaces_the_two_number_cpu_model():
     counts = [0, 1, 3, 10, 64, 100, 128]
     table = MEASURED.cpu_expert_s(1e6, np.array(counts), EXPERT_FLOPS)
     assert table == pytest.approx([MEASURED.cpu_expert_s(1e6, c, EXPERT_FLOPS) for c in counts], rel=1e-12)
-    model = Calibration(**{**MEASURED.__dict__, "cpu_moe": ()})  # no table: the larger of reading and computing
+    model = Calibration(**{**MEASURED.__dict__, "cpu_moe": {}})  # no table: the larger of reading and computing
     assert model.cpu_expert_s(1e6, np.array([1, 500]), EXPERT_FLOPS) == pytest.approx(
         [max(1e6 / 54e9, EXPERT_FLOPS / 0.4e12), 500 * EXPERT_FLOPS / 0.4e12])
 
 
+def test_each_quant_type_takes_its_own_measured_table_and_an_unmeasured_one_q4_0s_rate_per_byte():
+    q4_k = {"Q4_K": ((1, 1 / 40e9), (64, 1 / 1.5e9))}
+    c = Calibration(**{**MEASURED.__dict__, "cpu_moe": {**MEASURED.cpu_moe, **q4_k}})
+    assert c.cpu_expert_s(1e6, 1, EXPERT_FLOPS, {"Q4_K": 1.0}) == pytest.approx(1e6 / 40e9)
+    assert c.cpu_expert_s(1e6, 1, EXPERT_FLOPS, {"Q8_0": 1.0}) == pytest.approx(1e6 / 54e9)  # not measured: Q4_0's
+    # Q4_K_M's experts: gate and up Q4_K, down Q6_K (not measured here): each type's bytes at its rate
+    mixed = c.cpu_expert_s(1e6, 1, EXPERT_FLOPS, {"Q4_K": 0.6, "Q6_K": 0.4})
+    assert mixed == pytest.approx(0.6e6 / 40e9 + 0.4e6 / 54e9)
+
+
+def test_one_tokens_experts_take_ferrys_kernel_rate_where_it_runs_and_ggmls_otherwise():
+    c = Calibration(**{**MEASURED.__dict__, "cpu_moe_token": {"Q4_0": 1 / 70e9}})
+    assert c.cpu_expert_s(1e6, 1, EXPERT_FLOPS, token_kernel=True) == pytest.approx(1e6 / 70e9)
+    assert c.cpu_expert_s(1e6, 1, EXPERT_FLOPS) == pytest.approx(1e6 / 54e9)  # ggml's table
+    assert c.cpu_expert_s(1e6, 1, EXPERT_FLOPS, {"Q4_K": 1.0}, token_kernel=True) == pytest.approx(1e6 / 54e9)
+    counts = [1] * 8 + [0] * 120  # one token, 8 experts, all on the CPU
+    assert _split(counts, c, "all=off", token_kernel=True).cpu_s == pytest.approx(8 * EXPERT_BYTES / 70e9)
+    assert _split(counts, c, "all=off").cpu_s == pytest.approx(8 * EXPERT_BYTES / 54e9)
+    # two tokens are never ferry's kernel's (it runs one token): ggml's rate, whatever the caller says
+    two = _split([2] * 8 + [0] * 120, c, "all=off", token_kernel=True).cpu_s
+    assert two == pytest.approx(8 * EXPERT_BYTES * c.cpu_expert_s(1.0, 2, EXPERT_FLOPS))
+    assert two > 8 * EXPERT_BYTES / 54e9
+
+
 def test_a_cpu_slow_at_batched_experts_keeps_fewer_of_them_at_u_batch_128():
     counts = [8] * 128  # u-batch 128, 8 of 128 experts per token: 8 tokens per expert
-    fast_table = Calibration(**{**MEASURED.__dict__, "cpu_moe": ((1, 1 / 54e9), (64, 1 / 50e9))})
+    fast_table = Calibration(**{**MEASURED.__dict__, "cpu_moe": {"Q4_0": ((1, 1 / 54e9), (64, 1 / 50e9))}})
     assert len(_split(counts, MEASURED).cpu) < len(_split(counts, fast_table).cpu)
 
 

@@ -15,7 +15,8 @@ import torch
 from ferry.ops import Weight
 from ferry.ops.cuda.backend import CudaBackend, gpu_route
 from ferry.placement import EXPERTS_RE
-from ferry.policy import Calibration, Explorer, Policy, decide, experts_fixed_side, size_class, split_experts
+from ferry.policy import (Calibration, Explorer, Policy, decide, experts_fixed_side, size_class, split_experts,
+                          type_shares)
 from ferry.quant import bytes_per_weight
 from ferry.runtime.streamer import Streamer
 
@@ -297,18 +298,21 @@ class HybridBackend:
         counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert).tolist()
         expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
         flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
+        # what the CPU's rate depends on: the quant types, and whether ferry's own kernel runs this u-batch
+        rate = {"types": type_shares([(w.qtype.name, w.data.nbytes) for w in experts]),
+                "token_kernel": self.cpu.native_experts(n, True, up, gate, down, act) is not None}
         trial = None
         if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
             share = (gate.data.nbytes + up.data.nbytes) / (n_expert * expert_bytes)
             if side is not None:  # decided: that way alone, without predicting the others (auto costs what on does)
-                split = split_experts(counts, expert_bytes, flops, self.calib, _SIDES[side], n_used, share)
+                split = split_experts(counts, expert_bytes, flops, self.calib, _SIDES[side], n_used, share, **rate)
                 split = replace(split, why=f"every expert hit on the {side.upper()}: decided without a prediction")
             else:
-                split = split_experts(counts, expert_bytes, flops, self.calib, self.policy, n_used, share)
+                split = split_experts(counts, expert_bytes, flops, self.calib, self.policy, n_used, share, **rate)
             if split.why.startswith("auto"):  # measure between the plausible ways, then keep the fastest
-                split, trial = self._measured_choice(gate, n, counts, split, expert_bytes, flops, n_used)
+                split, trial = self._measured_choice(gate, n, counts, split, expert_bytes, flops, n_used, rate)
         else:
-            split = split_experts(counts, expert_bytes, flops, self.calib, _ALL_OFF, n_used)
+            split = split_experts(counts, expert_bytes, flops, self.calib, _ALL_OFF, n_used, **rate)
             split = replace(split, why="experts of a type (or a placement) the GPU cannot stream: on the CPU")
         if split.halves:
             out = self._halves_moe(x, x_host, ids, ids_host, weights, weights_host, split, up, gate, down, act,
@@ -345,7 +349,7 @@ class HybridBackend:
             explorer.record(n, way, now - start)
 
     def _measured_choice(self, gate: Weight, n: int, counts: list[int], predicted, expert_bytes: float,
-                         flops: float, n_used: int):
+                         flops: float, n_used: int, rate: dict):
         """auto: the way this u-batch's size class was measured fastest (policy.Explorer), or a timed trial of one."""
         first = (id(gate), n) not in self._seen  # a layer's first call of a size builds graphs, compiles kernels:
         self._seen.add((id(gate), n))              # no trial there, the prediction decides
@@ -354,9 +358,10 @@ class HybridBackend:
             return predicted, None
         if decided is not None:  # measured already: only that way is built, every MoE layer of every u-batch
             ways = {decided: predicted if decided == "split" else
-                    split_experts(counts, expert_bytes, flops, self.calib, _SIDES[decided], n_used)}
+                    split_experts(counts, expert_bytes, flops, self.calib, _SIDES[decided], n_used, **rate)}
         else:
-            ways = {k: split_experts(counts, expert_bytes, flops, self.calib, p, n_used) for k, p in _SIDES.items()}
+            ways = {k: split_experts(counts, expert_bytes, flops, self.calib, p, n_used, **rate)
+                    for k, p in _SIDES.items()}
             if predicted.gpu and predicted.cpu:
                 ways["split"] = predicted
         cost = {k: max(v.gpu_s, v.cpu_s) + self.calib.overlap * min(v.gpu_s, v.cpu_s) for k, v in ways.items()}

@@ -80,10 +80,19 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+TYPES = ("Q4_0",)  # the experts' quant types ferry's kernel covers
+
+
+def runs_experts(qtype: str) -> bool:
+    """Whether ferry's kernel runs one token's routed experts of this quant type on this machine (where ggml's
+    repacked layout is used: not with --no-repack)."""
+    return qtype in TYPES and library() is not None
+
+
 def experts_kernel(qtypes: set[str]) -> str:
     """Which kernel the CPU runs one token's routed experts of these quant types with, and why (`ferry plan`)."""
-    if qtypes != {"Q4_0"}:
-        return f"ggml's kernel (ferry's own covers Q4_0 experts; these are {', '.join(sorted(qtypes))})"
+    if not qtypes <= set(TYPES):
+        return f"ggml's kernel (ferry's own covers {', '.join(TYPES)} experts; these are {', '.join(sorted(qtypes))})"
     if library() is None:
         return f"ggml's kernel ({why_not})"
     return "ferry's own kernel (ferry/ops/moe_q4_0.c; ggml's with FERRY_NATIVE=0 or --no-repack)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ferry.gguf.file import GGUFFile
 from ferry.ops import native
 from ferry.placement import EXPERTS_RE, layer_devices, place
-from ferry.policy import Calibration, Policy, decide, experts_hit, split_experts
+from ferry.policy import Calibration, Policy, decide, experts_hit, split_experts, type_shares
 from ferry.quant import bytes_per_weight
 
 
@@ -60,7 +60,9 @@ def _experts_split(experts: list, args, calib: Calibration, policy: Policy, n: i
     flops = 2.0 * sum(t.ne[0] * t.ne[1] for t in experts)
     by_role = {EXPERTS_RE.match(t.name).group(2): t.nbytes for t in experts}
     share = 1.0 - by_role["down"] / sum(by_role.values())  # gate and up's part
-    return split_experts(counts, expert_bytes, flops, calib, policy, k, share), hit
+    types = type_shares([(t.qtype.name, t.nbytes) for t in experts])
+    token_kernel = all(native.runs_experts(q) for q in types)  # at one token, where it covers the experts' types
+    return split_experts(counts, expert_bytes, flops, calib, policy, k, share, types, token_kernel), hit
 
 
 _HALF = {"gate": "up_gate", "up": "up_gate", "down": "down"}
