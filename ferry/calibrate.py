@@ -4,6 +4,7 @@ host-to-device bandwidth and latency, GPU memory bandwidth and matmul throughput
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -95,11 +96,24 @@ def measure_cpu(threads: int, quick: bool = False) -> dict:
             **measure_experts(threads, ("Q4_0",) if quick else EXPERT_TYPES, quick), "ggml_build": ggml_build()}
 
 
+def l3_bytes() -> int:
+    """The CPU's last-level cache (0 where the system does not say)."""
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 0
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size or 0)
+
+
 def measure_experts(threads: int, qtypes, quick: bool = False) -> dict:
-    """The CPU's routed experts of each quant type, on a Qwen3-30B-A3B-shaped layer (64 experts of 2048 x 768, beyond
-    the caches), repacked like a run's: {"cpu_moe": type -> ggml's table of (tokens per expert, seconds per byte of
-    expert weights)}, and {"cpu_moe_token": type -> seconds per byte} for the types ferry's own kernel runs at one
-    token (a token's 8 experts, a different 8 each call, every expert once per pass)."""
+    """The CPU's routed experts of each quant type on Qwen3-30B-A3B-shaped layers (64 experts of 2048 x 768),
+    repacked like a run's: {"cpu_moe": type -> ggml's table of (tokens per expert, seconds per byte of expert
+    weights)}, and {"cpu_moe_token": type -> seconds per byte} for the types ferry's own kernel runs at one token (a
+    token's 8 experts, a different 8 each call, every expert once per pass). Each timed call runs the next of
+    enough layers (4x the L3, 1 GiB at least) that its weights come from RAM, as a model's do: one 170 MB layer
+    read again and again sat half in the H100 machine's 260 MB L3 (ggml 78.7 GB/s at one token per expert, against
+    46 in a run; docs/performance.md, session 22)."""
     from ferry.gguf.synth import random_tensor
     from ferry.ops import Weight
     from ferry.ops.cpu import CpuBackend
@@ -111,24 +125,37 @@ def measure_experts(threads: int, qtypes, quick: bool = False) -> dict:
     tables, token = {}, {}
     for name in qtypes:
         q = Q[name]
-        # one random expert, copied to every slot: the rate depends on the bytes read, not their values, and
-        # types without a scale field to set are quantized from floats, slowly (IQ4_XS: 100 s for 64 experts)
-        up, gate, down = (Weight(f"calibration-{n}", q, (*ne, n_expert), np.tile(random_tensor(q, ne, 1.0, rng), n_expert))
-                          for n, ne in (("up", (d, ff)), ("gate", (d, ff)), ("down", (ff, d))))
-        backend.repack(up, gate, down)
-        total = sum(w.data.nbytes for w in (up, gate, down))
+        # one random expert per matrix, copied to every slot of every layer: the rate depends on the bytes read, not
+        # their values, and types without a scale field to set are quantized from floats, slowly (IQ4_XS: 100 s
+        # for 64 experts)
+        one = {n: (ne, random_tensor(q, ne, 1.0, rng)) for n, ne in (("up", (d, ff)), ("gate", (d, ff)),
+                                                                     ("down", (ff, d)))}
+        layer_bytes = n_expert * sum(b.nbytes for _, b in one.values())
+        n_layers = max(2, -(-max(4 * l3_bytes(), 1 << 30) // layer_bytes))
+        layers = []
+        for i in range(n_layers):
+            up, gate, down = (Weight(f"calibration-{i}-{n}", q, (*ne, n_expert), np.tile(b, n_expert))
+                              for n, (ne, b) in one.items())
+            backend.repack(up, gate, down)
+            layers.append((up, gate, down))
+        turn = itertools.cycle(layers)
         tables[name] = []
         for c in ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):  # tokens per expert
             ids = torch.arange(n_expert, dtype=torch.int32).repeat(c).view(-1, 1)
             x = torch.randn(ids.shape[0], d)
-            t = _best(lambda: backend.moe_experts(x, ids, None, up, gate, down, "silu"), 3 if quick else 5)
-            tables[name].append([float(c), t / total])
-        if backend.native_experts(1, True, up, gate, down, "silu") is not None:
+            t = _best(lambda: backend.moe_experts(x, ids, None, *next(turn), "silu"), 3 if quick else 5)
+            tables[name].append([float(c), t / layer_bytes])
+        if backend.native_experts(1, True, *layers[0], "silu") is not None:
             x1, weights = torch.randn(1, d), torch.full((1, n_used), 1.0 / n_used)
             groups = torch.from_numpy(rng.permutation(n_expert).astype(np.int32)).view(-1, 1, n_used)  # each once
-            t = _best(lambda: [backend.moe_experts(x1, g, weights, up, gate, down, "silu") for g in groups],
-                      3 if quick else 5)
-            token[name] = t / total
+
+            def one_pass() -> None:
+                layer = next(turn)
+                for g in groups:
+                    backend.moe_experts(x1, g, weights, *layer, "silu")
+
+            token[name] = _best(one_pass, 3 if quick else 5) / layer_bytes
+        del layers, turn
     backend.close()
     return {"cpu_moe": tables, "cpu_moe_token": token}
 
