@@ -3,7 +3,7 @@ memory at all; and what a CUDA call costs the host right after ggml's threads ra
 exps=CPU), one token:
 - per thread count, a token's worth of MoE layers (8 random experts each, rotating over every layer so that none
   sits in the CPU's cache) through CpuBackend.moe_experts: ms per token and the GB/s of expert bytes it reads;
-  with --plain also from the unrepacked Q4_0 bytes of the mmap; and by ferry's own kernel (ferry/ops/moe_q4_0.c,
+  with --plain also from the unrepacked bytes of the mmap; and by ferry's own kernel (ferry/ops/moe_experts.c,
   the repacked copy), which CpuBackend runs at one token where this CPU has AVX512-VNNI;
 - torch's sum over 1 GiB of float32 at the same thread counts: the rate the cores can read memory at;
 - a 12-kernel CUDA graph's launch, an asynchronous 8 KiB copy and a synchronize, right after a ggml call, 20 ms after
@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("-t", "--threads", default="16,8,12,16", help="thread counts, in this order")
-    ap.add_argument("--plain", action="store_true", help="also read the experts' Q4_0 bytes unrepacked")
+    ap.add_argument("--plain", action="store_true", help="also read the experts' plain bytes, unrepacked")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA calls' timings")
     ap.add_argument("-r", "--rounds", type=int, default=12)
     ap.add_argument("--json", default="expert_reads.json")
@@ -79,7 +79,7 @@ def main() -> None:
             for w in layer:
                 w.repacked = False  # read from the mmap's bytes
         for t in threads:
-            token_rate(CpuBackend(t, repack=False), "ggml, plain Q4_0", t)
+            token_rate(CpuBackend(t, repack=False), "ggml, plain", t)
         for layer in layers:
             for w in layer:
                 w.repacked = kept[id(w)]

@@ -1,4 +1,4 @@
-"""ferry's own CPU expert kernel (ferry/ops/moe_q4_0.c) against float64 references, many shapes, odd sizes too; and
+"""ferry's own CPU expert kernel (ferry/ops/moe_experts.c) against float64 references, many shapes, odd sizes too; and
 where CpuBackend runs it instead of ggml. The kernel's own tests need a CPU with AVX512-VNNI, as the dev, CI and GPU
 machines have (the first test says which machine this is)."""
 
@@ -22,17 +22,18 @@ def _weight(rng, qtype, *shape):
     return Weight("w", qtype, ne, raw), dequantize(raw, qtype, ne).astype(np.float64)
 
 
-def _as_kernel_rounds(v: np.ndarray) -> np.ndarray:
-    """v in float64 after the kernel's activation rounding: blocks of 32 to int8 with scale max|v| / 127."""
-    blocks = v.reshape(-1, 32)
+def _as_kernel_rounds(v: np.ndarray, block: int) -> np.ndarray:
+    """v in float64 after the kernel's activation rounding: blocks (32 for Q4_0 weights, 256 for Q4_K) to int8 with
+    scale max|v| / 127."""
+    blocks = v.reshape(-1, block)
     d = np.abs(blocks).max(axis=1, keepdims=True) / 127
     return (np.rint(blocks / np.where(d > 0, d, 1)) * d).reshape(v.shape)
 
 
-def _layer(rng, n_expert, n_embd, n_ff, qtype=Q.Q4_0):
+def _layer(rng, n_expert, n_embd, n_ff, qtype=Q.Q4_0, down_type=None):
     up, up64 = _weight(rng, qtype, n_expert, n_ff, n_embd)
     gate, gate64 = _weight(rng, qtype, n_expert, n_ff, n_embd)
-    down, down64 = _weight(rng, qtype, n_expert, n_embd, n_ff)
+    down, down64 = _weight(rng, down_type or qtype, n_expert, n_embd, n_ff)
     return (up, gate, down), (up64, gate64, down64)
 
 
@@ -42,33 +43,40 @@ def test_the_kernel_is_there_exactly_where_the_cpu_has_avx512_vnni():
         assert "AVX512-VNNI" in native.why_not
 
 
-# (n_embd, n_ff, n_expert, n_used): Qwen3-30B-A3B's layer; odd block counts (96 = 3 blocks, 160 = 5); one expert
-SHAPES = [(2048, 768, 16, 8), (96, 64, 3, 2), (160, 96, 5, 1), (64, 32, 1, 1), (320, 224, 7, 5), (256, 160, 9, 8)]
+# (up and gate's type, down's type, n_embd, n_ff, n_expert, n_used): Qwen3-30B-A3B's layer; odd block counts (Q4_0:
+# 96 = 3 blocks, 160 = 5; Q4_K: 768 = 3 super-blocks, 1280 = 5); one expert; the two types mixed, either way
+Q40, Q4K = Q.Q4_0, Q.Q4_K
+SHAPES = [(Q40, Q40, 2048, 768, 16, 8), (Q40, Q40, 96, 64, 3, 2), (Q40, Q40, 160, 96, 5, 1), (Q40, Q40, 64, 32, 1, 1),
+          (Q40, Q40, 320, 224, 7, 5), (Q40, Q40, 256, 160, 9, 8),
+          (Q4K, Q4K, 2048, 768, 16, 8), (Q4K, Q4K, 768, 256, 3, 2), (Q4K, Q4K, 1280, 768, 5, 1),
+          (Q4K, Q4K, 256, 256, 1, 1), (Q4K, Q40, 768, 96, 7, 5), (Q40, Q4K, 96, 1280, 9, 8)]
 
 
-@pytest.mark.parametrize("n_embd,n_ff,n_expert,n_used", SHAPES)
-def test_the_kernel_matches_float64_given_its_activation_rounding(n_embd, n_ff, n_expert, n_used):
+@pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used", SHAPES)
+def test_the_kernel_matches_float64_given_its_activation_rounding(up_type, down_type, n_embd, n_ff, n_expert, n_used):
     """With x and h rounded to 8 bits as the kernel rounds them, float64 agrees to float32's accumulation error;
-    against the exact float64 result the kernel errs no more than ggml does on the same data (Q4_0's usual 1%)."""
+    against the exact float64 result the kernel errs no more than ggml does on the same data (4-bit weights' usual
+    1%)."""
     rng = np.random.default_rng(n_embd + n_ff + n_used)
     cpu = CpuBackend(3)
-    (up, gate, down), (up64, gate64, down64) = _layer(rng, n_expert, n_embd, n_ff)
+    (up, gate, down), (up64, gate64, down64) = _layer(rng, n_expert, n_embd, n_ff, up_type, down_type)
+    round_x, round_h = ((lambda v, b=32 if t == Q40 else 256: _as_kernel_rounds(v, b)) for t in (up_type, down_type))
     x = rng.standard_normal((1, n_embd)).astype(np.float32)
     ids = rng.choice(n_expert, n_used, replace=False).astype(np.int32)[None]
     weights = rng.random((1, n_used)).astype(np.float32)
     rounded, exact = np.zeros(n_embd), np.zeros(n_embd)
     for j, e in enumerate(ids[0]):
-        for ref, r in ((rounded, _as_kernel_rounds), (exact, lambda v: v)):
-            xr = r(x[0].astype(np.float64))
+        for ref, rx, rh in ((rounded, round_x, round_h), (exact, lambda v: v, lambda v: v)):
+            xr = rx(x[0].astype(np.float64))
             g, u = gate64[e] @ xr, up64[e] @ xr
-            ref += weights[0, j] * (down64[e] @ r(g / (1 + np.exp(-g)) * u))
+            ref += weights[0, j] * (down64[e] @ rh(g / (1 + np.exp(-g)) * u))
     kernel = cpu.native_experts(1, True, up, gate, down, "silu")
     assert kernel is not None
     got = cpu.moe_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), up, gate, down,
                           "silu").numpy()[0]
     # float32 accumulation: about 1e-7; one of h's roundings falling the other way would move it by about 3e-4
     assert np.abs(got - rounded).max() / np.abs(rounded).max() < 1e-3
-    ggml = CpuBackend(3, repack=False)  # ggml's kernel on the same weights, read from the plain Q4_0 bytes
+    ggml = CpuBackend(3, repack=False)  # ggml's kernel on the same weights, read from their plain bytes
     for w in (up, gate, down):
         w.repacked = False
     theirs = ggml.moe_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), up, gate, down,
@@ -90,8 +98,8 @@ def test_an_expert_id_out_of_range_is_an_error_and_writes_nothing():
 
 
 def test_ggml_keeps_what_the_kernel_does_not_cover():
-    """More than one token, slots without their weighted sum, gelu, another type, weights not repacked, or a backend
-    made without ferry's kernels."""
+    """More than one token, slots without their weighted sum, gelu, another type (or gate's apart from up's),
+    weights not repacked, or a backend made without ferry's kernels."""
     rng = np.random.default_rng(6)
     cpu = CpuBackend(2)
     q4, _ = _layer(rng, 4, 64, 32)
@@ -101,6 +109,11 @@ def test_ggml_keeps_what_the_kernel_does_not_cover():
     assert cpu.native_experts(1, False, *q4, "silu") is None
     assert cpu.native_experts(1, True, *q4, "gelu") is None
     assert cpu.native_experts(1, True, *q8, "silu") is None
+    (up, gate, down), _ = _layer(rng, 4, 256, 256, Q.Q4_K)
+    assert (cpu.native_experts(1, True, up, gate, down, "silu") is not None) == _has_vnni()
+    assert cpu.native_experts(1, True, *q8[:2], down, "silu") is None  # a Q4_K down does not make Q8_0 experts run
+    q4_0_gate, _ = _weight(rng, Q.Q4_0, 4, 256, 256)
+    assert cpu.native_experts(1, True, up, q4_0_gate, down, "silu") is None
     plain, _ = _layer(rng, 4, 64, 32)
     assert CpuBackend(2, repack=False).native_experts(1, True, *plain, "silu") is None
     assert CpuBackend(2, native_kernels=False).native_experts(1, True, *q4, "silu") is None

@@ -15,6 +15,7 @@ from typing import Callable
 import ggml
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.errors import FerryError
 from ferry.ops import Weight, native
@@ -219,7 +220,7 @@ class CpuBackend:
         self.galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_dev_buffer_type(cpu))
         self.generation, self.buffer_size = 0, 0  # the compute buffer's moves so far, and its size
         self.native_kernels = native_kernels  # ferry's own kernels where they run (native.py); False: ggml's
-        self._kernels: dict[tuple, native.MoeQ4_0] = {}  # ferry's expert kernel per shape
+        self._kernels: dict[tuple, native.MoeExperts] = {}  # ferry's expert kernel per shape and types
         self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
         self.placeholder = self._placeholder.ctypes.data
 
@@ -468,21 +469,25 @@ class CpuBackend:
         return self._graph(up, ("experts", id(gate), id(down), n, j, weights is None, act), build).run(inputs, out)
 
     def native_experts(self, n: int, weighted: bool, up: Weight, gate: Weight, down: Weight,
-                       act: str) -> native.MoeQ4_0 | None:
+                       act: str) -> native.MoeExperts | None:
         """ferry's own kernel for n tokens' routed experts, where it runs them: one token, its weighted sum, silu, Q4_0
-        experts in ggml's repacked layout, a CPU with AVX512-VNNI (native.py); None where ggml runs them."""
-        if not self.native_kernels or n != 1 or not weighted or act != "silu" or any(
-                w.qtype != Q.Q4_0 for w in (up, gate, down)):
+        or Q4_K experts (gate of up's type) in ggml's repacked layouts, a CPU with AVX512-VNNI (native.py); None where
+        ggml runs them."""
+        if (not self.native_kernels or n != 1 or not weighted or act != "silu" or gate.qtype != up.qtype
+                or any(w.qtype.name not in native.TYPES for w in (up, down))):
             return None
         n_embd, n_ff = up.ne[0], up.ne[1]
-        if n_embd % 32 or n_ff % 32 or not self.repack(up, gate, down) or not (gate.repacked and down.repacked):
+        block = {w: GGML_QUANT_SIZES[w.qtype][0] for w in (up, down)}
+        if n_embd % block[up] or n_ff % block[down] or n_embd % 8 or n_ff % 8:
+            return None
+        if not self.repack(up, gate, down) or not (gate.repacked and down.repacked):
             return None
         lib = native.library()
         if lib is None:
             return None
-        key = (n_embd, n_ff, self.n_threads)
+        key = (n_embd, n_ff, up.qtype, down.qtype, self.n_threads)
         if key not in self._kernels:
-            self._kernels[key] = native.MoeQ4_0(lib, n_embd, n_ff, self.n_threads)
+            self._kernels[key] = native.MoeExperts(lib, n_embd, n_ff, up.qtype.value, down.qtype.value, self.n_threads)
         return self._kernels[key]
 
     def moe_up_gate(self, x: torch.Tensor, ids: torch.Tensor, up: Weight, gate: Weight, act: str) -> torch.Tensor:

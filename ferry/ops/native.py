@@ -1,9 +1,9 @@
 """ferry's own CPU kernels (C beside this file), compiled for this machine at first use and kept in the cache.
 
-So far one: a token's routed experts for Q4_0 weights in ggml's repacked layout (moe_q4_0.c), which reads them
-faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py; docs/decisions.md). Where no C compiler
-works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None (`why_not` says why) and ggml runs those
-experts as before."""
+So far one: a token's routed experts for Q4_0 and Q4_K weights in ggml's repacked layouts (moe_experts.c), which
+reads them faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py; docs/decisions.md). Where no C
+compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None (`why_not` says why) and ggml runs
+those experts as before."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 
 from ferry.calibrate import CACHE
 
-_SOURCE = Path(__file__).with_name("moe_q4_0.c")
+_SOURCE = Path(__file__).with_name("moe_experts.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
 why_not = ""  # why the kernels are unavailable, for `ferry plan` and verbose runs
@@ -67,20 +67,19 @@ def library() -> ctypes.CDLL | None:
         else:
             try:
                 lib = ctypes.CDLL(str(_compile()))
-                lib.ferry_moe_q4_0_scratch.restype = ctypes.c_size_t
-                lib.ferry_moe_q4_0_scratch.argtypes = [ctypes.c_int] * 3
-                p = ctypes.c_void_p
-                lib.ferry_moe_q4_0.restype = ctypes.c_int
-                lib.ferry_moe_q4_0.argtypes = [p, p, p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                               p, p, p, p, p, ctypes.c_int]
-                _lib = lib if lib.ferry_moe_q4_0_fast() else None
+                lib.ferry_moe_scratch.restype = ctypes.c_size_t
+                lib.ferry_moe_scratch.argtypes = [ctypes.c_int] * 5
+                p, i = ctypes.c_void_p, ctypes.c_int
+                lib.ferry_moe_experts.restype = ctypes.c_int
+                lib.ferry_moe_experts.argtypes = [p, p, p, i, i, i, i, p, p, p, i, i, p, p, i]
+                _lib = lib if lib.ferry_moe_fast() else None
                 why_not = "" if _lib else "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for"
             except (OSError, subprocess.SubprocessError) as e:
                 _lib, why_not = None, f"ferry's CPU kernels did not build ({e})"
     return _lib
 
 
-TYPES = ("Q4_0",)  # the experts' quant types ferry's kernel covers
+TYPES = ("Q4_0", "Q4_K")  # the experts' quant types ferry's kernel covers (ggml repacks both for AVX2 and up)
 
 
 def runs_experts(qtype: str) -> bool:
@@ -95,29 +94,32 @@ def experts_kernel(qtypes: set[str]) -> str:
         return f"ggml's kernel (ferry's own covers {', '.join(TYPES)} experts; these are {', '.join(sorted(qtypes))})"
     if library() is None:
         return f"ggml's kernel ({why_not})"
-    return "ferry's own kernel (ferry/ops/moe_q4_0.c; ggml's with FERRY_NATIVE=0 or --no-repack)"
+    return "ferry's own kernel (ferry/ops/moe_experts.c; ggml's with FERRY_NATIVE=0 or --no-repack)"
 
 
-class MoeQ4_0:
-    """One token's routed experts of one shape through moe_q4_0.c, with its scratch memory kept."""
+class MoeExperts:
+    """One token's routed experts of one shape and types through moe_experts.c, with its scratch memory kept.
+    up_type: the up and gate matrices' ggml type number, down_type: the down matrices'."""
 
-    def __init__(self, lib: ctypes.CDLL, n_embd: int, n_ff: int, n_threads: int):
+    def __init__(self, lib: ctypes.CDLL, n_embd: int, n_ff: int, up_type: int, down_type: int, n_threads: int):
         self.lib, self.n_embd, self.n_ff, self.n_threads = lib, n_embd, n_ff, n_threads
+        self.up_type, self.down_type = up_type, down_type
         self._scratch: dict[int, tuple[np.ndarray, int]] = {}  # n_used -> its buffer and 64-byte aligned address
 
     def _scratch_for(self, n_used: int) -> int:
         if n_used not in self._scratch:  # sized once: a layer's call on the decode path asks nothing of the library
-            buf = np.empty(self.lib.ferry_moe_q4_0_scratch(self.n_embd, self.n_ff, n_used) + 64, dtype=np.uint8)
+            size = self.lib.ferry_moe_scratch(self.n_embd, self.n_ff, n_used, self.up_type, self.down_type)
+            buf = np.empty(size + 64, dtype=np.uint8)
             self._scratch[n_used] = buf, buf.ctypes.data + (-buf.ctypes.data) % 64
         return self._scratch[n_used][1]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: int, gate: int, down: int,
                  n_expert: int, out: torch.Tensor) -> torch.Tensor:
         """x (1, n_embd) float32, ids (1, n_used) int32, weights (1, n_used) float32, contiguous; up, gate, down: the
-        addresses of the stacked expert tensors in ggml's repacked Q4_0 layout; out (1, n_embd) float32."""
+        addresses of the stacked expert tensors in ggml's repacked layout of their type; out (1, n_embd) float32."""
         n_used = ids.shape[-1]
-        if self.lib.ferry_moe_q4_0(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_used, self.n_embd, self.n_ff,
-                                   n_expert, up, gate, down, out.data_ptr(), self._scratch_for(n_used),
-                                   self.n_threads):
+        if self.lib.ferry_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_used, self.n_embd, self.n_ff,
+                                      n_expert, up, gate, down, self.up_type, self.down_type, out.data_ptr(),
+                                      self._scratch_for(n_used), self.n_threads):
             raise ValueError(f"expert ids {ids.tolist()} are not all below {n_expert}")
         return out
