@@ -233,6 +233,28 @@ def test_auto_records_its_decode_step_again_once_decided(mid):
     assert len(step.graph.graphs) == model.args.n_layer + embedding - waits + 1
     _check(want[:60], torch.cat(got), f"-ot exps=CPU auto, decode decided {way}")
 
+def test_auto_records_experts_the_gpu_cannot_stream_as_handshakes_from_the_first_step(tmp_path):
+    """Q4_K experts (no GPU GEMV of ferry's reads them) run on the CPU whatever the policy: auto records the decode step
+    with a handshake at every MoE layer from its first step, as all=off does, and decodes the same bits. Before
+    session 22 auto never decided such experts and cut its graphs at each: 29.7 against 47.8 t/s on the 30B."""
+    from ferry.cli import main
+
+    path = tmp_path / "k.gguf"
+    assert main(["synth", "qwen3-moe-mid", "--expert-type", "q4_k", "--layers", "4", "-o", str(path), "-q"]) == 0
+    tokens = list(range(1, 31))
+    out = {}
+    for policy in ("auto", "all=off"):
+        backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], policy))
+        backend.stats.keep = False
+        e = Engine(model, backend, n_ctx=512)
+        e.decode(tokens[:20])
+        out[policy] = torch.cat([e.decode([t]) for t in tokens[20:]])
+        step = next(c for k, c in e.executor._captured.items() if k[2] == 1)
+        embedding = 0 if backend.on_gpu(model.token_embd) else 1
+        assert step.graph.n_handshakes == embedding + model.args.n_layer and backend.decided(1) is None
+    assert torch.equal(out["auto"], out["all=off"])
+
+
 def test_a_host_step_that_fails_lets_the_waiting_graph_go(mid):
     """A host step that raises while its graph waits at it (handshakes): the error reaches the caller, the graph is
     let past its remaining waits, and the next tokens decode to the same bits as where nothing failed."""

@@ -212,7 +212,7 @@ class HybridBackend:
         host = self._to_host(x, ids, weights)  # inside the step's CUDA graph when one is recorded
         if self.recorder is not None:
             direct = None  # the step as a function of host memory alone: the CPU's experts on the pinned copies
-            if host is not None and self._decided_side(x.shape[0], ids.shape[1], gate) == "cpu":
+            if host is not None and self._decided_side(x.shape[0], ids.shape[1], experts) == "cpu":
                 result = self._pinned("out", x.shape, torch.float32)
                 direct = (lambda: self._cpu_on_pinned(host, up, gate, down, act, result), result)
             out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, host, up, gate, down,
@@ -259,12 +259,20 @@ class HybridBackend:
             self.streamer.copy_async(d, src.to(d.dtype).contiguous(), stream)
         return dst
 
-    def _decided_side(self, n: int, n_used: int, gate: Weight) -> str | None:
-        """"cpu" or "gpu" where every expert of this u-batch size goes one way without a prediction: the policy says
-        so (on / off, or llama.cpp's rule in threshold mode), or auto measured that way fastest for this size class
-        and this layer has run it before. None in verbose runs, which record each decision's prediction."""
+    def _streams(self, experts: tuple[Weight, Weight, Weight]) -> bool:
+        """Whether the GPU can take these experts from RAM: all three in RAM, of types its GEMV kernels read."""
+        return all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts))
+
+    def _decided_side(self, n: int, n_used: int, experts: tuple[Weight, Weight, Weight]) -> str | None:
+        """"cpu" or "gpu" where every expert (gate, up, down) of this u-batch size goes one way without a prediction:
+        the GPU cannot stream them (the CPU, whatever the policy), the policy says so (on / off, or llama.cpp's rule in
+        threshold mode), or auto measured that way fastest for this size class and this layer has run it before. None
+        in verbose runs, which record each decision's prediction."""
         if self.timed or self.stats.keep:
             return None
+        if not self._streams(experts):  # before session 22 auto never decided these: cut host steps, 0.62x all=off
+            return "cpu"
+        gate = experts[0]
         fixed = experts_fixed_side(self.policy, n, gate.ne[2], n_used)
         if fixed is not None:
             return fixed
@@ -290,7 +298,7 @@ class HybridBackend:
         t_decided = time.perf_counter()
         if self._trial is not None:
             self._end_trial(gate, n, t_decided)
-        side = self._decided_side(n, k, gate)
+        side = self._decided_side(n, k, experts)
         if x_host is not None and side == "cpu":  # generation's usual case: straight to the CPU's experts
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
             return self._cpu_on_pinned(host, up, gate, down, act, self._pinned("out", x_host.shape, torch.float32))
@@ -302,7 +310,7 @@ class HybridBackend:
         rate = {"types": type_shares([(w.qtype.name, w.data.nbytes) for w in experts]),
                 "token_kernel": self.cpu.native_experts(n, True, up, gate, down, act) is not None}
         trial = None
-        if all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts)):
+        if self._streams(experts):
             share = (gate.data.nbytes + up.data.nbytes) / (n_expert * expert_bytes)
             if side is not None:  # decided: that way alone, without predicting the others (auto costs what on does)
                 split = split_experts(counts, expert_bytes, flops, self.calib, _SIDES[side], n_used, share, **rate)
