@@ -127,3 +127,15 @@ def test_ferry_native_0_turns_the_kernel_off(monkeypatch):
     rng = np.random.default_rng(8)
     layer, _ = _layer(rng, 4, 64, 32)
     assert CpuBackend(2).native_experts(1, True, *layer, "silu") is None
+
+
+def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
+    """A Q4_K_M file: Q4_K layers run on ferry's kernel, layers with Q6_K down on ggml's; Q8_0 experts all on ggml's."""
+    mixed = native.experts_kernel([{"Q4_K"}, {"Q4_K", "Q6_K"}, {"Q4_K"}])
+    if _has_vnni():
+        assert mixed.startswith("ferry's own kernel") and "in 2 of 3 layers" in mixed and "Q6_K" in mixed
+        assert native.experts_kernel([{"Q4_0"}, {"Q4_K"}]).startswith("ferry's own kernel (")
+    else:
+        assert mixed.startswith("ggml's kernel")
+    q8 = native.experts_kernel([{"Q8_0"}, {"Q8_0"}])
+    assert q8.startswith("ggml's kernel") and "these are Q8_0" in q8

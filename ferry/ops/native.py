@@ -88,13 +88,20 @@ def runs_experts(qtype: str) -> bool:
     return qtype in TYPES and library() is not None
 
 
-def experts_kernel(qtypes: set[str]) -> str:
-    """Which kernel the CPU runs one token's routed experts of these quant types with, and why (`ferry plan`)."""
-    if not qtypes <= set(TYPES):
-        return f"ggml's kernel (ferry's own covers {', '.join(TYPES)} experts; these are {', '.join(sorted(qtypes))})"
+def experts_kernel(layers: list[set[str]]) -> str:
+    """Which kernel the CPU runs one token's routed experts with, given each MoE layer's expert quant types, and why
+    (`ferry plan`): a Q4_K_M file's layers with Q6_K down run on ggml beside Q4_K layers on ferry's kernel."""
+    other = [t for t in layers if not t <= set(TYPES)]
+    covers = f"ferry's own covers {', '.join(TYPES)} experts"
+    if len(other) == len(layers):
+        return f"ggml's kernel ({covers}; these are {', '.join(sorted(set().union(*other)))})"
     if library() is None:
         return f"ggml's kernel ({why_not})"
-    return "ferry's own kernel (ferry/ops/moe_experts.c; ggml's with FERRY_NATIVE=0 or --no-repack)"
+    own = "ferry's own kernel (ferry/ops/moe_experts.c; ggml's with FERRY_NATIVE=0 or --no-repack)"
+    if not other:
+        return own
+    return (f"{own} in {len(layers) - len(other)} of {len(layers)} layers, ggml's in the others ({covers}; theirs "
+            f"are {', '.join(sorted(set().union(*other)))})")
 
 
 class MoeExperts:

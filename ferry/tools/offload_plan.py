@@ -78,10 +78,11 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
     if not by_layer:
         return None
     seconds = cpu_bytes = 0.0
-    expert_types = set()
+    expert_types = []  # each MoE layer's
     for mine in by_layer.values():
         experts = [t for t in mine if EXPERTS_RE.match(t.name)]
-        expert_types |= {t.qtype.name for t in experts}
+        if experts:
+            expert_types.append({t.qtype.name for t in experts})
         for t in (t for t in mine if not EXPERTS_RE.match(t.name)):  # the dense weights
             d = decide("mul_mat", 1, t.ne[1], t.ne[0], bytes_per_weight(t.qtype), calib, policy)
             seconds += d.cpu_s if d.device == "CPU" else d.gpu_s
