@@ -482,7 +482,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     if not args.quiet:
         print("ferry: measuring this machine (CPU GEMV, matmul and routed experts per quant type; pinned PCIe copies "
-              "and the GPU where one is visible) ...", file=sys.stderr)
+              "and the GPU where one is visible); keep it otherwise idle meanwhile ...", file=sys.stderr)
     result = calibrate.calibrate(args.threads, args.quick)
     path = Path(args.out) if args.out else calibrate.default_path()
     calibrate.save(result, path)
