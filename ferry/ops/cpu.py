@@ -477,8 +477,7 @@ class CpuBackend:
                 or any(w.qtype.name not in native.TYPES for w in (up, down))):
             return None
         n_embd, n_ff = up.ne[0], up.ne[1]
-        block = {w: GGML_QUANT_SIZES[w.qtype][0] for w in (up, down)}
-        if n_embd % block[up] or n_ff % block[down] or n_embd % 8 or n_ff % 8:
+        if n_embd % GGML_QUANT_SIZES[up.qtype][0] or n_ff % GGML_QUANT_SIZES[down.qtype][0] or n_embd % 8 or n_ff % 8:
             return None
         if not self.repack(up, gate, down) or not (gate.repacked and down.repacked):
             return None
