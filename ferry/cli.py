@@ -574,7 +574,7 @@ def _op_view(f, margs, args, overrides) -> tuple[list[dict], str, dict | None]:
     from ferry import calibrate
     from ferry.tools.bench import parse_int_list
     from ferry.policy import parse_policy
-    from ferry.tools.offload_plan import describe_floor, generation_floor, op_plan
+    from ferry.tools.offload_plan import describe_floor, generation_floor, op_plan, unmeasured
 
     policy = parse_policy(args.offload_policy, args.offload_min_batch)
     path = Path(args.calibration) if args.calibration else calibrate.default_path()
@@ -593,7 +593,8 @@ def _op_view(f, margs, args, overrides) -> tuple[list[dict], str, dict | None]:
         note += ("; " if note else "") + (f"layer first, a MoE layer's routed experts run once per logical batch: "
                                           f"up to -b {args.batch_size} tokens, not -ub")
     if floor is not None:
-        note += ("\n" if note else "") + describe_floor(floor)
+        for line in (describe_floor(floor), unmeasured(floor, calib)):
+            note += ("\n" if note and line else "") + line
     return rows, note or ("" if rows else "every matmul weight is on the GPU: nothing to decide"), floor
 
 

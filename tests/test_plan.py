@@ -165,6 +165,11 @@ def test_plan_states_what_the_weights_in_ram_cost_each_generated_token(tiny, tmp
     down = sum(t.nbytes for t in f.tensors.values() if "ffn_down_exps" in t.name)
     assert halves["generation"]["cpu_bytes_per_token"] == pytest.approx((experts - down) * a.n_expert_used / a.n_expert)
     assert json.loads(plan("--json"))["generation"] is None  # nothing in RAM
+    assert "has not measured" not in text  # the tiny model's experts are Q4_0, which H100_LIKE measured
+    only_q4_k = {**H100_LIKE, "cpu": {**H100_LIKE["cpu"], "cpu_moe": {"Q4_K": [[1, 3e-11]]}}}
+    cal.write_text(json.dumps(only_q4_k))
+    assert ("the calibration has not measured routed experts of Q4_0: their CPU times here are at its GEMV and "
+            "matmul rates") in plan("-ot", "exps=CPU")
     # a calibration that timed ferry's kernel at one token: its rate, where the kernel runs these experts
     cal.write_text(json.dumps({**H100_LIKE, "cpu": {**H100_LIKE["cpu"], "cpu_moe_token": {"Q4_0": 1.6e-11}}}))
     g = json.loads(plan("-ot", "exps=CPU", "--json"))["generation"]

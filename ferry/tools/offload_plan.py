@@ -95,7 +95,18 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
             cpu_bytes += len(s.cpu) * sum(t.nbytes for t in read) / args.n_expert
     return {"seconds_per_token": seconds, "cpu_bytes_per_token": cpu_bytes, "layers": len(by_layer),
             "max_tokens_per_s": 1.0 / seconds if seconds else float("inf"),
-            "experts_kernel": native.experts_kernel(expert_types) if expert_types else None}
+            "experts_kernel": native.experts_kernel(expert_types) if expert_types else None,
+            "expert_types": sorted(set().union(*expert_types))}
+
+
+def unmeasured(g: dict, calib: Calibration) -> str:
+    """What plan says where the calibration has not measured the routed experts' types in RAM ("" where it has)."""
+    missing = [q for q in g["expert_types"] if q not in calib.cpu_moe]
+    if not missing:
+        return ""
+    rate = "Q4_0's rate per byte" if "Q4_0" in calib.cpu_moe else "its GEMV and matmul rates"
+    return (f"the calibration has not measured routed experts of {', '.join(missing)}: their CPU times here are at "
+            f"{rate} (a run measures them once; `ferry calibrate` measures the common types)")
 
 
 def describe_floor(g: dict) -> str:
