@@ -19,7 +19,6 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.errors import FerryError
 from ferry.ops import Weight, native
-from ferry.quant import Q
 
 _GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weight, oldest dropped first
 _MAX_NODES = 64
