@@ -44,12 +44,15 @@ def test_the_kernel_is_there_exactly_where_the_cpu_has_avx512_vnni():
 
 
 # (up and gate's type, down's type, n_embd, n_ff, n_expert, n_used): Qwen3-30B-A3B's layer; odd block counts (Q4_0:
-# 96 = 3 blocks, 160 = 5; Q4_K: 768 = 3 super-blocks, 1280 = 5); one expert; the two types mixed, either way
-Q40, Q4K = Q.Q4_0, Q.Q4_K
+# 96 = 3 blocks, 160 = 5; Q4_K and Q6_K: 768 = 3 super-blocks, 1280 = 5); one expert; the types mixed, either way
+# (Q4_K with Q6_K down: a Q4_K_M file's layers)
+Q40, Q4K, Q6K = Q.Q4_0, Q.Q4_K, Q.Q6_K
 SHAPES = [(Q40, Q40, 2048, 768, 16, 8), (Q40, Q40, 96, 64, 3, 2), (Q40, Q40, 160, 96, 5, 1), (Q40, Q40, 64, 32, 1, 1),
           (Q40, Q40, 320, 224, 7, 5), (Q40, Q40, 256, 160, 9, 8),
           (Q4K, Q4K, 2048, 768, 16, 8), (Q4K, Q4K, 768, 256, 3, 2), (Q4K, Q4K, 1280, 768, 5, 1),
-          (Q4K, Q4K, 256, 256, 1, 1), (Q4K, Q40, 768, 96, 7, 5), (Q40, Q4K, 96, 1280, 9, 8)]
+          (Q4K, Q4K, 256, 256, 1, 1), (Q4K, Q40, 768, 96, 7, 5), (Q40, Q4K, 96, 1280, 9, 8),
+          (Q4K, Q6K, 2048, 768, 16, 8), (Q6K, Q6K, 768, 256, 3, 2), (Q6K, Q6K, 1280, 768, 5, 1),
+          (Q6K, Q6K, 256, 256, 1, 1), (Q6K, Q40, 768, 96, 7, 5), (Q40, Q6K, 96, 1280, 9, 8)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used", SHAPES)
@@ -99,7 +102,7 @@ def test_an_expert_id_out_of_range_is_an_error_and_writes_nothing():
 
 def test_ggml_keeps_what_the_kernel_does_not_cover():
     """More than one token, slots without their weighted sum, gelu, another type (or gate's apart from up's),
-    weights not repacked, or a backend made without ferry's kernels."""
+    Q4_0 / Q4_K weights not repacked, or a backend made without ferry's kernels."""
     rng = np.random.default_rng(6)
     cpu = CpuBackend(2)
     q4, _ = _layer(rng, 4, 64, 32)
@@ -116,6 +119,11 @@ def test_ggml_keeps_what_the_kernel_does_not_cover():
     assert cpu.native_experts(1, True, up, q4_0_gate, down, "silu") is None
     plain, _ = _layer(rng, 4, 64, 32)
     assert CpuBackend(2, repack=False).native_experts(1, True, *plain, "silu") is None
+    # Q6_K is read in its plain layout: --no-repack leaves it on the kernel, but not beside Q4_K that it left plain
+    q6, _ = _layer(rng, 4, 256, 256, Q.Q6_K)
+    assert (CpuBackend(2, repack=False).native_experts(1, True, *q6, "silu") is not None) == _has_vnni()
+    q4k_m, _ = _layer(rng, 4, 256, 256, Q.Q4_K, Q.Q6_K)
+    assert CpuBackend(2, repack=False).native_experts(1, True, *q4k_m, "silu") is None
     assert CpuBackend(2, native_kernels=False).native_experts(1, True, *q4, "silu") is None
 
 
@@ -130,10 +138,12 @@ def test_ferry_native_0_turns_the_kernel_off(monkeypatch):
 
 
 def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
-    """A Q4_K_M file: Q4_K layers run on ferry's kernel, layers with Q6_K down on ggml's; Q8_0 experts all on ggml's."""
-    mixed = native.experts_kernel([{"Q4_K"}, {"Q4_K", "Q6_K"}, {"Q4_K"}])
+    """A Q4_K_M file (Q4_K layers, some with Q6_K down) all on ferry's kernel; a Q5_K_M file's Q5_K layers on ggml's
+    beside its Q6_K ones on ferry's; Q8_0 experts all on ggml's."""
+    mixed = native.experts_kernel([{"Q5_K"}, {"Q5_K", "Q6_K"}, {"Q6_K"}])
     if _has_vnni():
-        assert mixed.startswith("ferry's own kernel") and "in 2 of 3 layers" in mixed and "Q6_K" in mixed
+        assert mixed.startswith("ferry's own kernel") and "in 1 of 3 layers" in mixed and "theirs are Q5_K" in mixed
+        assert native.experts_kernel([{"Q4_K"}, {"Q4_K", "Q6_K"}]).startswith("ferry's own kernel (")
         assert native.experts_kernel([{"Q4_0"}, {"Q4_K"}]).startswith("ferry's own kernel (")
     else:
         assert mixed.startswith("ggml's kernel")

@@ -191,6 +191,11 @@ def has_repack_layout(qtype, ne: tuple[int, ...]) -> bool:
     return found
 
 
+def _kernel_layout(w: Weight) -> int:
+    """The address ferry's expert kernel reads a weight at: its repacked copy, or its plain bytes (native.PLAIN)."""
+    return w.repacked.tensor.contents.data if w.repacked else w.data.ctypes.data
+
+
 class CpuBackend:
     """Runs weight-bound ops with ggml on `n_threads` threads from one reused thread pool."""
 
@@ -452,8 +457,7 @@ class CpuBackend:
         kernel = self.native_experts(n, weights is not None, up, gate, down, act)
         if kernel is not None:
             out = torch.empty(n, n_embd, dtype=torch.float32) if out is None else out
-            repacked = (w.repacked.tensor.contents.data for w in (up, gate, down))
-            return kernel(x, ids, weights.contiguous().float(), *repacked, gate.ne[2], out)
+            return kernel(x, ids, weights.contiguous().float(), *map(_kernel_layout, (up, gate, down)), gate.ne[2], out)
 
         def build() -> _Graph:
             g = _Graph(self, n)
@@ -469,16 +473,17 @@ class CpuBackend:
 
     def native_experts(self, n: int, weighted: bool, up: Weight, gate: Weight, down: Weight,
                        act: str) -> native.MoeExperts | None:
-        """ferry's own kernel for n tokens' routed experts, where it runs them: one token, its weighted sum, silu, Q4_0
-        or Q4_K experts (gate of up's type) in ggml's repacked layouts, a CPU with AVX512-VNNI (native.py); None where
-        ggml runs them."""
+        """ferry's own kernel for n tokens' routed experts, where it runs them: one token, its weighted sum, silu, Q4_0,
+        Q4_K or Q6_K experts (gate of up's type; Q4_0 and Q4_K in ggml's repacked layouts, so not with --no-repack), a
+        CPU with AVX512-VNNI (native.py); None where ggml runs them."""
         if (not self.native_kernels or n != 1 or not weighted or act != "silu" or gate.qtype != up.qtype
                 or any(w.qtype.name not in native.TYPES for w in (up, down))):
             return None
         n_embd, n_ff = up.ne[0], up.ne[1]
         if n_embd % GGML_QUANT_SIZES[up.qtype][0] or n_ff % GGML_QUANT_SIZES[down.qtype][0] or n_embd % 8 or n_ff % 8:
             return None
-        if not self.repack(up, gate, down) or not (gate.repacked and down.repacked):
+        self.repack(up, gate, down)
+        if not all(w.repacked or w.qtype.name in native.PLAIN for w in (up, gate, down)):
             return None
         lib = native.library()
         if lib is None:

@@ -1,5 +1,7 @@
 /* One token's routed experts on the CPU, for Q4_0 and Q4_K experts in ggml's repacked CPU layouts (the copies
- * CpuBackend.repack made): h = silu(gate x) * up x for each selected expert, then the weighted sum of down h.
+ * CpuBackend.repack made) and Q6_K experts in their plain GGUF layout (ggml has no repacked one for it): h = silu(gate
+ * x) * up x for each selected expert, then the weighted sum of down h. A Q4_K_M file's MoE layers are Q4_K up and
+ * gate with Q4_K or Q6_K down.
  * Compiled at first use by ferry/ops/native.py, for CPUs with AVX512-VNNI; elsewhere ggml runs these experts.
  *
  * The layouts (ggml's repack for AVX2 and up) keep rows in groups of 8 and, per group, take 8 bytes of each row's
@@ -11,6 +13,11 @@
  *   96 bytes of 6-bit scales and mins (12 bytes per sub-block of 32 columns: its 8 scales and 8 mins, packed as one
  *   Q4_K row packs its own 8 and 8), then 1024 bytes of nibbles, 8 bytes of each row in turn. Byte j of a row's
  *   128 holds weight 64 (j / 32) + j % 32 (low nibble) and that plus 32 (high nibble): w = d sc q - dmin m.
+ * - Q6_K (block_q6_K, plain: each row its own blocks): per super-block of 256 columns, 210 bytes: 128 of low nibbles,
+ *   64 of high bit pairs, 16 int8 scales (one per 16 columns), fp16 d; w = d sc (q - 32). In each half of 128
+ *   columns, byte l (l < 64) of the low nibbles holds weight l (low nibble) and l + 64 (high nibble); byte l (l < 32)
+ *   of the high pairs holds bits 4-5 of weights l, l + 32, l + 64, l + 96 (its bit pairs 0-1, 2-3, 4-5, 6-7). The
+ *   kernel reads 8 rows in turn as one group, so that all three types share the (slot, matrix, group) split.
  *
  * Why it is faster than ggml's mul_mat_id at one token (docs/decisions.md): each 32-bit lane's dot product belongs
  * to one row and the activation's 8 bytes are a broadcast load, so no shuffles but the scales' spread per block.
@@ -29,11 +36,12 @@
 #endif
 
 #define GROUP 8 /* rows interleaved */
-enum { Q4_0 = 2, Q4_K = 12 }; /* ggml's type numbers */
+enum { Q4_0 = 2, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define QK_K 256
 #define Q4_K_BYTES 1152 /* a group's super-block: 8 d + 8 dmin (fp16), 96 bytes of scales, 8 x 128 of nibbles */
+#define Q6_K_BYTES 210  /* one row's super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, fp16 d */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1152 /* bytes ahead of the block being read (8 Q4_0 blocks, one Q4_K super-block) */
 #endif
@@ -50,22 +58,37 @@ typedef struct { /* an activation block of 256 for Q4_K weights, quantized to in
     float d;
 } act_q4_k;
 
+typedef struct { /* an activation block of 256 for Q6_K weights: Q8_K's rounding, and Q6_K's offset per 32-bit lane */
+    int8_t q[QK_K];
+    int32_t corr[QK_K / 4]; /* -32 times the sum of each 4 q a lane multiplies: Q6_K's q - 32 */
+    float d;
+} act_q6_k;
+
 int ferry_moe_fast(void) { return FAST; }
 
-static int block_of(int type) { return type == Q4_0 ? QK4_0 : type == Q4_K ? QK_K : 0; }
+static int block_of(int type) { return type == Q4_0 ? QK4_0 : type == Q4_K || type == Q6_K ? QK_K : 0; }
 
 /* bytes of one activation row of n values, and of one group of 8 weight rows of n columns, for weights of type */
 static size_t act_bytes(int type, int n) {
-    return type == Q4_0 ? sizeof(act_q4_0) * (size_t)(n / QK4_0) : sizeof(act_q4_k) * (size_t)(n / QK_K);
+    return type == Q4_0 ? sizeof(act_q4_0) * (size_t)(n / QK4_0)
+         : type == Q4_K ? sizeof(act_q4_k) * (size_t)(n / QK_K) : sizeof(act_q6_k) * (size_t)(n / QK_K);
 }
 static size_t group_bytes(int type, int n) {
-    return type == Q4_0 ? (size_t)Q4_0_BYTES * (n / QK4_0) : (size_t)Q4_K_BYTES * (n / QK_K);
+    return type == Q4_0 ? (size_t)Q4_0_BYTES * (n / QK4_0)
+         : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K) : (size_t)GROUP * Q6_K_BYTES * (n / QK_K);
 }
 
 static float scale_of(const float *v, int n) {
     float amax = 0.0f;
     for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(v[i]));
     return amax / 127.0f;
+}
+
+/* v (256 values) rounded as ggml's Q8_K: one scale, max|v| / 127 */
+static float round_q8_k(const float *v, int8_t *q) {
+    const float d = scale_of(v, QK_K), id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < QK_K; i++) q[i] = (int8_t)lrintf(v[i] * id);
+    return d;
 }
 
 /* x (n values) as the activation blocks that weights of `type` read */
@@ -84,20 +107,24 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
             a[b].corr[1] = -8 * sums[1];
             a[b].d = d;
         }
-    } else {
+    } else if (type == Q4_K) {
         act_q4_k *a = (act_q4_k *)dst;
         for (int b = 0; b < n / QK_K; b++) {
-            const float *v = x + (size_t)b * QK_K;
-            const float d = scale_of(v, QK_K), id = d > 0.0f ? 1.0f / d : 0.0f;
+            a[b].d = round_q8_k(x + (size_t)b * QK_K, a[b].q);
             for (int j = 0; j < 8; j++) {
                 int32_t s = 0;
-                for (int i = 32 * j; i < 32 * (j + 1); i++) {
-                    a[b].q[i] = (int8_t)lrintf(v[i] * id);
-                    s += a[b].q[i];
-                }
+                for (int i = 32 * j; i < 32 * (j + 1); i++) s += a[b].q[i];
                 a[b].sum[j] = s;
             }
-            a[b].d = d;
+        }
+    } else {
+        act_q6_k *a = (act_q6_k *)dst;
+        for (int b = 0; b < n / QK_K; b++) {
+            a[b].d = round_q8_k(x + (size_t)b * QK_K, a[b].q);
+            for (int l = 0; l < QK_K / 4; l++) {
+                const int8_t *q = a[b].q + 4 * l;
+                a[b].corr[l] = -32 * (q[0] + q[1] + q[2] + q[3]);
+            }
         }
     }
 }
@@ -203,6 +230,52 @@ static void dot_q4_k(const uint8_t *g, const act_q4_k *a, int n, float *out) {
     _mm256_storeu_ps(out, acc);
 }
 
+/* out[0..7] = the 8 Q6_K rows at g (n columns each, one after another) against the activation blocks */
+static void dot_q6_k(const uint8_t *g, const act_q6_k *a, int n, float *out) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), pair = _mm512_set1_epi8(0x30);
+    /* the high pairs to bits 4-5 of each byte: weights l, l + 32 (lower, upper 256 bits) shift left 4 and 2, weights
+     * l + 64, l + 96 right 0 and 2 (16-bit shifts; the 0x30 mask keeps each byte's own bits) */
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    __m512i lane_of[4]; /* the scale index of each 32-bit lane of the block's 64-column quarter k: 4k + lane / 4 */
+    for (int k = 0; k < 4; k++)
+        lane_of[k] = _mm512_set_epi32(4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 2, 4 * k + 2, 4 * k + 2,
+                                      4 * k + 2, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k, 4 * k, 4 * k, 4 * k);
+    const int blocks = n / QK_K;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * blocks * Q6_K_BYTES;
+        __m512 acc = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += Q6_K_BYTES) {
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 192, _MM_HINT_T0);
+            const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)));
+            const int8_t *q = a[b].q;
+            __m512i isum = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) { /* columns 128h..128h+127 */
+                const __m512i lo = _mm512_loadu_si512(row + 64 * h);
+                const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 128 + 32 * h)));
+                const __m512i v0 = _mm512_or_si512(_mm512_and_si512(lo, nibble),
+                                                   _mm512_and_si512(_mm512_sllv_epi16(hi, left), pair));
+                const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble),
+                                                   _mm512_and_si512(_mm512_srlv_epi16(hi, right), pair));
+                const __m512i d0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(a[b].corr + 32 * h), v0,
+                                                       _mm512_loadu_si512(q + 128 * h));
+                const __m512i d1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(a[b].corr + 32 * h + 16), v1,
+                                                       _mm512_loadu_si512(q + 128 * h + 64));
+                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(d0, _mm512_permutexvar_epi32(lane_of[2 * h], scales)));
+                isum = _mm512_add_epi32(isum,
+                                        _mm512_mullo_epi32(d1, _mm512_permutexvar_epi32(lane_of[2 * h + 1], scales)));
+            }
+            uint16_t dh;
+            memcpy(&dh, row + 208, 2);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(_cvtsh_ss(dh) * a[b].d), acc);
+        }
+        out[r] = _mm512_reduce_add_ps(acc);
+    }
+}
+
 /* y for groups lo..hi of the flattened (slot, matrix, group) list, where matrix m of a slot is base[m]'s expert
  * ids[slot], of `groups` row groups of n columns of `type`, against that slot's activation row */
 static void groups_of(int type, int64_t lo, int64_t hi, int groups, int mats, const uint8_t *const *base,
@@ -214,8 +287,10 @@ static void groups_of(int type, int64_t lo, int64_t hi, int groups, int mats, co
         const uint8_t *x = act + slot * act_per_slot;
         if (type == Q4_0)
             dot_q4_0(g, (const act_q4_0 *)x, n, y + u * GROUP);
-        else
+        else if (type == Q4_K)
             dot_q4_k(g, (const act_q4_k *)x, n, y + u * GROUP);
+        else
+            dot_q6_k(g, (const act_q6_k *)x, n, y + u * GROUP);
     }
 }
 #endif
@@ -235,7 +310,7 @@ size_t ferry_moe_scratch(int n_embd, int n_ff, int n_used, int up_type, int down
 /* x (n_embd) -> out (n_embd): sum over slots j of weights[j] * down[ids[j]] (silu(gate[ids[j]] x) * up[ids[j]] x).
  * up, gate: n_expert matrices of n_ff rows of n_embd, of up_type; down: n_expert matrices of n_embd rows of n_ff, of
  * down_type; all in the layouts above, each expert's matrix contiguous. scratch: ferry_moe_scratch bytes, 64-byte
- * aligned. Returns 0; -1 when an id is out of range, a type is not Q4_0 or Q4_K, or a size is not a multiple of its
+ * aligned. Returns 0; -1 when an id is out of range, a type is not Q4_0, Q4_K or Q6_K, or a size is not a multiple of its
  * type's block (rows: of 8); -2 when not built FAST (nothing is written then). */
 int ferry_moe_experts(const float *x, const int32_t *ids, const float *weights, int n_used, int n_embd, int n_ff,
                       int n_expert, const uint8_t *up, const uint8_t *gate, const uint8_t *down, int up_type,

@@ -1,7 +1,7 @@
 """ferry's own CPU kernels (C beside this file), compiled for this machine at first use and kept in the cache.
 
-So far one: a token's routed experts for Q4_0 and Q4_K weights in ggml's repacked layouts (moe_experts.c), which
-reads them faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py; docs/decisions.md). Where no C
+So far one: a token's routed experts for Q4_0 and Q4_K weights in ggml's repacked layouts and Q6_K weights in their
+plain one (moe_experts.c), which reads them faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py; docs/decisions.md). Where no C
 compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None (`why_not` says why) and ggml runs
 those experts as before."""
 
@@ -79,25 +79,26 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-TYPES = ("Q4_0", "Q4_K")  # the experts' quant types ferry's kernel covers (ggml repacks both for AVX2 and up)
+TYPES = ("Q4_0", "Q4_K", "Q6_K")  # the experts' quant types ferry's kernel covers
+PLAIN = ("Q6_K",)  # those it reads in their GGUF layout (ggml has no repacked one); the others in ggml's repacked one
 
 
 def runs_experts(qtype: str) -> bool:
-    """Whether ferry's kernel runs one token's routed experts of this quant type on this machine (where ggml's
-    repacked layout is used: not with --no-repack)."""
+    """Whether ferry's kernel runs one token's routed experts of this quant type on this machine (for Q4_0 and Q4_K,
+    where ggml's repacked layout is used: not with --no-repack)."""
     return qtype in TYPES and library() is not None
 
 
 def experts_kernel(layers: list[set[str]]) -> str:
     """Which kernel the CPU runs one token's routed experts with, given each MoE layer's expert quant types, and why
-    (`ferry plan`): a Q4_K_M file's layers with Q6_K down run on ggml beside Q4_K layers on ferry's kernel."""
+    (`ferry plan`): a Q5_K_M file's layers with Q5_K experts run on ggml's beside its Q6_K layers on ferry's."""
     other = [t for t in layers if not t <= set(TYPES)]
     covers = f"ferry's own covers {', '.join(TYPES)} experts"
     if len(other) == len(layers):
         return f"ggml's kernel ({covers}; these are {', '.join(sorted(set().union(*other)))})"
     if library() is None:
         return f"ggml's kernel ({why_not})"
-    own = "ferry's own kernel (ferry/ops/moe_experts.c; ggml's with FERRY_NATIVE=0 or --no-repack)"
+    own = "ferry's own kernel (ferry/ops/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q6_K)"
     if not other:
         return own
     return (f"{own} in {len(layers) - len(other)} of {len(layers)} layers, ggml's in the others ({covers}; theirs "
@@ -123,7 +124,8 @@ class MoeExperts:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: int, gate: int, down: int,
                  n_expert: int, out: torch.Tensor) -> torch.Tensor:
         """x (1, n_embd) float32, ids (1, n_used) int32, weights (1, n_used) float32, contiguous; up, gate, down: the
-        addresses of the stacked expert tensors in ggml's repacked layout of their type; out (1, n_embd) float32."""
+        addresses of the stacked expert tensors in the layout of their type (PLAIN or ggml's repacked); out (1,
+        n_embd) float32."""
         n_used = ids.shape[-1]
         if self.lib.ferry_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_used, self.n_embd, self.n_ff,
                                       n_expert, up, gate, down, self.up_type, self.down_type, out.data_ptr(),
