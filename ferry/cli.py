@@ -326,6 +326,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"layout in {backend.repack_seconds:.2f} s at load (--no-repack skips this)", file=sys.stderr)
         if gen.experts_hit:
             print(f"ferry: experts hit per layer in the first u-batch: {gen.experts_hit[0]}", file=sys.stderr)
+        for note in getattr(backend, "notes", ()):
+            print(f"ferry: auto {note}", file=sys.stderr)
         if args.verbose and hasattr(backend, "report"):
             print("ferry: offload decisions of this run (measured: synchronized around each op)", file=sys.stderr)
             print("\n".join(backend.report()), file=sys.stderr)
@@ -606,14 +608,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from ferry.gguf.synth import PRESETS, synth
+    from ferry.gguf.synth import MIXES, PRESETS, synth
     from ferry.quant import parse_qtype
 
     if args.preset not in PRESETS:
         raise FerryError(f"unknown preset '{args.preset}'; presets: {', '.join(PRESETS)}")
+    experts = args.expert_type.upper()
+    if experts not in MIXES:
+        try:
+            experts = parse_qtype(experts)
+        except FerryError as e:
+            raise FerryError(f"{e}; or a mix: {', '.join(m.lower() for m in MIXES)}") from None
     out = Path(args.output)
     t0 = time.perf_counter()
-    synth(PRESETS[args.preset], out, parse_qtype(args.expert_type), parse_qtype(args.type), seed=args.seed,
+    synth(PRESETS[args.preset], out, experts, parse_qtype(args.type), seed=args.seed,
           layers=args.layers, quiet=args.quiet, legacy_mla=args.legacy_mla)
     if not args.quiet:
         print(f"ferry: wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -749,7 +757,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("synth", help="write a random-weight GGUF of a real architecture")
     p.add_argument("preset", help="qwen3-30b-a3b, qwen3-moe-mid, qwen3-moe-tiny, ...")
     p.add_argument("-o", "--output", required=True, help="output .gguf path")
-    p.add_argument("--expert-type", default="q4_0", help="quant type of the routed experts (default q4_0)")
+    p.add_argument("--expert-type", default="q4_0",
+                   help="quant type of the routed experts (default q4_0), or llama.cpp's mix q4_k_m / q5_k_m (gate and "
+                        "up Q4_K / Q5_K, down Q6_K in half the layers as llama-quantize picks them)")
     p.add_argument("--type", default="q8_0", help="quant type of every other matrix (default q8_0)")
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count")
     p.add_argument("--seed", type=int, default=0)

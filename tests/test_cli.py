@@ -53,6 +53,7 @@ def test_seeded_sampling_is_reproducible(tiny):
     (["plan", "-m", "{tiny}", "--offload-policy", "27,0"], "is neither a mode"),
     (["synth", "no-such-preset", "-o", "x.gguf"], "unknown preset"),
     (["synth", "qwen3-moe-tiny", "-o", "x.gguf", "--type", "q9_9"], "unknown quant type"),
+    (["synth", "qwen3-moe-tiny", "-o", "x.gguf", "--expert-type", "q4_k_x"], "or a mix: q4_k_m, q5_k_m"),
 ])
 def test_user_errors_are_one_line_with_exit_code_2(tiny, args, message):
     r = ferry(*[a.replace("{tiny}", str(tiny)) for a in args])

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from gguf.constants import LlamaFileType
 
 from ferry.gguf.file import GGUFFile
-from ferry.gguf.synth import PRESETS, _SCALE_FIELDS, random_tensor, synth
+from ferry.gguf.synth import PRESETS, _SCALE_FIELDS, more_bits, random_tensor, synth
 from ferry.models import load_model
 from ferry.quant import Q, dequantize
 from ferry.runtime.engine import Engine
@@ -75,3 +76,17 @@ def test_glm_preset_has_glm_4_5_air_shapes(tmp_path):
     model = load_model(GGUFFile(path))  # rope on half of each head, biases, a shared expert, sigmoid + bias
     assert model.args.n_rot == 32 and model.blocks[0].attn.bq is not None and model.blocks[0].attn.q_norm is None
     assert model.blocks[1].ffn.shared is not None and model.blocks[1].ffn.routing.gating == "sigmoid"
+
+
+def test_the_q4_k_m_mix_puts_down_in_q6_k_where_llama_quantize_does(tmp_path):
+    """Its rule gives 24 of Qwen3-30B-A3B's 48 layers Q6_K down: the first and last 6, and every third between."""
+    picked = [i for i in range(48) if more_bits(i, 48)]
+    assert picked == [0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 42, 43, 44, 45, 46, 47]
+    path = tmp_path / "m.gguf"
+    synth(PRESETS["qwen3-moe-tiny"], path, "Q4_K_M", Q.Q8_0, quiet=True)  # 4 layers: the last two more bits
+    f = GGUFFile(path)
+    assert f.get("general.file_type") == LlamaFileType.MOSTLY_Q4_K_M
+    for i in range(4):
+        assert f.tensor(f"blk.{i}.ffn_gate_exps.weight").qtype == f.tensor(f"blk.{i}.ffn_up_exps.weight").qtype == Q.Q4_K
+        assert f.tensor(f"blk.{i}.ffn_down_exps.weight").qtype == (Q.Q6_K if i >= 2 else Q.Q4_K)
+    assert f.tensor("blk.0.attn_q.weight").qtype == Q.Q8_0

@@ -21,6 +21,25 @@ from ferry.gguf.writer import TensorSpec, write_gguf
 from ferry.quant import FLOAT_TYPES, Q, quantize
 
 OUTPUT_PROJECTION_SCALE = 0.1
+
+# llama.cpp's K-quant mixes for the routed experts (`--expert-type q4_k_m`): gate and up of the first type, down of the
+# second in the layers llama-quantize gives more bits, and the file type it writes
+MIXES = {"Q4_K_M": (Q.Q4_K, Q.Q6_K, LlamaFileType.MOSTLY_Q4_K_M),
+         "Q5_K_M": (Q.Q5_K, Q.Q6_K, LlamaFileType.MOSTLY_Q5_K_M)}
+
+
+def more_bits(i: int, n_layer: int) -> bool:
+    """llama-quantize's rule for the layers whose ffn_down a _M mix quantizes finer: the first and last eighth, and
+    every third layer between (24 of Qwen3-30B-A3B's 48)."""
+    return i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+
+
+def expert_types(expert_type: GGMLQuantizationType | str, i: int, n_layer: int) -> tuple:
+    """(gate and up's type, down's type) of layer i's routed experts: one type, or a mix of MIXES by its name."""
+    if expert_type in MIXES:
+        first, finer, _ = MIXES[expert_type]
+        return first, finer if more_bits(i, n_layer) else first
+    return expert_type, expert_type
 _FILE_TYPES = {t: LlamaFileType[f"MOSTLY_{t.name}"] for t in Q if f"MOSTLY_{t.name}" in LlamaFileType.__members__}
 _FILE_TYPES[Q.F32] = LlamaFileType.ALL_F32
 
@@ -160,7 +179,7 @@ def byte_level_vocab(n_vocab: int, specials: list[str], rng: np.random.Generator
     return tokens + specials, token_type, merges
 
 
-def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_type, rng,
+def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, other_type, rng,
                legacy: bool) -> list[TensorSpec]:
     """One deepseek2 block: latent attention, then a dense FFN (leading layers) or routed + shared experts. The
     latent's expansion is split per head into attn_k_b (transposed) and attn_v_b as llama.cpp's converters write it
@@ -182,10 +201,10 @@ def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_t
                   mat(b + "attn_v_b.weight", other_type, (p.kv_lora_rank, p.head_dim_v, h))]
     specs += [mat(b + "attn_output.weight", other_type, (h * p.head_dim_v, d), OUTPUT_PROJECTION_SCALE),
               named(ones(d), b + "ffn_norm.weight")]
-    return specs + _ffn(p, b, i, mat, expert_type, other_type, rng)
+    return specs + _ffn(p, b, i, mat, experts, other_type, rng)
 
 
-def _glm_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_type, rng) -> list[TensorSpec]:
+def _glm_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, other_type, rng) -> list[TensorSpec]:
     """One glm4moe block: attention with q/k/v biases, then a dense FFN (leading layers) or routed experts with a
     correction bias and a shared expert."""
     d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
@@ -196,12 +215,12 @@ def _glm_layer(p: Preset, b: str, i: int, mat, named, ones, expert_type, other_t
              mat(b + "attn_v.weight", other_type, (d, kv_dim)), small(kv_dim, b + "attn_v.bias"),
              mat(b + "attn_output.weight", other_type, (q_dim, d), OUTPUT_PROJECTION_SCALE),
              named(ones(d), b + "post_attention_norm.weight")]
-    return specs + _ffn(p, b, i, mat, expert_type, other_type, rng)
+    return specs + _ffn(p, b, i, mat, experts, other_type, rng)
 
 
-def _ffn(p: Preset, b: str, i: int, mat, expert_type, other_type, rng) -> list[TensorSpec]:
-    """Block i's FFN: dense in the leading layers; else routed experts (router, gate/up/down), shared experts, and
-    the correction bias of sigmoid routing."""
+def _ffn(p: Preset, b: str, i: int, mat, experts: tuple, other_type, rng) -> list[TensorSpec]:
+    """Block i's FFN: dense in the leading layers; else routed experts (router, gate/up/down of the types
+    `experts`), shared experts, and the correction bias of sigmoid routing."""
     d = p.n_embd
     if i < p.n_layer_dense_lead:
         return [mat(b + "ffn_gate.weight", other_type, (d, p.n_ff)),
@@ -209,9 +228,9 @@ def _ffn(p: Preset, b: str, i: int, mat, expert_type, other_type, rng) -> list[T
                 mat(b + "ffn_down.weight", other_type, (p.n_ff, d), OUTPUT_PROJECTION_SCALE)]
     shared = p.n_ff_exp * p.n_expert_shared
     specs = [mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)),
-             mat(b + "ffn_gate_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
-             mat(b + "ffn_up_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
-             mat(b + "ffn_down_exps.weight", expert_type, (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
+             mat(b + "ffn_gate_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+             mat(b + "ffn_up_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+             mat(b + "ffn_down_exps.weight", experts[1], (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
              mat(b + "ffn_gate_shexp.weight", other_type, (d, shared)),
              mat(b + "ffn_up_shexp.weight", other_type, (d, shared)),
              mat(b + "ffn_down_shexp.weight", other_type, (shared, d), OUTPUT_PROJECTION_SCALE)]
@@ -221,7 +240,7 @@ def _ffn(p: Preset, b: str, i: int, mat, expert_type, other_type, rng) -> list[T
     return specs
 
 
-def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: GGMLQuantizationType,
+def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_type: GGMLQuantizationType,
           seed: int = 0, layers: int = 0, quiet: bool = False, legacy_mla: bool = False) -> None:
     rng = np.random.default_rng(seed)
     n_layer = layers or p.n_layer
@@ -231,7 +250,8 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
     metadata = {
         "general.name": f"ferry synth {a} {n_layer}L",
         # llama.cpp names a model by its file type: the experts' type, since they hold most of the bytes
-        "general.file_type": _FILE_TYPES.get(expert_type, LlamaFileType.GUESSED).value,
+        "general.file_type": (MIXES[expert_type][2] if expert_type in MIXES
+                              else _FILE_TYPES.get(expert_type, LlamaFileType.GUESSED)).value,
         f"{a}.context_length": p.n_ctx,
         f"{a}.embedding_length": p.n_embd,
         f"{a}.block_count": n_layer,
@@ -290,11 +310,12 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
     specs = [mat("token_embd.weight", other_type, (d, p.n_vocab), scale=np.sqrt(d))]
     for i in range(n_layer):
         b = f"blk.{i}."
+        experts = expert_types(expert_type, i, n_layer)
         if mla:
-            specs += _mla_layer(p, b, i, mat, named, ones, expert_type, other_type, rng, legacy_mla)
+            specs += _mla_layer(p, b, i, mat, named, ones, experts, other_type, rng, legacy_mla)
             continue
         if a == "glm4moe":
-            specs += _glm_layer(p, b, i, mat, named, ones, expert_type, other_type, rng)
+            specs += _glm_layer(p, b, i, mat, named, ones, experts, other_type, rng)
             continue
         specs += [
             named(ones(d), b + "attn_norm.weight"),
@@ -306,9 +327,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType, other_type: G
             named(ones(p.head_dim), b + "attn_k_norm.weight"),
             named(ones(d), b + "ffn_norm.weight"),
             mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)),
-            mat(b + "ffn_gate_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
-            mat(b + "ffn_up_exps.weight", expert_type, (d, p.n_ff_exp, p.n_expert)),
-            mat(b + "ffn_down_exps.weight", expert_type, (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
+            mat(b + "ffn_gate_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+            mat(b + "ffn_up_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+            mat(b + "ffn_down_exps.weight", experts[1], (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
         ]
     specs += [named(ones(d), "output_norm.weight"), mat("output.weight", other_type, (d, p.n_vocab))]
 
