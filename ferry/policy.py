@@ -20,6 +20,7 @@ OPS = ("mul_mat", "mul_mat_id", "moe_up_gate", "moe_down")
 MODES = ("auto", "threshold")
 SETTINGS = ("on", "off", "auto")
 DEFAULT_MIN_BATCH = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
+GENERATION_TOKENS = 8  # u-batches up to this size are generation's (one token per sequence)
 
 
 @dataclass(frozen=True)
@@ -297,8 +298,12 @@ class Explorer:
     way is kept for that size. A way's first `warmup` layers are run but not counted: the first CPU layers after a
     stretch on the GPU were measured 10x slower than the next ones (9.8 against 1.0 ms), which made auto stream
     generation that the CPU computes faster. Generation's layers (up to 8 tokens) are short and noisy: they take
-    `samples` x 2. The prediction only rules out ways it expects to be over `margin` times the best. Work that
-    also grows with the cache (-mla 3's forms) passes `cells`: its classes are then (tokens, cells) size pairs."""
+    `samples` x 2. The prediction rules out ways it expects to be over `margin` times the best, but not in
+    generation, where a way's trial costs a few layers of a few ms: a calibration taken on a busy machine (every
+    expert type read at 4-8 GB/s beside `ferry synth`) had ruled the CPU out there, and auto streamed what the CPU
+    reads faster. Where a way measures fastest that the prediction put over `margin` times the best, `notes` says so.
+    Work that also grows with the cache (-mla 3's forms) passes `cells`: its classes are then (tokens, cells) size
+    pairs."""
 
     samples: int = 2
     margin: float = 3.0
@@ -308,21 +313,26 @@ class Explorer:
     alternate: bool = False
     trials: dict[int | tuple[int, int], dict[str, list[float]]] = field(default_factory=dict)
     chosen: dict[int | tuple[int, int], str] = field(default_factory=dict)
+    predicted: dict[int | tuple[int, int], dict[str, float]] = field(default_factory=dict)  # at each class's first
+    notes: list[str] = field(default_factory=list)  # measurements the calibration is far off from, for the run's report
 
     @staticmethod
     def key(n_tokens: int, cells: int | None = None) -> int | tuple[int, int]:
         return size_class(n_tokens) if cells is None else (size_class(n_tokens), size_class(cells))
 
     def _needed(self, n_tokens: int) -> int:
-        return self.warmup + self.samples * (2 if n_tokens <= 8 else 1)
+        return self.warmup + self.samples * (2 if n_tokens <= GENERATION_TOKENS else 1)
 
     def mode(self, n_tokens: int, predicted: dict[str, float], cells: int | None = None) -> tuple[str, bool]:
         """(the way to run this layer, whether it is a trial to be timed and recorded)."""
         size = self.key(n_tokens, cells)
         if size in self.chosen:
             return self.chosen[size], False
-        best = min(predicted.values())
-        trials = self.trials.setdefault(size, {k: [] for k, v in predicted.items() if v <= self.margin * best})
+        if size not in self.trials:
+            best, self.predicted[size] = min(predicted.values()), dict(predicted)
+            margin = self.margin if n_tokens > GENERATION_TOKENS else float("inf")
+            self.trials[size] = {k: [] for k, v in predicted.items() if v <= margin * best}
+        trials = self.trials[size]
         if len(trials) == 1:
             self.chosen[size] = next(iter(trials))
             return self.chosen[size], False
@@ -334,7 +344,13 @@ class Explorer:
         trials = self.trials[size]
         trials[mode].append(seconds)
         if all(len(v) >= self._needed(n_tokens) for v in trials.values()):
-            self.chosen[size] = min(trials, key=lambda k: min(trials[k][self.warmup:]))
+            self.chosen[size] = way = min(trials, key=lambda k: min(trials[k][self.warmup:]))
+            guess = self.predicted.get(size, {})
+            if way in guess and guess[way] > self.margin * min(guess.values()):
+                best = min(guess, key=guess.get)
+                self.notes.append(f"{self.why(n_tokens, cells)}, the fastest {way}, which the calibration predicted "
+                                  f"{guess[way] / guess[best]:.0f}x slower than {best}: a calibration measured on a "
+                                  "busy machine is this far off; run `ferry calibrate` again on an idle one")
 
     def why(self, n_tokens: int, cells: int | None = None) -> str:
         size = self.key(n_tokens, cells)

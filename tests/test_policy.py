@@ -291,13 +291,36 @@ def test_auto_does_not_count_a_ways_first_layers_and_samples_generation_longer()
     assert big.chosen[512] == "gpu"
 
 
-def test_auto_does_not_try_a_way_predicted_far_slower_than_the_best():
+def test_auto_does_not_try_a_prompt_way_predicted_far_slower_than_the_best_but_tries_every_generation_way():
     from ferry.policy import Explorer
 
     e = Explorer()
     assert e.mode(4096, {"gpu": 1.0, "cpu": 40.0}) == ("gpu", False)
-    mode, trial = e.mode(1, {"gpu": 1.0, "cpu": 2.9, "split": 10.0})
-    assert trial and set(e.trials[1]) == {"gpu", "cpu"}
+    mode, trial = e.mode(64, {"gpu": 1.0, "cpu": 2.9, "split": 10.0})
+    assert trial and set(e.trials[64]) == {"gpu", "cpu"}
+    mode, trial = e.mode(1, {"gpu": 1.0, "cpu": 40.0, "split": 10.0})
+    assert trial and set(e.trials[1]) == {"gpu", "cpu", "split"}
+    assert not e.notes
+
+
+def test_a_calibration_far_off_what_generation_measures_is_reported_and_overruled():
+    """A calibration taken beside `ferry synth` read the CPU's experts 10x too slow (session 22): generation measures
+    the CPU too, keeps it where it is faster, and says that the calibration was this far off."""
+    from ferry.policy import Explorer
+
+    e = Explorer(samples=1, warmup=0)
+    guess = {"gpu": 1.0, "cpu": 10.0}
+    for way in ("gpu", "gpu", "cpu", "cpu"):  # generation: samples x 2 per way, in a row
+        assert e.mode(1, guess) == (way, True)
+        e.record(1, way, 1.0e-3 if way == "gpu" else 0.3e-3)
+    assert e.chosen[1] == "cpu"
+    assert len(e.notes) == 1 and "cpu 0.300 ms" in e.notes[0] and "10x slower than gpu" in e.notes[0]
+    assert "ferry calibrate" in e.notes[0]
+    agreed = Explorer(samples=1, warmup=0)  # the prediction's best measured best: nothing to say
+    for way in ("gpu", "gpu", "cpu", "cpu"):
+        agreed.mode(1, guess)
+        agreed.record(1, way, 1.0e-3 if way == "gpu" else 2e-3)
+    assert agreed.chosen[1] == "gpu" and not agreed.notes
 
 
 def test_work_that_grows_with_the_cache_is_measured_per_u_batch_and_cache_size_class():

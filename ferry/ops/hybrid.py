@@ -472,6 +472,11 @@ class HybridBackend:
         return (f"{len(in_ram)} tensors in RAM, the rest on {self.device}; offload policy {self.policy.mode}"
                 + "".join(f",{k}={v}" for k, v in self.policy.overrides.items()) + f"; {pinned}")
 
+    @property
+    def notes(self) -> list[str]:
+        """What auto measured far from the calibration's prediction (policy.Explorer), for the run's report."""
+        return self.explorer.notes
+
     def report(self) -> list[str]:
         """The recorded decisions (--verbose) as table lines: predicted against measured milliseconds."""
         lines = ["| op | weight | tokens | where | predicted ms | measured ms | why |", "| --- | --- | ---: | --- | ---: | ---: | --- |"]

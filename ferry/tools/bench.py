@@ -12,6 +12,7 @@ import math
 import random
 import re
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -184,6 +185,8 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
             rows.append(row)
             if on_row:
                 on_row(row)
+        for note in getattr(backend, "notes", ()):
+            print(f"ferry: auto {note}", file=sys.stderr)
         if hasattr(backend, "close"):
             backend.close()
     return rows
