@@ -234,13 +234,14 @@ def test_auto_records_its_decode_step_again_once_decided(mid):
     _check(want[:60], torch.cat(got), f"-ot exps=CPU auto, decode decided {way}")
 
 def test_auto_records_experts_the_gpu_cannot_stream_as_handshakes_from_the_first_step(tmp_path):
-    """Q4_K experts (no GPU GEMV of ferry's reads them) run on the CPU whatever the policy: auto records the decode step
-    with a handshake at every MoE layer from its first step, as all=off does, and decodes the same bits. Before
-    session 22 auto never decided such experts and cut its graphs at each: 29.7 against 47.8 t/s on the 30B."""
+    """IQ3_S experts (no GPU kernel of ferry's reads or expands them) run on the CPU whatever the policy: auto records
+    the decode step with a handshake at every MoE layer from its first step, as all=off does, and decodes the same
+    bits. Before session 22 auto never decided such experts (then Q4_K) and cut its graphs at each: 29.7 against 47.8
+    t/s on the 30B."""
     from ferry.cli import main
 
     path = tmp_path / "k.gguf"
-    assert main(["synth", "qwen3-moe-mid", "--expert-type", "q4_k", "--layers", "4", "-o", str(path), "-q"]) == 0
+    assert main(["synth", "qwen3-moe-mid", "--expert-type", "iq3_s", "--layers", "4", "-o", str(path), "-q"]) == 0
     tokens = list(range(1, 31))
     out = {}
     for policy in ("auto", "all=off"):
@@ -253,6 +254,46 @@ def test_auto_records_experts_the_gpu_cannot_stream_as_handshakes_from_the_first
         embedding = 0 if backend.on_gpu(model.token_embd) else 1
         assert step.graph.n_handshakes == embedding + model.args.n_layer and backend.decided(1) is None
     assert torch.equal(out["auto"], out["all=off"])
+
+
+@pytest.fixture(scope="module")
+def kmix(tmp_path_factory):
+    """qwen3-moe-mid in 8 layers with llama.cpp's Q4_K_M mix of experts (Q4_K; down Q6_K in layers 0, 3, 6, 7): its CPU
+    logits over a 300-token prompt."""
+    from ferry.cli import main
+
+    path = tmp_path_factory.mktemp("k") / "kmix.gguf"
+    assert main(["synth", "qwen3-moe-mid", "--expert-type", "q4_k_m", "--layers", "8", "-o", str(path), "-q"]) == 0
+    _, cpu, model, _ = open_model(path, 8)
+    tokens = list(range(7, 307))
+    return path, tokens, Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
+
+
+@pytest.mark.parametrize("policy", ["all=on", "balanced", "moe_up_gate=on,moe_down=off", "moe_up_gate=off,moe_down=on"])
+@pytest.mark.parametrize("ubatch", [300, 64, 5])
+def test_k_quant_experts_streamed_and_expanded_on_the_gpu_match_the_cpu(kmix, policy, ubatch):
+    """A Q4_K_M file's experts copied to the GPU and expanded there to bfloat16 (streamer.Expanded; torch's grouped
+    GEMM), all of them, split with the CPU, or one half of each: prompts in one and several u-batches, then
+    generation through recorded steps."""
+    path, tokens, want = kmix
+    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
+                             BALANCED if policy == "balanced" else None)
+    n = 300 if ubatch > 8 else 60
+    e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=ubatch)
+    got = e.decode(tokens[:n], all_logits=True)
+    _check(want[:n], got, f"Q4_K_M -ot exps=CPU {policy} ub {ubatch}")
+    where = {r.device for r in backend.stats.records if r.op == "mul_mat_id"}
+    assert backend.streamer.bytes_copied > 0
+    if policy == "all=on":
+        assert all(d.endswith("/ CPU 0") for d in where), where
+    if policy == "balanced" and ubatch == 5:  # a layer-first batch's 300 tokens: this machine streams them whole
+        assert any(not d.startswith("GPU 0 /") and not d.endswith("/ CPU 0") for d in where), where
+    if policy.startswith("moe_up_gate=on"):
+        assert where == {"GPU up_gate / CPU down"}, where
+    if ubatch == 5:
+        backend.stats.keep = False
+        steps = torch.cat([e.decode([t]) for t in tokens[n:n + 20]])
+        _check(want[n:n + 20], steps, f"Q4_K_M decode -ot exps=CPU {policy}")
 
 
 def test_a_host_step_that_fails_lets_the_waiting_graph_go(mid):

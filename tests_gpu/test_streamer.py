@@ -2,6 +2,8 @@
 the split layout on their own stream, give the bytes Split.of gives, even when stagings follow one another without
 the host waiting (they share the compact buffers the copies land in)."""
 
+import mmap
+
 import numpy as np
 import pytest
 import torch
@@ -51,4 +53,48 @@ def test_back_to_back_stagings_fill_their_slots_with_the_file_bytes(hit):
         for e in hit:
             assert torch.equal(s.expert(e).qs, full.expert(e).qs) and torch.equal(
                 s.expert(e).d.view(torch.int16), full.expert(e).d.view(torch.int16)), f"{w.name} expert {e}"
+    streamer.close()
+
+
+@pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_0, Q.Q4_0, Q.Q6_K)], ids=["q4_k_m", "mixed"])
+def test_expanded_stagings_hold_the_hit_experts_as_bfloat16_in_order(qtypes):
+    """A layer with any expert tensor of a type the quantized kernels do not read (a Q4_K_M file's) is expanded:
+    each tensor's hit experts in order as the CPU's dequantization gives them, rounded to bfloat16, and a map from
+    expert to place; back to back, slots alternating, as in a run."""
+    from ferry.quant import dequantize, quantize
+
+    rng = np.random.default_rng(3)
+    rows, cols, n_expert = 256, 512, 12
+
+    def layer(seed):
+        out = []
+        for role, q in zip(("gate", "up", "down"), qtypes):
+            shape = (n_expert, cols, rows) if role == "down" else (n_expert, rows, cols)
+            data = quantize(rng.standard_normal(shape).astype(np.float32), q).reshape(-1)
+            # in pages of their own, as a file's mmap: a heap array's pages, registered, were trimmed and mapped
+            # anew under the registration (a later copy into them failed: invalid argument)
+            own = np.frombuffer(mmap.mmap(-1, data.nbytes), dtype=np.uint8)
+            own[:] = data
+            out.append(Weight(f"blk.{seed}.ffn_{role}_exps.weight", q, tuple(reversed(shape)), own))
+        return out
+
+    layers = [layer(i) for i in range(3)]
+    streamer = Streamer(torch.device("cuda"), [w for ws in layers for w in ws])
+    assert streamer.pinned, streamer.why
+    hit = [1, 2, 3, 7, 11]
+    staged = []
+    for i, ws in enumerate(layers):
+        staged.append(streamer.stage_experts(ws, hit, ("moe", i % 2), expand=True))
+        for _, done in staged[-1]:
+            torch.cuda.current_stream().wait_event(done)
+        if i >= 1:
+            streamer.release(("moe", (i - 1) % 2))
+    torch.cuda.synchronize()
+    for ws, got in zip(layers[1:], staged[1:]):
+        for w, (s, _) in zip(ws, got):
+            want = torch.from_numpy(dequantize(w.data, w.qtype, w.ne).astype(np.float32))[hit]
+            # bfloat16's rounding of the same float32 values (an FMA on the GPU may move one across a boundary)
+            assert s.w.dtype == torch.bfloat16 and s.w.shape == want.shape, w.name
+            assert ((s.w.float().cpu() - want).abs() <= 2 ** -8 * want.abs() + 1e-30).all(), w.name
+            assert s.slot_of.tolist() == [hit.index(e) if e in hit else -1 for e in range(n_expert)]
     streamer.close()

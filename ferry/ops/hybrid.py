@@ -60,6 +60,7 @@ class HybridBackend:
 
     def __init__(self, gpu: CudaBackend, cpu, devices: dict[str, str], policy: Policy, calib: Calibration,
                  timed: bool = False, layer_first: bool = True):
+        from ferry.ops.cuda.dequant import SUPPORTED
         from ferry.ops.cuda.kernels import GEMV_KINDS
 
         self.gpu, self.cpu, self.devices = gpu, cpu, devices
@@ -70,7 +71,9 @@ class HybridBackend:
         self._seen: set[tuple[int, int]] = set()  # (layer's expert tensor, u-batch size) run at least once
         self._trial: tuple | None = None  # the last MoE layer run as a trial: (explorer, gate, tokens, way, start)
         self.timed = timed
-        self._streamable = GEMV_KINDS
+        self._streamable = GEMV_KINDS  # read by the GPU's quantized kernels once staged (kernels.Split)
+        # experts the GPU can take from RAM: those, and the types expanded to bfloat16 once staged (Expanded)
+        self._expert_types = set(GEMV_KINDS) | set(SUPPORTED)
         self._slot = 0  # the staging set ("moe", 0 or 1) the current MoE layer uses; layers alternate
         self._dense_slot = 0
         self._prefetched: tuple | None = None  # (the next layer's gate weight, its staged experts)
@@ -260,8 +263,8 @@ class HybridBackend:
         return dst
 
     def _streams(self, experts: tuple[Weight, Weight, Weight]) -> bool:
-        """Whether the GPU can take these experts from RAM: all three in RAM, of types its GEMV kernels read."""
-        return all(w.qtype in self._streamable for w in experts) and not any(map(self.on_gpu, experts))
+        """Whether the GPU can take these experts from RAM: all three in RAM, of types it reads or expands."""
+        return all(w.qtype in self._expert_types for w in experts) and not any(map(self.on_gpu, experts))
 
     def _decided_side(self, n: int, n_used: int, experts: tuple[Weight, Weight, Weight]) -> str | None:
         """"cpu" or "gpu" where every expert (gate, up, down) of this u-batch size goes one way without a prediction:
@@ -456,12 +459,18 @@ class HybridBackend:
         self._prefetched = None
         if pre is not None and pre[0] is layer[0]:  # every expert of this layer was prefetched
             return pre[1][which]
-        return self.streamer.stage_experts(list(layer[which]), experts, ("moe", self._slot))
+        return self.streamer.stage_experts(list(layer[which]), experts, ("moe", self._slot), self._expands(layer))
+
+    def _expands(self, layer: tuple[Weight, Weight, Weight]) -> bool:
+        """Whether a layer's staged experts are expanded to bfloat16 (any of a type the quantized kernels do not
+        read: a Q4_K_M file's K-quants), rather than read in their blocks."""
+        return any(w.qtype not in self._streamable for w in layer)
 
     def _prefetch_after(self, gate: Weight) -> None:
         nxt = self._next_experts.get(id(gate))
         if nxt is not None:
-            staged = self.streamer.stage_experts(list(nxt), list(range(nxt[0].ne[2])), ("moe", self._slot ^ 1))
+            staged = self.streamer.stage_experts(list(nxt), list(range(nxt[0].ne[2])), ("moe", self._slot ^ 1),
+                                                 self._expands(nxt))
             self._prefetched = (nxt[0], staged)
 
     @property

@@ -5,12 +5,15 @@ events the compute stream waits on, so copies overlap compute.
 A stacked expert tensor is staged into a buffer with a slot for every expert: only the experts a u-batch routes
 to are copied (runs of neighbours as one copy), into a compact buffer, then spread to their slots in the split
 Q8_0 / Q4_0 layout the GPU kernels read (kernels.Split), by a kernel on a third stream: on the copy stream it made
-every later copy wait until the compute stream's kernels left it room to run. Two sets of slots alternate between
-MoE layers, so one layer's copies can run while the previous layer still computes."""
+every later copy wait until the compute stream's kernels left it room to run. Experts of the other types (K-quants,
+IQ4_XS, ...: those ggml-style files hold most) are expanded there to bfloat16 instead, the copied experts in order
+(Expanded), for torch's grouped GEMM. Two sets of slots alternate between MoE layers, so one layer's copies can run
+while the previous layer still computes."""
 
 from __future__ import annotations
 
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -94,6 +97,16 @@ def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+@dataclass
+class Expanded:
+    """Staged experts of a type the GPU's quantized kernels do not read, as bfloat16: w (experts copied, rows, cols),
+    in the order they were copied; slot_of (n_expert,) int32 on the GPU: each expert's index in w, -1 where it was
+    not copied."""
+
+    w: torch.Tensor
+    slot_of: torch.Tensor
+
+
 class Streamer:
     def __init__(self, device: torch.device, weights: list[Weight]):
         self.device = device
@@ -102,6 +115,8 @@ class Streamer:
         self._unpacked: dict[int, torch.cuda.Event] = {}  # compact buffer -> the unpack that reads it last
         self._host: dict[int, torch.Tensor] = {}
         self._splits: dict[tuple, object] = {}  # (slot, role, qtype, ne) -> a Split with a slot per expert
+        self._floats: dict[tuple, torch.Tensor] = {}  # (slot, role, qtype, ne) -> bfloat16 room for every expert
+        self._slot_of: dict[object, torch.Tensor] = {}  # slot -> Expanded.slot_of of the experts staged there
         self._raw: dict[tuple, torch.Tensor] = {}  # compact buffers copies land in (stream-ordered: shared by slots)
         self._rows: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}  # see _expert_rows
         self._released: dict[object, torch.cuda.Event] = {}
@@ -161,17 +176,22 @@ class Streamer:
                                              w.qtype, w.ne)
         return s
 
-    def stage_experts(self, weights: list[Weight], experts: list[int], slot) -> list[tuple[object, torch.cuda.Event]]:
+    def stage_experts(self, weights: list[Weight], experts: list[int], slot,
+                      expand: bool = False) -> list[tuple[object, torch.cuda.Event]]:
         """Copy `experts` (sorted) of each stacked tensor into staging set `slot`, in order, on the copy stream:
-        per tensor, (a Split with those experts' slots filled, the event after which they are there). Host time
-        matters here (generation stages a few experts per layer): one cudaMemcpyAsync per run of neighbouring
-        experts from precomputed addresses, and one kernel per tensor that spreads the blocks to their slots."""
+        per tensor, (a Split with those experts' slots filled, or with `expand` an Expanded, the event after which
+        they are there). Host time matters here (generation stages a few experts per layer): one cudaMemcpyAsync per
+        run of neighbouring experts from precomputed addresses, and one kernel per tensor that spreads the blocks to
+        their slots (or expands them). expand: for a layer with any expert tensor of a type other than Q8_0 / Q4_0,
+        so that all three reach the GPU alike."""
+        from ferry.ops.cuda.dequant import dequantize
         from ferry.ops.cuda.kernels import unpack_experts
 
         out = []
         stream, unpack = self.copy_stream, self.unpack_stream
         runs = expert_runs(experts)
         ids = torch.tensor(experts, dtype=torch.int64).pin_memory()
+        slot_of = None
         with torch.cuda.stream(stream):
             if slot in self._released:  # the layer that used these slots last has finished with them
                 stream.wait_event(self._released.pop(slot))
@@ -179,7 +199,6 @@ class Streamer:
             ids.record_stream(unpack)
             handle = stream.cuda_stream
             for i, w in enumerate(weights):
-                split = self._split_for(w, (slot, i, w.qtype, w.ne))
                 raw, host, per = self._expert_rows(w, i)
                 if id(raw) in self._unpacked:  # its last contents spread to their slots (long done, as a rule)
                     stream.wait_event(self._unpacked[id(raw)])
@@ -196,12 +215,31 @@ class Streamer:
                 copied.record(stream)
                 with torch.cuda.stream(unpack):
                     unpack.wait_event(copied)
-                    unpack_experts(raw, ids, split)
+                    if not expand:
+                        staged = self._split_for(w, (slot, i, w.qtype, w.ne))
+                        unpack_experts(raw, ids, staged)
+                    else:
+                        if slot_of is None:  # one map for the layer's tensors: the same experts
+                            slot_of = self._slot_of.get(slot)
+                            if slot_of is None or slot_of.numel() != w.ne[2]:
+                                slot_of = self._slot_of[slot] = torch.empty(w.ne[2], dtype=torch.int32,
+                                                                            device=self.device)
+                            slot_of.fill_(-1).index_copy_(0, ids, torch.arange(j, dtype=torch.int32,
+                                                                               device=self.device))
+                        floats = self._floats_for(w, (slot, i, w.qtype, w.ne))[:j * w.ne[0] * w.ne[1]]
+                        staged = Expanded(floats.view(j, w.ne[1], w.ne[0]), slot_of)
+                        dequantize(raw[:j * per], w.qtype, (w.ne[0], w.ne[1], j), torch.bfloat16, out=staged.w)
                     done = torch.cuda.Event()
                     done.record(unpack)
                 self._unpacked[id(raw)] = done
-                out.append((split, done))
+                out.append((staged, done))
         return out
+
+    def _floats_for(self, w: Weight, key: tuple) -> torch.Tensor:
+        t = self._floats.get(key)
+        if t is None:
+            t = self._floats[key] = torch.empty(w.ne[0] * w.ne[1] * w.ne[2], dtype=torch.bfloat16, device=self.device)
+        return t
 
     def _expert_rows(self, w: Weight, role: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The compact GPU buffer of role `role` that w's experts are copied into, w's bytes in the mmap (both
@@ -251,4 +289,5 @@ class Streamer:
     def staging_bytes(self) -> int:
         """GPU bytes held for staging so far."""
         return sum(t.numel() for t in self._raw.values()) + sum(
-            s.qs.numel() * s.qs.element_size() + 2 * s.d.numel() for s in self._splits.values())
+            s.qs.numel() * s.qs.element_size() + 2 * s.d.numel() for s in self._splits.values()) + sum(
+            2 * t.numel() for t in self._floats.values())

@@ -213,13 +213,22 @@ class CudaBackend:
                      wait_down: torch.cuda.Event | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Each (token, slot) pair's expert output, times its router weight when `weights` (n, k) is given,
         (n * k, n_embd) float32 in pair order: x (n, n_embd), ids (n, k) on the GPU; gate / up / down stacked Splits
-        (uploaded or staged; only the experts in ids are read). Expert GEMVs for few pairs, else the grouped GEMM
-        (reading each pair's token row in place and writing its output in pair order). wait_down: an event the
-        down projection waits for (its weights still being copied by the hybrid runtime)."""
+        (uploaded or staged; only the experts in ids are read), or staged Expanded ones. Expert GEMVs for few pairs,
+        else the grouped GEMM (reading each pair's token row in place and writing its output in pair order);
+        Expanded experts: torch's grouped GEMM in bfloat16. wait_down: an event the down projection waits for (its
+        weights still being copied by the hybrid runtime)."""
         from ferry.ops.cuda import kernels
+        from ferry.runtime.streamer import Expanded
 
         n, k = ids.shape
         pair_weights = None if weights is None else weights.float().reshape(-1).contiguous()
+        if isinstance(gate, Expanded):
+            order, offs, h = self._expanded_up_gate(x, ids, gate, up, act)
+            if wait_down is not None:
+                torch.cuda.current_stream(x.device).wait_event(wait_down)
+            y = torch.empty(n * k, down.w.shape[1], dtype=torch.float32, device=x.device)
+            y[order] = self._group_mm(h, down.w, offs).float()
+            return y if pair_weights is None else y.mul_(pair_weights[:, None])
         if self._gemv_pairs(n * k):
             if pair_weights is None:
                 pair_weights = torch.ones(n * k, dtype=torch.float32, device=x.device)
@@ -238,8 +247,14 @@ class CudaBackend:
         and moe_down set apart). x (n, n_embd), ids (n, k) on the GPU; gate / up stacked Splits. Expert GEMVs for
         few pairs (one launch), else the grouped GEMM, whose schedule is two dozen small torch ops."""
         from ferry.ops.cuda import kernels
+        from ferry.runtime.streamer import Expanded
 
         n, k = ids.shape
+        if isinstance(gate, Expanded):
+            order, _, h_sorted = self._expanded_up_gate(x, ids, gate, up, act)
+            h = torch.empty_like(h_sorted)
+            h[order] = h_sorted
+            return h
         if self._gemv_pairs(n * k):
             return kernels.moe_gate_up_gemv(x, ids, gate, up, act)
         block, sched, order = self._schedule(ids, gate.ne[2])
@@ -250,14 +265,36 @@ class CudaBackend:
         """The experts' second half when the first ran on the CPU: h (n * k, n_ff) in pair order, ids / weights
         (n, k) on the GPU, down a stacked Split -> each token's weighted sum of its slots, (n, n_embd) float32."""
         from ferry.ops.cuda import kernels
+        from ferry.runtime.streamer import Expanded
 
         n, k = ids.shape
+        if isinstance(down, Expanded):
+            order, offs = self._expanded_order(ids, down)
+            y = torch.empty(n * k, down.w.shape[1], dtype=torch.float32, device=h.device)
+            y[order] = self._group_mm(h.to(torch.bfloat16)[order], down.w, offs).float()
+            return y.mul_(weights.float().reshape(-1, 1)).view(n, k, -1).sum(1)
         if self._gemv_pairs(n * k):
             return kernels.moe_down_gemv(h, ids, weights, down)
         block, sched, order = self._schedule(ids, down.ne[2])
         y = kernels.moe_mm(h.to(torch.float16), down, sched, torch.float32, block, rows_from=order, rows_to=order,
                            row_scale=weights.float().reshape(-1).contiguous())
         return y.view(n, k, -1).sum(1)
+
+    @staticmethod
+    def _expanded_order(ids: torch.Tensor, staged) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (token, slot) pairs of ids sorted by their expert's place among the staged (Expanded) ones, and each
+        place's end in that order (int32, for the grouped GEMM)."""
+        from ferry.ops.cuda.kernels import sort_pairs
+
+        order, _, ends = sort_pairs(staged.slot_of[ids.long()], staged.w.shape[0])
+        return order, ends.to(torch.int32)
+
+    def _expanded_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str):
+        """act(gate x) * up x of each pair on Expanded experts: (order, group ends, h in that order, bfloat16)."""
+        order, offs = self._expanded_order(ids, gate)
+        xs = x.to(torch.bfloat16)[torch.div(order, ids.shape[1], rounding_mode="floor")]
+        g, u = self._group_mm(xs, gate.w, offs), self._group_mm(xs, up.w, offs)
+        return order, offs, (_ACT[act](g.float()) * u.float()).to(torch.bfloat16)
 
     def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
         from ferry.ops.cuda.kernels import sort_pairs
