@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from ferry.cli import main
 from ferry.gguf.file import GGUFFile
 from ferry.models.base import ModelArgs
 from ferry.ops.cuda.executor import PROMPT_GRAPH_MAX
@@ -228,3 +229,23 @@ def test_the_plan_counts_deepseek2s_copies_of_the_latent_projections(tmp_path, l
     on_gpu = sum(v for k, v in tensors.items() if place(k, a.n_layer, 2, [], layer_devices(a.n_layer, 2, ["CUDA0"]))
                  == "CUDA0" and "attn_k_b" not in k and "attn_v_b" not in k and "attn_kv_b" not in k)
     assert gpu.weights == on_gpu + a.n_layer * per_layer // 2
+
+
+def test_plan_keeps_experts_the_gpu_cannot_read_or_expand_on_the_cpu(tmp_path):
+    """IQ3_S experts: no GPU kernel of ferry's reads or expands them, so the run keeps them on the CPU whatever the
+    policy, and the plan says so rather than predicting copies (Q4_K experts do stream, expanded on the GPU)."""
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(H100_LIKE))
+    rows = {}
+    for qtype in ("iq3_s", "q4_k"):
+        path = tmp_path / f"{qtype}.gguf"
+        assert main(["synth", "qwen3-moe-tiny", "--expert-type", qtype, "-o", str(path), "-q"]) == 0
+        r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(path), "--gpu-memory", "CUDA0=80GiB",
+                            "-ngl", "999", "-ot", "exps=CPU", "--calibration", str(cal), "--ubatches", "4096",
+                            "--offload-policy", "all=on", "--json"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        rows[qtype] = json.loads(r.stdout)
+    iq3 = rows["iq3_s"]["ops"][0]
+    assert iq3["where"].startswith("GPU 0 /") and "IQ3_S, which no GPU kernel" in iq3["why"]
+    assert rows["iq3_s"]["generation"]["cpu_bytes_per_token"] > 0
+    assert rows["q4_k"]["ops"][0]["where"].endswith("/ CPU 0 of 16 hit")

@@ -4,6 +4,8 @@ plausible ways on its first u-batches of each size (`--verbose` prints what it m
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ferry.gguf.file import GGUFFile
 from ferry.ops import native
 from ferry.placement import EXPERTS_RE, layer_devices, place
@@ -62,6 +64,14 @@ def _experts_split(experts: list, args, calib: Calibration, policy: Policy, n: i
     share = 1.0 - by_role["down"] / sum(by_role.values())  # gate and up's part
     types = type_shares([(t.qtype.name, t.nbytes) for t in experts])
     token_kernel = all(native.runs_experts(q) for q in types)  # at one token, where it covers the experts' types
+    from ferry.ops.cuda.dequant import SUPPORTED  # what the GPU reads or expands once streamed (needs no GPU)
+
+    kept = sorted({t.qtype.name for t in experts if t.qtype not in SUPPORTED})
+    if kept:  # as the run keeps them (HybridBackend._streams), whatever the policy
+        s = split_experts(counts, expert_bytes, flops, calib, Policy(overrides={"all": "off"}), k, share, types,
+                          token_kernel)
+        return replace(s, why=f"experts of {', '.join(kept)}, which no GPU kernel of ferry's reads or expands: on the "
+                              "CPU under every policy"), hit
     return split_experts(counts, expert_bytes, flops, calib, policy, k, share, types, token_kernel), hit
 
 
