@@ -1,9 +1,9 @@
 """ferry's own CPU kernels (C beside this file), compiled for this machine at first use and kept in the cache.
 
 So far one: a token's routed experts for Q4_0 and Q4_K weights in ggml's repacked layouts and Q6_K weights in their
-plain one (moe_experts.c), which reads them faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py; docs/decisions.md). Where no C
-compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None (`why_not` says why) and ggml runs
-those experts as before."""
+plain one (moe_experts.c), which reads them faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py;
+docs/decisions.md). Where no C compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None
+(`why_not` says why) and ggml runs those experts as before."""
 
 from __future__ import annotations
 
