@@ -72,8 +72,9 @@ class HybridBackend:
         self._trial: tuple | None = None  # the last MoE layer run as a trial: (explorer, gate, tokens, way, start)
         self.timed = timed
         self._streamable = GEMV_KINDS  # read by the GPU's quantized kernels once staged (kernels.Split)
-        # experts the GPU can take from RAM: those, and the types expanded to bfloat16 once staged (Expanded)
-        self._expert_types = set(GEMV_KINDS) | set(SUPPORTED)
+        # experts the GPU can take from RAM: the types its dequantizers read (those above among them), the others
+        # expanded to bfloat16 once staged (Expanded); `ferry plan` asks the same of them
+        self._expert_types = frozenset(SUPPORTED)
         self._slot = 0  # the staging set ("moe", 0 or 1) the current MoE layer uses; layers alternate
         self._dense_slot = 0
         self._prefetched: tuple | None = None  # (the next layer's gate weight, its staged experts)
