@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from ferry.cli import GpuOptions, open_model
-from ferry.ops.cuda.kernels import Split, moe_down_gemv, moe_gate_up_gemv, unpack_experts
+from ferry.kernels.cuda.layout import Split
+from ferry.kernels.cuda.moe import moe_down_gemv, moe_gate_up_gemv, unpack_experts
 
 
 @triton.jit

@@ -3,7 +3,7 @@ memory at all; and what a CUDA call costs the host right after ggml's threads ra
 exps=CPU), one token:
 - per thread count, a token's worth of MoE layers (8 random experts each, rotating over every layer so that none
   sits in the CPU's cache) through CpuBackend.moe_experts: ms per token and the GB/s of expert bytes it reads;
-  with --plain also from the unrepacked bytes of the mmap; and by ferry's own kernel (ferry/ops/moe_experts.c,
+  with --plain also from the unrepacked bytes of the mmap; and by ferry's own kernel (ferry/kernels/cpu/moe_experts.c,
   the repacked copy), which CpuBackend runs at one token where this CPU has AVX512-VNNI;
 - torch's sum over 1 GiB of float32 at the same thread counts: the rate the cores can read memory at;
 - a 12-kernel CUDA graph's launch, an asynchronous 8 KiB copy and a synchronize, right after a ggml call, 20 ms after
@@ -21,9 +21,9 @@ import time
 import torch
 
 from ferry.cli import GpuOptions, open_model
-from ferry.ops import native
-from ferry.ops.cpu import CpuBackend
-from ferry.ops.cuda.executor import _launcher
+from ferry.kernels.cpu import native
+from ferry.backends.cpu import CpuBackend
+from ferry.runtime.runners.cuda_graphs import _launcher
 
 
 def main() -> None:

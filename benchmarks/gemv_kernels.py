@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from ferry.ops.cuda import kernels as K
+from ferry.kernels.cuda import attention, gemv, layout, moe, route
 from ferry.quant import Q
 
 DENSE = {  # name: (cols, rows), Q8_0
@@ -27,14 +27,14 @@ ATTENTION = {"qwen3": (32, 4, 128, 128), "v2-lite latent": (16, 1, 576, 512)}  #
 ATTENTION_SWEEP = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8)))
 
 
-def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> K.Split:
+def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> layout.Split:
     """Random blocks of qtype: quants uniform, scales around 0.01."""
     rng = np.random.default_rng(sum(ne))
     n_blocks = int(np.prod(n_blocks_shape))
     width = 32 if qtype == Q.Q8_0 else 16
     qs = torch.from_numpy(rng.integers(0, 256, (n_blocks, width), dtype=np.uint8)).to(dev)
     d = torch.from_numpy((rng.uniform(0.5, 1.5, n_blocks) * 0.01).astype(np.float16)).to(dev)
-    return K.Split(qtype, ne, qs.view(torch.int8) if qtype == Q.Q8_0 else qs, d)
+    return layout.Split(qtype, ne, qs.view(torch.int8) if qtype == Q.Q8_0 else qs, d)
 
 
 def _best(fn) -> tuple[tuple, float]:
@@ -69,8 +69,8 @@ def main() -> None:
     for name, (cols, rows) in DENSE.items() if "gemv" in only else ():
         w = _split(Q.Q8_0, (rows, cols // 32), (cols, rows), dev)
         x = torch.randn(1, cols, device=dev)
-        report(name, f"{rows}x{cols}", rows * cols * 34 / 32, do_bench(lambda: K.gemv(w, x)),
-               _best(lambda cfg: K.gemv(w, x, cfg)))
+        report(name, f"{rows}x{cols}", rows * cols * 34 / 32, do_bench(lambda: gemv.gemv(w, x)),
+               _best(lambda cfg: gemv.gemv(w, x, cfg)))
     for name, (n_expert, n_used, n_embd, n_ff) in EXPERTS.items() if "experts" in only else ():
         gate = _split(Q.Q4_0, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
         up = _split(Q.Q4_0, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
@@ -80,13 +80,13 @@ def main() -> None:
         weights = torch.rand(1, n_used, device=dev)
         nbytes = n_used * 3 * n_embd * n_ff * 18 / 32
         report(f"{name} experts", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
-               do_bench(lambda: K.moe_gemv(x, ids, weights, gate, up, down, "silu")),
-               _best(lambda cfg: K.moe_gemv(x, ids, weights, gate, up, down, "silu", config=cfg)))
+               do_bench(lambda: moe.moe_gemv(x, ids, weights, gate, up, down, "silu")),
+               _best(lambda cfg: moe.moe_gemv(x, ids, weights, gate, up, down, "silu", config=cfg)))
     for name, (n_expert, n_used, n_embd, _) in EXPERTS.items() if "router" in only else ():  # the f32 router
         w = torch.randn(n_expert, n_embd, device=dev)
         x = torch.randn(1, n_embd, device=dev)
-        report(f"{name} router", f"{n_expert}x{n_embd} f32", n_expert * n_embd * 4, do_bench(lambda: K.gemv_float(w, x)),
-               _best(lambda cfg: K.gemv_float(w, x, cfg)))
+        report(f"{name} router", f"{n_expert}x{n_embd} f32", n_expert * n_embd * 4, do_bench(lambda: gemv.gemv_float(w, x)),
+               _best(lambda cfg: gemv.gemv_float(w, x, cfg)))
     for name, (heads, heads_kv, dk, dv) in ATTENTION.items() if "attention" in only else ():  # attention over a cache of `cells` f16 rows
         for cells in (64, 512, 4096):
             kc = torch.randn(cells, heads_kv * dk, device=dev).half().view(torch.uint8)
@@ -95,8 +95,8 @@ def main() -> None:
             base = torch.zeros(1, dtype=torch.int64, device=dev)
 
             def attend(cfg, splits=None):  # a cache of `cells` cells: flash-decoding's parts where it cuts it
-                return K.attention_decode(q, kc, kc, False, False, pos, base, heads_kv, dv, dk ** -0.5, 0, cfg,
-                                          n_cells=cells, splits=splits)
+                return attention.attention_decode(q, kc, kc, False, False, pos, base, heads_kv, dv, dk ** -0.5, 0, cfg,
+                                                  n_cells=cells, splits=splits)
 
             # replayed as CUDA graphs: a split run is two launches of a few microseconds, which do_bench would time
             # as Python's launch cost
@@ -105,13 +105,13 @@ def main() -> None:
             print("  sweep:", {k: round(1e3 * v, 1) for k, v in times.items()}, f"one pass: {1e3 * one_pass:.1f}",
                   flush=True)
             best = min(times, key=times.get)
-            results.append({"kernel": f"{name} attention", "shape": f"{cells} cells", "default_us": 1e3 * times[K.ATTENTION_DECODE_CONFIG],
+            results.append({"kernel": f"{name} attention", "shape": f"{cells} cells", "default_us": 1e3 * times[attention.ATTENTION_DECODE_CONFIG],
                             "best_us": 1e3 * times[best], "best": best, "one_pass_us": 1e3 * one_pass})
-            print(f"| {name} attention | {cells} cells | {1e3 * times[K.ATTENTION_DECODE_CONFIG]:.1f} | {1e3 * times[best]:.1f} | "
+            print(f"| {name} attention | {cells} cells | {1e3 * times[attention.ATTENTION_DECODE_CONFIG]:.1f} | {1e3 * times[best]:.1f} | "
                   f"{best} (cells/step, warps); one pass {1e3 * one_pass:.1f} | | |", flush=True)
     for name, (n_expert, n_used, _, _) in EXPERTS.items() if "route" in only else ():  # the router's top-k
         logits = torch.randn(1, n_expert, device=dev)
-        t = do_bench(lambda: K.route(logits, n_used, True, 1.0, False, None))
+        t = do_bench(lambda: route.route(logits, n_used, True, 1.0, False, None))
         results.append({"kernel": f"{name} route", "shape": f"{n_expert} -> {n_used}", "default_us": 1e3 * t})
         print(f"| {name} route | {n_expert} -> {n_used} | {1e3 * t:.1f} | | | | |", flush=True)
     with open(a.json, "w") as fh:

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 
-from ferry.calibrate import ggml_build  # noqa: E402
+from ferry.offload.calibrate import ggml_build  # noqa: E402
 from ferry.tools.compare import paired, welch  # noqa: E402
 
 POLICIES = ["auto", "all=on", "all=off", "threshold"]
@@ -46,7 +46,7 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
     reversed every other time, each turn's runs on the same tokens), so that a drift of the machine's speed falls on
     every config alike and each turn is a set of pairs (for telling apart configs that do the same work)."""
     from ferry.cli import GpuOptions, open_model
-    from ferry.policy import Explorer, parse_policy
+    from ferry.offload.policy import Explorer, parse_policy
     from ferry.tools.bench import Runs
 
     ub_max = max(ub for _, _, ub in cases)

@@ -18,7 +18,7 @@ import torch
 
 from ferry.cli import GpuOptions, open_model
 from ferry.layers.attention import LatentAttention
-from ferry.policy import Explorer
+from ferry.offload.policy import Explorer
 from ferry.runtime.engine import Engine
 
 _RULE = LatentAttention.expand_from

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from triton.testing import do_bench
 
-from ferry.ops.cuda import kernels as K
+from ferry.kernels.cuda import layout, moe
 from ferry.quant import Q
 
 SHAPES = {  # name: (n_expert, n_expert_used, n_embd, n_ff)
@@ -23,13 +23,13 @@ SHAPES = {  # name: (n_expert, n_expert_used, n_embd, n_ff)
 SWEEP = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (3, 4)))  # BN, BK, warps, stages
 
 
-def _experts(n_expert: int, rows: int, cols: int, dev) -> K.Split:
+def _experts(n_expert: int, rows: int, cols: int, dev) -> layout.Split:
     """Random Q4_0 blocks: nibbles uniform, scales around 0.01."""
     n_blocks = n_expert * rows * cols // 32
     rng = np.random.default_rng(rows * cols)
     qs = torch.from_numpy(rng.integers(0, 256, (n_blocks, 16), dtype=np.uint8)).to(dev)
     d = torch.from_numpy((rng.uniform(0.5, 1.5, n_blocks) * 0.01).astype(np.float16)).to(dev)
-    return K.Split(Q.Q4_0, (cols, rows, n_expert), qs, d)
+    return layout.Split(Q.Q4_0, (cols, rows, n_expert), qs, d)
 
 
 def main() -> None:
@@ -48,8 +48,8 @@ def main() -> None:
         down = _experts(n_expert, n_embd, n_ff, dev)
         for ub in [int(u) for u in a.ub.split(",")]:
             ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(ub)])
-            block = K.moe_tile_rows(ub * n_used, n_expert)
-            sched = K.moe_tiles(ids, n_expert, block)
+            block = moe.moe_tile_rows(ub * n_used, n_expert)
+            sched = moe.moe_tiles(ids, n_expert, block)
             tokens = torch.randn(ub, n_embd, device=dev, dtype=torch.float16)
             h = torch.randn(ub * n_used, n_ff, device=dev, dtype=torch.float16)
             order = sched[0].to(torch.int32)
@@ -60,11 +60,11 @@ def main() -> None:
             flops = ub * n_used * 3 * 2 * n_embd * n_ff
 
             def gate_up(cfg=None):  # as CudaBackend.expert_pairs runs them
-                return K.moe_mm(tokens, gate, sched, torch.float16, block, up=up, rows_from=src, config=cfg)
+                return moe.moe_mm(tokens, gate, sched, torch.float16, block, up=up, rows_from=src, config=cfg)
 
             def down_proj(hh, cfg=None):
-                return K.moe_mm(hh, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights,
-                                config=cfg)
+                return moe.moe_mm(hh, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights,
+                                  config=cfg)
 
             def layer():
                 return down_proj(gate_up())

@@ -11,7 +11,7 @@ import torch
 
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
-from ferry.ops.cuda.backend import CudaBackend
+from ferry.backends.cuda import CudaBackend
 from ferry.runtime.engine import Engine
 
 

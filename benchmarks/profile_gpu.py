@@ -17,7 +17,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ferry.cli import GpuOptions, open_model
-from ferry.ops.cuda.executor import PROMPT_GRAPH_MAX, CudaExecutor
+from ferry.runtime.batch import PROMPT_GRAPH_MAX
+from ferry.runtime.runners.cuda_graphs import CudaExecutor
 from ferry.runtime.engine import Engine
 
 

@@ -13,7 +13,7 @@ import time
 import torch
 
 from ferry.cli import GpuOptions, open_model
-from ferry.policy import parse_policy
+from ferry.offload.policy import parse_policy
 from ferry.runtime.engine import Engine
 
 

@@ -61,7 +61,7 @@ def main() -> None:
     from benchmarks.llamacpp import converter
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
-    from ferry.ops.cpu import CpuBackend
+    from ferry.backends.cpu import CpuBackend
     from ferry.runtime.engine import Engine
     from tests.fixtures.hf import VOCAB, save_tiny_tokenizer, tiny_hf_model
 

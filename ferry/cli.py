@@ -91,7 +91,7 @@ def _add_gpu_args(p: argparse.ArgumentParser, lists: bool = False) -> None:
 def _gpu_options(args: argparse.Namespace, n_gpu_layers: int | None = None) -> GpuOptions:
     """The placement and policy flags, checked now (a bad one is an error even where no GPU is used)."""
     from ferry.placement import parse_overrides
-    from ferry.policy import parse_policy
+    from ferry.offload.policy import parse_policy
 
     parse_policy(args.offload_policy, args.offload_min_batch)
     parse_overrides(args.override_tensor)
@@ -139,7 +139,7 @@ class GpuOptions:
 def _calibration(threads: int, quiet: bool, expert_types=()):
     """This machine's stored calibration; measured quickly (and stored) the first time, and for routed experts of
     quant types (`expert_types`, those in RAM) it has not measured yet."""
-    from ferry import calibrate
+    from ferry.offload import calibrate
 
     path = calibrate.default_path()
     why = calibrate.stale(path)  # a calibration of another ggml build misleads the policy about the CPU
@@ -163,9 +163,9 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
     """The GPU backend when every weight is on the GPU, else the hybrid one; after the memory plan says it fits."""
     import torch
 
-    from ferry.ops.cuda.backend import CudaBackend
+    from ferry.backends.cuda import CudaBackend
     from ferry.placement import layer_devices, memory_plan, parse_overrides
-    from ferry.policy import parse_policy
+    from ferry.offload.policy import parse_policy
 
     policy = parse_policy(gpu.offload_policy, gpu.offload_min_batch)
     overrides = parse_overrides(gpu.override_tensor)
@@ -192,7 +192,7 @@ def _gpu_backend(f, model, gpu: GpuOptions, n_ctx: int = 4096, n_ubatch: int = 5
     backend = CudaBackend("cuda:0")
     if all_on_gpu:
         return backend
-    from ferry.ops.hybrid import HybridBackend
+    from ferry.backends.hybrid import HybridBackend
     from ferry.placement import EXPERTS_RE
 
     in_ram = {w.qtype.name for w in model.weights() if devices.get(w.name) == "CPU" and EXPERTS_RE.match(w.name)}
@@ -228,7 +228,7 @@ def _split_backend(f, model, gpu: GpuOptions, layers: list[str], gpus: list[str]
     """Every weight on GPUs, layers split across them (-ts): after the memory plan says each GPU holds its share."""
     import torch
 
-    from ferry.ops.cuda.split import SplitBackend
+    from ferry.backends.multi_gpu import SplitBackend
     from ferry.placement import memory_plan
 
     a = model.args
@@ -249,7 +249,7 @@ def open_model(path: Path, threads: int, repack: bool = True, threads_batch: int
     the logical batch (-b), for the memory plan."""
     from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
-    from ferry.ops.cpu import CpuBackend
+    from ferry.backends.cpu import CpuBackend
 
     t0 = time.perf_counter()
     f = GGUFFile(path)
@@ -378,7 +378,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                                           _gpu_options(args), args.ctx_size, args.ubatch_size, args.mla, args.amb)
         if not args.quiet:
             print(sweep.HEADER, flush=True)
-        from ferry.tools.progress import progress
+        from ferry.progress import progress
 
         steps = max(0, (args.ctx_size - args.ubatch_size) // args.ubatch_size + 1)
         with progress("sweep", steps, args.quiet) as bar:
@@ -393,7 +393,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             meta = {"model": path.name, "n_ctx": args.ctx_size, "n_ubatch": args.ubatch_size,
                     "n_threads": backend.n_threads, "n_threads_batch": backend.n_threads_batch,
                     "type_k": args.cache_type_k, "type_v": args.cache_type_v, "repack": args.repack}
-            from ferry.tools.files import atomic_file
+            from ferry.files import atomic_file
 
             with atomic_file(Path(args.json)) as tmp:
                 tmp.write_text(sweep.to_json(rows, meta))
@@ -430,7 +430,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     if not quiet:
         print(f"perplexity: {len(tokens)} tokens, {n_chunks} chunks, n_ctx={args.ctx_size}, "
               f"scoring the second half of each chunk", file=sys.stderr)
-    from ferry.tools.progress import progress
+    from ferry.progress import progress
 
     terminal = sys.stderr.isatty()
     with progress("perplexity", n_chunks, quiet) as bar:
@@ -480,7 +480,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ferry import calibrate
+    from ferry.offload import calibrate
 
     if not args.quiet:
         print("ferry: measuring this machine (CPU GEMV, matmul and routed experts per quant type; pinned PCIe copies "
@@ -508,7 +508,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ferry.gguf.file import GGUFFile
     from ferry.models.base import ModelArgs
     from ferry.placement import GIB, memory_plan, parse_gpu_memory, parse_overrides
-    from ferry.policy import parse_policy
+    from ferry.offload.policy import parse_policy
     from ferry.quant import bytes_per_weight
     from ferry.runtime.kv_cache import cache_layout, describe_cache, kv_type, mla_mode
 
@@ -559,7 +559,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"{d.total / GIB:.2f} | {avail} |")
         print(cache_note)
         if ops:
-            from ferry.tools.offload_plan import render
+            from ferry.offload.plan import render
 
             print()
             print(render(ops))
@@ -572,11 +572,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _op_view(f, margs, args, overrides) -> tuple[list[dict], str, dict | None]:
     """Where the ops on weights left in RAM run per u-batch (plan's second table), from a calibration with a GPU, and
-    what those weights cost each generated token (offload_plan.generation_floor)."""
-    from ferry import calibrate
+    what those weights cost each generated token (offload.plan.generation_floor)."""
+    from ferry.offload import calibrate
     from ferry.tools.bench import parse_int_list
-    from ferry.policy import parse_policy
-    from ferry.tools.offload_plan import describe_floor, generation_floor, op_plan, unmeasured
+    from ferry.offload.policy import parse_policy
+    from ferry.offload.plan import describe_floor, generation_floor, op_plan, unmeasured
 
     policy = parse_policy(args.offload_policy, args.offload_min_batch)
     path = Path(args.calibration) if args.calibration else calibrate.default_path()

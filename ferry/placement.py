@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from ferry.errors import FerryError
-from ferry.runtime.context import PROMPT_GRAPH_MAX
+from ferry.runtime.batch import PROMPT_GRAPH_MAX
 from ferry.runtime.kv_cache import CacheLayout, cache_layout
 
 GIB = 2 ** 30

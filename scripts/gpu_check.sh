@@ -51,7 +51,7 @@ python3 -c "import ggml" 2>/dev/null || CMAKE_ARGS="${FERRY_GGML_CMAKE_ARGS:--DG
     .whl/llama.cpp-src.tar.gz > "$OUT/ggml_python_build.log" 2>&1 || { tail -20 "$OUT/ggml_python_build.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -c "from ferry.calibrate import ggml_build; print('ggml built for', *ggml_build())" | tee -a "$OUT/gpu.txt"
+python3 -c "from ferry.offload.calibrate import ggml_build; print('ggml built for', *ggml_build())" | tee -a "$OUT/gpu.txt"
 if has tests; then
     python3 -m pytest -q -s ${GPU_TESTS:-tests_gpu} -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests_gpu.txt" \
         | grep -E "KL|passed|failed|Error|error" | tail -40 || true

@@ -2,7 +2,7 @@ import pytest
 
 from ferry.cli import main
 
-from ferry.ops.cpu import CpuBackend
+from ferry.backends.cpu import CpuBackend
 
 
 @pytest.fixture(scope="session")

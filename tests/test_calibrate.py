@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from ferry.calibrate import load
+from ferry.offload.calibrate import load
 from ferry.cli import main
 from ferry.errors import FerryError
-from ferry.policy import Calibration
+from ferry.offload.cost import Calibration
 
 
 def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys):
@@ -25,7 +25,7 @@ def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys):
     table = data["cpu"]["cpu_moe"]["Q4_0"]
     assert [c for c, _ in table] == [1, 4, 16, 64]
     # ferry's own kernel at one token, measured where it runs on this machine
-    from ferry.ops import native
+    from ferry.kernels.cpu import native
 
     assert set(data["cpu"]["cpu_moe_token"]) == ({"Q4_0"} if native.runs_experts("Q4_0") else set())
     assert all(s > 0 for s in data["cpu"]["cpu_moe_token"].values())
@@ -35,7 +35,7 @@ def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys):
 def test_a_calibration_of_another_ggml_build_is_stale(tmp_path):
     """The CPU's rates belong to the ggml build that measured them: a stored calibration that names other CPU
     features, or none, is measured again by the next run (cli._calibration); the current build's is kept."""
-    from ferry.calibrate import ggml_build, stale
+    from ferry.offload.calibrate import ggml_build, stale
 
     now = ggml_build()
     path = tmp_path / "c.json"
@@ -50,7 +50,7 @@ def test_a_calibration_of_another_ggml_build_is_stale(tmp_path):
 
 
 def test_a_run_calibrates_again_when_ggml_was_rebuilt(tmp_path, monkeypatch, capsys):
-    from ferry import calibrate
+    from ferry.offload import calibrate
     from ferry.cli import _calibration
 
     path = tmp_path / "c.json"
@@ -91,7 +91,7 @@ def test_the_policy_reads_a_stored_calibration(tmp_path):
 def test_a_run_measures_the_expert_types_of_its_model_that_the_calibration_lacks_once(tmp_path, monkeypatch, capsys):
     """A quick calibration measures Q4_0's experts; a model whose experts in RAM are Q8_0 gets Q8_0's table measured
     (quickly, on a real layer) and stored beside it by its first run; the next run finds it and measures nothing."""
-    from ferry import calibrate
+    from ferry.offload import calibrate
     from ferry.cli import _calibration
 
     path = tmp_path / "c.json"
@@ -113,8 +113,8 @@ def test_a_run_measures_the_expert_types_of_its_model_that_the_calibration_lacks
 
 
 def test_a_calibration_without_the_kernels_rate_measures_it_where_the_kernel_runs(tmp_path):
-    from ferry import calibrate
-    from ferry.ops import native
+    from ferry.offload import calibrate
+    from ferry.kernels.cpu import native
 
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 5e10, "cpu_flops": 1e12, "threads": 1,

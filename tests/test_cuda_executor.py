@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ferry.ops.cuda.executor import (DECODE_MAX, PROMPT_GRAPH_MAX, PROMPT_GRAPHS_KEPT, CudaExecutor, Handshakes,
-                                     _Recorder)
+from ferry.runtime.runners.cuda import DECODE_MAX
+from ferry.runtime.batch import PROMPT_GRAPH_MAX
+from ferry.runtime.runners.cuda_graphs import PROMPT_GRAPHS_KEPT, CudaExecutor, Handshakes, _Recorder
 
 
 def _executor(graph_safe: bool = True, graphs: bool = True) -> CudaExecutor:
@@ -95,10 +96,10 @@ def test_the_hybrid_backend_offers_every_backend_call_of_the_gpu_ops():
     import re
     from pathlib import Path
 
-    import ferry.ops.cuda.executor as executor
-    import ferry.ops.torch_ops as torch_ops
-    from ferry.ops.cuda.backend import CudaBackend
-    from ferry.ops.hybrid import HybridBackend
+    import ferry.runtime.runners.cuda as executor
+    import ferry.runtime.runners.eager as torch_ops
+    from ferry.backends.cuda import CudaBackend
+    from ferry.backends.hybrid import HybridBackend
 
     called = {name for module in (executor, torch_ops)
               for name in re.findall(r"self\.backend\.(\w+)", Path(module.__file__).read_text())}
@@ -111,7 +112,7 @@ def test_the_hybrid_backend_offers_every_backend_call_of_the_gpu_ops():
 
 def test_the_timed_latent_forms_report_what_each_class_kept_and_why():
     """`ferry run --verbose` prints, per (tokens, cells) class, the form -mla 3 kept on the GPU and the times."""
-    from ferry.ops.cuda.executor import LatentForms
+    from ferry.runtime.runners.cuda import LatentForms
 
     forms = LatentForms()
     ex = forms.explorer

@@ -8,7 +8,7 @@ import torch
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
-from ferry.ops.cpu_graph import CpuGraphExecutor
+from ferry.runtime.runners.ggml_graph import CpuGraphExecutor
 from ferry.quant import Q
 from ferry.runtime.engine import Engine
 from ferry.runtime.kv_cache import row_bytes

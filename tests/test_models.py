@@ -190,7 +190,7 @@ def test_a_graph_run_again_after_a_larger_one_is_placed_afresh(tiny):
     # the larger u-batch grows (moves) the backend's compute buffer; the small graph built before it must not
     # keep pointers into the old one (this corrupted the heap before graphs were re-placed). Reference: the
     # same decodes on a backend whose buffer was already large, so nothing moves there.
-    from ferry.ops.cpu import CpuBackend
+    from ferry.backends.cpu import CpuBackend
 
     model = load_model(GGUFFile(tiny))
     rng = np.random.default_rng(8)
@@ -239,7 +239,7 @@ def test_the_gpu_router_picks_and_weights_experts_as_glm4moe_does(n_group, topk_
     import transformers as T
 
     from ferry.layers.ffn import Routing
-    from ferry.ops.cuda.backend import top_k_route
+    from ferry.backends.cuda import top_k_route
 
     cfg = T.Glm4MoeConfig(hidden_size=16, n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.5,
                           n_group=n_group, topk_group=topk_group, norm_topk_prob=True)

@@ -1,4 +1,4 @@
-"""ferry's own CPU expert kernel (ferry/ops/moe_experts.c) against float64 references, many shapes, odd sizes too; and
+"""ferry's own CPU expert kernel (ferry/kernels/cpu/moe_experts.c) against float64 references, many shapes, odd sizes too; and
 where CpuBackend runs it instead of ggml. The kernel's own tests need a CPU with AVX512-VNNI, as the dev, CI and GPU
 machines have (the first test says which machine this is)."""
 
@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.ops import Weight, native
-from ferry.ops.cpu import CpuBackend
+from ferry.weight import Weight
+from ferry.kernels.cpu import native
+from ferry.backends.cpu import CpuBackend
 from ferry.quant import Q, dequantize, quantize
 
 

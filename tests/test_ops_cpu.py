@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ferry.gguf.synth import random_tensor
-from ferry.ops import Weight
+from ferry.weight import Weight
 from ferry.quant import NUMPY_TYPES, Q, dequantize, quantize
 
 # every type ggml can quantize without an importance matrix; tolerance = its activation rounding:
@@ -60,7 +60,7 @@ def test_moe_block_matches_float64_reference(backend, n_expert, n_used, n_tokens
     gate, gate64 = _weight(rng, Q.Q8_0, n_expert, ff, d)
     down, down64 = _weight(rng, Q.Q8_0, n_expert, d, ff)
     x = rng.standard_normal((n_tokens, d)).astype(np.float32)
-    from ferry.ops.cpu import CpuBackend
+    from ferry.backends.cpu import CpuBackend
 
     ops = backend if fused else CpuBackend(2, fused_moe=False)  # -fmoe / --no-fused-moe
     out, ids = ops.moe(torch.from_numpy(x), router, up, gate, down, n_used, norm_topk, act)
@@ -135,7 +135,7 @@ def test_the_experts_halves_match_float64_each_on_its_own(backend, n_expert, n_u
 def test_graphs_of_different_layers_in_turn_are_placed_once_and_give_their_own_results(monkeypatch):
     """A hybrid decode step runs every MoE layer's ggml graph in turn: each is placed in the shared compute buffer
     once and then runs where it was placed, until a larger graph moves the buffer (then each is placed afresh)."""
-    from ferry.ops import cpu as cpu_mod
+    from ferry.backends import cpu as cpu_mod
 
     backend = cpu_mod.CpuBackend(2)
     rng = np.random.default_rng(3)
@@ -179,7 +179,7 @@ def test_type_without_kernel_or_dequantizer_is_a_user_error(backend):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.IQ4_NL])
 def test_repacked_weight_is_used_and_matches_the_mmap_path(qtype):
-    from ferry.ops.cpu import CpuBackend
+    from ferry.backends.cpu import CpuBackend
 
     rng = np.random.default_rng(7)
     w, _ = _weight(rng, qtype, 64, 512)

@@ -10,7 +10,7 @@ import pytest
 from ferry.cli import main
 from ferry.gguf.file import GGUFFile
 from ferry.models.base import ModelArgs
-from ferry.ops.cuda.executor import PROMPT_GRAPH_MAX
+from ferry.runtime.batch import PROMPT_GRAPH_MAX
 from ferry.placement import layer_devices, memory_plan, parse_size, place
 
 
@@ -155,7 +155,7 @@ def test_plan_states_what_the_weights_in_ram_cost_each_generated_token(tiny, tmp
     text = plan("-ot", "exps=CPU")
     assert f"at most {g['max_tokens_per_s']:.1f} t/s" in text
     # the tiny model's experts are Q4_0: ferry's own kernel runs them where it could be built for this CPU
-    from ferry.ops import native
+    from ferry.kernels.cpu import native
 
     own = native.library() is not None
     assert ("routed experts run on the CPU with ferry's own kernel" in text) == own

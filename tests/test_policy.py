@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from ferry.errors import FerryError
-from ferry.policy import Calibration, decide, experts_fixed_side, experts_hit, parse_policy, split_experts
+from ferry.offload.cost import Calibration, experts_hit
+from ferry.offload.policy import decide, experts_fixed_side, parse_policy, split_experts
 
 # qwen3-30b-a3b's experts: 768 x 2048 Q4_0 (0.5625 bytes per weight), 128 experts, 8 used
 EXPERT = dict(rows=768, cols=2048, bytes_per_weight=0.5625, n_expert=128, n_expert_used=8)
@@ -250,7 +251,7 @@ def test_copies_and_ggml_that_slow_each_other_keep_a_u_batch_on_one_side():
 
 
 def test_auto_measures_each_plausible_way_in_a_row_and_keeps_the_fastest_per_size_class():
-    from ferry.policy import Explorer, size_class
+    from ferry.offload.policy import Explorer, size_class
 
     assert [size_class(n) for n in (1, 2, 3, 64, 65, 4096)] == [1, 2, 4, 64, 128, 4096]
     e = Explorer(samples=2, warmup=0)
@@ -271,7 +272,7 @@ def test_auto_measures_each_plausible_way_in_a_row_and_keeps_the_fastest_per_siz
 
 
 def test_auto_does_not_count_a_ways_first_layers_and_samples_generation_longer():
-    from ferry.policy import Explorer
+    from ferry.offload.policy import Explorer
 
     e = Explorer(samples=2, warmup=1)
     predicted = {"gpu": 1.0, "cpu": 1.0}
@@ -292,7 +293,7 @@ def test_auto_does_not_count_a_ways_first_layers_and_samples_generation_longer()
 
 
 def test_auto_does_not_try_a_prompt_way_predicted_far_slower_than_the_best_but_tries_every_generation_way():
-    from ferry.policy import Explorer
+    from ferry.offload.policy import Explorer
 
     e = Explorer()
     assert e.mode(4096, {"gpu": 1.0, "cpu": 40.0}) == ("gpu", False)
@@ -306,7 +307,7 @@ def test_auto_does_not_try_a_prompt_way_predicted_far_slower_than_the_best_but_t
 def test_a_calibration_far_off_what_generation_measures_is_reported_and_overruled():
     """A calibration taken beside `ferry synth` read the CPU's experts 10x too slow (session 22): generation measures
     the CPU too, keeps it where it is faster, and says that the calibration was this far off."""
-    from ferry.policy import Explorer
+    from ferry.offload.policy import Explorer
 
     e = Explorer(samples=1, warmup=0)
     guess = {"gpu": 1.0, "cpu": 10.0}
@@ -324,9 +325,9 @@ def test_a_calibration_far_off_what_generation_measures_is_reported_and_overrule
 
 
 def test_work_that_grows_with_the_cache_is_measured_per_u_batch_and_cache_size_class():
-    """-mla 3's forms on a GPU (ops/cuda/executor.LatentForms): a class is a pair of powers of two, so a longer
+    """-mla 3's forms on a GPU (runners/cuda.LatentForms): a class is a pair of powers of two, so a longer
     cache starts its own trials and a cache within the same class keeps the choice."""
-    from ferry.policy import Explorer
+    from ferry.offload.policy import Explorer
 
     e = Explorer(samples=1, warmup=0, alternate=True)
     forms = {"absorbed": 1.0, "expanded": 1.0}  # no prediction: both are tried
@@ -341,7 +342,7 @@ def test_work_that_grows_with_the_cache_is_measured_per_u_batch_and_cache_size_c
 
 
 def test_ways_taken_in_turn_spread_a_slow_start_over_each_of_them():
-    from ferry.policy import Explorer
+    from ferry.offload.policy import Explorer
 
     e = Explorer(samples=2, warmup=1, alternate=True)
     ways = []

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from ferry.ops import Weight
+from ferry.weight import Weight
 from ferry.quant import Q
-from ferry.runtime.streamer import PAGE, expert_runs, page_ranges
+from ferry.backends.streamer import PAGE, expert_runs, page_ranges
 
 
 def test_neighbouring_experts_are_copied_as_one_run():

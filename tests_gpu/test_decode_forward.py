@@ -11,8 +11,9 @@ import torch
 
 from conftest import kl_top1
 from ferry.cli import main, open_model
-from ferry.ops.cuda.backend import CudaBackend
-from ferry.ops.cuda.executor import DECODE_MAX, CudaExecutor
+from ferry.backends.cuda import CudaBackend
+from ferry.runtime.runners.cuda import DECODE_MAX
+from ferry.runtime.runners.cuda_graphs import CudaExecutor
 from ferry.runtime.engine import Engine
 
 DEV = "cuda:0" if torch.cuda.is_available() else "cpu"

@@ -8,7 +8,7 @@ from gguf import quants as gguf_quants
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from ferry.ops.cuda.dequant import SUPPORTED, dequantize
+from ferry.kernels.cuda.dequant import SUPPORTED, dequantize
 from ferry.quant import dequantize as reference
 
 # where each type keeps its scale: (byte offset, f16 or the E8M0 byte); random bytes elsewhere are valid

@@ -8,8 +8,8 @@ import torch
 
 from conftest import kl_top1
 from ferry.cli import GpuOptions, open_model
-from ferry.ops.hybrid import HybridBackend
-from ferry.policy import Calibration
+from ferry.backends.hybrid import HybridBackend
+from ferry.offload.cost import Calibration
 from ferry.runtime.engine import Engine
 
 # a made-up machine on which a copy and a CPU read of an expert cost the same: auto splits every MoE layer
@@ -101,7 +101,7 @@ def test_a_batch_taken_layer_first_replays_as_graphs_with_the_eager_bits(mid, po
     """-b 300 -ub 64, three times over the same tokens: with graphs, the first run is eager, the second records CUDA
     graphs cut at each u-batch's attention over the cache and at each layer's joined experts (each u-batch's
     embedding from RAM is a handshake), the third replays them; every run gives the bits of eager runs."""
-    from ferry.ops.cuda.executor import CudaExecutor, _Recorder
+    from ferry.runtime.runners.cuda_graphs import CudaExecutor, _Recorder
 
     path, tokens, _ = mid
     backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], policy))
@@ -139,7 +139,7 @@ def test_generation_with_experts_in_ram_matches_the_cpu_token_by_token(mid, poli
 def test_auto_runs_a_decided_way_without_predicting_the_others(mid, monkeypatch):
     """Once auto has measured a size class's way and a layer has run that size, the layer's next u-batches cost what
     the manual policy's do: one split of the experts for that way, no prediction of auto's own; same logits."""
-    import ferry.ops.hybrid as hybrid
+    import ferry.backends.hybrid as hybrid
 
     path, tokens, want = mid
     backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto"))
@@ -177,7 +177,7 @@ def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid
     a host step that reads only host memory (the embedding from RAM, ggml on a MoE layer decided on the CPU) runs
     while one graph waits at it; without them (or where the step needs the GPU, as a split does), the graphs are
     cut at each host step."""
-    from ferry.ops.cuda.executor import CudaExecutor, _Recorder
+    from ferry.runtime.runners.cuda_graphs import CudaExecutor, _Recorder
 
     path, tokens, _ = mid
     backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),

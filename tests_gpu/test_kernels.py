@@ -1,4 +1,4 @@
-"""The generation kernels (ops/cuda/kernels.py) against float64 references on random inputs of many shapes,
+"""The GPU kernels (ferry/kernels/cuda/) against float64 references on random inputs of many shapes,
 odd sizes too. On a GPU machine they run on the GPU; elsewhere under TRITON_INTERPRET=1 on the CPU."""
 
 import os
@@ -9,7 +9,7 @@ import torch
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from ferry.ops.cuda import kernels as K
+from ferry.kernels.cuda import attention, gemv, layout, moe, norm_rope, route
 from ferry.quant import dequantize as reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,17 +32,17 @@ def _close(got, want, tol=2e-5):
     assert err <= tol * max(want.abs().max().item(), 1.0), err
 
 
-@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,rows,cols", [(1, 1, 32), (1, 17, 96), (3, 33, 288), (1, 200, 2048), (5, 1000, 640)])
 @pytest.mark.parametrize("config", [None, (2, 2048, 4), (8, 512, 8)], ids=str)
 def test_gemv_matches_float64(qtype, n, rows, cols, config):
     rng = np.random.default_rng(rows + cols + n)
     raw, w = _quantized(rng, qtype, rows, cols)
     x = torch.from_numpy(rng.standard_normal((n, cols))).float()
-    _close(K.gemv(K.Split.of(raw, qtype, (cols, rows)), x.to(DEV), config), x.double() @ w.T)
+    _close(gemv.gemv(layout.Split.of(raw, qtype, (cols, rows)), x.to(DEV), config), x.double() @ w.T)
 
 
-@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,rows,cols,config", [(1, 17, 96, None), (3, 33, 288, (8, 512, 8)),
                                                 (2, 200, 2048, (2, 2048, 4)), (1, 640, 4096, None)])
 def test_gemv_of_the_rms_norm_matches_float64(qtype, n, rows, cols, config):
@@ -50,25 +50,25 @@ def test_gemv_of_the_rms_norm_matches_float64(qtype, n, rows, cols, config):
     raw, w = _quantized(rng, qtype, rows, cols)
     x, g = torch.from_numpy(rng.standard_normal((n, cols))), torch.from_numpy(rng.standard_normal(cols))
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
-    got = K.gemv(K.Split.of(raw, qtype, (cols, rows)), x.float().to(DEV), config, norm=(g.float().to(DEV), 1e-6))
+    got = gemv.gemv(layout.Split.of(raw, qtype, (cols, rows)), x.float().to(DEV), config, norm=(g.float().to(DEV), 1e-6))
     _close(got, xn @ w.T)
 
 
-@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_split_layout_expands_to_the_reference(qtype, dtype):
     rng = np.random.default_rng(5)
     raw, w = _quantized(rng, qtype, 3, 7, 96)
-    s = K.Split.of(raw, qtype, (96, 7, 3))
+    s = layout.Split.of(raw, qtype, (96, 7, 3))
     assert s.qs.numel() + 2 * s.d.numel() == raw.numel()  # the same bytes, rearranged
     assert torch.equal(s.floats(dtype).cpu(), w.to(dtype))
     assert torch.equal(s.expert(2).floats(dtype).cpu(), w[2].to(dtype))
-    flat = K.Split.of(raw, qtype, (96, 21))
+    flat = layout.Split.of(raw, qtype, (96, 21))
     ids = torch.tensor([20, 0, 5, 5]).to(DEV)
     assert torch.equal(flat.rows(ids).floats(dtype).cpu(), w.view(21, 96)[ids.cpu()].to(dtype))
 
 
-@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (3, 8, 3, 96, 160), (2, 16, 8, 256, 64)])
 def test_moe_gemv_matches_float64(qtype, act, n, n_expert, n_used, n_embd, n_ff):
@@ -79,9 +79,9 @@ def test_moe_gemv_matches_float64(qtype, act, n, n_expert, n_used, n_embd, n_ff)
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
     weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
     residual = torch.from_numpy(rng.standard_normal((n, n_embd))).float() if act == "gelu" else None
-    got = K.moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), K.Split.of(graw, qtype, (n_embd, n_ff, n_expert)),
-                     K.Split.of(uraw, qtype, (n_embd, n_ff, n_expert)), K.Split.of(draw, qtype, (n_ff, n_embd, n_expert)),
-                     act, residual=None if residual is None else residual.to(DEV))
+    got = moe.moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), layout.Split.of(graw, qtype, (n_embd, n_ff, n_expert)),
+                       layout.Split.of(uraw, qtype, (n_embd, n_ff, n_expert)), layout.Split.of(draw, qtype, (n_ff, n_embd, n_expert)),
+                       act, residual=None if residual is None else residual.to(DEV))
     f = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
     want = torch.zeros(n, n_embd, dtype=torch.float64) if residual is None else residual.double()
     for t in range(n):
@@ -99,7 +99,7 @@ def test_sum_pairs_adds_each_tokens_rows(residual, n, n_used, width):
     y = torch.from_numpy(rng.standard_normal((n * n_used, width)))
     r = torch.from_numpy(rng.standard_normal((n, width)))
     want = y.view(n, n_used, width).sum(1) + (r if residual else 0)
-    _close(K.sum_pairs(y.float().to(DEV), n_used, r.float().to(DEV) if residual else None), want, 1e-6)
+    _close(moe.sum_pairs(y.float().to(DEV), n_used, r.float().to(DEV) if residual else None), want, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -108,7 +108,7 @@ def test_gemv_float_matches_float64(dtype, n, rows, cols):
     rng = np.random.default_rng(rows + cols)
     w = torch.from_numpy(rng.standard_normal((rows, cols))).to(dtype)
     x = torch.from_numpy(rng.standard_normal((n, cols)))
-    _close(K.gemv_float(w.to(DEV), x.float().to(DEV)), x @ w.double().T)
+    _close(gemv.gemv_float(w.to(DEV), x.float().to(DEV)), x @ w.double().T)
 
 
 @pytest.mark.parametrize("rows,n", [(1, 7), (5, 64), (3, 640), (2, 2048), (4, 33)])
@@ -116,7 +116,7 @@ def test_rms_norm_matches_float64(rows, n):
     rng = np.random.default_rng(n)
     x, w = torch.from_numpy(rng.standard_normal((rows, n))), torch.from_numpy(rng.standard_normal(n))
     want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
-    _close(K.rms_norm(x.float().to(DEV), w.float().to(DEV), 1e-6), want)
+    _close(norm_rope.rms_norm(x.float().to(DEV), w.float().to(DEV), 1e-6), want)
 
 
 @pytest.mark.parametrize("neox", [True, False])
@@ -132,8 +132,8 @@ def test_norm_rope_matches_float64(neox, norm, n, heads, dim, n_rot):
     cos, sin = rope.angles(torch.arange(300))
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w if norm else x
     want = rope(xn, cos[pos].double(), sin[pos].double())
-    got = K.norm_rope(x.float().to(DEV), w.float().to(DEV) if norm else None, 1e-6, cos.to(DEV), sin.to(DEV),
-                      pos.to(DEV), n_rot, neox)
+    got = norm_rope.norm_rope(x.float().to(DEV), w.float().to(DEV) if norm else None, 1e-6, cos.to(DEV), sin.to(DEV),
+                              pos.to(DEV), n_rot, neox)
     _close(got, want)
 
 
@@ -142,7 +142,7 @@ def test_add_rms_norm_returns_the_sum_and_its_norm(rows, n):
     rng = np.random.default_rng(n + 1)
     x, dx, w = (torch.from_numpy(rng.standard_normal(shape)) for shape in ((rows, n), (rows, n), (n,)))
     s = x + dx
-    got_s, got_y = K.add_rms_norm(x.float().to(DEV), dx.float().to(DEV), w.float().to(DEV), 1e-6)
+    got_s, got_y = norm_rope.add_rms_norm(x.float().to(DEV), dx.float().to(DEV), w.float().to(DEV), 1e-6)
     _close(got_s, s, 1e-6)
     _close(got_y, s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
 
@@ -152,15 +152,15 @@ def test_add_rms_norm_returns_the_sum_and_its_norm(rows, n):
 @pytest.mark.parametrize("n,n_expert,n_used", [(1, 8, 2), (3, 60, 6), (2, 128, 8), (5, 256, 8), (1, 7, 7)])
 def test_route_picks_the_reference_experts(gating, bias, norm, scale, n, n_expert, n_used):
     from ferry.layers.ffn import Routing
-    from ferry.ops.cuda.backend import top_k_route
+    from ferry.backends.cuda import top_k_route
 
     rng = np.random.default_rng(n_expert + n_used + n)
     logits = torch.from_numpy(rng.standard_normal((n, n_expert)) * 2)
     b = torch.from_numpy(rng.standard_normal(n_expert) * 0.1) if bias else None
     routing = Routing(gating, b, scale)
     want_w, want_ids = top_k_route(logits, n_used, norm, routing)  # float64: the exact choice
-    got_w, got_ids = K.route(logits.float().to(DEV), n_used, norm, scale, gating == "sigmoid",
-                             None if b is None else b.float().to(DEV))
+    got_w, got_ids = route.route(logits.float().to(DEV), n_used, norm, scale, gating == "sigmoid",
+                                 None if b is None else b.float().to(DEV))
     assert got_ids.dtype == torch.int32
     assert torch.equal(got_ids.cpu(), want_ids)
     _close(got_w, want_w, 1e-6)
@@ -193,20 +193,20 @@ def test_qkv_rope_store_matches_the_separate_kernels(ktype, vtype, norm, neox, n
 
     kc, vc = empty(ktype, kw), empty(vtype, heads_kv * dv)
     args = (qn.to(DEV), kn.to(DEV)) if norm else (None, None)
-    q = K.qkv_rope_store(y.to(DEV), *args, 1e-6, cos, sin, pos.to(DEV), cells.to(DEV), kc, vc, ktype == Q.Q8_0,
-                         vtype == Q.Q8_0, heads, heads_kv, dk, dv, n_rot, neox)
+    q = attention.qkv_rope_store(y.to(DEV), *args, 1e-6, cos, sin, pos.to(DEV), cells.to(DEV), kc, vc, ktype == Q.Q8_0,
+                                 vtype == Q.Q8_0, heads, heads_kv, dk, dv, n_rot, neox)
     yd = y.double()
     qh = yd[:, :qw].view(n, heads, dk)
     qh = qh * torch.rsqrt(qh.pow(2).mean(-1, keepdim=True) + 1e-6) * qn.double() if norm else qh
     _close(q, rope(qh, cos.cpu()[pos].double(), sin.cpu()[pos].double()))
 
     want_k, want_v = empty(ktype, kw), empty(vtype, heads_kv * dv)
-    k = K.norm_rope(y[:, qw:qw + kw].reshape(n, heads_kv, dk).to(DEV), args[1], 1e-6, cos, sin, pos.to(DEV), n_rot,
-                    neox)
+    k = norm_rope.norm_rope(y[:, qw:qw + kw].reshape(n, heads_kv, dk).to(DEV), args[1], 1e-6, cos, sin, pos.to(DEV), n_rot,
+                            neox)
     v = y[:, qw + kw:].to(DEV)
     for cache, qtype, x in ((want_k, ktype, k.reshape(n, -1)), (want_v, vtype, v)):
         if qtype == Q.Q8_0:
-            K.store_q8_0(x, cache, cells.to(DEV))
+            attention.store_q8_0(x, cache, cells.to(DEV))
         else:
             cache.view(torch.float16)[cells.to(DEV)] = x.to(torch.float16)
     assert torch.equal(kc.cpu(), want_k.cpu())
@@ -238,8 +238,8 @@ def test_attention_decode_matches_float64(config, splits, ktype, vtype, n, heads
     q = torch.from_numpy(rng.standard_normal((n, heads, dk)))
     pos = torch.from_numpy(rng.integers(0, 60, n))
     base = torch.from_numpy(rng.integers(0, 40, n))
-    got = K.attention_decode(q.float().to(DEV), kraw, vraw, ktype == Q.Q8_0, vtype == Q.Q8_0, pos.to(DEV),
-                             base.to(DEV), heads_kv, dv, dk ** -0.5, window, config, n_cells=cells, splits=splits)
+    got = attention.attention_decode(q.float().to(DEV), kraw, vraw, ktype == Q.Q8_0, vtype == Q.Q8_0, pos.to(DEV),
+                                     base.to(DEV), heads_kv, dv, dk ** -0.5, window, config, n_cells=cells, splits=splits)
     want = torch.empty(n, heads, dv, dtype=torch.float64)
     for t in range(n):
         lo = max(0, int(pos[t]) - window + 1) if window else 0
@@ -261,10 +261,10 @@ def test_unpack_experts_fills_the_slots_split_of_makes(qtype, chosen):
     block = GGML_QUANT_SIZES[qtype][1]
     per = rows * cols // 32 * block
     raw = torch.from_numpy(np.random.default_rng(len(chosen)).integers(0, 256, n_expert * per, dtype=np.uint8))
-    full = K.Split.of(raw.to(DEV), qtype, (cols, rows, n_expert))
+    full = layout.Split.of(raw.to(DEV), qtype, (cols, rows, n_expert))
     staged = torch.cat([raw[e * per:(e + 1) * per] for e in chosen]).to(DEV)
-    got = K.Split.of(torch.zeros_like(raw, device=DEV), qtype, (cols, rows, n_expert))
-    K.unpack_experts(staged, torch.tensor(chosen, device=DEV), got)
+    got = layout.Split.of(torch.zeros_like(raw, device=DEV), qtype, (cols, rows, n_expert))
+    moe.unpack_experts(staged, torch.tensor(chosen, device=DEV), got)
     for e in range(n_expert):
         g, f = got.expert(e), full.expert(e)
         if e in chosen:
@@ -274,11 +274,11 @@ def test_unpack_experts_fills_the_slots_split_of_makes(qtype, chosen):
 
 
 def test_attention_splits_fill_the_gpu_only_for_long_caches():
-    assert K.attention_splits(128, 32, 128) == 1  # tg128's cache: one pass
-    assert K.attention_splits(4096, 32, 128) == 8  # Qwen3's 32 heads over 4096 cells
-    assert K.attention_splits(4096, 16, 32) == 16  # MLA: 16 heads, 32 cells per step
-    assert K.attention_splits(1 << 17, 32, 128) == 8  # bounded by the GPU, not the cache
-    assert K.attention_splits(4096, 600, 128) == 1  # enough programs already
+    assert attention.attention_splits(128, 32, 128) == 1  # tg128's cache: one pass
+    assert attention.attention_splits(4096, 32, 128) == 8  # Qwen3's 32 heads over 4096 cells
+    assert attention.attention_splits(4096, 16, 32) == 16  # MLA: 16 heads, 32 cells per step
+    assert attention.attention_splits(1 << 17, 32, 128) == 8  # bounded by the GPU, not the cache
+    assert attention.attention_splits(4096, 600, 128) == 1  # enough programs already
 
 
 @pytest.mark.parametrize("n,width", [(1, 32), (3, 512), (2, 96 * 3), (5, 1024)])
@@ -289,14 +289,14 @@ def test_store_q8_0_matches_ggml_rounding(n, width):
     x[-1, 8:10] = [2.5, -2.5]
     cache = torch.zeros(10, width // 32 * 34, dtype=torch.uint8, device=DEV)
     cells = torch.from_numpy(rng.permutation(10)[:n]).to(DEV)
-    K.store_q8_0(torch.from_numpy(x).to(DEV), cache, cells)
+    attention.store_q8_0(torch.from_numpy(x).to(DEV), cache, cells)
     want = np.ascontiguousarray(gguf_quants.quantize(x, Q.Q8_0)).view(np.uint8).reshape(n, -1)
     got = cache[cells].cpu().numpy()
     assert (got != want).mean() < 1e-3  # a quotient within an ulp of .5 may round either way
     assert np.abs(got.view(np.int8).astype(int) - want.view(np.int8).astype(int)).max() <= 1 or (got == want).all()
 
 
-@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,n_expert,n_used,rows,cols,block", [(1, 4, 2, 64, 64, 16), (37, 8, 3, 96, 160, 16),
                                                                (50, 16, 4, 130, 96, 32), (129, 6, 2, 64, 256, 64),
                                                                (300, 4, 2, 64, 384, 128)])
@@ -308,16 +308,16 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     rng = np.random.default_rng(n * rows + cols)
     raw, w = _quantized(rng, qtype, n_expert, rows, cols)
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert - 1)[:n_used]) for _ in range(n)])  # one idle expert
-    sched = K.moe_tiles(ids.to(DEV), n_expert, block)
+    sched = moe.moe_tiles(ids.to(DEV), n_expert, block)
     order = sched[0].cpu()
     x = torch.from_numpy(rng.standard_normal((n * n_used, cols))).half()
-    got = K.moe_mm(x[order].to(DEV), K.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block)
+    got = moe.moe_mm(x[order].to(DEV), layout.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block)
     flat = ids.flatten()[order]
     want = torch.stack([w[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
     _close(got, want, 2e-3)  # f16 weights (one rounding each), float32 accumulation
     raw_up, w_up = _quantized(rng, qtype, n_expert, rows, cols)
-    gated = K.moe_mm(x[order].to(DEV), K.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block,
-                     up=K.Split.of(raw_up, qtype, (cols, rows, n_expert)), act=act)
+    gated = moe.moe_mm(x[order].to(DEV), layout.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block,
+                       up=layout.Split.of(raw_up, qtype, (cols, rows, n_expert)), act=act)
     up_rows = torch.stack([w_up[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
     act_ref = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
     _close(gated, act_ref(want) * up_rows, 2e-3)
@@ -325,9 +325,9 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     # times the pair's router weight
     tokens = torch.from_numpy(rng.standard_normal((n, cols))).half()
     scale = torch.from_numpy(rng.uniform(0.1, 1.0, n * n_used)).float()
-    placed = K.moe_mm(tokens.to(DEV), K.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block,
-                      rows_from=(order // n_used).to(torch.int32).to(DEV), rows_to=order.to(torch.int32).to(DEV),
-                      row_scale=scale.to(DEV))
+    placed = moe.moe_mm(tokens.to(DEV), layout.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block,
+                        rows_from=(order // n_used).to(torch.int32).to(DEV), rows_to=order.to(torch.int32).to(DEV),
+                        row_scale=scale.to(DEV))
     by_pair = torch.stack([w[int(ids.flatten()[p])] @ tokens[p // n_used].double() * scale[p].double()
                            for p in range(n * n_used)])
     _close(placed, by_pair, 2e-3)
@@ -339,17 +339,17 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     assert (covered == 1).all()  # each sorted row in exactly one tile
 
 
-@pytest.mark.parametrize("qtype", list(K.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (37, 8, 3, 160, 64)])
 def test_the_gpu_halves_of_the_experts_match_float64(qtype, n, n_expert, n_used, n_embd, n_ff):
     """CudaBackend.pair_up_gate / pair_down, the GPU's half when the CPU runs the other (moe_up_gate / moe_down set
     apart): each pair's act(gate x) * (up x) in pair order; each token's router-weighted sum of down h."""
-    from ferry.ops.cuda.backend import CudaBackend
+    from ferry.backends.cuda import CudaBackend
 
     rng = np.random.default_rng(n * n_ff + n_used)
     (raw_g, g), (raw_u, u) = (_quantized(rng, qtype, n_expert, n_ff, n_embd) for _ in range(2))
     raw_d, d = _quantized(rng, qtype, n_expert, n_embd, n_ff)
-    split = lambda raw, ne: K.Split.of(raw, qtype, ne)  # noqa: E731
+    split = lambda raw, ne: layout.Split.of(raw, qtype, ne)  # noqa: E731
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
     x = torch.from_numpy(rng.standard_normal((n, n_embd))).half()
     h = torch.from_numpy(rng.standard_normal((n * n_used, n_ff))).half()  # the CPU's rows, made up
@@ -372,7 +372,7 @@ def test_sort_pairs_orders_by_expert_and_counts_each(n_expert):
     rng = np.random.default_rng(n_expert)
     ids = torch.from_numpy(rng.integers(0, n_expert, (37, 6))).int()
     ids[0, 0] = n_expert - 1  # the widest id the key type must hold
-    order, counts, ends = K.sort_pairs(ids.to(DEV), n_expert)
+    order, counts, ends = moe.sort_pairs(ids.to(DEV), n_expert)
     flat = ids.flatten().long()
     want = torch.bincount(flat, minlength=n_expert)
     assert torch.equal(counts.cpu(), want) and torch.equal(ends.cpu(), want.cumsum(0))
@@ -385,9 +385,9 @@ def test_head_gemv_matches_float64(n, heads, m, k):
     rng = np.random.default_rng(n + heads + m + k)
     x = torch.from_numpy(rng.standard_normal((n, heads, k)))
     w = torch.from_numpy(rng.standard_normal((heads, m, k))).half()
-    _close(K.head_gemv(x.float().to(DEV), w.to(DEV)), torch.einsum("nhk,hmk->nhm", x, w.double()))
+    _close(gemv.head_gemv(x.float().to(DEV), w.to(DEV)), torch.einsum("nhk,hmk->nhm", x, w.double()))
     wt = torch.from_numpy(rng.standard_normal((heads, k, m))).half()  # read as (heads, m, k) through its strides
-    _close(K.head_gemv(x.float().to(DEV), wt.to(DEV).transpose(1, 2)), torch.einsum("nhk,hkm->nhm", x, wt.double()))
+    _close(gemv.head_gemv(x.float().to(DEV), wt.to(DEV).transpose(1, 2)), torch.einsum("nhk,hkm->nhm", x, wt.double()))
     row = x[:, :1].float().to(DEV).expand(n, heads, k)  # one row per token shared by every head (a latent)
     assert heads == 1 or row.stride(1) == 0
-    _close(K.head_gemv(row, w.to(DEV)), torch.einsum("nhk,hmk->nhm", x[:, :1].expand(n, heads, k), w.double()))
+    _close(gemv.head_gemv(row, w.to(DEV)), torch.einsum("nhk,hmk->nhm", x[:, :1].expand(n, heads, k), w.double()))

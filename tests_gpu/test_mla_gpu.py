@@ -11,8 +11,8 @@ from conftest import kl_top1
 from ferry.cli import GpuOptions, main, open_model
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
-from ferry.ops.cuda.backend import CudaBackend
-from ferry.ops.cuda.executor import CudaExecutor
+from ferry.backends.cuda import CudaBackend
+from ferry.runtime.runners.cuda_graphs import CudaExecutor
 from ferry.runtime.engine import Engine
 
 N_PROMPT, N_GEN = 300, 30

@@ -12,8 +12,8 @@ from conftest import kl_top1
 from ferry.cli import open_model
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
-from ferry.ops.cuda.backend import CudaBackend
-from ferry.ops.cuda.executor import CudaExecutor
+from ferry.backends.cuda import CudaBackend
+from ferry.runtime.runners.cuda_graphs import CudaExecutor
 from ferry.runtime.engine import Engine
 
 

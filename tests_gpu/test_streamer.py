@@ -9,9 +9,9 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-from ferry.ops import Weight
-from ferry.ops.cuda.kernels import Split
-from ferry.runtime.streamer import Streamer
+from ferry.weight import Weight
+from ferry.kernels.cuda.layout import Split
+from ferry.backends.streamer import Streamer
 
 N_EXPERT, ROWS, COLS = 64, 768, 2048  # Qwen3-30B-A3B's expert shape: 56 MB per tensor at Q4_0
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import kl_top1
 from ferry.cli import GpuOptions, open_model
-from ferry.ops.cuda.split import SplitBackend
+from ferry.backends.multi_gpu import SplitBackend
 from ferry.runtime.engine import Engine
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -12,7 +12,7 @@ from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType, GGUFValueType
 
 from ferry.quant import row_bytes
-from ferry.tools.files import atomic_file
+from ferry.files import atomic_file
 
 
 @dataclass

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ferry.layers.rope import Rope
-from ferry.ops import Weight
+from ferry.weight import Weight
 from ferry.quant import Q, row_bytes
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.ops import Weight
+from ferry.weight import Weight
 
 
 @dataclass

@@ -14,7 +14,7 @@ from ferry.gguf.file import GGUFFile
 from ferry.layers.attention import Attention, LatentAttention
 from ferry.layers.ffn import SparseMoE
 from ferry.layers.rope import Yarn
-from ferry.ops import Weight
+from ferry.weight import Weight
 from ferry.quant import dequantize
 from ferry.runtime.kv_cache import CacheLayout, cache_layout, mla_mode
 

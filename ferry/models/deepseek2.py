@@ -11,7 +11,7 @@ from ferry.layers.attention import LatentAttention
 from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
 from ferry.models.llama import Block, dense_ffn, routed_moe
-from ferry.ops import Weight
+from ferry.weight import Weight
 
 
 def _kv_b(w: WeightLoader, a: ModelArgs, i: int, nope: int) -> tuple[Weight | None, torch.Tensor, torch.Tensor]:

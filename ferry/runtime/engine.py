@@ -11,9 +11,9 @@ import torch
 
 from ferry.errors import FerryError
 from ferry.models.base import Model
-from ferry.ops.cpu_graph import CpuGraphExecutor
-from ferry.ops.torch_ops import EagerExecutor
-from ferry.runtime.context import Batch, count_hits
+from ferry.runtime.runners.ggml_graph import CpuGraphExecutor
+from ferry.runtime.runners.eager import EagerExecutor
+from ferry.runtime.batch import Batch, count_hits
 from ferry.runtime.kv_cache import KVCache
 from ferry.runtime.sampling import Sampler
 
@@ -69,8 +69,9 @@ class Engine:
         self.kv = KVCache.of(model.cache_layout(), a.n_layer, n_ctx, type_k, type_v,
                              getattr(backend, "layer_devices", str(backend.device)) if gpu else None)
         if gpu:
-            from ferry.ops.cuda.executor import CudaExecutor
-            from ferry.ops.cuda.split import SplitBackend, SplitExecutor
+            from ferry.runtime.runners.cuda_graphs import CudaExecutor
+            from ferry.backends.multi_gpu import SplitBackend
+            from ferry.runtime.runners.multi_gpu import SplitExecutor
 
             self.executor = SplitExecutor(backend) if isinstance(backend, SplitBackend) else CudaExecutor(backend)
         else:

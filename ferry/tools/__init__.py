@@ -1,1 +1,1 @@
-"""User-facing tools built on the engine: info, and later bench, sweep, ppl, compare."""
+"""User-facing tools built on the engine: info, bench, sweep, ppl, compare."""

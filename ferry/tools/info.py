@@ -15,7 +15,7 @@ from ferry.placement import parse_overrides, place
 def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides, repack: bool = True) -> list[dict]:
     """Tensors grouped by name with the layer number folded out ('blk.*.attn_q.weight'). A CPU tensor's
     layout is 'repacked' where ggml has an interleaved layout for it (-rtr, the default), else 'mmap'."""
-    from ferry.ops.cpu import has_repack_layout
+    from ferry.kernels.cpu.ggml import has_repack_layout
 
     groups: dict[tuple, dict] = {}
     for t in f.tensors.values():

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ferry.errors import FerryError
-from ferry.tools.files import atomic_file
+from ferry.files import atomic_file
 
 PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0)
 

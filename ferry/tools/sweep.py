@@ -102,7 +102,7 @@ def plot(runs: list[tuple[str, list[SweepRow]]], out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    from ferry.tools.files import atomic_file
+    from ferry.files import atomic_file
 
     try:
         with atomic_file(out) as tmp:

@@ -1,6 +1,7 @@
-"""The GPU forward: TorchOps whose positions, cache cells and rope angles live on the GPU, so that a decode step
-needs nothing from the host and is captured once per shape as a CUDA graph and replayed (llama.cpp does the
-same); prompt u-batches are replayed as graphs cut at their attention over the cache, whose length changes."""
+"""The GPU runner: a step's forward recorded once per shape as a CUDA graph and replayed (llama.cpp does the same): a
+decode step from its first run, prompt u-batches from their shape's second, cut where work depends on the cache length
+or must run on the host (ops on weights in RAM); a host step that reads only host memory runs while the graph waits
+at it (Handshakes) instead of cutting it."""
 
 from __future__ import annotations
 
@@ -13,275 +14,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-from gguf.constants import GGMLQuantizationType as Q
 
 from ferry.layers.rope import Rope
-from ferry.ops.torch_ops import TorchOps
-from ferry.policy import Explorer
-from ferry.runtime.context import PROMPT_GRAPH_MAX, Batch
-from ferry.runtime.kv_cache import TORCH_TYPES
+from ferry.runtime.batch import PROMPT_GRAPH_MAX, Batch
+from ferry.runtime.runners.cuda import DECODE_MAX, CudaOps, LatentForms
 
-DECODE_MAX = 8  # tokens up to which attention runs as the decode kernel over the cache (and graphs are used)
+
 PROMPT_GRAPHS_KEPT = 8  # prompt shapes recorded at once
+
+
 PROMPT_RECORDED_AT = 2  # the run of a prompt shape that records it as CUDA graphs (the first runs eagerly)
-
-
-class LatentForms:
-    """-mla 3 on a GPU: the form (absorbed or expanded) a prompt u-batch's latent attention takes, measured on this
-    machine and model, as auto measures where experts run (policy.Explorer; classes by the u-batch's and the
-    cache's sizes, powers of two): the first u-batches of a class run `warmup` + `samples` layers in each form,
-    one layer each in turn, timed by CUDA events, and the faster form is kept for the class. The crossover moves
-    with the GPU, the head count, the cache type and -amb: on one H100 at V2-Lite's shapes, absorbing won over
-    short caches at every u-batch and expanding over 4096 cells and more (docs/performance.md, sessions 13-15).
-    `fixed`: a rule (n_tokens, n_kv) -> form instead of measuring (tests, benchmarks)."""
-
-    def __init__(self, fixed: Callable[[int, int], str] | None = None):
-        self.explorer = Explorer(samples=3, alternate=True)
-        self.fixed = fixed
-
-    def run(self, n_tokens: int, n_kv: int, forms: dict[str, Callable[[], torch.Tensor]]) -> torch.Tensor:
-        if self.fixed is not None:
-            return forms[self.fixed(n_tokens, n_kv)]()
-        form, trial = self.explorer.mode(n_tokens, dict.fromkeys(forms, 1.0), cells=n_kv)
-        if not trial:
-            return forms[form]()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = forms[form]()
-        end.record()
-        end.synchronize()  # a few layers per class wait for their own attention: the next decision needs its time
-        self.explorer.record(n_tokens, form, start.elapsed_time(end) / 1e3, cells=n_kv)
-        return out
-
-    def report(self) -> list[str]:
-        """One line per class timed so far: the form kept (or that it is still being timed) and the times behind it
-        (`ferry run --verbose`)."""
-        ex = self.explorer
-        return [f"-mla 3 prompt form {ex.chosen[key]}: {ex.why(*key)}" if key in ex.chosen else
-                f"-mla 3 prompt form for u-batches up to {key[0]} over up to {key[1]} cells: still being timed"
-                for key in ex.trials]
-
-
-class CudaOps(TorchOps):
-    """One forward's ops on the GPU: `pos` / `cells` (n,) int64 on the GPU; tables: Rope -> (cos, sin) of every
-    cache position."""
-
-    def __init__(self, backend, batch: Batch, tokens: torch.Tensor, pos: torch.Tensor, cells: torch.Tensor,
-                 tables: dict, latent_forms: LatentForms):
-        super().__init__(backend, batch, tokens)
-        self.pos, self.cells, self.tables = pos, cells, tables
-        self.latent_forms = latent_forms
-        self._base: torch.Tensor | None = None
-
-    def take(self, x: torch.Tensor) -> torch.Tensor:
-        """x on this op set's GPU, made the current device: Triton launches on the current one."""
-        torch.cuda.set_device(self.tokens.device)
-        return x.to(self.tokens.device)
-
-    def rebind(self, batch: Batch) -> None:
-        """A recorded step replayed for `batch`: what its host steps between graphs read (the cache length, the
-        mask), with nothing kept from the batch before."""
-        self.batch = batch
-        self._moved.clear()
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        from ferry.ops.cuda import kernels
-
-        return kernels.rms_norm(x, self.backend.vector(weight), eps)
-
-    def add_rms_norm(self, x: torch.Tensor, dx: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        from ferry.ops.cuda import kernels
-
-        return kernels.add_rms_norm(x, dx, self.backend.vector(weight), eps)
-
-    def fused_attention(self, attn, x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
-        """A decode step's attention layer in three launches: one GEMV for q, k and v (their rows uploaded as one
-        matrix; the pre-norm taken inside it), one kernel for the q/k norms, rope and both cache stores, and
-        attention over the cache."""
-        from ferry.ops.cuda import kernels
-
-        kv, n = self.batch.kv, x.shape[0]
-        w = self.backend.fused((attn.wq, attn.wk, attn.wv))
-        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
-                or any(b is not None for b in (attn.bq, attn.bk, attn.bv))
-                or any(t not in (Q.F16, Q.Q8_0) or (t == Q.Q8_0 and d % 32)
-                       for t, d in ((kv.type_k, attn.head_dim_k), (kv.type_v, attn.head_dim_v)))):
-            return None
-        k_q8, v_q8 = kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0
-        cos, sin = self.tables[attn.rope]
-        norms = (None, None) if attn.q_norm is None else (self.backend.vector(attn.q_norm),
-                                                           self.backend.vector(attn.k_norm))
-        y = kernels.gemv(w, x, norm=None if norm is None else (self.backend.vector(norm), eps))
-        q = kernels.qkv_rope_store(y, *norms, attn.norm_eps, cos, sin, self.pos, self.cells,
-                                   kv.k[attn.layer], kv.v[attn.layer], k_q8, v_q8, attn.n_head, attn.n_head_kv,
-                                   attn.head_dim_k, attn.head_dim_v, attn.rope.n_rot, attn.rope.neox)
-        return self._decode_attention(attn.layer, q, attn.scale, attn.window)
-
-    def _decode_attention(self, layer: int, q: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-        """q (n, heads, dk) of a decode-sized batch against the cache up to each token's position (the decode
-        kernel, which reads f16 or q8_0 rows in place)."""
-        from ferry.ops.cuda import kernels
-
-        kv = self.batch.kv
-        v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
-        return kernels.attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
-                                        kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
-                                        kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx)
-
-    def moe(self, x: torch.Tensor, router, up, gate, down, n_used: int, norm_topk: bool, act: str, routing=None,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
-        out, ids = self.backend.moe(x, router, up, gate, down, n_used, norm_topk, act, routing, residual)
-        self.batch.expert_ids.append(ids)
-        return out
-
-    def _cell_base(self) -> torch.Tensor:
-        """Each token's cache cell minus its position (where its sequence starts), once per forward."""
-        if self._base is None:
-            self._base = self.cells - self.pos
-        return self._base
-
-    def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        from ferry.ops.cuda import kernels
-
-        cos, sin = self.tables[rope]
-        return kernels.norm_rope(x, None, 0.0, cos, sin, self.pos, rope.n_rot, rope.neox)
-
-    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        """This batch's keys and values into their cache cells (v None: a cache whose values are in the keys)."""
-        from ferry.ops.cuda import kernels
-
-        kv, n = self.batch.kv, k.shape[0]
-        pairs = [(kv.k[layer], kv.type_k, k)] + ([] if v is None else [(kv.v[layer], kv.type_v, v)])
-        for cache, qtype, x in pairs:
-            if qtype == Q.Q8_0:
-                kernels.store_q8_0(x, cache, self.cells)
-            else:
-                cache.view(TORCH_TYPES[qtype]).view(kv.n_ctx, -1).index_copy_(
-                    0, self.cells, x.reshape(n, -1).to(TORCH_TYPES[qtype]))
-
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
-                  window: int) -> torch.Tensor:
-        kv, n = self.batch.kv, q.shape[0]
-        self._store(layer, k, v)
-        if n <= DECODE_MAX:
-            return self._decode_attention(layer, q, scale, window)
-
-        def over_cache(q):  # a prompt: flash / memory-efficient attention over the cache as f16
-            n_kv = self.batch.n_kv
-            keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
-            if kv.v_in_k:  # MLA: the values are the first of each key row
-                values = keys[..., :kv.head_dim_v]
-            else:
-                values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
-            return self._sdpa_f16(q, keys, values, scale, window)
-
-        return self.cache_sized(over_cache, (q,), (n, q.shape[1] * kv.head_dim_v))
-
-    def cache_sized(self, fn, inputs: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """fn(*inputs), whose shapes depend on the cache length: while a prompt step is recorded as CUDA graphs,
-        it runs between two graphs at each replay, with the batch of that replay."""
-        recorder = self.backend.recorder
-        if recorder is None:
-            return fn(*inputs)
-        return recorder.defer(fn, shape, self.tokens.device, inputs=inputs, shared="cache_sized")
-
-    def _sdpa_f16(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                  window: int) -> torch.Tensor:
-        """q (n, heads, d) to keys and values (n_kv, heads_kv, d) of every attended cell, in f16: (n, heads * d_v)."""
-        n = q.shape[0]
-        keys = keys.to(torch.float16)
-        # (1, heads, tokens, dim): torch's flash and memory-efficient kernels take only 4-D inputs (3-D ones fall
-        # back to the math kernel, which materialises every score in float32) and no GQA here
-        q = q.to(keys.dtype).transpose(0, 1)[None]
-        keys, values = keys.transpose(0, 1)[None], values.to(keys.dtype).transpose(0, 1)[None]
-        group = q.shape[1] // keys.shape[1]
-        if group > 1 and keys.shape[1] == 1:  # one head shared by all (MLA's latent): a broadcast view, no copies
-            keys, values = keys.expand(-1, q.shape[1], -1, -1), values.expand(-1, q.shape[1], -1, -1)
-        elif group > 1:
-            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        if self.batch.seq is None and not window and self.batch.start == 0:  # causal from cell 0: flash
-            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
-        elif self.batch.seq is None and not window:  # one sequence's next positions: causal to the cache's end, flash
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(n, keys.shape[2]),
-                                                 scale=scale)
-        else:  # a mask (windows, server slots): the memory-efficient kernel
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale)
-        return out[0].transpose(0, 1).reshape(n, -1).float()
-
-    def cached_rows(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        kv = self.batch.kv
-        self._store(layer, k, None)
-        return _floats(kv.k[layer][:self.batch.n_kv], kv.type_k).float()
-
-    def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Through the float16 copy of w on the GPU (CudaBackend.half): a GEMV per head and token for few tokens,
-        float32 throughout; f16 cuBLAS with float32 accumulation for many, as CudaBackend.linear multiplies."""
-        from ferry.ops.cuda import kernels
-        from ferry.ops.cuda.backend import GEMV_MAX, _mm
-
-        w16 = self.backend.half(w)
-        if x.shape[0] <= GEMV_MAX:
-            return kernels.head_gemv(x, w16)
-        return _mm(x.transpose(0, 1).to(torch.float16), w16.transpose(1, 2)).transpose(0, 1)
-
-    def expand_latents(self, latents: torch.Tensor, attn, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Through the float16 copies of k_b / v_b (CudaBackend.half), as head_linear: per-head GEMVs of each latent
-        for few rows, one f16 cuBLAS product per projection for many."""
-        from ferry.ops.cuda import kernels
-        from ferry.ops.cuda.backend import GEMV_MAX, _mm
-
-        k_b, v_b = (self.backend.half(t)[first:first + count] for t in (attn.k_b, attn.v_b))
-        rows, lora = latents.shape
-        if rows <= GEMV_MAX:
-            x = latents.float()[:, None, :].expand(rows, count, lora)
-            return kernels.head_gemv(x, k_b.transpose(1, 2)), kernels.head_gemv(x, v_b)
-        x = latents.to(torch.float16)
-        k = _mm(x, k_b.permute(1, 0, 2).reshape(lora, -1))  # (lora, count * nope)
-        v = _mm(x, v_b.permute(2, 0, 1).reshape(lora, -1))  # (lora, count * v)
-        return k.view(rows, count, -1), v.view(rows, count, -1)
-
-    def mla3(self, attn, q_nope, q_pe, row) -> torch.Tensor:
-        """-mla 3: decode steps absorbed (the decode kernel); a prompt u-batch in the form measured faster for its
-        size and the cache length (LatentForms), decided at each run: a recorded prompt graph serves every cache
-        length, so the whole latent attention runs between graphs."""
-        n = self.n_tokens
-        if n <= DECODE_MAX:
-            return attn.absorbed(self, q_nope, q_pe, row)
-
-        def faster(q_nope, q_pe, row):
-            forms = {"absorbed": lambda: attn.absorbed(self, q_nope, q_pe, row),
-                     "expanded": lambda: attn.expanded(self, q_nope, q_pe, row)}
-            return self.latent_forms.run(n, self.batch.n_kv, forms)
-
-        return self.cache_sized(faster, (q_nope, q_pe, row), (n, attn.n_head * attn.head_dim_v))
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return self._sdpa_f16(q, k, v, scale, 0)
 
 
 def _is_prompt(key: tuple) -> bool:
     """Whether a recorded step's key is a prompt's (a u-batch of more than DECODE_MAX tokens, or a logical batch
     taken layer first, key[4] its u-batches' sizes): those count against PROMPT_GRAPHS_KEPT."""
     return key[2] > DECODE_MAX or key[4] is not None
-
-
-def _typed(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
-    """Cache rows as the kernels read them: q8_0 bytes, or the float type."""
-    return rows if qtype == Q.Q8_0 else rows.view(TORCH_TYPES[qtype])
-
-
-def _floats(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
-    """Cache rows (n, bytes) as (n, width) floats: a view of a float cache, q8_0 expanded to f16."""
-    if qtype in TORCH_TYPES:
-        return rows.view(TORCH_TYPES[qtype])
-    from ferry.ops.cuda.dequant import dequantize
-
-    width = rows.shape[1] // 34 * 32
-    return dequantize(rows.reshape(-1), qtype, (width, rows.shape[0]), torch.float16)
 
 
 class Handshakes:
@@ -309,7 +57,7 @@ class Handshakes:
     def of(cls, device) -> Handshakes | None:
         """Handshakes for recordings on `device`, or None where the driver lacks stream memory operations (or
         FERRY_HANDSHAKES=0 turns them off): steps are then cut into graphs at every host step."""
-        from ferry.runtime.streamer import cuda_driver, cudart_library
+        from ferry.kernels.cuda.driver import cuda_driver, cudart_library
 
         lib = cuda_driver()
         if lib is None or cudart_library() is None or os.environ.get("FERRY_HANDSHAKES", "1") == "0":
@@ -319,7 +67,7 @@ class Handshakes:
     def record(self, k: int, out: torch.Tensor, result: torch.Tensor) -> None:
         """Capture host step k into the current graph: signal, wait, then copy `result` (page-locked, which the
         host step fills) into `out`."""
-        from ferry.runtime.streamer import cudart_library
+        from ferry.kernels.cuda.driver import cudart_library
 
         assert out.shape == result.shape and out.dtype == result.dtype and result.is_contiguous()
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
@@ -358,6 +106,8 @@ class Handshakes:
 
 
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+
+
 _H2D = 1  # cudaMemcpyHostToDevice
 
 
@@ -459,7 +209,7 @@ def _launcher(graph: torch.cuda.CUDAGraph):
     cudaGraphLaunch through ctypes. torch's replay where the runtime or the instantiated graph is not at hand."""
     import ctypes
 
-    from ferry.runtime.streamer import cudart_library
+    from ferry.kernels.cuda.driver import cudart_library
 
     lib = cudart_library()
     try:

@@ -2,7 +2,7 @@
  * CpuBackend.repack made) and Q6_K experts in their plain GGUF layout (ggml has no repacked one for it): h = silu(gate
  * x) * up x for each selected expert, then the weighted sum of down h. A Q4_K_M file's MoE layers are Q4_K up and
  * gate with Q4_K or Q6_K down.
- * Compiled at first use by ferry/ops/native.py, for CPUs with AVX512-VNNI; elsewhere ggml runs these experts.
+ * Compiled at first use by ferry/kernels/cpu/native.py, for CPUs with AVX512-VNNI; elsewhere ggml runs these experts.
  *
  * The layouts (ggml's repack for AVX2 and up) keep rows in groups of 8 and, per group, take 8 bytes of each row's
  * nibbles in turn, so that one 512-bit load holds 8 bytes of all 8 rows:

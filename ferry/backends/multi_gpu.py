@@ -1,15 +1,11 @@
 """Layers split across several GPUs (llama.cpp's -sm layer, -ts): each GPU holds a run of consecutive layers, their
-KV cache and weights, and computes them; the activations move to the next GPU where its run starts. The embedding
-runs on the first layer's GPU, the output on the output layer's. Steps run op by op (no CUDA graphs yet)."""
+KV cache and weights, and computes them; the embedding runs on the first layer's GPU, the output on the output
+layer's."""
 
 from __future__ import annotations
 
-import torch
-
-from ferry.ops import Weight
-from ferry.ops.cuda.backend import CudaBackend
-from ferry.ops.cuda.executor import CudaExecutor
-from ferry.runtime.context import Batch
+from ferry.backends.cuda import CudaBackend
+from ferry.weight import Weight
 
 
 def _torch_device(name: str) -> str:
@@ -46,21 +42,3 @@ class SplitBackend:
     def synchronize(self) -> None:
         for b in self.gpus.values():
             b.synchronize()
-
-
-class SplitExecutor:
-    """A forward over GPUs in turn: each GPU's CudaExecutor builds the op set of its layers (eagerly)."""
-
-    def __init__(self, backend: SplitBackend):
-        self.backend = backend
-        self.parts = {d: CudaExecutor(b, graphs=False) for d, b in backend.gpus.items()}
-
-    def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        ops = {d: ex.placed_ops(model, batch, tokens) for d, ex in self.parts.items()}
-        layers = self.backend.layers
-        current = torch.cuda.current_device()
-        torch.cuda.set_device(self.backend.device)  # the embedding's GPU; each block's op set moves on (take)
-        try:
-            return model.forward_across(ops[layers[0]], [ops[d] for d in layers[:-1]], ops[layers[-1]])
-        finally:
-            torch.cuda.set_device(current)

@@ -1,10 +1,11 @@
 """Offload decisions for ops whose weights live in CPU RAM: compute there, or ferry the weights over PCIe and
 compute on the GPU. Ops have names, never integer ids. Three ways to decide:
-- `auto` (default): predict both times from this machine's calibration and take the faster;
+- `auto` (default): predict both times from this machine's calibration (cost.py) and take the faster, then measure
+  the plausible ways on the first u-batches of each size (Explorer) and keep the fastest;
 - `threshold`: llama.cpp's rule, offload when the batch has at least `min_batch` tokens (for MoE experts,
   min_batch * n_expert / n_expert_used);
 - per-op overrides, `mul_mat_id=on,moe_down=off` or `all=off`, on top of either.
-The decision is a pure function of the calibration and the op's shape, so it is tested with made-up machines.
+A decision is a pure function of the calibration and the op's shape, so it is tested with made-up machines.
 """
 
 from __future__ import annotations
@@ -14,68 +15,23 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ferry.errors import FerryError
+from ferry.offload.cost import GPU_SIDE_LAUNCHES, Calibration, experts_hit
+
 
 # a dense matmul on a CPU weight; the routed experts (both halves, unless one is named); their two halves
 OPS = ("mul_mat", "mul_mat_id", "moe_up_gate", "moe_down")
+
+
 MODES = ("auto", "threshold")
+
+
 SETTINGS = ("on", "off", "auto")
+
+
 DEFAULT_MIN_BATCH = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
+
+
 GENERATION_TOKENS = 8  # u-batches up to this size are generation's (one token per sequence)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What this machine does, measured by `ferry calibrate`: bytes/s and FLOP/s per side, copy latency."""
-
-    h2d_bytes_per_s: float
-    h2d_latency_s: float
-    cpu_bytes_per_s: float  # reading quantized weights (GEMV bound)
-    cpu_flops: float  # dense matmul throughput (large batches)
-    gpu_bytes_per_s: float
-    gpu_flops: float
-    # ggml's routed experts, measured per quant type: its name -> ((tokens per expert, seconds per byte of expert
-    # weights), rising tokens); a batched mul_mat_id is neither GEMV- nor FLOP-bound on a CPU, so the policy
-    # interpolates this table. A type not measured takes Q4_0's rate per byte
-    cpu_moe: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
-    # ferry's own kernel for one token's routed experts (ops/native.py), measured: type -> seconds per byte of the
-    # experts it reads (1.3x ggml's rate on the H100 machine, docs/decisions.md); none where it did not run
-    cpu_moe_token: dict[str, float] = field(default_factory=dict)
-    launch_s: float = 0.0  # one GPU kernel launch from Python: the GPU side of a split MoE costs a few dozen
-    # the share of the shorter side's time that running both sides at once does not hide: PCIe copies and ggml's
-    # experts slow each other (H100 machine: copy 4.3 ms, ggml 6.7 ms, both 9.9 ms; benchmarks/profile_hybrid.py;
-    # 0.55 in session 14). Not calibrated: a copy and ggml alone overlap almost fully (docs/decisions.md)
-    overlap: float = 0.73
-
-    def cpu_expert_s(self, expert_bytes: float, tokens, flops_per_token: float, types: dict[str, float] | None = None,
-                     token_kernel: bool = False):
-        """One expert's weights times `tokens` tokens on the CPU, from the measured tables where there are some;
-        tokens may be an array (each expert's count), and so is the result then. types: each quant type's share of
-        the expert's bytes (Q4_0 alone by default); token_kernel: the u-batch is one token and ferry's own kernel
-        runs it (CpuBackend.native_experts), at its measured rate where there is one."""
-        t = np.asarray(tokens, dtype=np.float64)
-        s = np.zeros_like(t)
-        for qtype, share in (types or {"Q4_0": 1.0}).items():
-            part = expert_bytes * share
-            table = self.cpu_moe.get(qtype) or self.cpu_moe.get("Q4_0")
-            if token_kernel and qtype in self.cpu_moe_token:
-                s = s + part * self.cpu_moe_token[qtype] * t
-            elif not table:
-                s = s + np.maximum(part / self.cpu_bytes_per_s, t * flops_per_token * share / self.cpu_flops)
-            else:
-                c, per = np.array(table, dtype=np.float64).T
-                # below the table its first point, inside it interpolated, beyond it compute-bound: linear in tokens
-                s = s + part * np.where(t > c[-1], per[-1] * t / c[-1], np.interp(t, c, per))
-        return s if np.ndim(tokens) else float(s)
-
-    def gpu_expert_s(self, expert_bytes: float, tokens: np.ndarray, flops_per_token: float) -> np.ndarray:
-        """Each expert's copy over PCIe and its compute on the GPU, for its count of tokens."""
-        return (self.h2d_latency_s + expert_bytes / self.h2d_bytes_per_s
-                + np.maximum(expert_bytes / self.gpu_bytes_per_s, tokens * flops_per_token / self.gpu_flops))
-
-
-# launches' worth of host time a MoE layer's GPU side adds (staging, the expert kernels, the sum): 1.1 ms beyond its
-# copies on the H100 machine at 9 us per launch (benchmarks/profile_hybrid.py, session 5)
-GPU_SIDE_LAUNCHES = 120
 
 
 @dataclass
@@ -110,20 +66,6 @@ def parse_policy(text: str, min_batch: int = DEFAULT_MIN_BATCH) -> Policy:
             raise FerryError(f"--offload-policy: '{item}' must set on, off or auto")
         policy.overrides[name] = value
     return policy
-
-
-def type_shares(tensors) -> dict[str, float]:
-    """Each quant type's share of a layer's expert bytes, from its expert tensors' (type name, bytes) pairs."""
-    total = sum(n for _, n in tensors)
-    shares: dict[str, float] = {}
-    for qtype, n in tensors:
-        shares[qtype] = shares.get(qtype, 0.0) + n / total
-    return shares
-
-
-def experts_hit(n_tokens: int, n_expert: int, n_expert_used: int) -> float:
-    """Expected distinct experts a batch routes to, if each token picks k of E uniformly."""
-    return n_expert * (1.0 - (1.0 - n_expert_used / n_expert) ** n_tokens)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """GPU backend: weights live on the GPU in their GGUF encoding. Few tokens (generation): quantized GEMV kernels
-read the bytes directly (kernels.py). Many tokens (prompts): the weight is expanded by the Triton dequantizer
+read the bytes directly (kernels/cuda/gemv.py, moe.py). Many tokens (prompts): the weight is expanded by the Triton dequantizer
 into a reused f16 scratch and multiplied by cuBLAS (float32 accumulation, as llama.cpp's cuBLAS path); a MoE layer sorts its (token, expert) pairs by expert and
 runs every expert in one grouped GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 weights in
 registers; torch._grouped_mm on bf16 copies for other types), without the host learning which experts were hit."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from gguf.constants import GGML_QUANT_SIZES
 
-from ferry.ops import Weight
+from ferry.weight import Weight
 from ferry.quant import Q
 
 _ACT = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}
@@ -47,9 +47,9 @@ class CudaBackend:
         torch.cuda.synchronize(self.device)
 
     def upload(self, w: Weight):
-        """The weight on the GPU (once): Q8_0 / Q4_0 split into quants and scales (kernels.Split), other types
+        """The weight on the GPU (once): Q8_0 / Q4_0 split into quants and scales (Split), other types
         as their GGUF bytes."""
-        from ferry.ops.cuda.kernels import GEMV_KINDS, Split
+        from ferry.kernels.cuda.layout import GEMV_KINDS, Split
 
         t = self._raw.get(id(w))
         if t is None:
@@ -63,7 +63,7 @@ class CudaBackend:
         """Weights that one input feeds (attention's q, k and v) uploaded as one Split holding their rows in order,
         so that a token's projections are one GEMV launch (fused()); each weight's upload is a view of its rows.
         Only Q8_0 / Q4_0 matrices of one type and width, none uploaded yet; others stay apart."""
-        from ferry.ops.cuda.kernels import GEMV_KINDS, Split
+        from ferry.kernels.cuda.layout import GEMV_KINDS, Split
 
         first = ws[0]
         if first.qtype not in GEMV_KINDS or any(len(w.ne) != 2 or w.qtype != first.qtype or w.ne[0] != first.ne[0]
@@ -114,7 +114,7 @@ class CudaBackend:
             return raw.floats(dtype, out)
         if qtype in _FLOAT:
             return out.copy_(raw.view(_FLOAT[qtype]).view(out.shape))
-        from ferry.ops.cuda.dequant import SUPPORTED, dequantize  # Triton: only where a GPU is
+        from ferry.kernels.cuda.dequant import SUPPORTED, dequantize  # Triton: only where a GPU is
 
         if qtype not in SUPPORTED:
             raise NotImplementedError(f"no GPU kernel for {qtype.name} yet")
@@ -127,13 +127,13 @@ class CudaBackend:
     def matmul(self, x: torch.Tensor, qtype, raw, ne: tuple[int, ...]) -> torch.Tensor:
         """linear() on a weight already on the GPU: its GGUF bytes or a Split (uploaded, or staged by the
         hybrid runtime)."""
-        from ferry.ops.cuda import kernels
+        from ferry.kernels.cuda.gemv import gemv, gemv_float
 
         if x.shape[0] <= GEMV_MAX:
             if not isinstance(raw, torch.Tensor):
-                return kernels.gemv(raw, x)
+                return gemv(raw, x)
             if qtype in (Q.F32, Q.F16) and len(ne) == 2:  # a router: read in place
-                return kernels.gemv_float(raw.view(_FLOAT[qtype]).view(ne[1], ne[0]), x)
+                return gemv_float(raw.view(_FLOAT[qtype]).view(ne[1], ne[0]), x)
             return x.float() @ self._expand(qtype, raw, ne, torch.float32).T
         return _mm(x.to(torch.float16), self._expand(qtype, raw, ne, torch.float16).T)
 
@@ -158,15 +158,16 @@ class CudaBackend:
             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Router, top-k, each routed expert over its tokens, weighted sum (+ residual when given): ((n, n_embd)
         float32, ids (n, k))."""
-        from ferry.ops.cuda import kernels
+        from ferry.kernels.cuda.layout import GEMV_KINDS
+        from ferry.kernels.cuda.moe import moe_gemv
 
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         strategy = self.moe_strategy
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
-        if strategy == "gemv" and all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
-            return kernels.moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act,
-                                    residual=residual), ids
+        if strategy == "gemv" and all(w.qtype in GEMV_KINDS for w in (gate, up, down)):
+            return moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act,
+                            residual=residual), ids
         if strategy == "loop":
             out = self._moe_loop(x, ids, weights, up, gate, down, act)
             return (out if residual is None else residual + out), ids
@@ -184,12 +185,13 @@ class CudaBackend:
         computed on the GPU), each token's experts summed in a fixed order (+ residual when given). Q8_0 / Q4_0
         experts: the Triton kernel that expands weights in registers, the sum one pass with the residual; other
         types: bf16 copies and torch's grouped GEMM."""
-        from ferry.ops.cuda import kernels
+        from ferry.kernels.cuda.layout import GEMV_KINDS
+        from ferry.kernels.cuda.moe import sum_pairs
 
         n, k = ids.shape
-        if not dense and all(w.qtype in kernels.GEMV_KINDS for w in (gate, up, down)):
+        if not dense and all(w.qtype in GEMV_KINDS for w in (gate, up, down)):
             y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act, weights=weights)
-            return kernels.sum_pairs(y, k, residual)
+            return sum_pairs(y, k, residual)
         order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted  # back to (token, slot) order
@@ -202,11 +204,11 @@ class CudaBackend:
 
     @staticmethod
     def _schedule(ids: torch.Tensor, n_expert: int):
-        """The grouped GEMM's tile height, its schedule (kernels.moe_tiles) and the pairs' order by expert (int32)."""
-        from ferry.ops.cuda import kernels
+        """The grouped GEMM's tile height, its schedule (moe_tiles) and the pairs' order by expert (int32)."""
+        from ferry.kernels.cuda.moe import moe_tile_rows, moe_tiles
 
-        block = kernels.moe_tile_rows(ids.numel(), n_expert)
-        sched = kernels.moe_tiles(ids, n_expert, block)
+        block = moe_tile_rows(ids.numel(), n_expert)
+        sched = moe_tiles(ids, n_expert, block)
         return block, sched, sched[0].to(torch.int32)
 
     def expert_pairs(self, x: torch.Tensor, ids: torch.Tensor, gate, up, down, act: str,
@@ -217,8 +219,8 @@ class CudaBackend:
         else the grouped GEMM (reading each pair's token row in place and writing its output in pair order);
         Expanded experts: torch's grouped GEMM in bfloat16. wait_down: an event the down projection waits for (its
         weights still being copied by the hybrid runtime)."""
-        from ferry.ops.cuda import kernels
-        from ferry.runtime.streamer import Expanded
+        from ferry.kernels.cuda.moe import moe_gemv, moe_mm
+        from ferry.backends.streamer import Expanded
 
         n, k = ids.shape
         pair_weights = None if weights is None else weights.float().reshape(-1).contiguous()
@@ -233,21 +235,21 @@ class CudaBackend:
             if pair_weights is None:
                 pair_weights = torch.ones(n * k, dtype=torch.float32, device=x.device)
             xs = x.float()[torch.arange(n, device=x.device).repeat_interleave(k)] if k > 1 else x
-            return kernels.moe_gemv(xs, ids.reshape(-1, 1), pair_weights.view(-1, 1), gate, up, down, act, wait_down)
+            return moe_gemv(xs, ids.reshape(-1, 1), pair_weights.view(-1, 1), gate, up, down, act, wait_down)
         block, sched, order = self._schedule(ids, gate.ne[2])
-        h = kernels.moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
-                           rows_from=torch.div(order, k, rounding_mode="floor"))
+        h = moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
+                   rows_from=torch.div(order, k, rounding_mode="floor"))
         if wait_down is not None:
             torch.cuda.current_stream(x.device).wait_event(wait_down)
-        return kernels.moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights)
+        return moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights)
 
     def pair_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str) -> torch.Tensor:
         """act(gate . x) * (up . x) of each (token, slot) pair, (n * k, n_ff) in pair order (float32 for few pairs,
         float16 for many): the experts' first half when the second runs on the CPU (the hybrid runtime, moe_up_gate
         and moe_down set apart). x (n, n_embd), ids (n, k) on the GPU; gate / up stacked Splits. Expert GEMVs for
         few pairs (one launch), else the grouped GEMM, whose schedule is two dozen small torch ops."""
-        from ferry.ops.cuda import kernels
-        from ferry.runtime.streamer import Expanded
+        from ferry.kernels.cuda.moe import moe_gate_up_gemv, moe_mm
+        from ferry.backends.streamer import Expanded
 
         n, k = ids.shape
         if isinstance(gate, Expanded):
@@ -256,16 +258,16 @@ class CudaBackend:
             h[order] = h_sorted
             return h
         if self._gemv_pairs(n * k):
-            return kernels.moe_gate_up_gemv(x, ids, gate, up, act)
+            return moe_gate_up_gemv(x, ids, gate, up, act)
         block, sched, order = self._schedule(ids, gate.ne[2])
-        return kernels.moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
-                              rows_from=torch.div(order, k, rounding_mode="floor"), rows_to=order)
+        return moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
+                      rows_from=torch.div(order, k, rounding_mode="floor"), rows_to=order)
 
     def pair_down(self, h: torch.Tensor, ids: torch.Tensor, down, weights: torch.Tensor) -> torch.Tensor:
         """The experts' second half when the first ran on the CPU: h (n * k, n_ff) in pair order, ids / weights
         (n, k) on the GPU, down a stacked Split -> each token's weighted sum of its slots, (n, n_embd) float32."""
-        from ferry.ops.cuda import kernels
-        from ferry.runtime.streamer import Expanded
+        from ferry.kernels.cuda.moe import moe_down_gemv, moe_mm
+        from ferry.backends.streamer import Expanded
 
         n, k = ids.shape
         if isinstance(down, Expanded):
@@ -274,17 +276,17 @@ class CudaBackend:
             y[order] = self._group_mm(h.to(torch.bfloat16)[order], down.w, offs).float()
             return y.mul_(weights.float().reshape(-1, 1)).view(n, k, -1).sum(1)
         if self._gemv_pairs(n * k):
-            return kernels.moe_down_gemv(h, ids, weights, down)
+            return moe_down_gemv(h, ids, weights, down)
         block, sched, order = self._schedule(ids, down.ne[2])
-        y = kernels.moe_mm(h.to(torch.float16), down, sched, torch.float32, block, rows_from=order, rows_to=order,
-                           row_scale=weights.float().reshape(-1).contiguous())
+        y = moe_mm(h.to(torch.float16), down, sched, torch.float32, block, rows_from=order, rows_to=order,
+                   row_scale=weights.float().reshape(-1).contiguous())
         return y.view(n, k, -1).sum(1)
 
     @staticmethod
     def _expanded_order(ids: torch.Tensor, staged) -> tuple[torch.Tensor, torch.Tensor]:
         """The (token, slot) pairs of ids sorted by their expert's place among the staged (Expanded) ones, and each
         place's end in that order (int32, for the grouped GEMM)."""
-        from ferry.ops.cuda.kernels import sort_pairs
+        from ferry.kernels.cuda.moe import sort_pairs
 
         order, _, ends = sort_pairs(staged.slot_of[ids.long()], staged.w.shape[0])
         return order, ends.to(torch.int32)
@@ -297,7 +299,7 @@ class CudaBackend:
         return order, offs, (_ACT[act](g.float()) * u.float()).to(torch.bfloat16)
 
     def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
-        from ferry.ops.cuda.kernels import sort_pairs
+        from ferry.kernels.cuda.moe import sort_pairs
 
         k = ids.shape[1]
         order, _, ends = sort_pairs(ids, gate.ne[2])
@@ -369,14 +371,14 @@ def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None
 
 def gpu_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
               on_device=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_k_route as one kernel (kernels.route) where routing is not group-limited, else op by op."""
-    from ferry.ops.cuda import kernels
+    """top_k_route as one kernel (route) where routing is not group-limited, else op by op."""
+    from ferry.kernels.cuda.route import route
 
     if routing is not None and routing.grouped:
         return top_k_route(logits, n_used, norm_topk, routing, on_device)
     sigmoid = routing is not None and routing.gating == "sigmoid"
     bias = None if routing is None or routing.bias is None else on_device(routing.bias)
-    return kernels.route(logits, n_used, norm_topk, 1.0 if routing is None else routing.scale, sigmoid, bias)
+    return route(logits, n_used, norm_topk, 1.0 if routing is None else routing.scale, sigmoid, bias)
 
 
 _OUT_DTYPE = {torch.mm: True, torch.bmm: True}  # whether each takes out_dtype (torch >= 2.8 on CUDA)

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ferry.gguf.file import GGUFFile
-from ferry.ops import native
+from ferry.kernels.cpu import native
 from ferry.placement import EXPERTS_RE, layer_devices, place
-from ferry.policy import Calibration, Policy, decide, experts_hit, split_experts, type_shares
+from ferry.offload.cost import Calibration, experts_hit, type_shares
+from ferry.offload.policy import Policy, decide, split_experts
 from ferry.quant import bytes_per_weight
 
 
@@ -64,7 +65,7 @@ def _experts_split(experts: list, args, calib: Calibration, policy: Policy, n: i
     share = 1.0 - by_role["down"] / sum(by_role.values())  # gate and up's part
     types = type_shares([(t.qtype.name, t.nbytes) for t in experts])
     token_kernel = all(native.runs_experts(q) for q in types)  # at one token, where it covers the experts' types
-    from ferry.ops.cuda.dequant import SUPPORTED  # what the GPU reads or expands once streamed (needs no GPU)
+    from ferry.kernels.cuda.dequant import SUPPORTED  # what the GPU reads or expands once streamed (needs no GPU)
 
     kept = sorted({t.qtype.name for t in experts if t.qtype not in SUPPORTED})
     if kept:  # as the run keeps them (HybridBackend._streams), whatever the policy

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ferry.calibrate import CACHE
+from ferry.offload.calibrate import CACHE
 
 _SOURCE = Path(__file__).with_name("moe_experts.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -98,7 +98,7 @@ def experts_kernel(layers: list[set[str]]) -> str:
         return f"ggml's kernel ({covers}; these are {', '.join(sorted(set().union(*other)))})"
     if library() is None:
         return f"ggml's kernel ({why_not})"
-    own = "ferry's own kernel (ferry/ops/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q6_K)"
+    own = "ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q6_K)"
     if not other:
         return own
     return (f"{own} in {len(layers) - len(other)} of {len(layers)} layers, ggml's in the others ({covers}; theirs "

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ferry.errors import FerryError
-from ferry.policy import Calibration
+from ferry.offload.cost import Calibration
 
 CACHE = Path(os.environ.get("FERRY_CACHE", Path.home() / ".cache" / "ferry"))
 
@@ -75,8 +75,8 @@ def measure_cpu(threads: int, quick: bool = False) -> dict:
     and the routed experts' tables (measure_experts: Q4_0 when quick, else EXPERT_TYPES); quick: fewer sizes and
     repetitions."""
     from ferry.gguf.synth import random_tensor
-    from ferry.ops import Weight
-    from ferry.ops.cpu import CpuBackend
+    from ferry.weight import Weight
+    from ferry.backends.cpu import CpuBackend
     from ferry.quant import Q
 
     backend = CpuBackend(threads)
@@ -115,8 +115,8 @@ def measure_experts(threads: int, qtypes, quick: bool = False) -> dict:
     model's do: one 170 MB layer read again and again sat half in the H100 machine's 260 MB L3 (ggml 78.7 GB/s at
     one token per expert, against 44-48 in benchmarks/expert_reads.py; docs/performance.md, session 22)."""
     from ferry.gguf.synth import random_tensor
-    from ferry.ops import Weight
-    from ferry.ops.cpu import CpuBackend
+    from ferry.weight import Weight
+    from ferry.backends.cpu import CpuBackend
     from ferry.quant import Q
 
     n_expert, n_used, d, ff = 64, 8, 2048, 768
@@ -171,7 +171,7 @@ def measure_experts(threads: int, qtypes, quick: bool = False) -> dict:
 def missing_experts(path: Path, qtypes) -> list[str]:
     """The routed experts' types this run needs that the stored calibration has not measured: no table, or no rate
     of ferry's own kernel where it now runs them (native.runs_experts)."""
-    from ferry.ops import native
+    from ferry.kernels.cpu import native
 
     try:
         cpu = json.loads(path.read_text())["cpu"]
@@ -228,7 +228,7 @@ def calibrate(threads: int, quick: bool = False) -> dict:
 
 
 def save(result: dict, path: Path) -> None:
-    from ferry.tools.files import atomic_file
+    from ferry.files import atomic_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:

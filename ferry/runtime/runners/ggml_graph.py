@@ -14,9 +14,10 @@ import ggml
 import torch
 
 from ferry.layers.rope import Rope
-from ferry.ops import Weight
-from ferry.ops.cpu import CpuBackend, _Graph
-from ferry.runtime.context import Batch
+from ferry.weight import Weight
+from ferry.backends.cpu import CpuBackend
+from ferry.kernels.cpu.ggml import _Graph
+from ferry.runtime.batch import Batch
 from ferry.runtime.kv_cache import KVCache
 
 F32, F16, I32 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_I32

@@ -1,6 +1,6 @@
 """The eager op set: float work (norms, rope, attention) in torch, weight-bound ops on a backend, run
 op by op. It is what a forward runs through when its ops must go to different devices; a CPU-only
-forward runs as one ggml graph instead (ops/cpu_graph.py), through the same op names."""
+forward runs as one ggml graph instead (runners/ggml_graph.py), through the same op names."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from ferry.layers.norm import rms_norm
 from ferry.layers.rope import Rope
-from ferry.ops import Weight
-from ferry.runtime.context import Batch
+from ferry.weight import Weight
+from ferry.runtime.batch import Batch
 
 
 class TorchOps:

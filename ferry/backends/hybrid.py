@@ -12,13 +12,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ferry.ops import Weight
-from ferry.ops.cuda.backend import CudaBackend, gpu_route
+from ferry.weight import Weight
+from ferry.backends.cuda import CudaBackend, gpu_route
 from ferry.placement import EXPERTS_RE
-from ferry.policy import (Calibration, Explorer, Policy, decide, experts_fixed_side, size_class, split_experts,
-                          type_shares)
+from ferry.offload.cost import Calibration, type_shares
+from ferry.offload.policy import Explorer, Policy, decide, experts_fixed_side, size_class, split_experts
 from ferry.quant import bytes_per_weight
-from ferry.runtime.streamer import Streamer
+from ferry.backends.streamer import Streamer
 
 
 @dataclass
@@ -60,8 +60,8 @@ class HybridBackend:
 
     def __init__(self, gpu: CudaBackend, cpu, devices: dict[str, str], policy: Policy, calib: Calibration,
                  timed: bool = False, layer_first: bool = True):
-        from ferry.ops.cuda.dequant import SUPPORTED
-        from ferry.ops.cuda.kernels import GEMV_KINDS
+        from ferry.kernels.cuda.dequant import SUPPORTED
+        from ferry.kernels.cuda.layout import GEMV_KINDS
 
         self.gpu, self.cpu, self.devices = gpu, cpu, devices
         self.device = gpu.device
@@ -71,7 +71,7 @@ class HybridBackend:
         self._seen: set[tuple[int, int]] = set()  # (layer's expert tensor, u-batch size) run at least once
         self._trial: tuple | None = None  # the last MoE layer run as a trial: (explorer, gate, tokens, way, start)
         self.timed = timed
-        self._streamable = GEMV_KINDS  # read by the GPU's quantized kernels once staged (kernels.Split)
+        self._streamable = GEMV_KINDS  # read by the GPU's quantized kernels once staged (layout.Split)
         # experts the GPU can take from RAM: the types its dequantizers read (those above among them), the others
         # expanded to bfloat16 once staged (Expanded); `ferry plan` asks the same of them
         self._expert_types = frozenset(SUPPORTED)
@@ -166,7 +166,7 @@ class HybridBackend:
             raw, done = self.streamer.stage(w, slot)
             torch.cuda.current_stream(self.device).wait_event(done)
             if w.qtype in self._streamable:
-                from ferry.ops.cuda.kernels import Split
+                from ferry.kernels.cuda.layout import Split
 
                 raw = Split.of(raw, w.qtype, w.ne)
             y = self.gpu.matmul(x, w.qtype, raw, w.ne)
@@ -180,7 +180,7 @@ class HybridBackend:
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
         if all(map(self.on_gpu, (gate, up, down))):
             return self.gpu.ffn(x, gate, up, down, act)
-        from ferry.ops.cuda.backend import _ACT
+        from ferry.backends.cuda import _ACT
 
         h = _ACT[act](self.linear(x, gate)) * self.linear(x, up)
         return self.linear(h, down)

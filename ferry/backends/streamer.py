@@ -4,7 +4,7 @@ events the compute stream waits on, so copies overlap compute.
 
 A stacked expert tensor is staged into a buffer with a slot for every expert: only the experts a u-batch routes
 to are copied (runs of neighbours as one copy), into a compact buffer, then spread to their slots in the split
-Q8_0 / Q4_0 layout the GPU kernels read (kernels.Split), by a kernel on a third stream: on the copy stream it made
+Q8_0 / Q4_0 layout the GPU kernels read (layout.Split), by a kernel on a third stream: on the copy stream it made
 every later copy wait until the compute stream's kernels left it room to run. Experts of the other types (K-quants,
 IQ4_XS, ...: those ggml-style files hold most) are expanded there to bfloat16 instead, the copied experts in order
 (Expanded), for torch's grouped GEMM. Two sets of slots alternate between MoE layers, so one layer's copies can run
@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.ops import Weight
+from ferry.kernels.cuda.driver import cudart_library
+
+from ferry.weight import Weight
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly: the mmap is mapped read-only
 _H2D, _D2H = 1, 2  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
@@ -35,47 +37,6 @@ def page_ranges(weights: list[Weight]) -> list[tuple[int, int]]:
         else:
             merged.append([start, end])
     return [(s, e) for s, e in merged]
-
-
-_CUDART: list = []  # the library once found
-
-
-def cudart_library():
-    """The process's libcudart (loaded by torch), for the calls torch does not expose; None if not found (yet)."""
-    import ctypes
-
-    if _CUDART:
-        return _CUDART[0]
-    try:
-        with open("/proc/self/maps") as fh:
-            lib = ctypes.CDLL(next(line.split()[-1] for line in fh if "libcudart.so" in line))
-    except (OSError, StopIteration):
-        return None
-    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    _CUDART.append(lib)
-    return lib
-
-
-_DRIVER: list = []  # (the library or None) once looked for
-
-
-def cuda_driver():
-    """The CUDA driver library (libcuda) with the stream memory operations' entry points typed (a GPU stream
-    writing or waiting on a word of memory); None where it or they are missing."""
-    import ctypes
-
-    if _DRIVER:
-        return _DRIVER[0]
-    lib = None
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
-            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    except (OSError, AttributeError):
-        lib = None
-    _DRIVER.append(lib)
-    return lib
 
 
 def _clear_last_cuda_error() -> None:
@@ -168,7 +129,7 @@ class Streamer:
         return t
 
     def _split_for(self, w: Weight, key: tuple):
-        from ferry.ops.cuda.kernels import Split
+        from ferry.kernels.cuda.layout import Split
 
         s = self._splits.get(key)
         if s is None:
@@ -184,8 +145,8 @@ class Streamer:
         run of neighbouring experts from precomputed addresses, and one kernel per tensor that spreads the blocks to
         their slots (or expands them). expand: for a layer with any expert tensor of a type other than Q8_0 / Q4_0,
         so that all three reach the GPU alike."""
-        from ferry.ops.cuda.dequant import dequantize
-        from ferry.ops.cuda.kernels import unpack_experts
+        from ferry.kernels.cuda.dequant import dequantize
+        from ferry.kernels.cuda.moe import unpack_experts
 
         out = []
         stream, unpack = self.copy_stream, self.unpack_stream

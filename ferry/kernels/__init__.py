@@ -1,0 +1,1 @@
+"""Kernels by device (cuda/: Triton, split by job; cpu/: ggml graphs and ferry's own C kernels), never knowing which model calls them."""

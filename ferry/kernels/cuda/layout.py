@@ -1,0 +1,114 @@
+"""Q8_0 / Q4_0 tensors on the GPU in the split layout the generation and MoE kernels read: each block's quants and
+its f16 scale in two arrays (the same bytes as the GGUF blocks, apart for aligned vector loads), and the dot product
+of such rows with floats that those kernels share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+
+GEMV_KINDS = {Q.Q8_0: 0, Q.Q4_0: 1}  # types the quantized GEMV kernels read; others are expanded for cuBLAS
+
+
+@triton.jit
+def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr, g=None, NORM: tl.constexpr = False):
+    """Per row: the dot product of columns k0 .. k0 + BK of rows `row` (BR,) of a split Q8_0 / Q4_0 matrix with
+    the matching floats of x. Split layout: the quants of each row contiguous (Q8_0: K int8; Q4_0: K / 2 bytes,
+    byte j of a block holding value j in its low nibble and value j + 16 in its high one), the f16 scales of
+    each row contiguous (K / 32): every load is a plain aligned vector load. NORM: x times the norm weight g."""
+    NB: tl.constexpr = BK // 32
+    rr = row.to(tl.int64)[:, None]
+    if KIND == 0:
+        c = k0 + tl.arange(0, BK)
+        cm = c < K
+        q = tl.load(qs + rr * K + c[None, :], mask=rmask[:, None] & cm[None, :], other=0).to(tl.float32)
+        xv = tl.load(x + c, mask=cm, other=0.0)
+        if NORM:
+            xv = xv * tl.load(g + c, mask=cm, other=0.0)
+        part = tl.sum(tl.reshape(q * xv[None, :], (q.shape[0], NB, 32)), axis=2)
+    else:
+        i = tl.arange(0, BK // 2)
+        cb = k0 // 2 + i  # byte of the row
+        cm = cb < K // 2
+        byte = tl.load(qs + rr * (K // 2) + cb[None, :], mask=rmask[:, None] & cm[None, :], other=0).to(tl.int32)
+        col = k0 + (i // 16) * 32 + i % 16
+        xlo = tl.load(x + col, mask=cm, other=0.0)
+        xhi = tl.load(x + col + 16, mask=cm, other=0.0)
+        if NORM:
+            xlo = xlo * tl.load(g + col, mask=cm, other=0.0)
+            xhi = xhi * tl.load(g + col + 16, mask=cm, other=0.0)
+        prod = ((byte & 0xF) - 8).to(tl.float32) * xlo[None, :] + ((byte >> 4) - 8).to(tl.float32) * xhi[None, :]
+        part = tl.sum(tl.reshape(prod, (prod.shape[0], NB, 16)), axis=2)
+    b = k0 // 32 + tl.arange(0, NB)
+    dv = tl.load(d + rr * (K // 32) + b[None, :], mask=rmask[:, None] & (b < K // 32)[None, :], other=0.0)
+    return tl.sum(part * dv.to(tl.float32), axis=1)
+
+
+@triton.jit
+def _split_floats(qs, d, out, n_blocks, KIND: tl.constexpr, BLOCKS: tl.constexpr):
+    """out[b * 32 + j] = d[b] * q[b, j] for BLOCKS blocks per program: the exact product (an int8 or nibble times
+    an f16 is exact in float32) rounded once to out's type."""
+    b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    live = (b < n_blocks)[:, None]
+    j = tl.arange(0, 32)[None, :]
+    s = tl.load(d + b, mask=b < n_blocks, other=0.0).to(tl.float32)[:, None]
+    if KIND == 0:
+        q = tl.load(qs + b[:, None] * 32 + j, mask=live, other=0).to(tl.float32)
+    else:  # a byte's low nibble is column j of the block, its high nibble column j + 16
+        byte = tl.load(qs + b[:, None] * 16 + j % 16, mask=live, other=0).to(tl.int32)
+        q = (tl.where(j < 16, byte & 0xF, byte >> 4) - 8).to(tl.float32)
+    tl.store(out + b[:, None] * 32 + j, q * s, mask=live)
+
+
+@dataclass
+class Split:
+    """A Q8_0 / Q4_0 tensor on the GPU as two arrays: each block's quants (32 int8, or 16 bytes of nibbles) and
+    its f16 scale, in block order. The same bytes as the GGUF blocks, laid out for aligned vector loads."""
+
+    qtype: Q
+    ne: tuple[int, ...]
+    qs: torch.Tensor  # (n_blocks, 32) int8 or (n_blocks, 16) uint8
+    d: torch.Tensor  # (n_blocks,) float16
+
+    @classmethod
+    def of(cls, raw: torch.Tensor, qtype: Q, ne: tuple[int, ...]) -> "Split":
+        blocks = raw.view(-1, GGML_QUANT_SIZES[qtype][1])
+        qs = blocks[:, 2:].contiguous()
+        return cls(qtype, tuple(ne), qs.view(torch.int8) if qtype == Q.Q8_0 else qs,
+                   blocks[:, :2].contiguous().view(torch.float16).view(-1))
+
+    def rows(self, ids: torch.Tensor) -> "Split":
+        """Rows `ids` of a 2-D tensor."""
+        per_row = self.ne[0] // 32
+        n = ids.numel()
+        return Split(self.qtype, (self.ne[0], n), self.qs.view(-1, per_row, self.qs.shape[1])[ids].view(-1, self.qs.shape[1]),
+                     self.d.view(-1, per_row)[ids].view(-1))
+
+    def row_block(self, first: int, count: int) -> "Split":
+        """Rows first .. first + count of a 2-D tensor (a view)."""
+        per_row = self.ne[0] // 32
+        a, b = first * per_row, (first + count) * per_row
+        return Split(self.qtype, (self.ne[0], count), self.qs[a:b], self.d[a:b])
+
+    def expert(self, e: int) -> "Split":
+        per = self.d.numel() // self.ne[2]
+        return Split(self.qtype, self.ne[:2], self.qs[e * per:(e + 1) * per], self.d[e * per:(e + 1) * per])
+
+    def floats(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(reversed ne) values of `dtype`, each d * q rounded once, in one pass over the bytes (bf16 through
+        float32: a store's own conversion to bf16 need not round to nearest)."""
+        shape = tuple(reversed(self.ne))
+        if dtype not in (torch.float16, torch.float32):
+            floats = self.floats(torch.float32)
+            return floats.to(dtype) if out is None else out.copy_(floats.view(out.shape))
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=self.qs.device)
+        n_blocks = self.d.numel()
+        _split_floats[(triton.cdiv(n_blocks, 64),)](self.qs.contiguous(), self.d.contiguous(), out, n_blocks,
+                                                     KIND=GEMV_KINDS[self.qtype], BLOCKS=64)
+        return out
