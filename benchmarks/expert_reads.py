@@ -68,7 +68,7 @@ def main() -> None:
 
     own = CpuBackend(1).native_experts(1, True, *layers[0], "silu") is not None
     if not own:
-        print(f"no rows of ferry's kernel: {native.why_not or 'it does not cover these experts'}")
+        print(f"no rows of ferry's kernel: {native.why_not() or 'it does not cover these experts'}")
     for t in threads:  # the two in turn, so that a drift of the machine's speed falls on both
         token_rate(CpuBackend(t, native_kernels=False), "ggml, repacked", t)
         if own:

@@ -17,9 +17,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ferry.cli import GpuOptions, open_model
-from ferry.runtime.batch import PROMPT_GRAPH_MAX
+from ferry.config import settings
 from ferry.runtime.runners.cuda_graphs import CudaExecutor
 from ferry.runtime.engine import Engine
+
+PROMPT_GRAPH_MAX = settings().prompt_graph_max  # FERRY_PROMPT_GRAPH_MAX
 
 
 def table(prof, top: int, steps: int) -> str:

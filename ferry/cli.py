@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ferry.config import settings
 from ferry.errors import FerryError
 
 
@@ -775,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
+        settings()  # a bad FERRY_* value is an error before anything runs
         return args.func(args)
     except FerryError as e:
         print(f"ferry: error: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from ferry.errors import FerryError
-from ferry.runtime.batch import PROMPT_GRAPH_MAX
+from ferry.config import settings
 from ferry.runtime.kv_cache import CacheLayout, cache_layout
 
 GIB = 2 ** 30
@@ -199,9 +199,9 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)
         need(kv_device).kv_cache += per_layer
-    # a GPU replays prompt u-batches (and batches of them) up to PROMPT_GRAPH_MAX tokens as CUDA graphs, whose memory
-    # pool is a second set of their activations beside the eager one
-    replayed = n_ubatch <= PROMPT_GRAPH_MAX
+    # a GPU replays prompt u-batches (and batches of them) up to Settings.prompt_graph_max tokens as CUDA graphs, whose
+    # memory pool is a second set of their activations beside the eager one
+    replayed = n_ubatch <= settings().prompt_graph_max
     if kv_on_gpu:
         in_ram: dict[str, int] = {}
         for name, size in tensors.items():

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from ferry.runtime.runners.cuda import DECODE_MAX
-from ferry.runtime.batch import PROMPT_GRAPH_MAX
+from ferry.config import settings
 from ferry.runtime.runners.cuda_graphs import PROMPT_GRAPHS_KEPT, CudaExecutor, Handshakes, _Recorder
+
+PROMPT_GRAPH_MAX = settings().prompt_graph_max  # FERRY_PROMPT_GRAPH_MAX
 
 
 def _executor(graph_safe: bool = True, graphs: bool = True) -> CudaExecutor:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from ferry.config import Settings
 from ferry.weight import Weight
 from ferry.kernels.cpu import native
 from ferry.backends.cpu import CpuBackend
@@ -39,9 +40,9 @@ def _layer(rng, n_expert, n_embd, n_ff, qtype=Q.Q4_0, down_type=None):
 
 
 def test_the_kernel_is_there_exactly_where_the_cpu_has_avx512_vnni():
-    assert (native.library() is not None) == _has_vnni(), native.why_not
+    assert (native.library() is not None) == _has_vnni(), native.why_not()
     if not _has_vnni():
-        assert "AVX512-VNNI" in native.why_not
+        assert "AVX512-VNNI" in native.why_not()
 
 
 # (up and gate's type, down's type, n_embd, n_ff, n_expert, n_used): Qwen3-30B-A3B's layer; odd block counts (Q4_0:
@@ -128,14 +129,13 @@ def test_ggml_keeps_what_the_kernel_does_not_cover():
     assert CpuBackend(2, native_kernels=False).native_experts(1, True, *q4, "silu") is None
 
 
-def test_ferry_native_0_turns_the_kernel_off(monkeypatch):
-    monkeypatch.setattr(native, "_lib", False)
-    monkeypatch.setattr(native, "why_not", "")
-    monkeypatch.setenv("FERRY_NATIVE", "0")
-    assert native.library() is None and native.why_not == "FERRY_NATIVE=0"
+def test_ferry_native_0_turns_the_kernel_off():
+    off = Settings.from_env({"FERRY_NATIVE": "0"})
+    assert not off.native_kernels
+    assert native.library(off) is None and native.why_not(off) == "FERRY_NATIVE=0"
     rng = np.random.default_rng(8)
     layer, _ = _layer(rng, 4, 64, 32)
-    assert CpuBackend(2).native_experts(1, True, *layer, "silu") is None
+    assert CpuBackend(2, native_kernels=off.native_kernels).native_experts(1, True, *layer, "silu") is None
 
 
 def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():

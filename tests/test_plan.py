@@ -10,8 +10,10 @@ import pytest
 from ferry.cli import main
 from ferry.gguf.file import GGUFFile
 from ferry.models.base import ModelArgs
-from ferry.runtime.batch import PROMPT_GRAPH_MAX
+from ferry.config import settings
 from ferry.placement import layer_devices, memory_plan, parse_size, place
+
+PROMPT_GRAPH_MAX = settings().prompt_graph_max  # FERRY_PROMPT_GRAPH_MAX
 
 
 def test_layers_split_over_gpus_in_proportion():

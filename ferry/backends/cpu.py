@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES
 
+from ferry.config import settings
 from ferry.errors import FerryError
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
@@ -66,7 +67,7 @@ class CpuBackend:
     name = "CPU"
 
     def __init__(self, n_threads: int | None = None, repack: bool = True, n_threads_batch: int | None = None,
-                 fused_moe: bool = True, native_kernels: bool = True):
+                 fused_moe: bool = True, native_kernels: bool | None = None):
         for flag, v in (("-t/--threads", n_threads), ("-tb/--threads-batch", n_threads_batch)):
             if v is not None and not (v in (0, -1) or 1 <= v <= MAX_THREADS):
                 raise FerryError(f"{flag} must be 1..{MAX_THREADS} (0 or -1: the physical core count), got {v}")
@@ -87,7 +88,8 @@ class CpuBackend:
         cpu = ggml.ggml_backend_reg_dev_get(ggml.ggml_backend_cpu_reg(), 0)
         self.galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_dev_buffer_type(cpu))
         self.generation, self.buffer_size = 0, 0  # the compute buffer's moves so far, and its size
-        self.native_kernels = native_kernels  # ferry's own kernels where they run (native.py); False: ggml's
+        # ferry's own kernels where they run (kernels/cpu/native.py), else ggml's; by default Settings.native_kernels
+        self.native_kernels = settings().native_kernels if native_kernels is None else native_kernels
         self._kernels: dict[tuple, native.MoeExperts] = {}  # ferry's expert kernel per shape and types
         self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
         self.placeholder = self._placeholder.ctypes.data

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -14,14 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ferry.config import settings
 from ferry.errors import FerryError
 from ferry.offload.cost import Calibration
 
-CACHE = Path(os.environ.get("FERRY_CACHE", Path.home() / ".cache" / "ferry"))
-
-
 def default_path() -> Path:
-    return CACHE / f"calibration-{platform.node() or 'machine'}.json"
+    """This machine's stored calibration (in Settings.cache_dir)."""
+    return settings().cache_dir / f"calibration-{platform.node() or 'machine'}.json"
 
 
 def _best(fn, reps: int) -> float:

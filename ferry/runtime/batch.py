@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ferry.runtime.kv_cache import KVCache
-
-# prompt u-batches up to which the GPU replays recorded CUDA graphs (above, a capture costs more than it saves);
-# the memory plan counts their pool. FERRY_PROMPT_GRAPH_MAX sets another bound (for measuring it)
-PROMPT_GRAPH_MAX = int(os.environ.get("FERRY_PROMPT_GRAPH_MAX", 2048))
 
 
 @dataclass

@@ -3,7 +3,7 @@
 So far one: a token's routed experts for Q4_0 and Q4_K weights in ggml's repacked layouts and Q6_K weights in their
 plain one (moe_experts.c), which reads them faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py;
 docs/decisions.md). Where no C compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None
-(`why_not` says why) and ggml runs those experts as before."""
+(`why_not()` says why) and ggml runs those experts."""
 
 from __future__ import annotations
 
@@ -19,12 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ferry.offload.calibrate import CACHE
+from ferry.config import Settings, settings
 
 _SOURCE = Path(__file__).with_name("moe_experts.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_lib: ctypes.CDLL | None | bool = False  # False: not tried yet; None: unavailable
-why_not = ""  # why the kernels are unavailable, for `ferry plan` and verbose runs
+_built: dict[tuple, ctypes.CDLL | str] = {}  # (cache_dir, cflags) -> the loaded library, or why there is none
 
 
 def _cpu_flags() -> str:
@@ -35,20 +34,21 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _compile() -> Path:
-    """The shared library for this source, compiler and CPU, built once into the cache (written whole, then renamed)."""
+def _compile(s: Settings) -> Path:
+    """The shared library for this source, compiler, flags and CPU, built once into Settings.cache_dir (written whole,
+    then renamed)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc) on PATH")
-    flags = _FLAGS + os.environ.get("FERRY_NATIVE_CFLAGS", "").split()  # e.g. -DPREFETCH_AHEAD=4096 to try one
+    flags = _FLAGS + list(s.native_cflags)
     source = _SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(source + " ".join([cc, version, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
-    target = CACHE / f"native-{key}.so"
+    target = s.cache_dir / f"native-{key}.so"
     if target.exists():
         return target
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+    s.cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=s.cache_dir) as tmp:
         built = Path(tmp) / "lib.so"
         r = subprocess.run([cc, *flags, "-o", str(built), str(_SOURCE), "-lm"], capture_output=True, text=True,
                            timeout=300)
@@ -58,25 +58,39 @@ def _compile() -> Path:
     return target
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (then `why_not` says why)."""
-    global _lib, why_not
-    if _lib is False:
-        if os.environ.get("FERRY_NATIVE", "1") == "0":
-            _lib, why_not = None, "FERRY_NATIVE=0"
-        else:
-            try:
-                lib = ctypes.CDLL(str(_compile()))
-                lib.ferry_moe_scratch.restype = ctypes.c_size_t
-                lib.ferry_moe_scratch.argtypes = [ctypes.c_int] * 5
-                p, i = ctypes.c_void_p, ctypes.c_int
-                lib.ferry_moe_experts.restype = ctypes.c_int
-                lib.ferry_moe_experts.argtypes = [p, p, p, i, i, i, i, p, p, p, i, i, p, p, i]
-                _lib = lib if lib.ferry_moe_fast() else None
-                why_not = "" if _lib else "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for"
-            except (OSError, subprocess.SubprocessError) as e:
-                _lib, why_not = None, f"ferry's CPU kernels did not build ({e})"
-    return _lib
+def _load(s: Settings) -> ctypes.CDLL | str:
+    """The compiled kernels, or why they are unavailable: built and loaded once per process and build settings."""
+    key = (s.cache_dir, s.native_cflags)
+    if key not in _built:
+        try:
+            lib = ctypes.CDLL(str(_compile(s)))
+            lib.ferry_moe_scratch.restype = ctypes.c_size_t
+            lib.ferry_moe_scratch.argtypes = [ctypes.c_int] * 5
+            p, i = ctypes.c_void_p, ctypes.c_int
+            lib.ferry_moe_experts.restype = ctypes.c_int
+            lib.ferry_moe_experts.argtypes = [p, p, p, i, i, i, i, p, p, p, i, i, p, p, i]
+            _built[key] = lib if lib.ferry_moe_fast() else (
+                "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for")
+        except (OSError, subprocess.SubprocessError) as e:
+            _built[key] = f"ferry's CPU kernels did not build ({e})"
+    return _built[key]
+
+
+def library(s: Settings | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels, or None (why_not() says why): with Settings.native_kernels off (FERRY_NATIVE=0), where no
+    C compiler works, or where the CPU lacks the instructions they are written for."""
+    s = s or settings()
+    lib = _load(s) if s.native_kernels else None
+    return lib if isinstance(lib, ctypes.CDLL) else None
+
+
+def why_not(s: Settings | None = None) -> str:
+    """Why library() is None ("" where it is not), for `ferry plan` and verbose runs."""
+    s = s or settings()
+    if not s.native_kernels:
+        return "FERRY_NATIVE=0"
+    lib = _load(s)
+    return "" if isinstance(lib, ctypes.CDLL) else lib
 
 
 TYPES = ("Q4_0", "Q4_K", "Q6_K")  # the experts' quant types ferry's kernel covers
@@ -97,7 +111,7 @@ def experts_kernel(layers: list[set[str]]) -> str:
     if len(other) == len(layers):
         return f"ggml's kernel ({covers}; these are {', '.join(sorted(set().union(*other)))})"
     if library() is None:
-        return f"ggml's kernel ({why_not})"
+        return f"ggml's kernel ({why_not()})"
     own = "ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q6_K)"
     if not other:
         return own

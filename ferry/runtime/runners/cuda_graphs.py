@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -16,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ferry.layers.rope import Rope
-from ferry.runtime.batch import PROMPT_GRAPH_MAX, Batch
+from ferry.config import Settings, settings as current_settings
+from ferry.runtime.batch import Batch
 from ferry.runtime.runners.cuda import DECODE_MAX, CudaOps, LatentForms
 
 
@@ -54,13 +54,13 @@ class Handshakes:
         self.base = ptr.value
 
     @classmethod
-    def of(cls, device) -> Handshakes | None:
+    def of(cls, device, enabled: bool = True) -> Handshakes | None:
         """Handshakes for recordings on `device`, or None where the driver lacks stream memory operations (or
-        FERRY_HANDSHAKES=0 turns them off): steps are then cut into graphs at every host step."""
+        `enabled` is False: Settings.handshakes): steps are then cut into graphs at every host step."""
         from ferry.kernels.cuda.driver import cuda_driver, cudart_library
 
         lib = cuda_driver()
-        if lib is None or cudart_library() is None or os.environ.get("FERRY_HANDSHAKES", "1") == "0":
+        if lib is None or cudart_library() is None or not enabled:
             return None
         return cls(lib, device)
 
@@ -259,19 +259,20 @@ class _Captured:
 
 
 class CudaExecutor:
-    """Runs a model's forward on the GPU backend as CUDA graphs, captured per shape and replayed (set
-    FERRY_CUDA_GRAPHS=0 or graphs=False to run eagerly): a decode step of up to DECODE_MAX tokens from its first
-    run, a prompt u-batch of up to PROMPT_GRAPH_MAX tokens from the second run of its shape on (prompt tails of
+    """Runs a model's forward on the GPU backend as CUDA graphs, captured per shape and replayed (Settings.cuda_graphs
+    False, or graphs=False, runs it eagerly): a decode step of up to DECODE_MAX tokens from its first run, a prompt
+    u-batch of up to Settings.prompt_graph_max tokens from the second run of its shape on (prompt tails of
     every length are run once and not kept; at most PROMPT_GRAPHS_KEPT shapes at once), with attention over the
     cache between graphs; likewise a logical batch taken layer first, whose shape is its u-batches' sizes. A step
     recorded with cuts is recorded again once the backend's auto has decided its size's way (its host steps may then
     become handshakes)."""
 
-    def __init__(self, backend, graphs: bool | None = None):
+    def __init__(self, backend, graphs: bool | None = None, settings: Settings | None = None):
         self.backend = backend
         self.device = backend.device
+        self.settings = settings or current_settings()
         self.latent_forms = LatentForms()  # -mla 3's measured prompt forms, kept for this executor's runs
-        self.graphs = graphs if graphs is not None else os.environ.get("FERRY_CUDA_GRAPHS", "1") != "0"
+        self.graphs = self.settings.cuda_graphs if graphs is None else graphs
         self._tables: dict[tuple[int, int], dict[Rope, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._captured: dict[tuple, _Captured] = {}
         self._prompt_runs: dict[tuple, int] = {}
@@ -310,7 +311,7 @@ class CudaExecutor:
         shapes stay recorded (a server meets many prompt tails): recording another drops the least recently
         replayed one, which must then run twice again to come back."""
         recordable = self.backend.graph_safe or getattr(self.backend, "host_steps", False)
-        if not self.graphs or not recordable or n_tokens > PROMPT_GRAPH_MAX:
+        if not self.graphs or not recordable or n_tokens > self.settings.prompt_graph_max:
             return False
         if n_tokens <= DECODE_MAX and not prompt:
             return True
@@ -395,7 +396,7 @@ class CudaExecutor:
                 logits = run(opss)
         else:
             if self._handshakes is False:
-                self._handshakes = Handshakes.of(self.device)
+                self._handshakes = Handshakes.of(self.device, self.settings.handshakes)
             graph = _Recorder(self._pool, self._handshakes)
             for i, (tokens, _) in zip(inputs, forwards):
                 graph.host_tokens[i.tokens.data_ptr()] = tokens.cpu()
