@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.cli import GpuOptions, open_model
+from ferry.runtime.loader import RunConfig, load
 from ferry.kernels.cuda.layout import Split
 from ferry.kernels.cuda.moe import moe_down_gemv, moe_gate_up_gemv, unpack_experts
 
@@ -56,8 +56,9 @@ def main() -> None:
     ap.add_argument("-r", "--reps", type=int, default=40)
     ap.add_argument("--json", default="decode_split.json")
     a = ap.parse_args()
-    _, backend, model, _ = open_model(a.model, a.threads, True, a.threads, True, True,
-                                      GpuOptions(999, ["exps=CPU"], "all=off"), 512, 64)
+    loaded = load(RunConfig(a.model, n_threads=a.threads, quiet=True, n_gpu_layers=999, override_tensor=["exps=CPU"],
+                            offload_policy="all=off", n_ctx=512, n_ubatch=64))
+    backend, model = loaded.backend, loaded.model
     layers = [b.ffn for b in model.blocks if hasattr(b.ffn, "up_exps")]
     n_expert, k, dev = model.args.n_expert, model.args.n_expert_used, backend.device
     cpu, streamer = backend.cpu, backend.streamer

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ferry.cli import GpuOptions, open_model
+from ferry.runtime.loader import RunConfig, load
 from ferry.runtime.engine import Engine
 
 
@@ -24,8 +24,9 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--gap", type=float, default=100.0, help="us spun after each ggml call when replayed alone")
     a = ap.parse_args()
-    _, backend, model, _ = open_model(a.model, a.threads, True, a.threads, True, True,
-                                      GpuOptions(999, ["exps=CPU"], a.policy), 4096, 512)
+    loaded = load(RunConfig(a.model, n_threads=a.threads, quiet=True, n_gpu_layers=999, override_tensor=["exps=CPU"],
+                            offload_policy=a.policy, n_ctx=4096, n_ubatch=512))
+    backend, model = loaded.backend, loaded.model
     parts = ("launch", "cut wait", "cut step", "handshakes", "ggml")
     times = dict.fromkeys(parts, 0.0)
     steps = {"cut": 0, "handshake": 0}
@@ -59,7 +60,7 @@ def main() -> None:
     e.decode(torch.randint(0, model.args.n_vocab, (64,)).tolist())
     for _ in range(3):
         e.decode([1])
-    for c in e.executor._captured.values():  # the recorded decode step: time each of its steps
+    for c in e.runner._captured.values():  # the recorded decode step: time each of its steps
         recorded = getattr(c.graph, "steps", [])
         for i, step in enumerate(recorded):
             name = getattr(step, "__name__", "")

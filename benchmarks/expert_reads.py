@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ferry.cli import GpuOptions, open_model
+from ferry.runtime.loader import RunConfig, load
 from ferry.kernels.cpu import native
 from ferry.backends.cpu import CpuBackend
 from ferry.runtime.runners.cuda_graphs import _launcher
@@ -36,8 +36,9 @@ def main() -> None:
     ap.add_argument("--json", default="expert_reads.json")
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
-    _, backend, model, _ = open_model(a.model, max(threads), True, max(threads), True, True,
-                                      GpuOptions(999, ["exps=CPU"], "all=off"), 4096, 512)
+    loaded = load(RunConfig(a.model, n_threads=max(threads), quiet=True, n_gpu_layers=999,
+                            override_tensor=["exps=CPU"], offload_policy="all=off", n_ctx=4096, n_ubatch=512))
+    backend, model = loaded.backend, loaded.model
     layers = [(b.ffn.up_exps, b.ffn.gate_exps, b.ffn.down_exps) for b in model.blocks if hasattr(b.ffn, "gate_exps")]
     n_expert, n_used = layers[0][1].ne[2], model.args.n_expert_used
     layer_bytes = sum(w.data.nbytes for w in layers[0]) / n_expert * n_used

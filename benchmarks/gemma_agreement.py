@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--out", default="gemma_agreement.json")
     ap.add_argument("--n-greedy", type=int, default=20)
     a = ap.parse_args()
-    from ferry.cli import default_model, open_model
+    from ferry.runtime.loader import RunConfig, default_model, load
     from ferry.runtime.engine import Engine
     from ferry.tokenizer import Tokenizer
 
@@ -37,7 +37,8 @@ def main() -> None:
         subprocess.run([sys.executable, str(Path(__file__).with_name("llamacpp_oracle.py")), str(path), str(ref_file),
                         *PROMPTS, "--n-greedy", str(a.n_greedy)], check=True, stderr=subprocess.DEVNULL)
         ref = dict(np.load(ref_file))
-    f, backend, model, _ = open_model(path, 0)
+    loaded = load(RunConfig(path, quiet=True))
+    f, backend, model = loaded.file, loaded.backend, loaded.model
     tok = Tokenizer(f)
     rows = []
     for i, prompt in enumerate(PROMPTS):

@@ -17,12 +17,13 @@ import llamacpp  # noqa: E402
 
 
 def ferry_bench(path: Path, n_prompt: int, n_gen: int, ubatches: list[int], reps: int) -> dict:
-    from ferry.cli import GpuOptions
+    from ferry.runtime.loader import RunConfig
     from ferry.tools.bench import run_bench
 
     out = {}
-    rows = run_bench([path], [n_prompt], [n_gen] if n_gen else [], [n_prompt], ubatches, [1], reps, False,
-                     gpus=[GpuOptions(999)])  # one load; tg does not depend on the u-batch: the first one is kept
+    # one load; tg does not depend on the u-batch: the first one is kept
+    rows = run_bench([RunConfig(path, n_threads=1, repack=False, n_gpu_layers=999, quiet=True)], [n_prompt],
+                     [n_gen] if n_gen else [], [n_prompt], ubatches, reps)
     for r in rows:
         name = f"{r.test} ub{r.n_ubatch}" if r.n_prompt else r.test
         out.setdefault(name, {"avg_ts": r.avg_ts, "stddev_ts": r.stddev_ts, "samples_ts": r.samples_ts,

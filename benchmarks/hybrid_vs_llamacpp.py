@@ -45,15 +45,17 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
     batch order), warmed up once under each, then one run of each config in turn, reps times over (the order
     reversed every other time, each turn's runs on the same tokens), so that a drift of the machine's speed falls on
     every config alike and each turn is a set of pairs (for telling apart configs that do the same work)."""
-    from ferry.cli import GpuOptions, open_model
     from ferry.offload.policy import Explorer, parse_policy
+    from ferry.runtime.loader import RunConfig, load
     from ferry.tools.bench import Runs
 
     ub_max = max(ub for _, _, ub in cases)
     t0 = time.perf_counter()
-    _, backend, model, _ = open_model(path, threads, True, threads, True, True, GpuOptions(999, ["exps=CPU"]),
-                                      max(p + n for p, n, _ in cases) + 1, ub_max)
-    print(f"ferry: loaded in {time.perf_counter() - t0:.1f} s; {backend.summary}", file=sys.stderr, flush=True)
+    cfg = RunConfig(path, n_threads=threads, quiet=True, n_gpu_layers=999, override_tensor=["exps=CPU"],
+                    n_ctx=max(p + n for p, n, _ in cases) + 1, n_ubatch=ub_max)
+    loaded = load(cfg)
+    backend = loaded.backend
+    print(f"ferry: loaded in {time.perf_counter() - t0:.1f} s; {backend.describe()}", file=sys.stderr, flush=True)
     out: dict = {}
     layer_first = backend.layer_first
     configs = [(p, p) for p in policies] + [(p, f"{p} ubatch-first") for p in ubatch_first]
@@ -81,7 +83,7 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
                 use(policy, label)
                 order = label.endswith("ubatch-first")
                 if order not in shared:
-                    shared[order] = Runs(model, backend, p, n, p or 512, ub)
+                    shared[order] = Runs(loaded, cfg.with_(n_batch=p or 512, n_ubatch=ub), p, n)
                 shared[order].warm_up()  # auto's trials fall in its own warm-up, a recording's second pass in one
             for i in range(reps):
                 for policy, label in (runs if i % 2 == 0 else runs[::-1]):
@@ -99,7 +101,7 @@ def ferry_bench(path: Path, threads: int, cases, reps: int, policies: list[str],
         else:
             for policy, label in runs:
                 use(policy, label)
-                engine = Runs(model, backend, p, n, p or 512, ub)
+                engine = Runs(loaded, cfg.with_(n_batch=p or 512, n_ubatch=ub), p, n)
                 engine.warm_up(0)
                 before = backend.streamer.bytes_copied
                 samples[label], hits[label] = engine.timed(reps)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ferry.cli import GpuOptions, open_model
+from ferry.runtime.loader import RunConfig, load
 from ferry.layers.attention import LatentAttention
 from ferry.offload.policy import Explorer
 from ferry.runtime.engine import Engine
@@ -36,7 +36,7 @@ def _timed(model, backend, tokens: list[int], depth: int, n: int, form: str | No
         LatentAttention.expand_from = property(lambda self: 1 if form == "expanded" else 1 << 30)
     try:
         e = Engine(model, backend, n_ctx=depth + n, n_batch=max(n, 512), n_ubatch=max(n, 512))
-        forms = getattr(e.executor, "latent_forms", None)
+        forms = getattr(e.runner, "latent_forms", None)
         if forms is not None and form is not None:
             forms.fixed = lambda n_tokens, n_kv: form
         if depth:
@@ -68,8 +68,9 @@ def main() -> None:
     ap.add_argument("--json", default="mla_crossover.json")
     a = ap.parse_args()
     ubs, depths = [int(v) for v in a.ub.split(",")], [int(v) for v in a.d.split(",")]
-    _, backend, model, _ = open_model(a.model, 16, quiet=True, gpu=GpuOptions(a.ngl) if a.ngl else None, mla=3,
-                                      n_ctx=max(depths) + max(ubs), n_ubatch=max(max(ubs), 512))
+    loaded = load(RunConfig(a.model, n_threads=16, quiet=True, n_gpu_layers=a.ngl, mla=3,
+                            n_ctx=max(depths) + max(ubs), n_ubatch=max(max(ubs), 512)))
+    backend, model = loaded.backend, loaded.model
     attn = model.latent_layers()[0]
     tokens = torch.randint(0, model.args.n_vocab, (max(depths) + max(ubs),)).tolist()
     rows = []

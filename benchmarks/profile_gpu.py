@@ -16,9 +16,9 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ferry.cli import GpuOptions, open_model
+from ferry.runtime.loader import RunConfig, load
 from ferry.config import settings
-from ferry.runtime.runners.cuda_graphs import CudaExecutor
+from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 from ferry.runtime.engine import Engine
 
 PROMPT_GRAPH_MAX = settings().prompt_graph_max  # FERRY_PROMPT_GRAPH_MAX
@@ -64,7 +64,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--syncs", action="store_true", help="list the host syncs of an eager prompt u-batch")
     a = ap.parse_args()
-    _, backend, model, _ = open_model(a.model, 1, quiet=True, gpu=GpuOptions(999))
+    loaded = load(RunConfig(a.model, n_threads=1, quiet=True, n_gpu_layers=999))
+    backend, model = loaded.backend, loaded.model
     vocab = model.args.n_vocab
     for ub in [int(v) for v in a.ub.split(",")]:
         tokens = torch.randint(0, vocab, (ub,)).tolist()
@@ -79,7 +80,7 @@ def main() -> None:
         ms = 1e3 * (time.perf_counter() - t0)
         recorded = "graphs" if ub <= PROMPT_GRAPH_MAX else "eager"
         eager = Engine(model, backend, n_ctx=ub + 1, n_batch=ub, n_ubatch=ub)
-        eager.executor = CudaExecutor(backend, graphs=False)  # the kernels a replay runs, one launch each
+        eager.runner = CudaGraphRunner(backend, graphs=False)  # the kernels a replay runs, one launch each
         eager.decode(tokens)
         eager.reset()
         torch.cuda.synchronize()
@@ -96,7 +97,7 @@ def main() -> None:
                 print(f"  {count:5d}  {where}")
     for graphs in (False, True):
         e = Engine(model, backend, n_ctx=2 * a.n + 70, n_batch=64, n_ubatch=64)
-        e.executor = CudaExecutor(backend, graphs=graphs)
+        e.runner = CudaGraphRunner(backend, graphs=graphs)
         e.decode(torch.randint(0, vocab, (64,)).tolist())
         for _ in range(3):
             e.decode([1])

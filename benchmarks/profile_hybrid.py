@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ferry.cli import GpuOptions, open_model
+from ferry.runtime.loader import RunConfig, load
 from ferry.offload.policy import parse_policy
 from ferry.runtime.engine import Engine
 
@@ -58,9 +58,10 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=16)
     ap.add_argument("-ub", default="128")
     a = ap.parse_args()
-    _, backend, model, _ = open_model(a.model, a.threads, True, a.threads, True, True,
-                                      GpuOptions(999, ["exps=CPU"], verbose=True), 4096, 4096)
-    print(backend.summary)
+    loaded = load(RunConfig(a.model, n_threads=a.threads, quiet=True, n_gpu_layers=999, override_tensor=["exps=CPU"],
+                            verbose=True, n_ctx=4096, n_ubatch=4096))
+    backend, model = loaded.backend, loaded.model
+    print(backend.describe())
     print("calibration:", backend.calib)
     vocab = model.args.n_vocab
     blk = next(b.ffn for b in model.blocks if hasattr(b.ffn, "up_exps"))  # the first MoE layer (after dense ones)

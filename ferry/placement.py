@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from ferry.errors import FerryError
 from ferry.config import settings
-from ferry.runtime.kv_cache import CacheLayout, cache_layout
+from ferry.layers.cache import CacheLayout, cache_layout, kv_type
+from ferry.quant import bytes_per_weight
 
 GIB = 2 ** 30
 _SIZE_RE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
@@ -79,6 +80,35 @@ def place(name: str, n_layer: int, n_gpu_layers: int, overrides: list[Override],
     if name.startswith(("output", "output_norm")):
         return layers[n_layer]
     return "CPU"  # token_embd and other input tensors
+
+
+def tensor_split(text: str | None, gpus: list[str]) -> list[float] | None:
+    """-ts: one non-negative share per GPU."""
+    if not text:
+        return None
+    try:
+        split = [float(x) for x in text.split(",")]
+    except ValueError:
+        split = []
+    if len(split) != len(gpus) or any(not x >= 0 for x in split) or sum(split) <= 0:
+        raise FerryError(f"-ts/--tensor-split '{text}': give {len(gpus)} non-negative numbers, one per GPU "
+                         f"({', '.join(gpus) or 'none visible'}), e.g. -ts {','.join(['1'] * max(len(gpus), 1))}")
+    return split
+
+
+def host_memory() -> int | None:
+    """Bytes of RAM available (MemAvailable), None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemAvailable"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def kv_bytes(type_k: str, type_v: str) -> tuple[float, float]:
+    """Bytes per cached key and value value under -ctk / -ctv."""
+    return (bytes_per_weight(kv_type("-ctk/--cache-type-k", type_k)),
+            bytes_per_weight(kv_type("-ctv/--cache-type-v", type_v)))
 
 
 def parse_size(text: str) -> int:

@@ -1,4 +1,5 @@
-"""Tokenizer from GGUF metadata, built by transformers' GGUF converter into a `tokenizers` Tokenizer.
+"""Tokenizer from GGUF metadata, built by transformers' GGUF converter into a `tokenizers` Tokenizer; chat templates
+(the file's own, --chat-template, or its family's built-in one) rendered as Hugging Face renders them.
 
 It is rebuilt per process (Gemma's 262k vocabulary takes about 3 s here); BOS and end-of-generation
 rules follow llama.cpp.
@@ -6,7 +7,10 @@ rules follow llama.cpp.
 
 from __future__ import annotations
 
+import functools
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -169,6 +173,15 @@ class Tokenizer:
     def is_eog(self, token: int) -> bool:
         return token in self.eog_ids
 
+    def special_texts(self) -> tuple[str, str]:
+        """The texts of BOS and EOS ("" where the vocabulary has none), as chat templates take them."""
+        return tuple(self.decode([i]) if i is not None else "" for i in (self.bos_id, self.eos_id))
+
+    def encode_chat(self, text: str) -> list[int]:
+        """A rendered chat's tokens: BOS added where the model adds one and the template did not write it."""
+        bos, _ = self.special_texts()
+        return self.encode(text, add_bos=self.add_bos and not (bos and text.startswith(bos)))
+
 
 class StreamDecoder:
     """Decodes a growing list of tokens into text pieces, holding back incomplete UTF-8 sequences."""
@@ -186,3 +199,109 @@ class StreamDecoder:
         piece = text[len(self.printed):]
         self.printed = text
         return piece
+
+
+class TemplateError(FerryError):
+    """A chat template that fails on, or refuses, the messages given (the server answers 400)."""
+
+
+# Chat templates by name (--chat-template NAME), each the format its family's models were trained on, written as
+# Jinja as a model's own template would be; a file without a template gets its family's (FAMILY_TEMPLATES).
+BUILTIN_TEMPLATES = {
+    "chatml": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+    "gemma": ("{{ bos_token }}{% set first = messages[0].content + '\n\n' if messages[0].role == 'system' else '' %}"
+              "{% for m in messages if m.role != 'system' %}"
+              "<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+              "{{ (first if loop.first else '') + m.content | trim }}<end_of_turn>\n{% endfor %}"
+              "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
+    "llama3": ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+               "{{ m.content | trim }}<|eot_id|>{% endfor %}"
+               "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
+    "llama2": ("{% set sys = '<<SYS>>\n' + messages[0].content + '\n<</SYS>>\n\n' if messages[0].role == 'system' "
+               "else '' %}{% for m in messages if m.role != 'system' %}{% if m.role == 'user' %}{{ bos_token }}[INST] "
+               "{{ (sys if loop.first else '') + m.content | trim }} [/INST]{% else %} {{ m.content | trim }} "
+               "{{ eos_token }}{% endif %}{% endfor %}"),
+    "deepseek3": ("{{ bos_token }}{% for m in messages if m.role == 'system' %}{{ m.content }}{% endfor %}"
+                  "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+                  "{% elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{% endif %}"
+                  "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"),
+    "glm4": ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
+}
+FAMILY_TEMPLATES = {"gemma3": "gemma", "llama": "llama3", "qwen2": "chatml", "qwen3": "chatml", "qwen3moe": "chatml",
+                    "deepseek2": "deepseek3", "glm4moe": "glm4"}
+
+
+def chat_template(tok: Tokenizer, arch: str, flag: str | None = None) -> tuple[str, str]:
+    """(the Jinja source a chat is rendered with, where it comes from): --chat-template NAME (a built-in), FILE or the
+    template itself where given; else the file's own; else its family's built-in one, else ChatML."""
+    if flag:
+        if flag in BUILTIN_TEMPLATES:
+            return BUILTIN_TEMPLATES[flag], f"the built-in '{flag}' template (--chat-template)"
+        path = Path(flag)
+        if path.is_file():
+            try:
+                return path.read_text(encoding="utf-8"), f"the template in {path} (--chat-template)"
+            except (OSError, UnicodeDecodeError) as e:
+                raise FerryError(f"--chat-template {flag}: cannot read it ({e})") from None
+        if "{{" in flag or "{%" in flag:
+            return flag, "the template given with --chat-template"
+        raise FerryError(f"--chat-template '{flag}' is neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
+                         "nor a file; give one of those names or a Jinja file")
+    if tok.chat_template:
+        return tok.chat_template, "the model's own template"
+    name = FAMILY_TEMPLATES.get(arch, "chatml")
+    return BUILTIN_TEMPLATES[name], f"the built-in '{name}' template ({arch} files without one of their own)"
+
+
+def render_chat(template: str, messages: list[dict], bos: str, eos: str, add_generation_prompt: bool = True) -> str:
+    """The chat template (jinja2, sandboxed, as Hugging Face's templates expect to run) rendered with the messages;
+    TemplateError where it fails on them or refuses them."""
+    from jinja2 import TemplateError as JinjaError
+
+    try:
+        return _template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                          bos_token=bos, eos_token=eos)
+    except JinjaError as e:
+        raise TemplateError(f"the chat template failed on these messages: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _template(source: str):
+    """A chat template compiled as Hugging Face's templates expect to be run (and llama.cpp runs them): blocks
+    trimmed, loop controls (break / continue), raise_exception, strftime_now, a tojson that writes plain JSON
+    (jinja2's own escapes <, >, & and ' for HTML), and `{% generation %}` blocks (marks of the assistant's text
+    for training masks) rendered as their content."""
+    import datetime
+
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_content"), [], [], body).set_lineno(lineno)
+
+        def _content(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise TemplateError(f"the chat template refused the messages: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except Exception as e:  # a template jinja2 cannot parse
+        raise TemplateError(f"the chat template does not parse: {e}") from None

@@ -29,6 +29,11 @@ class Weight:
     repacked: object = field(default=None, repr=False)  # the CPU backend's interleaved copy (False: none exists)
 
     @property
+    def nbytes(self) -> int:
+        """Its bytes in the file (a tensor record's nbytes)."""
+        return self.data.nbytes
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """torch order: (n_expert, rows, cols) or (rows, cols)."""
         return tuple(reversed(self.ne))

@@ -27,14 +27,14 @@ def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys):
     # ferry's own kernel at one token, measured where it runs on this machine
     from ferry.kernels.cpu import native
 
-    assert set(data["cpu"]["cpu_moe_token"]) == ({"Q4_0"} if native.runs_experts("Q4_0") else set())
+    assert set(data["cpu"]["cpu_moe_token"]) == ({"Q4_0"} if native.library() is not None else set())
     assert all(s > 0 for s in data["cpu"]["cpu_moe_token"].values())
     assert all(c1 * s1 >= 0.5 * c0 * s0 for (c0, s0), (c1, s1) in zip(table, table[1:]))
     assert all(s0 <= s1 * 1.5 for (_, s0), (_, s1) in zip(table, table[1:]))
 
 def test_a_calibration_of_another_ggml_build_is_stale(tmp_path):
     """The CPU's rates belong to the ggml build that measured them: a stored calibration that names other CPU
-    features, or none, is measured again by the next run (cli._calibration); the current build's is kept."""
+    features, or none, is measured again by the next run (runtime.loader.calibration); the current build's is kept."""
     from ferry.offload.calibrate import ggml_build, stale
 
     now = ggml_build()
@@ -51,7 +51,7 @@ def test_a_calibration_of_another_ggml_build_is_stale(tmp_path):
 
 def test_a_run_calibrates_again_when_ggml_was_rebuilt(tmp_path, monkeypatch, capsys):
     from ferry.offload import calibrate
-    from ferry.cli import _calibration
+    from ferry.runtime.loader import calibration as _calibration
 
     path = tmp_path / "c.json"
     gpu = {"h2d_bytes_per_s": 55e9, "h2d_latency_s": 2.3e-5, "gpu_bytes_per_s": 3e12, "gpu_flops": 8e14, "gpu_name": "x"}
@@ -59,7 +59,7 @@ def test_a_run_calibrates_again_when_ggml_was_rebuilt(tmp_path, monkeypatch, cap
              "gpu": gpu}
     measured = []
     monkeypatch.setattr(calibrate, "default_path", lambda: path)
-    monkeypatch.setattr(calibrate, "calibrate", lambda threads, quick: measured.append(quick) or fresh)
+    monkeypatch.setattr(calibrate, "calibrate", lambda backend, quick: measured.append(quick) or fresh)
     path.write_text(json.dumps({"cpu": {**fresh["cpu"], "cpu_bytes_per_s": 1e9, "ggml_build": ["sse3"]}, "gpu": gpu}))
     assert _calibration(16, quiet=False).cpu_bytes_per_s == 5e10 and measured == [True]
     assert "calibrating this machine for the offload policy (again, as ggml was built" in capsys.readouterr().err
@@ -74,7 +74,7 @@ def test_the_policy_reads_a_stored_calibration(tmp_path):
                                      cpu_flops=1e12, gpu_bytes_per_s=3e12, gpu_flops=8e14)  # an older file: no table
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 16,
                                         "cpu_moe": [[1, 2e-11], [64, 1e-9]]}, "gpu": {**gpu, "launch_s": 1e-5}}))
-    c = load(path)  # a file of before session 22: Q4_0's table alone, as a list
+    c = load(path)  # an older file: Q4_0's table alone, as a list
     assert c.cpu_moe == {"Q4_0": ((1.0, 2e-11), (64.0, 1e-9))} and c.launch_s == 1e-5 and c.cpu_moe_token == {}
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 16,
                                         "cpu_moe": {"Q4_0": [[1, 2e-11]], "Q4_K": [[1, 3e-11]]},
@@ -92,7 +92,7 @@ def test_a_run_measures_the_expert_types_of_its_model_that_the_calibration_lacks
     """A quick calibration measures Q4_0's experts; a model whose experts in RAM are Q8_0 gets Q8_0's table measured
     (quickly, on a real layer) and stored beside it by its first run; the next run finds it and measures nothing."""
     from ferry.offload import calibrate
-    from ferry.cli import _calibration
+    from ferry.runtime.loader import calibration as _calibration
 
     path = tmp_path / "c.json"
     gpu = {"h2d_bytes_per_s": 55e9, "h2d_latency_s": 2.3e-5, "gpu_bytes_per_s": 3e12, "gpu_flops": 8e14, "gpu_name": "x"}
@@ -119,4 +119,4 @@ def test_a_calibration_without_the_kernels_rate_measures_it_where_the_kernel_run
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 5e10, "cpu_flops": 1e12, "threads": 1,
                                         "cpu_moe": [[1, 2e-11]]}, "gpu": None}))  # a file of before session 22
-    assert calibrate.missing_experts(path, {"Q4_0"}) == (["Q4_0"] if native.runs_experts("Q4_0") else [])
+    assert calibrate.missing_experts(path, {"Q4_0"}) == (["Q4_0"] if native.library() is not None else [])

@@ -8,10 +8,10 @@ import torch
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
-from ferry.runtime.runners.ggml_graph import CpuGraphExecutor
+from ferry.runtime.runners.ggml_graph import GgmlGraphRunner
 from ferry.quant import Q
 from ferry.runtime.engine import Engine
-from ferry.runtime.kv_cache import row_bytes
+from ferry.quant import row_bytes
 from tests.fixtures.hf import VOCAB, load_stored_weights, tiny_hf_model, to_gguf
 
 MODES = pytest.mark.parametrize("mla", [0, 1, 2, 3])
@@ -140,10 +140,10 @@ def test_mode_3_expands_from_the_crossover_and_absorbs_below(files, backend):
     assert lat.expand_from == 32
     engine = Engine(model, backend, n_ctx=128, n_ubatch=40)
     engine.decode(_tokens(60))  # 40 tokens (expanded: a graph for that cache length), then 20 (absorbed)
-    assert isinstance(engine.executor, CpuGraphExecutor)
-    per_length = [k for k in engine.executor.graphs if len(k) == 4]
+    assert isinstance(engine.runner, GgmlGraphRunner)
+    per_length = [k for k in engine.runner.graphs if len(k) == 4]
     assert [k[0] for k in per_length] == [40]
-    assert any(k[0] == 20 and len(k) == 3 for k in engine.executor.graphs)
+    assert any(k[0] == 20 and len(k) == 3 for k in engine.runner.graphs)
 
 
 def test_an_unknown_mode_is_refused_and_other_models_ignore_the_flag(files, tiny):

@@ -138,13 +138,13 @@ def test_quantized_kv_cache_stays_close_to_the_f32_cache(cache, max_median_kl, m
     assert (ref.argmax(-1) == got.argmax(-1)).double().mean() >= min_top1
 
 
-def test_quantized_cache_needs_whole_blocks_per_head(tmp_path):
+def test_quantized_cache_needs_whole_blocks_per_head(tmp_path, backend):
     hf = tiny_hf_model("qwen3")  # head size 16 < one q8_0 block of 32
     path = tmp_path / "m.gguf"
     to_gguf(hf, "qwen3", path, Q.F32)
     model = load_model(GGUFFile(path))
     with pytest.raises(FerryError, match="-ctk q8_0 needs a head size that is a multiple of 32, this model's is 16"):
-        Engine(model, None, n_ctx=16, type_k="q8_0")
+        Engine(model, backend, n_ctx=16, type_k="q8_0")
 
 
 def test_eager_path_reads_only_float_caches(tmp_path, backend):

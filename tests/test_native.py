@@ -9,6 +9,7 @@ import torch
 from ferry.config import Settings
 from ferry.weight import Weight
 from ferry.kernels.cpu import native
+from ferry.offload.plan import experts_kernel
 from ferry.backends.cpu import CpuBackend
 from ferry.quant import Q, dequantize, quantize
 
@@ -141,12 +142,12 @@ def test_ferry_native_0_turns_the_kernel_off():
 def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
     """A Q4_K_M file (Q4_K layers, some with Q6_K down) all on ferry's kernel; a Q5_K_M file's Q5_K layers on ggml's
     beside its Q6_K ones on ferry's; Q8_0 experts all on ggml's."""
-    mixed = native.experts_kernel([{"Q5_K"}, {"Q5_K", "Q6_K"}, {"Q6_K"}])
+    mixed = experts_kernel([{"Q5_K"}, {"Q5_K", "Q6_K"}, {"Q6_K"}])
     if _has_vnni():
         assert mixed.startswith("ferry's own kernel") and "in 1 of 3 layers" in mixed and "theirs are Q5_K" in mixed
-        assert native.experts_kernel([{"Q4_K"}, {"Q4_K", "Q6_K"}]).startswith("ferry's own kernel (")
-        assert native.experts_kernel([{"Q4_0"}, {"Q4_K"}]).startswith("ferry's own kernel (")
+        assert experts_kernel([{"Q4_K"}, {"Q4_K", "Q6_K"}]).startswith("ferry's own kernel (")
+        assert experts_kernel([{"Q4_0"}, {"Q4_K"}]).startswith("ferry's own kernel (")
     else:
         assert mixed.startswith("ggml's kernel")
-    q8 = native.experts_kernel([{"Q8_0"}, {"Q8_0"}])
+    q8 = experts_kernel([{"Q8_0"}, {"Q8_0"}])
     assert q8.startswith("ggml's kernel") and "these are Q8_0" in q8

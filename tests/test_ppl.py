@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from ferry.cli import main, open_model
+from ferry.cli import main
+from ferry.runtime.loader import RunConfig, load
 from ferry.runtime.engine import Engine
 from ferry.tokenizer import Tokenizer
 
@@ -33,7 +34,8 @@ def test_perplexity_is_llama_perplexity_method(tiny, text_file, capsys):
     assert code == 0
     r = json.loads(out)
     # by hand: chunks of 64 tokens, the first replaced by BOS, tokens 33..63 scored from the logits before them
-    f, backend, model, _ = open_model(tiny, 1)
+    loaded = load(RunConfig(tiny, n_threads=1))
+    f, backend, model = loaded.file, loaded.backend, loaded.model
     tok = Tokenizer(f)
     tokens = tok.encode(TEXT)
     n_chunks = len(tokens) // 64

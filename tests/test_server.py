@@ -94,17 +94,3 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, c
     metrics = httpx.get(server + "/metrics").text
     assert "ferry_requests_total" in metrics and "ferry_slots_idle 4" in metrics
     assert _chat(client, "after all that").usage.completion_tokens == 8
-
-
-def test_chat_template_from_the_gguf_is_rendered_with_a_generation_prompt():
-    from ferry.server.app import BadRequest, render_chat
-
-    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
-                "{% endif %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
-                "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-    msgs = [{"role": "user", "content": "Hi"}]
-    assert render_chat(template, msgs, "<bos>", "<eos>") == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
-    with pytest.raises(BadRequest, match="no tools"):
-        render_chat(template, [{"role": "tool", "content": "x"}], "<bos>", "<eos>")
-    # no template in the file: ChatML, as llama-server falls back to
-    assert render_chat(None, msgs, "", "") == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

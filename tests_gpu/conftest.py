@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.cli import main, open_model
+from ferry.cli import main
 from ferry.runtime.engine import Engine
+from ferry.runtime.loader import RunConfig, load
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # kernels on the CPU: Triton 3.6's interpreter meets numpy 2
     from triton.runtime import interpreter as _interpreter
@@ -24,6 +25,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels on the CPU: Triton 3.6'
     _interpreter._patch_lang_tensor = _numpy2_index
 
 
+def place(path, threads: int, **flags):
+    """(backend, model) of the file at `path` loaded as a run with these flags would load it (RunConfig's fields)."""
+    loaded = load(RunConfig(path, n_threads=threads, quiet=True, **flags))
+    return loaded.backend, loaded.model
+
+
 def kl_top1(want: torch.Tensor, got: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Per-position KL(want || got) in float64, and the share of positions whose top token agrees."""
     lp, lq = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double().cpu(), -1)
@@ -35,7 +42,7 @@ def mid(tmp_path_factory):
     """qwen3-moe-mid (Q4_0 experts, Q8_0 rest, 64 experts): its CPU logits over a 300-token prompt."""
     path = tmp_path_factory.mktemp("m") / "mid.gguf"
     assert main(["synth", "qwen3-moe-mid", "-o", str(path), "-q"]) == 0
-    _, cpu, model, _ = open_model(path, 8)
+    cpu, model = place(path, 8)
     tokens = np.random.default_rng(0).integers(0, model.args.n_vocab, 300).tolist()
     want = Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
     return path, tokens, want

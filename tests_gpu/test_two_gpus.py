@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import kl_top1
-from ferry.cli import GpuOptions, open_model
-from ferry.backends.multi_gpu import SplitBackend
+from tests_gpu.conftest import place
+from ferry.backends.multi_gpu import MultiGpuBackend
 from ferry.runtime.engine import Engine
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -20,11 +20,11 @@ def _run(model, backend, tokens):
 
 def test_layers_split_across_two_gpus_give_one_gpus_logits(mid):
     path, tokens, want = mid
-    _, one, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, tensor_split="1,0"), n_ctx=512)
-    assert not isinstance(one, SplitBackend)
+    one, model = place(path, 8, n_gpu_layers=999, tensor_split="1,0", n_ctx=512)
+    assert not isinstance(one, MultiGpuBackend)
     ref, _ = _run(model, one, tokens)
-    _, two, model, _ = open_model(path, 8, quiet=True, gpu=GpuOptions(999, tensor_split="1,1"), n_ctx=512)
-    assert isinstance(two, SplitBackend) and set(two.layers) == {"CUDA0", "CUDA1"}
+    two, model = place(path, 8, n_gpu_layers=999, tensor_split="1,1", n_ctx=512)
+    assert isinstance(two, MultiGpuBackend) and set(two.layers) == {"CUDA0", "CUDA1"}
     got, e = _run(model, two, tokens)
     n = model.args.n_layer
     assert e.kv.k[0].device == torch.device("cuda:0") and e.kv.k[n - 1].device == torch.device("cuda:1")

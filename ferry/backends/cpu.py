@@ -11,10 +11,10 @@ from typing import Callable
 import ggml
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.config import settings
 from ferry.errors import FerryError
+from ferry.kernels.capabilities import cpu_native_experts
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
 from ferry.weight import Weight
@@ -26,7 +26,6 @@ _GRAPHS_PER_WEIGHT = 64  # distinct (op, batch size) shapes kept built per weigh
 _ALIGN = 64
 
 
-MAX_THREADS = 1024
 
 
 _GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split}  # act(gate) * up in one op
@@ -57,20 +56,21 @@ def physical_cores() -> int:
 
 
 def _kernel_layout(w: Weight) -> int:
-    """The address ferry's expert kernel reads a weight at: its repacked copy, or its plain bytes (native.PLAIN)."""
+    """The address ferry's expert kernel reads a weight at: its repacked copy, or its plain bytes (capabilities' "plain"
+    types)."""
     return w.repacked.tensor.contents.data if w.repacked else w.data.ctypes.data
 
 
 class CpuBackend:
-    """Runs weight-bound ops with ggml on `n_threads` threads from one reused thread pool."""
+    """Runs weight-bound ops with ggml on `n_threads` threads (0 or None: the physical cores; RunConfig checks a user's
+    -t) from one reused thread pool."""
 
-    name = "CPU"
+    label = "CPU"
+    device = torch.device("cpu")
+    layer_first = False  # nothing crosses PCIe: u-batch by u-batch
 
     def __init__(self, n_threads: int | None = None, repack: bool = True, n_threads_batch: int | None = None,
                  fused_moe: bool = True, native_kernels: bool | None = None):
-        for flag, v in (("-t/--threads", n_threads), ("-tb/--threads-batch", n_threads_batch)):
-            if v is not None and not (v in (0, -1) or 1 <= v <= MAX_THREADS):
-                raise FerryError(f"{flag} must be 1..{MAX_THREADS} (0 or -1: the physical core count), got {v}")
         self.n_threads = n_threads if n_threads and n_threads > 0 else physical_cores()
         self.n_threads_batch = n_threads_batch if n_threads_batch and n_threads_batch > 0 else self.n_threads
         self.repack_buft = _repack_buffer_type() if repack else None
@@ -251,6 +251,26 @@ class CpuBackend:
         """A small float model tensor where this backend computes: already there."""
         return t
 
+    def kv_devices(self, n_layer: int) -> None:
+        return None  # host memory: ggml's graphs read the cache by address
+
+    def prepare(self, weights: list[Weight], fused: list[tuple[Weight, ...]] = (),
+                progress: Callable[[int, int], None] | None = None) -> None:
+        """Repack the weights into ggml's interleaved layouts where it has them (unless --no-repack)."""
+        self.repack(*weights, progress=progress)
+
+    def synchronize(self) -> None:
+        pass  # ggml's calls return when done
+
+    def describe(self) -> str:
+        return f"{self.n_threads} threads ({self.n_threads_batch} for batches)"
+
+    def notes(self) -> list[str]:
+        return []
+
+    def report(self) -> list[str]:
+        return []
+
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         """y = x @ W.T for x (n, k) float32 and W (m, k) in any ggml type."""
         x = x.contiguous().float()
@@ -339,24 +359,26 @@ class CpuBackend:
 
     def native_experts(self, n: int, weighted: bool, up: Weight, gate: Weight, down: Weight,
                        act: str) -> native.MoeExperts | None:
-        """ferry's own kernel for n tokens' routed experts, where it runs them: one token, its weighted sum, silu, Q4_0,
-        Q4_K or Q6_K experts (gate of up's type; Q4_0 and Q4_K in ggml's repacked layouts, so not with --no-repack), a
-        CPU with AVX512-VNNI (native.py); None where ggml runs them."""
-        if (not self.native_kernels or n != 1 or not weighted or act != "silu" or gate.qtype != up.qtype
-                or any(w.qtype.name not in native.TYPES for w in (up, down))):
+        """ferry's own kernel for n tokens' routed experts, where it runs them: one token, its weighted sum, experts it
+        reads (capabilities.cpu_native_experts: silu, Q4_0 / Q4_K repacked, Q6_K), a CPU it was built for
+        (kernels/cpu/native.py); None where ggml runs them. Decided once per layer."""
+        if not self.native_kernels or n != 1 or not weighted:
             return None
-        n_embd, n_ff = up.ne[0], up.ne[1]
-        if n_embd % GGML_QUANT_SIZES[up.qtype][0] or n_ff % GGML_QUANT_SIZES[down.qtype][0] or n_embd % 8 or n_ff % 8:
-            return None
-        self.repack(up, gate, down)
-        if not all(w.repacked or w.qtype.name in native.PLAIN for w in (up, gate, down)):
-            return None
-        lib = native.library()
-        if lib is None:
-            return None
-        key = (n_embd, n_ff, up.qtype, down.qtype, self.n_threads)
+        known = up.graphs.get(("native", act))  # kept on the weight, as its graphs are: it dies with the layer
+        if known is None or known[:3] != (self, gate, down):
+            self.repack(up, gate, down)
+            lib = native.library()
+            why = cpu_native_experts(up, gate, down, act, repacked=lambda w: bool(w.repacked))
+            known = up.graphs[("native", act)] = (self, gate, down, None if why or lib is None else
+                                                  self._kernel(lib, up, down))
+        return known[3]
+
+    def _kernel(self, lib, up: Weight, down: Weight) -> native.MoeExperts:
+        """The kernel for experts of up's shape and these types (one per shape, types and thread count)."""
+        key = (up.ne[0], up.ne[1], up.qtype, down.qtype, self.n_threads)
         if key not in self._kernels:
-            self._kernels[key] = native.MoeExperts(lib, n_embd, n_ff, up.qtype.value, down.qtype.value, self.n_threads)
+            self._kernels[key] = native.MoeExperts(lib, up.ne[0], up.ne[1], up.qtype.value, down.qtype.value,
+                                                   self.n_threads)
         return self._kernels[key]
 
     def moe_up_gate(self, x: torch.Tensor, ids: torch.Tensor, up: Weight, gate: Weight, act: str) -> torch.Tensor:

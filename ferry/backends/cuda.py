@@ -6,11 +6,14 @@ registers; torch._grouped_mm on bf16 copies for other types), without the host l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.weight import Weight
+from ferry.kernels.capabilities import can, gpu_reads
 from ferry.quant import Q
 
 _ACT = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}
@@ -25,13 +28,16 @@ class CudaBackend:
     everywhere ('dense': every expert expanded to bf16 and torch's grouped GEMM; 'loop' is one matmul per expert
     hit, the reference the grouped GEMM is tested against)."""
 
-    name = "CUDA"
-    recorder = None  # set by the executor while it records a prompt step as CUDA graphs cut at ops.cache_sized
+    label = "CUDA"
+    layer_first = False  # every weight on the GPU: nothing to read once per batch
+    host_steps = False  # nothing runs on the host
+    recorder = None  # set by the runner while it records a prompt step as CUDA graphs cut at ops.cache_sized
 
-    def __init__(self, device: str = "cuda:0", moe: str = "auto"):
+    def __init__(self, device: str = "cuda:0", moe: str = "auto", n_threads: int = 0):
         if moe not in MOE_STRATEGIES:
             raise ValueError(f"unknown MoE strategy {moe!r}; valid: {', '.join(MOE_STRATEGIES)}")
         self.device = torch.device(device)
+        self.n_threads = n_threads  # the run's -t, reported (nothing computes on the CPU)
         self.moe_strategy = moe
         self._raw: dict = {}  # id(weight or tensor) -> its GPU copy; half()'s under (id, torch.float16)
         self._fused: dict[tuple[int, ...], object] = {}  # ids of weights uploaded as one Split -> that Split
@@ -46,15 +52,45 @@ class CudaBackend:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def kv_devices(self, n_layer: int) -> list[torch.device]:
+        return [self.device] * n_layer
+
+    def prepare(self, weights: list[Weight], fused: list[tuple[Weight, ...]] = (),
+                progress: Callable[[int, int], None] | None = None) -> None:
+        """Upload every weight (each fused group as one matrix where upload_fused can)."""
+        for group in fused:
+            self.upload_fused(group)
+        total, done = sum(w.nbytes for w in weights), 0
+        for w in weights:
+            self.upload(w)
+            done += w.nbytes
+            if progress:
+                progress(done, total)
+
+    def decided(self, n_tokens: int) -> None:
+        return None  # nothing to decide
+
+    def describe(self) -> str:
+        return f"all layers on {self.device}"
+
+    def notes(self) -> list[str]:
+        return []
+
+    def report(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass  # the GPU's memory goes with the backend
+
     def upload(self, w: Weight):
         """The weight on the GPU (once): Q8_0 / Q4_0 split into quants and scales (Split), other types
         as their GGUF bytes."""
-        from ferry.kernels.cuda.layout import GEMV_KINDS, Split
+        from ferry.kernels.cuda.layout import Split
 
         t = self._raw.get(id(w))
         if t is None:
             t = w.host_tensor().to(self.device)
-            if w.qtype in GEMV_KINDS:
+            if can(w.qtype).gpu_gemv:
                 t = Split.of(t, w.qtype, w.ne)
             self._raw[id(w)] = t
         return t
@@ -63,10 +99,10 @@ class CudaBackend:
         """Weights that one input feeds (attention's q, k and v) uploaded as one Split holding their rows in order,
         so that a token's projections are one GEMV launch (fused()); each weight's upload is a view of its rows.
         Only Q8_0 / Q4_0 matrices of one type and width, none uploaded yet; others stay apart."""
-        from ferry.kernels.cuda.layout import GEMV_KINDS, Split
+        from ferry.kernels.cuda.layout import Split
 
         first = ws[0]
-        if first.qtype not in GEMV_KINDS or any(len(w.ne) != 2 or w.qtype != first.qtype or w.ne[0] != first.ne[0]
+        if not can(first.qtype).gpu_gemv or any(len(w.ne) != 2 or w.qtype != first.qtype or w.ne[0] != first.ne[0]
                                                 or id(w) in self._raw for w in ws):
             return
         rows = sum(w.ne[1] for w in ws)
@@ -114,9 +150,9 @@ class CudaBackend:
             return raw.floats(dtype, out)
         if qtype in _FLOAT:
             return out.copy_(raw.view(_FLOAT[qtype]).view(out.shape))
-        from ferry.kernels.cuda.dequant import SUPPORTED, dequantize  # Triton: only where a GPU is
+        from ferry.kernels.cuda.dequant import dequantize  # Triton: only where a GPU is
 
-        if qtype not in SUPPORTED:
+        if not can(qtype).gpu_expand:
             raise NotImplementedError(f"no GPU kernel for {qtype.name} yet")
         return dequantize(raw, qtype, ne, out=out)
 
@@ -158,14 +194,13 @@ class CudaBackend:
             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Router, top-k, each routed expert over its tokens, weighted sum (+ residual when given): ((n, n_embd)
         float32, ids (n, k))."""
-        from ferry.kernels.cuda.layout import GEMV_KINDS
         from ferry.kernels.cuda.moe import moe_gemv
 
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         strategy = self.moe_strategy
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
-        if strategy == "gemv" and all(w.qtype in GEMV_KINDS for w in (gate, up, down)):
+        if strategy == "gemv" and gpu_reads(w.qtype for w in (gate, up, down)):
             return moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act,
                             residual=residual), ids
         if strategy == "loop":
@@ -185,11 +220,10 @@ class CudaBackend:
         computed on the GPU), each token's experts summed in a fixed order (+ residual when given). Q8_0 / Q4_0
         experts: the Triton kernel that expands weights in registers, the sum one pass with the residual; other
         types: bf16 copies and torch's grouped GEMM."""
-        from ferry.kernels.cuda.layout import GEMV_KINDS
         from ferry.kernels.cuda.moe import sum_pairs
 
         n, k = ids.shape
-        if not dense and all(w.qtype in GEMV_KINDS for w in (gate, up, down)):
+        if not dense and gpu_reads(w.qtype for w in (gate, up, down)):
             y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act, weights=weights)
             return sum_pairs(y, k, residual)
         order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)

@@ -10,14 +10,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from collections.abc import Callable
+
 import torch
 
 from ferry.weight import Weight
 from ferry.backends.cuda import CudaBackend, gpu_route
+from ferry.kernels.capabilities import can, gpu_reads
 from ferry.placement import EXPERTS_RE
-from ferry.offload.cost import Calibration, type_shares
-from ferry.offload.policy import Explorer, Policy, decide, experts_fixed_side, size_class, split_experts
-from ferry.quant import bytes_per_weight
+from ferry.offload.cost import Calibration
+from ferry.offload.policy import Explorer, Policy, experts_fixed_side, size_class
+from ferry.offload.work import SIDES, ExpertsWork, dense_decision
 from ferry.backends.streamer import Streamer
 
 
@@ -46,8 +49,6 @@ class HybridStats:
 
 
 SMALL_MOE = 64  # tokens up to which a MoE host step's inputs and output travel through pinned buffers
-_ALL_ON, _ALL_OFF = Policy(overrides={"all": "on"}), Policy(overrides={"all": "off"})
-_SIDES = {"gpu": _ALL_ON, "cpu": _ALL_OFF}
 
 
 class HybridBackend:
@@ -55,14 +56,11 @@ class HybridBackend:
     measure it (verbose runs only: it costs the overlap); `layer_first`: whether the engine should run a logical
     batch layer by layer when routed experts are in RAM (--batch-order)."""
 
-    name = "CUDA+CPU"  # activations and the KV cache live on the GPU: the engine uses the GPU executor
+    label = "CUDA+CPU"  # activations and the KV cache live on the GPU: the engine uses the GPU runner
     graph_safe = False  # ops on CPU weights go through the host
 
     def __init__(self, gpu: CudaBackend, cpu, devices: dict[str, str], policy: Policy, calib: Calibration,
                  timed: bool = False, layer_first: bool = True):
-        from ferry.kernels.cuda.dequant import SUPPORTED
-        from ferry.kernels.cuda.layout import GEMV_KINDS
-
         self.gpu, self.cpu, self.devices = gpu, cpu, devices
         self.device = gpu.device
         self.policy, self.calib = policy, calib
@@ -71,16 +69,13 @@ class HybridBackend:
         self._seen: set[tuple[int, int]] = set()  # (layer's expert tensor, u-batch size) run at least once
         self._trial: tuple | None = None  # the last MoE layer run as a trial: (explorer, gate, tokens, way, start)
         self.timed = timed
-        self._streamable = GEMV_KINDS  # read by the GPU's quantized kernels once staged (layout.Split)
-        # experts the GPU can take from RAM: the types its dequantizers read (those above among them), the others
-        # expanded to bfloat16 once staged (Expanded); `ferry plan` asks the same of them
-        self._expert_types = frozenset(SUPPORTED)
         self._slot = 0  # the staging set ("moe", 0 or 1) the current MoE layer uses; layers alternate
         self._dense_slot = 0
         self._prefetched: tuple | None = None  # (the next layer's gate weight, its staged experts)
         self._next_experts: dict[int, tuple[Weight, Weight, Weight]] = {}
+        self._works: dict[int, tuple[Weight, ExpertsWork]] = {}  # id(gate) -> (gate, its layer's ExpertsWork)
         self.streamer: Streamer | None = None
-        self.recorder = None  # set by the executor while it records a step as CUDA graphs cut at host steps
+        self.recorder = None  # set by the runner while it records a step as CUDA graphs cut at host steps
         self._pinned_buffers: dict[str, torch.Tensor] = {}
         self._layer_first = layer_first
         self.layer_first = False  # set by prepare(): whether there are routed experts in RAM to take layer first
@@ -90,9 +85,10 @@ class HybridBackend:
         """Whether a step may be recorded as CUDA graphs between host steps (not while timing each op)."""
         return not self.timed
 
-    def prepare(self, weights: list[Weight], fused: list[tuple[Weight, ...]] = ()) -> None:
+    def prepare(self, weights: list[Weight], fused: list[tuple[Weight, ...]] = (),
+                progress: Callable[[int, int], None] | None = None) -> None:
         """Upload the GPU's weights (each group of `fused` that is all on the GPU as one, CudaBackend.upload_fused),
-        register the CPU's with the streamer."""
+        repack the CPU's (CpuBackend.prepare) and register them with the streamer."""
         for group in fused:
             if all(map(self.on_gpu, group)):
                 self.gpu.upload_fused(group)
@@ -102,6 +98,7 @@ class HybridBackend:
                 self.gpu.upload(w)
             else:
                 cpu_weights.append(w)
+        self.cpu.prepare(cpu_weights, progress=progress)
         self.streamer = Streamer(self.device, cpu_weights)
         by_layer: dict[int, dict[str, Weight]] = {}
         for w in cpu_weights:
@@ -117,6 +114,13 @@ class HybridBackend:
             for key, nbytes in (("ids", 8 * n_expert), ("weights", 4 * n_expert), ("x", 4 * n_embd),
                                 ("out", 4 * n_embd), ("rows", 4 * n_embd)):  # rows: the embedding's, from RAM
                 self._pinned_buffers[key] = torch.empty(SMALL_MOE * nbytes, dtype=torch.uint8).pin_memory()
+
+    @property
+    def n_threads(self) -> int:
+        return self.cpu.n_threads
+
+    def kv_devices(self, n_layer: int) -> list[torch.device]:
+        return [self.device] * n_layer  # attention stays on the GPU, every layer
 
     def on_gpu(self, w: Weight) -> bool:
         return self.devices.get(w.name, "CPU") != "CPU"
@@ -159,13 +163,13 @@ class HybridBackend:
     def _linear_in_ram(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         t0 = self._timer()
         n = x.shape[0]
-        d = decide("mul_mat", n, w.ne[1], w.ne[0], bytes_per_weight(w.qtype), self.calib, self.policy)
+        d = dense_decision(w, n, self.calib, self.policy)
         if d.device == "GPU":
             self._dense_slot ^= 1
             slot = ("dense", self._dense_slot)
             raw, done = self.streamer.stage(w, slot)
             torch.cuda.current_stream(self.device).wait_event(done)
-            if w.qtype in self._streamable:
+            if can(w.qtype).gpu_gemv:
                 from ferry.kernels.cuda.layout import Split
 
                 raw = Split.of(raw, w.qtype, w.ne)
@@ -263,18 +267,28 @@ class HybridBackend:
             self.streamer.copy_async(d, src.to(d.dtype).contiguous(), stream)
         return dst
 
-    def _streams(self, experts: tuple[Weight, Weight, Weight]) -> bool:
-        """Whether the GPU can take these experts from RAM: all three in RAM, of types it reads or expands."""
-        return all(w.qtype in self._expert_types for w in experts) and not any(map(self.on_gpu, experts))
+    def _work(self, experts: tuple[Weight, Weight, Weight], n_used: int, act: str) -> ExpertsWork:
+        """The layer's routed experts as the policy sees them (offload/work.py), described at its first u-batch."""
+        gate, up, down = experts
+        known = self._works.get(id(gate))
+        if known is None or known[0] is not gate:
+            token_kernel = self.cpu.native_experts(1, True, up, gate, down, act) is not None
+            known = self._works[id(gate)] = (gate, ExpertsWork.of(gate, up, down, n_used, token_kernel))
+        return known[1]
 
-    def _decided_side(self, n: int, n_used: int, experts: tuple[Weight, Weight, Weight]) -> str | None:
+    def _streams(self, experts: tuple[Weight, Weight, Weight], work: ExpertsWork) -> bool:
+        """Whether the GPU can take these experts from RAM: all three in RAM, of types it reads or expands."""
+        return work.gpu_takes and not any(map(self.on_gpu, experts))
+
+    def _decided_side(self, n: int, n_used: int, experts: tuple[Weight, Weight, Weight],
+                      work: ExpertsWork) -> str | None:
         """"cpu" or "gpu" where every expert (gate, up, down) of this u-batch size goes one way without a prediction:
         the GPU cannot stream them (the CPU, whatever the policy), the policy says so (on / off, or llama.cpp's rule in
         threshold mode), or auto measured that way fastest for this size class and this layer has run it before. None
         in verbose runs, which record each decision's prediction."""
         if self.timed or self.stats.keep:
             return None
-        if not self._streams(experts):  # before session 22 auto never decided these: cut host steps, 0.62x all=off
+        if not self._streams(experts, work):  # else a decode step would cut its graph at each of these layers
             return "cpu"
         gate = experts[0]
         fixed = experts_fixed_side(self.policy, n, gate.ne[2], n_used)
@@ -284,7 +298,7 @@ class HybridBackend:
         if self.policy.setting("moe_up_gate") != self.policy.setting("moe_down") or (id(gate), n) not in self._seen:
             return None
         chosen = self.explorer.chosen.get(size_class(n))
-        return chosen if chosen in _SIDES else None
+        return chosen if chosen in SIDES else None
 
     def _experts(self, x, ids, weights, host, up: Weight, gate: Weight, down: Weight, n_used: int, act: str,
                  t0: float) -> torch.Tensor:
@@ -302,30 +316,25 @@ class HybridBackend:
         t_decided = time.perf_counter()
         if self._trial is not None:
             self._end_trial(gate, n, t_decided)
-        side = self._decided_side(n, k, experts)
+        work = self._work(experts, n_used, act)
+        side = self._decided_side(n, k, experts, work)
         if x_host is not None and side == "cpu":  # generation's usual case: straight to the CPU's experts
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
             return self._cpu_on_pinned(host, up, gate, down, act, self._pinned("out", x_host.shape, torch.float32))
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
         counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert).tolist()
-        expert_bytes = sum(w.data.nbytes for w in experts) / n_expert
-        flops = 2.0 * sum(w.ne[0] * w.ne[1] for w in experts)
-        # what the CPU's rate depends on: the quant types, and whether ferry's own kernel runs this u-batch
-        rate = {"types": type_shares([(w.qtype.name, w.data.nbytes) for w in experts]),
-                "token_kernel": self.cpu.native_experts(n, True, up, gate, down, act) is not None}
         trial = None
-        if self._streams(experts):
-            share = (gate.data.nbytes + up.data.nbytes) / (n_expert * expert_bytes)
+        if self._streams(experts, work):
             if side is not None:  # decided: that way alone, without predicting the others (auto costs what on does)
-                split = split_experts(counts, expert_bytes, flops, self.calib, _SIDES[side], n_used, share, **rate)
+                split = work.split(counts, self.calib, SIDES[side])
                 split = replace(split, why=f"every expert hit on the {side.upper()}: decided without a prediction")
             else:
-                split = split_experts(counts, expert_bytes, flops, self.calib, self.policy, n_used, share, **rate)
+                split = work.split(counts, self.calib, self.policy)
             if split.why.startswith("auto"):  # measure between the plausible ways, then keep the fastest
-                split, trial = self._measured_choice(gate, n, counts, split, expert_bytes, flops, n_used, rate)
+                split, trial = self._measured_choice(gate, n, counts, split, work)
         else:
-            split = split_experts(counts, expert_bytes, flops, self.calib, _ALL_OFF, n_used, **rate)
-            split = replace(split, why="experts of a type (or a placement) the GPU cannot stream: on the CPU")
+            split = work.split(counts, self.calib, SIDES["cpu"])
+            split = replace(split, why=f"experts {work.gpu_refuses or 'placed partly on the GPU'}: on the CPU")
         if split.halves:
             out = self._halves_moe(x, x_host, ids, ids_host, weights, weights_host, split, up, gate, down, act,
                                    parts)
@@ -360,8 +369,7 @@ class HybridBackend:
         if explorer is self.explorer and n_last == n and nxt is not None and nxt[0] is gate:  # the next layer
             explorer.record(n, way, now - start)
 
-    def _measured_choice(self, gate: Weight, n: int, counts: list[int], predicted, expert_bytes: float,
-                         flops: float, n_used: int, rate: dict):
+    def _measured_choice(self, gate: Weight, n: int, counts: list[int], predicted, work: ExpertsWork):
         """auto: the way this u-batch's size class was measured fastest (policy.Explorer), or a timed trial of one."""
         first = (id(gate), n) not in self._seen  # a layer's first call of a size builds graphs, compiles kernels:
         self._seen.add((id(gate), n))              # no trial there, the prediction decides
@@ -369,11 +377,9 @@ class HybridBackend:
         if first and decided is None:
             return predicted, None
         if decided is not None:  # measured already: only that way is built, every MoE layer of every u-batch
-            ways = {decided: predicted if decided == "split" else
-                    split_experts(counts, expert_bytes, flops, self.calib, _SIDES[decided], n_used, **rate)}
+            ways = {decided: predicted if decided == "split" else work.split(counts, self.calib, SIDES[decided])}
         else:
-            ways = {k: split_experts(counts, expert_bytes, flops, self.calib, p, n_used, **rate)
-                    for k, p in _SIDES.items()}
+            ways = {k: work.split(counts, self.calib, p) for k, p in SIDES.items()}
             if predicted.gpu and predicted.cpu:
                 ways["split"] = predicted
         cost = {k: max(v.gpu_s, v.cpu_s) + self.calib.overlap * min(v.gpu_s, v.cpu_s) for k, v in ways.items()}
@@ -462,10 +468,11 @@ class HybridBackend:
             return pre[1][which]
         return self.streamer.stage_experts(list(layer[which]), experts, ("moe", self._slot), self._expands(layer))
 
-    def _expands(self, layer: tuple[Weight, Weight, Weight]) -> bool:
+    @staticmethod
+    def _expands(layer: tuple[Weight, Weight, Weight]) -> bool:
         """Whether a layer's staged experts are expanded to bfloat16 (any of a type the quantized kernels do not
         read: a Q4_K_M file's K-quants), rather than read in their blocks."""
-        return any(w.qtype not in self._streamable for w in layer)
+        return not gpu_reads(w.qtype for w in layer)
 
     def _prefetch_after(self, gate: Weight) -> None:
         nxt = self._next_experts.get(id(gate))
@@ -474,15 +481,13 @@ class HybridBackend:
                                                  self._expands(nxt))
             self._prefetched = (nxt[0], staged)
 
-    @property
-    def summary(self) -> str:
+    def describe(self) -> str:
         """One line for the run's report: what stays in RAM, the policy, whether the pages are pinned."""
         in_ram = [n for n, d in self.devices.items() if d == "CPU"]
         pinned = self.streamer.why if self.streamer else "nothing registered yet"
-        return (f"{len(in_ram)} tensors in RAM, the rest on {self.device}; offload policy {self.policy.mode}"
+        return (f"hybrid: {len(in_ram)} tensors in RAM, the rest on {self.device}; offload policy {self.policy.mode}"
                 + "".join(f",{k}={v}" for k, v in self.policy.overrides.items()) + f"; {pinned}")
 
-    @property
     def notes(self) -> list[str]:
         """What auto measured far from the calibration's prediction (policy.Explorer), for the run's report."""
         return self.explorer.notes

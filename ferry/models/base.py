@@ -16,7 +16,7 @@ from ferry.layers.ffn import SparseMoE
 from ferry.layers.rope import Yarn
 from ferry.weight import Weight
 from ferry.quant import dequantize
-from ferry.runtime.kv_cache import CacheLayout, cache_layout, mla_mode
+from ferry.layers.cache import CacheLayout, cache_layout, mla_mode
 
 MAX_LAYERS = 4096
 YARN_ARCHS = ("deepseek2",)  # where YaRN is checked against transformers
@@ -209,7 +209,7 @@ class WeightLoader:
         return self.vector(name, *shape) if self.has(name) else None
 
 
-Block = Callable[[object, object], object]  # (ops, x) -> x
+Block = Callable[[object, object], object]  # (ops, x) -> x, with its attention as .attn and feed-forward as .ffn
 
 
 @dataclass
@@ -241,11 +241,15 @@ class Model:
 
     def fusable(self) -> list[tuple[Weight, ...]]:
         """Groups of weights that one input feeds and a GPU may hold as one matrix (each attention's q, k, v)."""
-        return [(b.attn.wq, b.attn.wk, b.attn.wv) for b in self.blocks if isinstance(getattr(b, "attn", None), Attention)]
+        return [(b.attn.wq, b.attn.wk, b.attn.wv) for b in self.blocks if isinstance(b.attn, Attention)]
 
     def latent_layers(self) -> list:
         """The blocks' latent attentions (DeepSeek's MLA), if any."""
-        return [b.attn for b in self.blocks if isinstance(getattr(b, "attn", None), LatentAttention)]
+        return [b.attn for b in self.blocks if isinstance(b.attn, LatentAttention)]
+
+    def ropes(self) -> set:
+        """The rotary embeddings its attention layers use (a GPU keeps a table of each's angles)."""
+        return {b.attn.rope for b in self.blocks}
 
     def use_mla(self, mode: int | None, max_batch_mib: int = 0) -> int:
         """Set the latent attention mode (-mla, ik_llama.cpp's meaning; None: ferry's choice, 3) and -amb (MiB; 0:
@@ -286,7 +290,7 @@ class Model:
         batch instead of once per u-batch."""
         xs = [self._embed(ops) for ops in opss]
         for block in self.blocks:
-            if isinstance(getattr(block, "ffn", None), SparseMoE):
+            if isinstance(block.ffn, SparseMoE):
                 halves = [block.attend(ops, x) for ops, x in zip(opss, xs)]
                 out = block.feed_forward(joined, joined.join_rows([x for x, _ in halves]),
                                          joined.join_rows([h for _, h in halves]))

@@ -15,7 +15,11 @@ import torch
 
 from ferry.config import settings
 from ferry.errors import FerryError
+from ferry.gguf.synth import random_tensor
+from ferry.kernels.capabilities import can
 from ferry.offload.cost import Calibration
+from ferry.quant import Q
+from ferry.weight import Weight
 
 def default_path() -> Path:
     """This machine's stored calibration (in Settings.cache_dir)."""
@@ -68,30 +72,34 @@ def stale(path: Path) -> str | None:
 EXPERT_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS")
 
 
-def measure_cpu(threads: int, quick: bool = False) -> dict:
-    """ggml on this CPU: Q4_0 GEMV bytes/s over a weight larger than the caches, Q4_0 x 512-token matmul FLOP/s,
-    and the routed experts' tables (measure_experts: Q4_0 when quick, else EXPERT_TYPES); quick: fewer sizes and
-    repetitions."""
-    from ferry.gguf.synth import random_tensor
-    from ferry.weight import Weight
-    from ferry.backends.cpu import CpuBackend
-    from ferry.quant import Q
-
-    backend = CpuBackend(threads)
+def measure_cpu(backend, quick: bool = False, on_step=None) -> dict:
+    """ggml on this CPU (`backend`: a CpuBackend of the threads to measure, used here alone): Q4_0 GEMV bytes/s over a
+    weight larger than the caches, Q4_0 x 512-token matmul FLOP/s, and the routed experts' tables (measure_experts:
+    Q4_0 when quick, else EXPERT_TYPES); quick: fewer sizes and repetitions; on_step(done, note) after each part."""
     rng = np.random.default_rng(0)
     rows, cols = (16384, 16384) if quick else (65536, 16384)  # 151 MB / 604 MB of Q4_0: beyond the caches
     w = Weight("calibration", Q.Q4_0, (cols, rows), random_tensor(Q.Q4_0, (cols, rows), 1.0, rng))
     backend.repack(w)
     x1 = torch.randn(1, cols)
-    gemv_s = _best(lambda: backend.linear(x1, w), 5)
+    gemv_s, gemv_bytes = _best(lambda: backend.linear(x1, w), 5), w.nbytes
     n, k, m = 512, 4096, 4096
     wb = Weight("calibration-batch", Q.Q4_0, (k, m), random_tensor(Q.Q4_0, (k, m), 1.0, rng))
     backend.repack(wb)
     xb = torch.randn(n, k)
     gemm_s = _best(lambda: backend.linear(xb, wb), 2 if quick else 3)
-    backend.close()
-    return {"cpu_bytes_per_s": w.data.nbytes / gemv_s, "cpu_flops": 2.0 * n * k * m / gemm_s, "threads": backend.n_threads,
-            **measure_experts(threads, ("Q4_0",) if quick else EXPERT_TYPES, quick), "ggml_build": ggml_build()}
+    if on_step:
+        on_step(1, "CPU GEMV and matmul")
+    return {"cpu_bytes_per_s": gemv_bytes / gemv_s, "cpu_flops": 2.0 * n * k * m / gemm_s, "threads": backend.n_threads,
+            **measure_experts(backend, _expert_types(quick), quick, on_step), "ggml_build": ggml_build()}
+
+
+def _expert_types(quick: bool) -> tuple[str, ...]:
+    return ("Q4_0",) if quick else EXPERT_TYPES
+
+
+def steps(quick: bool) -> int:
+    """The parts calibrate() reports through on_step: the CPU's GEMV and matmul, each expert type, the GPU."""
+    return 2 + len(_expert_types(quick))
 
 
 def l3_bytes() -> int:
@@ -104,7 +112,7 @@ def l3_bytes() -> int:
     return int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size or 0)
 
 
-def measure_experts(threads: int, qtypes, quick: bool = False) -> dict:
+def measure_experts(backend, qtypes, quick: bool = False, on_step=None) -> dict:
     """The CPU's routed experts of each quant type on Qwen3-30B-A3B-shaped layers (64 experts of 2048 x 768),
     repacked like a run's: {"cpu_moe": type -> ggml's table of (tokens per expert, seconds per byte of expert
     weights)}, and {"cpu_moe_token": type -> seconds per byte} for the types ferry's own kernel runs at one token (a
@@ -112,16 +120,10 @@ def measure_experts(threads: int, qtypes, quick: bool = False) -> dict:
     Each timed call runs the next of enough layers (4x the L3, 1 GiB at least) that its weights come from RAM, as a
     model's do: one 170 MB layer read again and again sat half in the H100 machine's 260 MB L3 (ggml 78.7 GB/s at
     one token per expert, against 44-48 in benchmarks/expert_reads.py; docs/performance.md, session 22)."""
-    from ferry.gguf.synth import random_tensor
-    from ferry.weight import Weight
-    from ferry.backends.cpu import CpuBackend
-    from ferry.quant import Q
-
     n_expert, n_used, d, ff = 64, 8, 2048, 768
-    backend = CpuBackend(threads)
     rng = np.random.default_rng(0)
     tables, token = {}, {}
-    for name in qtypes:
+    for done, name in enumerate(qtypes):
         q = Q[name]
         # one random expert per matrix, copied to every slot of every layer: the rate depends on the bytes read, not
         # their values, and types without a scale field to set are quantized from floats, slowly (IQ4_XS: 100 s
@@ -158,17 +160,18 @@ def measure_experts(threads: int, qtypes, quick: bool = False) -> dict:
             if kernel:
                 t = _best(one_pass, 3 if quick else 5)
                 best["token"] = min(best.get("token", t), t)
+        if on_step:
+            on_step(2 + done, f"{name} routed experts")
         tables[name] = [[float(c), t / layer_bytes] for c, t in best.items() if c != "token"]
         if kernel:
             token[name] = best["token"] / layer_bytes
         del layers, turn
-    backend.close()
     return {"cpu_moe": tables, "cpu_moe_token": token}
 
 
 def missing_experts(path: Path, qtypes) -> list[str]:
     """The routed experts' types this run needs that the stored calibration has not measured: no table, or no rate
-    of ferry's own kernel where it now runs them (native.runs_experts)."""
+    of ferry's own kernel where it now runs them (capabilities' cpu_native types, on a CPU the kernel was built for)."""
     from ferry.kernels.cpu import native
 
     try:
@@ -176,13 +179,15 @@ def missing_experts(path: Path, qtypes) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError):
         return []  # load() says what is wrong with it
     tables, token = _tables(cpu.get("cpu_moe")), cpu.get("cpu_moe_token") or {}
-    return sorted(q for q in set(qtypes) if q not in tables or (native.runs_experts(q) and q not in token))
+    kernel = native.library() is not None
+    return sorted(q for q in set(qtypes)
+                  if q not in tables or (kernel and can(Q[q]).cpu_native and q not in token))
 
 
-def add_experts(path: Path, threads: int, qtypes) -> None:
-    """Measure the routed experts of these types (quickly) into the stored calibration."""
+def add_experts(path: Path, backend, qtypes) -> None:
+    """Measure the routed experts of these types (quickly, with `backend`, a CpuBackend) into the stored calibration."""
     data = json.loads(path.read_text())
-    got = measure_experts(threads, qtypes, quick=True)
+    got = measure_experts(backend, qtypes, quick=True)
     data["cpu"]["cpu_moe"] = {**_tables(data["cpu"].get("cpu_moe")), **got["cpu_moe"]}
     data["cpu"]["cpu_moe_token"] = {**(data["cpu"].get("cpu_moe_token") or {}), **got["cpu_moe_token"]}
     save(data, path)
@@ -220,8 +225,14 @@ def measure_gpu(quick: bool = False) -> dict | None:
             "gpu_flops": 2.0 * n ** 3 / mm_s, "launch_s": launch_s, "gpu_name": torch.cuda.get_device_name(0)}
 
 
-def calibrate(threads: int, quick: bool = False) -> dict:
-    return {"machine": platform.node(), "cpu": measure_cpu(threads, quick), "gpu": measure_gpu(quick),
+def calibrate(backend, quick: bool = False, on_step=None) -> dict:
+    """This machine measured: the CPU through `backend` (a CpuBackend of the threads to measure), and the GPU where
+    one is visible; on_step(done, note) after each of steps(quick) parts (a progress bar)."""
+    cpu = measure_cpu(backend, quick, on_step)
+    gpu = measure_gpu(quick)
+    if on_step:
+        on_step(steps(quick), "GPU and PCIe" if gpu else "no GPU visible")
+    return {"machine": platform.node(), "cpu": cpu, "gpu": gpu,
             "quick": quick, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 

@@ -1,17 +1,21 @@
-"""`ferry plan`'s op view: for one layer whose weights stay in RAM, where each op on them runs at each u-batch size
-and why: the policy's predicted CPU and GPU times from this machine's calibration. A run's `auto` also measures the
-plausible ways on its first u-batches of each size (`--verbose` prints what it measured and chose)."""
+"""`ferry plan`: the memory per device before anything is loaded (placement.memory_plan), and, for one layer whose
+weights stay in RAM, where each op on them runs at each u-batch size and why: the policy's predicted CPU and GPU times
+from this machine's calibration, through the same descriptions of the work the run decides with (offload/work.py). A
+run's `auto` also measures the plausible ways on its first u-batches of each size (`--verbose` prints them)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from pathlib import Path
 
+from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
+from ferry.kernels.capabilities import cpu_native_types
 from ferry.kernels.cpu import native
+from ferry.offload.cost import Calibration
+from ferry.offload.policy import Policy
+from ferry.offload.work import ExpertsWork, dense_decision
 from ferry.placement import EXPERTS_RE, layer_devices, place
-from ferry.offload.cost import Calibration, experts_hit, type_shares
-from ferry.offload.policy import Policy, decide, split_experts
-from ferry.quant import bytes_per_weight
 
 
 def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration, policy: Policy,
@@ -29,7 +33,7 @@ def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
         for t in mine:
             if t in experts:
                 continue
-            d = decide("mul_mat", n, t.ne[1], t.ne[0], bytes_per_weight(t.qtype), calib, policy)
+            d = dense_decision(t, n, calib, policy)
             rows.append({"layer": layer, "op": "mul_mat", "tensor": t.name, "n_ubatch": n, "where": d.device,
                          "cpu_ms": 1e3 * d.cpu_s, "gpu_ms": 1e3 * d.gpu_s, "why": d.why})
         if len(experts) == 3:
@@ -55,25 +59,10 @@ def _in_ram_by_layer(f: GGUFFile, args, n_gpu_layers: int, overrides) -> dict[in
 
 def _experts_split(experts: list, args, calib: Calibration, policy: Policy, n: int):
     """(the policy's split of one MoE layer's experts for a u-batch of n tokens routed evenly, the experts hit)."""
-    n_expert, k = args.n_expert, args.n_expert_used
-    hit = max(1, round(experts_hit(n, n_expert, k)))
-    per = n * k // hit  # expected tokens per expert hit, routing spread evenly
-    counts = [per] * hit + [0] * (n_expert - hit)
-    expert_bytes = sum(t.nbytes for t in experts) / n_expert
-    flops = 2.0 * sum(t.ne[0] * t.ne[1] for t in experts)
-    by_role = {EXPERTS_RE.match(t.name).group(2): t.nbytes for t in experts}
-    share = 1.0 - by_role["down"] / sum(by_role.values())  # gate and up's part
-    types = type_shares([(t.qtype.name, t.nbytes) for t in experts])
-    token_kernel = all(native.runs_experts(q) for q in types)  # at one token, where it covers the experts' types
-    from ferry.kernels.cuda.dequant import SUPPORTED  # what the GPU reads or expands once streamed (needs no GPU)
-
-    kept = sorted({t.qtype.name for t in experts if t.qtype not in SUPPORTED})
-    if kept:  # as the run keeps them (HybridBackend._streams), whatever the policy
-        s = split_experts(counts, expert_bytes, flops, calib, Policy(overrides={"all": "off"}), k, share, types,
-                          token_kernel)
-        return replace(s, why=f"experts of {', '.join(kept)}, which no GPU kernel of ferry's reads or expands: on the "
-                              "CPU under every policy"), hit
-    return split_experts(counts, expert_bytes, flops, calib, policy, k, share, types, token_kernel), hit
+    roles = {EXPERTS_RE.match(t.name).group(2): t for t in experts}
+    work = ExpertsWork.of(roles["gate"], roles["up"], roles["down"], args.n_expert_used)
+    counts, hit = work.even_counts(n)
+    return work.split(counts, calib, policy), hit
 
 
 _HALF = {"gate": "up_gate", "up": "up_gate", "down": "down"}
@@ -95,7 +84,7 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
         if experts:
             expert_types.append({t.qtype.name for t in experts})
         for t in (t for t in mine if not EXPERTS_RE.match(t.name)):  # the dense weights
-            d = decide("mul_mat", 1, t.ne[1], t.ne[0], bytes_per_weight(t.qtype), calib, policy)
+            d = dense_decision(t, 1, calib, policy)
             seconds += d.cpu_s if d.device == "CPU" else d.gpu_s
             cpu_bytes += t.nbytes if d.device == "CPU" else 0
         if len(experts) == 3:
@@ -106,8 +95,25 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
             cpu_bytes += len(s.cpu) * sum(t.nbytes for t in read) / args.n_expert
     return {"seconds_per_token": seconds, "cpu_bytes_per_token": cpu_bytes, "layers": len(by_layer),
             "max_tokens_per_s": 1.0 / seconds if seconds else float("inf"),
-            "experts_kernel": native.experts_kernel(expert_types) if expert_types else None,
+            "experts_kernel": experts_kernel(expert_types) if expert_types else None,
             "expert_types": sorted(set().union(*expert_types))}
+
+
+def experts_kernel(layers: list[set[str]]) -> str:
+    """Which kernel the CPU runs one token's routed experts with, given each MoE layer's expert quant types, and why
+    (`ferry plan`): a Q5_K_M file's layers with Q5_K experts run on ggml's beside its Q6_K layers on ferry's."""
+    types = {q.name for q in cpu_native_types()}
+    other = [t for t in layers if not t <= types]
+    covers = f"ferry's own covers {', '.join(sorted(types))} experts"
+    if len(other) == len(layers):
+        return f"ggml's kernel ({covers}; these are {', '.join(sorted(set().union(*other)))})"
+    if native.library() is None:
+        return f"ggml's kernel ({native.why_not()})"
+    own = "ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q6_K)"
+    if not other:
+        return own
+    return (f"{own} in {len(layers) - len(other)} of {len(layers)} layers, ggml's in the others ({covers}; theirs "
+            f"are {', '.join(sorted(set().union(*other)))})")
 
 
 def unmeasured(g: dict, calib: Calibration) -> str:
@@ -136,3 +142,85 @@ def render(rows: list[dict]) -> str:
         lines.append(f"| {r['layer']} | {r['op']} | {r['tensor']} | {r['n_ubatch']} | {r['where']} | {r['cpu_ms']:.3f} | "
                      f"{r['gpu_ms']:.3f} | {r['why']} |")
     return "\n".join(lines)
+
+
+def show(cfg, gpu_memory: list[str], ubatches: list[int] | None, calibration: str | None, as_json: bool) -> int:
+    """`ferry plan`: the memory per device before loading anything, then where the ops on weights left in RAM run
+    per u-batch and what they cost each generated token; a FerryError saying what to change where it does not fit."""
+    from ferry.models.base import ModelArgs
+    from ferry.placement import GIB, host_memory, kv_bytes, memory_plan, parse_gpu_memory, tensor_split
+    from ferry.layers.cache import cache_layout, describe_cache, mla_mode
+
+    f = GGUFFile(cfg.model_path)
+    margs = ModelArgs.from_gguf(f)
+    available = parse_gpu_memory(gpu_memory)
+    if not available:
+        try:
+            import torch
+
+            for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+                available[f"CUDA{i}"] = torch.cuda.mem_get_info(i)[0]
+        except Exception:  # no usable CUDA here: plan without GPU sizes
+            pass
+    gpus = sorted(available) or ["CUDA0"]
+    ram = host_memory()
+    if ram is not None:
+        available["CPU"] = ram
+    split = tensor_split(cfg.tensor_split, gpus)
+    # one GPU: the runtime keeps every layer's KV cache and the expert staging there (several GPUs: planned only)
+    kv_on_gpu = len(gpus) == 1 and cfg.wants_gpu
+    mla = mla_mode(margs, cfg.mla)
+    per_token, cache_note = describe_cache(margs, mla, cfg.type_k, cfg.type_v)
+    n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else margs.n_ctx_train
+    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
+                       available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
+                       cache=cache_layout(margs, mla), n_batch=cfg.n_batch if cfg.layer_first else 0)
+    ops, ops_note, floor = _op_view(f, margs, cfg, ubatches, calibration) if kv_on_gpu else ([], "", None)
+    if as_json:
+        print(json.dumps({"fits": plan.fits, "advice": plan.advice,
+                          "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices],
+                          "kv_bytes_per_token": per_token, "mla": mla, "ops": ops, "ops_note": ops_note,
+                          "generation": floor}, indent=1))
+    else:
+        print("| device | weights GiB | KV cache GiB | compute GiB | total GiB | available GiB |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for d in plan.devices:
+            avail = "?" if d.available is None else f"{d.available / GIB:.2f}"
+            print(f"| {d.device} | {d.weights / GIB:.2f} | {d.kv_cache / GIB:.2f} | {d.compute / GIB:.2f} | "
+                  f"{d.total / GIB:.2f} | {avail} |")
+        print(cache_note)
+        if ops:
+            print()
+            print(render(ops))
+        if ops_note:
+            print(ops_note)
+    if not plan.fits:
+        raise FerryError(plan.error())
+    return 0
+
+
+def _op_view(f: GGUFFile, margs, cfg, ubatches: list[int] | None,
+             calibration: str | None) -> tuple[list[dict], str, dict | None]:
+    """Where the ops on weights left in RAM run per u-batch (plan's second table), from a calibration with a GPU, and
+    what those weights cost each generated token (generation_floor)."""
+    from ferry.offload import calibrate
+
+    path = Path(calibration) if calibration else calibrate.default_path()
+    if not path.exists():
+        return [], (f"no calibration at {path}: run `ferry calibrate` on the GPU machine (or pass --calibration FILE) "
+                    "to see where each op runs"), None
+    calib = calibrate.load(path)
+    if calib is None:
+        return [], f"{path} was measured without a GPU: nothing to offload to", None
+    policy = cfg.policy
+    rows = op_plan(f, margs, cfg.n_gpu_layers, cfg.overrides, calib, policy, ubatches or [1, cfg.n_ubatch])
+    floor = generation_floor(f, margs, cfg.n_gpu_layers, cfg.overrides, calib, policy)
+    note = ("auto predicts here; a run also times the plausible ways on its first u-batches of each size and keeps "
+            "the fastest (--verbose prints them)") if rows and policy.mode == "auto" else ""
+    if rows and cfg.layer_first and margs.n_expert:
+        note += ("; " if note else "") + (f"layer first, a MoE layer's routed experts run once per logical batch: "
+                                          f"up to -b {cfg.n_batch} tokens, not -ub")
+    if floor is not None:
+        for line in (describe_floor(floor), unmeasured(floor, calib)):
+            note += ("\n" if note and line else "") + line
+    return rows, note or ("" if rows else "every matmul weight is on the GPU: nothing to decide"), floor

@@ -11,8 +11,8 @@ import torch
 
 from ferry.errors import FerryError
 from ferry.models.base import Model
-from ferry.runtime.runners.ggml_graph import CpuGraphExecutor
-from ferry.runtime.runners.eager import EagerExecutor
+from ferry.runtime.runners.eager import EagerRunner
+from ferry.runtime.runners.ggml_graph import GgmlGraphRunner
 from ferry.runtime.batch import Batch, count_hits
 from ferry.runtime.kv_cache import KVCache
 from ferry.runtime.sampling import Sampler
@@ -49,7 +49,8 @@ class Generation:
 
 
 class Engine:
-    """`graph`: run each u-batch as one ggml graph (the CPU-only path); otherwise op by op (TorchOps).
+    """`graph`: run each u-batch as one ggml graph where the KV cache is in host memory (the CPU-only path); otherwise
+    op by op (TorchOps).
     `layer_first`: run a logical batch of several u-batches layer by layer (Model.forward_layer_first), so that
     weights kept in RAM cross PCIe once per batch; default: where the backend keeps routed experts in RAM."""
 
@@ -65,20 +66,12 @@ class Engine:
         self.n_ctx = n_ctx
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
-        gpu = getattr(backend, "name", "CPU") != "CPU"  # CUDA, or CUDA+CPU (hybrid): activations on the GPU
+        devices = backend.kv_devices(a.n_layer)  # None: host memory, for ggml's graphs
         self.kv = KVCache.of(model.cache_layout(), a.n_layer, n_ctx, type_k, type_v,
-                             getattr(backend, "layer_devices", str(backend.device)) if gpu else None)
-        if gpu:
-            from ferry.runtime.runners.cuda_graphs import CudaExecutor
-            from ferry.backends.multi_gpu import SplitBackend
-            from ferry.runtime.runners.multi_gpu import SplitExecutor
-
-            self.executor = SplitExecutor(backend) if isinstance(backend, SplitBackend) else CudaExecutor(backend)
-        else:
-            self.executor = CpuGraphExecutor(backend) if graph else EagerExecutor(backend)
-        if layer_first is None:
-            layer_first = getattr(backend, "layer_first", False)
-        self.layer_first = layer_first and hasattr(self.executor, "forward_layer_first")
+                             None if devices is None else [str(d) for d in devices])
+        self.runner = _runner(backend, devices, graph)
+        layer_first = backend.layer_first if layer_first is None else layer_first
+        self.layer_first = layer_first and self.runner.layer_first
         self.n_past = 0
         self._hits: list[list[int]] = []
         self._routing: list[list[torch.Tensor]] = []  # prompt u-batches' routing on its way to the host
@@ -125,7 +118,7 @@ class Engine:
                        for u0, u1 in spans]
             if self.layer_first and len(spans) > 1:
                 joined = Batch.join(batches)
-                logits = self.executor.forward_layer_first(self.model, [ids[u0:u1] for u0, u1 in spans], batches,
+                logits = self.runner.forward_layer_first(self.model, [ids[u0:u1] for u0, u1 in spans], batches,
                                                            joined)
                 joined.spread_expert_ids(batches)
                 for b in batches:
@@ -133,7 +126,7 @@ class Engine:
             else:
                 logits = []
                 for (u0, u1), b in zip(spans, batches):
-                    logits.append(self.executor.forward(self.model, ids[u0:u1], b))
+                    logits.append(self.runner.forward(self.model, ids[u0:u1], b))
                     self._count_hits(b)  # now: a replayed graph's routing is overwritten by its next replay
             self.n_past += b1 - b0
             outs.extend(logits if all_logits else logits[-1:])
@@ -156,17 +149,20 @@ class Engine:
             raise FerryError("a sequence ran past its share of the context; raise -c or lower -np")
         batch = Batch(start=0, n_tokens=len(tokens), kv=self.kv, all_logits=all_logits, seq=seq, pos=pos,
                       seq_len=seq_len)
-        return self.executor.forward(self.model, torch.tensor(tokens, dtype=torch.int32), batch)
+        return self.runner.forward(self.model, torch.tensor(tokens, dtype=torch.int32), batch)
 
     def generate(self, prompt: list[int], sampler: Sampler, n_predict: int,
-                 is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None) -> Generation:
-        """Process the prompt, then sample up to n_predict tokens (-1: until end of generation or context)."""
+                 is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None,
+                 history: list[int] | None = None) -> Generation:
+        """Process the prompt (after what the cache holds), then sample up to n_predict tokens (-1: until end of
+        generation, -2: until the context is full; the context is not shifted, so -1 ends there too). history: the
+        tokens the repetition penalty looks back over (default: the prompt)."""
         t = Timings()
         t0 = time.perf_counter()
         logits = self.decode(prompt)
         t.prompt_ms = 1000 * (time.perf_counter() - t0)
         t.prompt_tokens = len(prompt)
-        history = list(prompt)
+        history = list(prompt if history is None else history)
         out: list[int] = []
         stopped = "length"
         t0 = time.perf_counter()
@@ -188,3 +184,17 @@ class Engine:
             t.eval_tokens += 1
         t.eval_ms = 1000 * (time.perf_counter() - t0)
         return Generation(out, stopped, t, self.experts_hit)
+
+
+def _runner(backend, devices, graph: bool):
+    """The runner for a backend whose KV cache lives on `devices` (its kv_devices): ggml graphs (or eager ops) where
+    it is in host memory, CUDA graphs on one GPU, eager ops layer by layer over several."""
+    if devices is None:
+        return GgmlGraphRunner(backend) if graph else EagerRunner(backend)
+    if len(set(map(str, devices))) > 1:
+        from ferry.runtime.runners.multi_gpu import MultiGpuRunner
+
+        return MultiGpuRunner(backend)
+    from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
+
+    return CudaGraphRunner(backend)

@@ -5,7 +5,6 @@ Bad requests get a 4xx with a JSON error; the server keeps serving."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 import uuid
@@ -15,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ferry.runtime.sampling import SamplingParams
 from ferry.server.scheduler import Request, Scheduler
+from ferry.tokenizer import BUILTIN_TEMPLATES, TemplateError, render_chat
 
 
 class BadRequest(Exception):
@@ -27,62 +27,15 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", code:
     return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, status_code=status)
 
 
-def render_chat(template: str | None, messages: list[dict], bos: str, eos: str) -> str:
-    """The GGUF's chat template (jinja2, sandboxed) with a generation prompt; ChatML where the file has none,
-    as llama-server does."""
-    if not template:
-        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
-    from jinja2 import TemplateError
-
-    try:
-        return _template(template).render(messages=messages, add_generation_prompt=True, bos_token=bos,
-                                          eos_token=eos)
-    except TemplateError as e:
-        raise BadRequest(400, f"the model's chat template failed on these messages: {e}") from None
-
-
-@functools.lru_cache(maxsize=8)
-def _template(source: str):
-    """A chat template compiled as Hugging Face's templates expect to be run (and llama.cpp runs them): blocks
-    trimmed, loop controls (break / continue), raise_exception, strftime_now, a tojson that writes plain JSON
-    (jinja2's own escapes <, >, & and ' for HTML), and `{% generation %}` blocks (marks of the assistant's text
-    for training masks) rendered as their content."""
-    import datetime
-
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_content"), [], [], body).set_lineno(lineno)
-
-        def _content(self, caller):
-            return caller()
-
-    def raise_exception(message):
-        raise BadRequest(400, f"the chat template refused the messages: {message}")
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", Generation])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(source)
-
-
-def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None = None) -> FastAPI:
+def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None = None,
+               template: str | None = None) -> FastAPI:
+    """`template`: the chat template's Jinja source (tokenizer.chat_template: the file's, --chat-template's or its
+    family's); the file's own, else ChatML, when None."""
     app = FastAPI(title="ferry")
+    app.state.slot_tokens = scheduler.seq_len
+    template = template or tokenizer.chat_template or BUILTIN_TEMPLATES["chatml"]
     created = int(time.time())
-    bos = tokenizer.decode([tokenizer.bos_id]) if tokenizer.bos_id is not None else ""
-    eos = tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else ""
+    bos, eos = tokenizer.special_texts()
 
     @app.middleware("http")
     async def check_key(request: HttpRequest, call_next):
@@ -234,8 +187,11 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise BadRequest(400, "'messages' must be a non-empty list of {role, content} objects with string content")
-        text = render_chat(tokenizer.chat_template, messages, bos, eos)
-        prompt = tokenizer.encode(text, add_bos=tokenizer.add_bos and not (bos and text.startswith(bos)))
+        try:
+            text = render_chat(template, messages, bos, eos)
+        except TemplateError as e:
+            raise BadRequest(400, str(e)) from None
+        prompt = tokenizer.encode_chat(text)
         return await respond(body, make_request(body, prompt, default_max=-1), "chat")
 
     return app

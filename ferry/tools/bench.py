@@ -15,7 +15,6 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from ferry.errors import FerryError
 
@@ -52,7 +51,7 @@ class BenchRow:
     n_threads: int
     n_batch: int
     n_ubatch: int
-    repack: bool
+    repack: bool  # weights were repacked into ggml's CPU layout (-rtr, where weights stay in RAM)
     type_k: str
     type_v: str
     n_prompt: int
@@ -85,18 +84,14 @@ class Runs:
     random tokens untimed, then times a prompt of `n_prompt` random tokens and `n_gen` single-token decodes. The
     tokens come from the run's seed, so two engines given the same seeds run the same tokens."""
 
-    def __init__(self, model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, type_k: str = "f16",
-                 type_v: str = "f16", n_depth: int = 0):
-        from ferry.runtime.engine import Engine
-
-        self.model, self.backend = model, backend
+    def __init__(self, loaded, cfg, n_prompt: int, n_gen: int, n_depth: int = 0):
+        self.loaded = loaded
         self.n_prompt, self.n_gen, self.n_depth = n_prompt, n_gen, n_depth
-        self.engine = Engine(model, backend, n_ctx=n_depth + n_prompt + n_gen + 1, n_batch=n_batch,
-                             n_ubatch=n_ubatch, type_k=type_k, type_v=type_v)
+        self.engine = loaded.engine(cfg, n_ctx=n_depth + n_prompt + n_gen + 1)
 
     def once(self, seed: int) -> float:
         """tokens/s of one run."""
-        engine, rng, vocab = self.engine, random.Random(seed), self.model.args.n_vocab
+        engine, rng, vocab = self.engine, random.Random(seed), self.loaded.model.args.n_vocab
         engine.reset()
         if self.n_depth:  # fill the cache first, untimed
             engine.decode([rng.randrange(vocab) for _ in range(self.n_depth)])
@@ -106,15 +101,14 @@ class Runs:
             engine.decode([rng.randrange(vocab) for _ in range(self.n_prompt)])
         for _ in range(self.n_gen):
             engine.decode([rng.randrange(vocab)])
-        if hasattr(self.backend, "synchronize"):  # a GPU: wait for the queued work
-            self.backend.synchronize()
+        self.loaded.backend.synchronize()  # a GPU: wait for the queued work
         return (self.n_prompt + self.n_gen) / (time.perf_counter() - t0)
 
     def warm_up(self, seed: int = -1) -> int:
         """The untimed runs a steady state needs: one, and a second where it records a prompt shape's CUDA graphs
         (a prompt of one u-batch on a GPU). Returns how many ran."""
         self.once(seed)
-        if getattr(self.engine.executor, "will_record", lambda: False)():
+        if self.engine.runner.will_record():
             self.once(seed)
             return 2
         return 1
@@ -135,11 +129,11 @@ class Runs:
         return samples, hit
 
 
-def measure(model, backend, n_prompt: int, n_gen: int, n_batch: int, n_ubatch: int, reps: int, type_k: str = "f16",
-            type_v: str = "f16", n_depth: int = 0, seed: int = 0) -> tuple[list[float], list[int], int]:
+def measure(loaded, cfg, n_prompt: int, n_gen: int, reps: int, n_depth: int = 0,
+            seed: int = 0) -> tuple[list[float], list[int], int]:
     """tokens/s of `reps` runs after the warm-up, the experts hit per layer in the first timed u-batch, and the
     warm-up runs."""
-    runs = Runs(model, backend, n_prompt, n_gen, n_batch, n_ubatch, type_k, type_v, n_depth)
+    runs = Runs(loaded, cfg, n_prompt, n_gen, n_depth)
     warmups = runs.warm_up(seed)
     return *runs.timed(reps, seed), warmups
 
@@ -155,11 +149,12 @@ def parse_pairs(flag: str, texts: list[str]) -> list[tuple[int, int]]:
     return pairs
 
 
-def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch: list[int], n_ubatch: list[int],
-              threads: list[int], reps: int, repack: bool, type_k: str = "f16", type_v: str = "f16",
-              fused_moe: bool = True, on_row=None, pg: list[tuple[int, int]] = (), depths: list[int] = (0,),
-              gpus: list | None = None, mla: list[int | None] = (None,), amb: int = 0) -> list[BenchRow]:
-    from ferry.cli import open_model
+def run_bench(configs: list, n_prompt: list[int], n_gen: list[int], n_batch: list[int], n_ubatch: list[int],
+              reps: int, on_row=None, pg: list[tuple[int, int]] = (), depths: list[int] = (0,),
+              mla: list[int | None] = (None,), on_progress=None) -> list[BenchRow]:
+    """A row per model, threads and -ngl (each of `configs`, a RunConfig: loaded once) and per -mla, -b, -ub, test and
+    depth. on_progress(done, total, note): after each run, warm-ups included (a progress bar)."""
+    from ferry.runtime.loader import load
 
     if reps < 1:
         raise FerryError(f"-r/--repetitions must be at least 1, got {reps}")
@@ -167,28 +162,33 @@ def run_bench(models: list[Path], n_prompt: list[int], n_gen: list[int], n_batch
     if not tests:
         raise FerryError("nothing to measure: give -p, -n or -pg a value above 0")
     rows = []
-    from ferry.cli import GpuOptions
-
-    for path, t, gpu in itertools.product(models, threads, gpus or [GpuOptions()]):
-        ctx = max(depths) + max((p + n for p, n in tests), default=0) + 1  # the largest cache a test needs
-        ubatch = max(min(ub, b) for ub in n_ubatch for b in n_batch)
-        batch = min(max(n_batch), max(p for p, _ in tests))  # the largest logical batch a prompt fills
-        f, backend, model, _ = open_model(path, t, repack, t, fused_moe, True, gpu, ctx, ubatch, n_batch=batch)
+    combos = list(itertools.product(mla, n_batch, n_ubatch, tests, depths))
+    total, done = len(configs) * len(combos) * (reps + 1), 0
+    for base in configs:
+        # loaded for the largest cache, u-batch and logical batch its tests need (the memory plan's sizes)
+        ctx = max(depths) + max(p + n for p, n in tests) + 1
+        cfg = base.with_(n_ctx=ctx, n_batch=min(max(n_batch), max(max(p for p, _ in tests), 1)),
+                         n_ubatch=max(min(ub, b) for ub in n_ubatch for b in n_batch))
+        loaded = load(cfg)
+        f, backend, model = loaded.file, loaded.backend, loaded.model
         size = sum(info.nbytes for info in f.tensors.values())
         n_params = sum(math.prod(info.ne) for info in f.tensors.values())
-        for mode, b, ub, (p, n), d in itertools.product(mla, n_batch, n_ubatch, tests, depths):
-            row = BenchRow(path.name, size, n_params, backend.name, getattr(backend, "n_threads", 0), b, min(ub, b),
-                           repack and backend.name != "CUDA", type_k,
-                           type_v, p, n, d, mla=model.use_mla(mode, amb))
-            row.layer_first = bool(getattr(backend, "layer_first", False)) and min(p, b) > min(ub, b)
-            row.samples_ts, row.experts_hit, _ = measure(model, backend, p, n, b, ub, reps, type_k, type_v, d)
+        for mode, b, ub, (p, n), d in combos:
+            run = base.with_(n_batch=b, n_ubatch=ub, mla=mode)  # u-batch clamped to the batch, as llama.cpp does
+            row = BenchRow(f.path.name, size, n_params, backend.label, backend.n_threads, run.n_batch, run.n_ubatch,
+                           loaded.repacked_bytes > 0,
+                           run.type_k, run.type_v, p, n, d, mla=model.use_mla(mode, run.amb))
+            row.layer_first = backend.layer_first and min(p, run.n_batch) > run.n_ubatch
+            row.samples_ts, row.experts_hit, _ = measure(loaded, run, p, n, reps, d)
             rows.append(row)
+            done += reps + 1
+            if on_progress:
+                on_progress(done, total, row.test)
             if on_row:
                 on_row(row)
-        for note in getattr(backend, "notes", ()):
+        for note in backend.notes():
             print(f"ferry: auto {note}", file=sys.stderr)
-        if hasattr(backend, "close"):
-            backend.close()
+        backend.close()
     return rows
 
 

@@ -5,23 +5,21 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from pathlib import Path
 
 from ferry.gguf.file import GGUFFile
 from ferry.models.base import ModelArgs
-from ferry.placement import parse_overrides, place
+from ferry.kernels.capabilities import cpu_repack
+from ferry.placement import place
 
 
 def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides, repack: bool = True) -> list[dict]:
     """Tensors grouped by name with the layer number folded out ('blk.*.attn_q.weight'). A CPU tensor's
     layout is 'repacked' where ggml has an interleaved layout for it (-rtr, the default), else 'mmap'."""
-    from ferry.kernels.cpu.ggml import has_repack_layout
-
     groups: dict[tuple, dict] = {}
     for t in f.tensors.values():
         group = re.sub(r"^blk\.\d+\.", "blk.*.", t.name)
         device = place(t.name, n_layer, n_gpu_layers, overrides)
-        layout = "" if device != "CPU" else "repacked" if repack and has_repack_layout(t.qtype, tuple(t.ne)) else "mmap"
+        layout = "" if device != "CPU" else "repacked" if repack and cpu_repack(t.qtype, t.ne) else "mmap"
         g = groups.setdefault((group, t.qtype.name, device), {"group": group, "type": t.qtype.name, "device": device,
                                                                "cpu_layout": layout, "count": 0, "bytes": 0,
                                                                "shape": list(reversed(t.ne))})
@@ -30,15 +28,16 @@ def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides, repac
     return list(groups.values())
 
 
-def info(path: Path, n_gpu_layers: int, override_specs: list[str], as_json: bool, repack: bool = True,
-         mla: int | None = None) -> dict:
-    from ferry.runtime.kv_cache import describe_cache, mla_mode
+def info(cfg, as_json: bool) -> dict:
+    """`ferry info` of cfg's model under its -ngl / -ot / --no-repack / -mla (a RunConfig)."""
+    from ferry.layers.cache import describe_cache, mla_mode
 
-    f = GGUFFile(path)
+    n_gpu_layers, override_specs, repack, mla = cfg.n_gpu_layers, cfg.override_tensor, cfg.repack, cfg.mla
+    f = GGUFFile(cfg.model_path)
     args = ModelArgs.from_gguf(f)
     mode = mla_mode(args, mla)
     kv_per_token, kv_line = describe_cache(args, mode)  # f16, llama.cpp's default
-    overrides = parse_overrides(override_specs)
+    overrides = cfg.overrides
     groups = tensor_groups(f, args.n_layer, n_gpu_layers, overrides, repack)
     n_params = sum(t.n_elements for t in f.tensors.values())
     by_device: dict[str, int] = defaultdict(int)

@@ -1,5 +1,5 @@
-"""`ferry sweep`: llama-sweep-bench's loop. For N_KV = 0, ub, 2*ub, ... while the context has room: time
-ub/4 single-token decodes at that depth (then drop them), then one u-batch of ub prompt tokens, which stays
+"""`ferry sweep`: llama-sweep-bench's loop. For N_KV = 0, ub, 2*ub, ... while the context has room: time -n
+single-token decodes at that depth (default ub/4; then drop them), then one u-batch of ub prompt tokens, which stays
 and deepens the cache. Same table as llama-sweep-bench, JSON, and plots of several runs overlaid."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ferry.errors import FerryError
+from ferry.files import atomic_file
 
 HEADER = ("|    PP |     TG |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |\n"
           "|-------|--------|--------|----------|----------|----------|----------|")
@@ -31,19 +32,17 @@ class SweepRow:
                 f"{self.t_tg:8.3f} | {self.s_tg:8.2f} |")
 
 
-def sweep(model, backend, n_ctx: int, n_ubatch: int, type_k: str = "f16", type_v: str = "f16", seed: int = 0,
-          on_row=None) -> list[SweepRow]:
-    from ferry.runtime.engine import Engine
-
-    pp, tg = n_ubatch, max(1, n_ubatch // 4)
+def sweep(engine, n_vocab: int, n_gen: int, seed: int = 0, on_row=None) -> list[SweepRow]:
+    """llama-sweep-bench's loop on `engine` (its -c, -ub): at each depth N_KV = 0, ub, 2 ub, ... n_gen generated
+    tokens timed and dropped, then one u-batch of prompt tokens timed and kept."""
+    pp, tg, n_ctx = engine.n_ubatch, n_gen, engine.n_ctx
     if pp + tg > n_ctx:
-        raise FerryError(f"-c/--ctx-size {n_ctx} holds no step of -ub {n_ubatch} prompt tokens and {tg} generated; "
+        raise FerryError(f"-c/--ctx-size {n_ctx} holds no step of -ub {pp} prompt tokens and {tg} generated; "
                          f"raise -c to at least {pp + tg}")
-    engine = Engine(model, backend, n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v)
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
-        return [rng.randrange(model.args.n_vocab) for _ in range(n)]
+        return [rng.randrange(n_vocab) for _ in range(n)]
 
     engine.decode(tokens(pp))  # warm-up: builds both graphs, as llama-sweep-bench's warm-up run does
     engine.decode(tokens(1))
@@ -65,6 +64,28 @@ def sweep(model, backend, n_ctx: int, n_ubatch: int, type_k: str = "f16", type_v
             on_row(row)
         n_kv += pp
     return rows
+
+
+def run(loaded, cfg, n_gen: int, quiet: bool = False) -> list[SweepRow]:
+    """`ferry sweep` on a loaded model: the table printed row by row (unless quiet), a progress bar on a terminal."""
+    from ferry.progress import progress
+
+    engine = loaded.engine(cfg, n_batch=cfg.n_ubatch)  # a step's prompt is one u-batch
+    if not quiet:
+        print(HEADER, flush=True)
+    steps = max(0, (engine.n_ctx - engine.n_ubatch) // engine.n_ubatch + 1)
+    with progress("sweep", steps, quiet) as bar:
+        def on_row(r: SweepRow) -> None:
+            bar(r.n_kv // engine.n_ubatch + 1, f"N_KV {r.n_kv}")
+            if not quiet:
+                print(r.line(), flush=True)
+
+        return sweep(engine, loaded.model.args.n_vocab, n_gen, on_row=on_row)
+
+
+def save(rows: list[SweepRow], meta: dict, path: Path) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(to_json(rows, meta))
 
 
 def to_json(rows: list[SweepRow], meta: dict) -> str:
@@ -102,8 +123,6 @@ def plot(runs: list[tuple[str, list[SweepRow]]], out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    from ferry.files import atomic_file
-
     try:
         with atomic_file(out) as tmp:
             fig.savefig(tmp)

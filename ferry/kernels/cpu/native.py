@@ -93,32 +93,6 @@ def why_not(s: Settings | None = None) -> str:
     return "" if isinstance(lib, ctypes.CDLL) else lib
 
 
-TYPES = ("Q4_0", "Q4_K", "Q6_K")  # the experts' quant types ferry's kernel covers
-PLAIN = ("Q6_K",)  # those it reads in their GGUF layout (ggml has no repacked one); the others in ggml's repacked one
-
-
-def runs_experts(qtype: str) -> bool:
-    """Whether ferry's kernel runs one token's routed experts of this quant type on this machine (for Q4_0 and Q4_K,
-    where ggml's repacked layout is used: not with --no-repack)."""
-    return qtype in TYPES and library() is not None
-
-
-def experts_kernel(layers: list[set[str]]) -> str:
-    """Which kernel the CPU runs one token's routed experts with, given each MoE layer's expert quant types, and why
-    (`ferry plan`): a Q5_K_M file's layers with Q5_K experts run on ggml's beside its Q6_K layers on ferry's."""
-    other = [t for t in layers if not t <= set(TYPES)]
-    covers = f"ferry's own covers {', '.join(TYPES)} experts"
-    if len(other) == len(layers):
-        return f"ggml's kernel ({covers}; these are {', '.join(sorted(set().union(*other)))})"
-    if library() is None:
-        return f"ggml's kernel ({why_not()})"
-    own = "ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q6_K)"
-    if not other:
-        return own
-    return (f"{own} in {len(layers) - len(other)} of {len(layers)} layers, ggml's in the others ({covers}; theirs "
-            f"are {', '.join(sorted(set().union(*other)))})")
-
-
 class MoeExperts:
     """One token's routed experts of one shape and types through moe_experts.c, with its scratch memory kept.
     up_type: the up and gate matrices' ggml type number, down_type: the down matrices'."""

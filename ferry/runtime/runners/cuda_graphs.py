@@ -258,7 +258,7 @@ class _Captured:
     decided: str | None = None  # the backend's decided way for this step's size when it was recorded
 
 
-class CudaExecutor:
+class CudaGraphRunner:
     """Runs a model's forward on the GPU backend as CUDA graphs, captured per shape and replayed (Settings.cuda_graphs
     False, or graphs=False, runs it eagerly): a decode step of up to DECODE_MAX tokens from its first run, a prompt
     u-batch of up to Settings.prompt_graph_max tokens from the second run of its shape on (prompt tails of
@@ -267,11 +267,13 @@ class CudaExecutor:
     recorded with cuts is recorded again once the backend's auto has decided its size's way (its host steps may then
     become handshakes)."""
 
+    layer_first = True
+
     def __init__(self, backend, graphs: bool | None = None, settings: Settings | None = None):
         self.backend = backend
         self.device = backend.device
         self.settings = settings or current_settings()
-        self.latent_forms = LatentForms()  # -mla 3's measured prompt forms, kept for this executor's runs
+        self.latent_forms = LatentForms()  # -mla 3's measured prompt forms, kept for this runner's runs
         self.graphs = self.settings.cuda_graphs if graphs is None else graphs
         self._tables: dict[tuple[int, int], dict[Rope, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._captured: dict[tuple, _Captured] = {}
@@ -284,7 +286,7 @@ class CudaExecutor:
         and cache length."""
         key = (id(model), n_ctx)
         if key not in self._tables:
-            ropes = {getattr(b.attn, "rope", None) for b in model.blocks} - {None}
+            ropes = model.ropes()
             self._tables[key] = {r: tuple(t.to(self.device) for t in r.angles(torch.arange(n_ctx))) for r in ropes}
         return self._tables[key]
 
@@ -296,9 +298,9 @@ class CudaExecutor:
         """The op set of an eager step: its tokens, positions and cache cells moved to this GPU."""
         return self._ops(model, batch, *(t.to(self.device) for t in (tokens, batch.positions, batch.cells)))
 
-    def _decided(self, n_tokens: int) -> str | None:
-        decided = getattr(self.backend, "decided", None)
-        return decided(n_tokens) if decided else None
+    def report(self) -> list[str]:
+        """-mla 3's prompt forms timed and kept so far (LatentForms.report)."""
+        return self.latent_forms.report()
 
     def will_record(self) -> bool:
         """Whether a prompt shape has run but is not recorded yet, and will record its CUDA graphs when it runs
@@ -310,7 +312,7 @@ class CudaExecutor:
         u-batches of up to `n_tokens`, `prompt`) from their shape's second run. At most PROMPT_GRAPHS_KEPT prompt
         shapes stay recorded (a server meets many prompt tails): recording another drops the least recently
         replayed one, which must then run twice again to come back."""
-        recordable = self.backend.graph_safe or getattr(self.backend, "host_steps", False)
+        recordable = self.backend.graph_safe or self.backend.host_steps
         if not self.graphs or not recordable or n_tokens > self.settings.prompt_graph_max:
             return False
         if n_tokens <= DECODE_MAX and not prompt:
@@ -332,7 +334,8 @@ class CudaExecutor:
         if not self._recorded(key, batch.n_tokens):
             return model.forward(self.placed_ops(model, batch, tokens))
         c = self._captured.get(key)
-        if c is not None and c.decided != self._decided(batch.n_tokens) and len(getattr(c.graph, "graphs", ())) > 1:
+        if (c is not None and c.decided != self.backend.decided(batch.n_tokens) and isinstance(c.graph, _Recorder)
+                and len(c.graph.graphs) > 1):
             c = None  # cut before auto decided its way: recorded again, the old step dropped only after the capture
         if c is None:
             c = self._captured[key] = self._capture(model, [(tokens, batch)], batch,
@@ -389,7 +392,7 @@ class CudaExecutor:
         for i, ops in zip(inputs, opss):
             i.ops = ops
         n_tokens = max(b.n_tokens for _, b in forwards)
-        decided = self._decided(n_tokens)
+        decided = self.backend.decided(n_tokens)
         if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):

