@@ -16,6 +16,9 @@
 #     llama   the big runs through llama.cpp's CUDA llama-bench too (built here, sm_90, cached in .build/)
 #     gemma   Gemma 3 270M on the GPU against float64, from the pieces scripts/gemma_pieces.py writes to .gemma/
 #             (carried over back-to-back calls: the file is over one call's carry limit)
+#     ab      the tree in .old (e.g. `git archive COMMIT ferry | tar -x -C .old`, carried) against this one on the big
+#             model, processes in turn (benchmarks/ab_trees.py): experts in RAM (pp512 u-batch 128, tg128) and all on
+#             the GPU (pp4096 u-batch 512, tg128); AB_ROUNDS processes per tree (default 2)
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -33,19 +36,19 @@ if has llama; then  # the CUDA build takes minutes: start it first
     BUILD=$!
 fi
 # ferry's timed runs wait for the build: compiling on every core beside them cost hybrid generation a third of
-# its speed (25.7 against 37.7 t/s, session 9), while llama.cpp's runs came after the build, on an idle machine
+# its speed (25.7 against 37.7 t/s, docs/performance.md 2026-11-23), while llama.cpp's runs came after the build
 wait_build() { if [ -n "${BUILD:-}" ]; then wait "$BUILD" || true; BUILD=; fi; }
 PRESET=${PRESET:-qwen3-30b-a3b}
 BIG=/tmp/$PRESET.gguf
-if has big || has llama || has hybrid; then
+if has big || has llama || has hybrid || has ab; then
     [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" -o "$BIG" -q &
     SYNTH=$!
 fi
 wait_synth() { if [ -n "${SYNTH:-}" ]; then wait "$SYNTH"; SYNTH=; fi; }
 # ggml-python built -march=native, as the llama stage builds llama.cpp (GGML_NATIVE=ON): the same build for both
 # engines. On this machine's Xeon native is the faster one for both (CPU-only tg64 30.3 against 25.3 t/s with the
-# explicit flags that benchmarks/llamacpp.py picks by default, docs/performance.md, issue 3); until session 16 the
-# hybrid comparisons ran ferry's ggml on those flags against a native llama.cpp
+# explicit flags that benchmarks/llamacpp.py picks by default; docs/decisions.md, "ggml-python on the GPU machine
+# built -march=native")
 python3 -c "import ggml" 2>/dev/null || CMAKE_ARGS="${FERRY_GGML_CMAKE_ARGS:--DGGML_NATIVE=ON}" \
     python3 benchmarks/llamacpp.py ggml-python .whl/ggml_python-*.tar.gz \
     .whl/llama.cpp-src.tar.gz > "$OUT/ggml_python_build.log" 2>&1 || { tail -20 "$OUT/ggml_python_build.log"; exit 1; }
@@ -53,8 +56,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -c "from ferry.offload.calibrate import ggml_build; print('ggml built for', *ggml_build())" | tee -a "$OUT/gpu.txt"
 if has tests; then
-    python3 -m pytest -q -s ${GPU_TESTS:-tests_gpu} -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests_gpu.txt" \
-        | grep -E "KL|passed|failed|Error|error" | tail -40 || true
+    # the two-GPU test needs two GPUs: on one it is left out, not skipped
+    ONE_GPU=""; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || ONE_GPU="--ignore=tests_gpu/test_two_gpus.py"
+    python3 -m pytest -q -s ${GPU_TESTS:-tests_gpu} $ONE_GPU -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+        | tee "$OUT/tests_gpu.txt" | grep -E "KL|passed|failed|Error|error" | tail -40 || true
 fi
 if has gemma; then
     cat .gemma/p? > /tmp/gemma.gguf && sha256sum /tmp/gemma.gguf | tee "$OUT/gemma_sha256.txt"
@@ -85,4 +90,12 @@ if has big; then
     wait_build
     python3 benchmarks/gpu_vs_llamacpp.py $LB -m "$BIG" ${BIG_ARGS:-} --out "$OUT/gpu_vs_llamacpp.json" \
         | tee "$OUT/gpu_vs_llamacpp.md"
+fi
+if has ab; then
+    wait_synth
+    wait_build
+    python3 benchmarks/ab_trees.py --a .old --b . --rounds "${AB_ROUNDS:-2}" --json "$OUT/ab_hybrid.json" -- \
+        -m "$BIG" -ngl 999 -ot exps=CPU -t 16 -p 512 -ub 128 -n 128 -r 3 2> "$OUT/ab_hybrid.log" | tee "$OUT/ab_hybrid.md"
+    python3 benchmarks/ab_trees.py --a .old --b . --rounds "${AB_ROUNDS:-2}" --json "$OUT/ab_gpu.json" -- \
+        -m "$BIG" -ngl 999 -t 16 -p 4096 -ub 512 -n 128 -r 3 2> "$OUT/ab_gpu.log" | tee "$OUT/ab_gpu.md"
 fi

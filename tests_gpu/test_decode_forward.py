@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kl_top1
 from ferry.cli import main
-from tests_gpu.conftest import place
 from ferry.backends.cuda import CudaBackend
 from ferry.runtime.runners.cuda import DECODE_MAX
 from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 from ferry.runtime.engine import Engine
+from conftest import kl_top1, place
 
 DEV = "cuda:0" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kl_top1
 from ferry.cli import main
-from tests_gpu.conftest import place
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.backends.cuda import CudaBackend
 from ferry.runtime.engine import Engine
+from conftest import kl_top1, place
 
 N_PROMPT, N_GEN = 200, 20
 

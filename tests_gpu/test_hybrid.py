@@ -6,11 +6,10 @@ RAM (-ngl N)."""
 import pytest
 import torch
 
-from conftest import kl_top1
-from tests_gpu.conftest import place
 from ferry.backends.hybrid import HybridBackend
 from ferry.offload.cost import Calibration
 from ferry.runtime.engine import Engine
+from conftest import kl_top1, place
 
 # a made-up machine on which a copy and a CPU read of an expert cost the same: auto splits every MoE layer
 BALANCED = Calibration(h2d_bytes_per_s=40e9, h2d_latency_s=1e-6, cpu_bytes_per_s=40e9, cpu_flops=1e12,

@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kl_top1
 from ferry.cli import main
-from tests_gpu.conftest import place
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.backends.cuda import CudaBackend
 from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 from ferry.runtime.engine import Engine
+from conftest import kl_top1, place
 
 N_PROMPT, N_GEN = 300, 30
 

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import kl_top1
-from tests_gpu.conftest import place
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.backends.cuda import CudaBackend
 from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 from ferry.runtime.engine import Engine
+from conftest import kl_top1, place
 
 
 @pytest.mark.parametrize("moe,ubatch", [("grouped", 512), ("grouped", 64), ("grouped", 37), ("loop", 512),

@@ -4,10 +4,9 @@ machine with two GPUs (the device tool's nvidia-h200-x2); elsewhere it is skippe
 import pytest
 import torch
 
-from conftest import kl_top1
-from tests_gpu.conftest import place
 from ferry.backends.multi_gpu import MultiGpuBackend
 from ferry.runtime.engine import Engine
+from conftest import kl_top1, place
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 

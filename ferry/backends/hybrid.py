@@ -220,7 +220,7 @@ class HybridBackend:
         host = self._to_host(x, ids, weights)  # inside the step's CUDA graph when one is recorded
         if self.recorder is not None:
             direct = None  # the step as a function of host memory alone: the CPU's experts on the pinned copies
-            if host is not None and self._decided_side(x.shape[0], ids.shape[1], experts) == "cpu":
+            if host is not None and self._decided_side(x.shape[0], ids.shape[1], experts, act) == "cpu":
                 result = self._pinned("out", x.shape, torch.float32)
                 direct = (lambda: self._cpu_on_pinned(host, up, gate, down, act, result), result)
             out = self.recorder.defer(lambda x, ids, weights: self._experts(x, ids, weights, host, up, gate, down,
@@ -280,16 +280,15 @@ class HybridBackend:
         """Whether the GPU can take these experts from RAM: all three in RAM, of types it reads or expands."""
         return work.gpu_takes and not any(map(self.on_gpu, experts))
 
-    def _decided_side(self, n: int, n_used: int, experts: tuple[Weight, Weight, Weight],
-                      work: ExpertsWork) -> str | None:
+    def _decided_side(self, n: int, n_used: int, experts: tuple[Weight, Weight, Weight], act: str) -> str | None:
         """"cpu" or "gpu" where every expert (gate, up, down) of this u-batch size goes one way without a prediction:
         the GPU cannot stream them (the CPU, whatever the policy), the policy says so (on / off, or llama.cpp's rule in
         threshold mode), or auto measured that way fastest for this size class and this layer has run it before. None
         in verbose runs, which record each decision's prediction."""
         if self.timed or self.stats.keep:
             return None
-        if not self._streams(experts, work):  # else a decode step would cut its graph at each of these layers
-            return "cpu"
+        if not self._streams(experts, self._work(experts, n_used, act)):
+            return "cpu"  # decided, so that a decode step waits at these layers' host steps instead of cutting there
         gate = experts[0]
         fixed = experts_fixed_side(self.policy, n, gate.ne[2], n_used)
         if fixed is not None:
@@ -317,7 +316,7 @@ class HybridBackend:
         if self._trial is not None:
             self._end_trial(gate, n, t_decided)
         work = self._work(experts, n_used, act)
-        side = self._decided_side(n, k, experts, work)
+        side = self._decided_side(n, k, experts, act)
         if x_host is not None and side == "cpu":  # generation's usual case: straight to the CPU's experts
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
             return self._cpu_on_pinned(host, up, gate, down, act, self._pinned("out", x_host.shape, torch.float32))

@@ -9,8 +9,11 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ferry.backends.base import Backend
 from ferry.config import Settings, settings as current_settings
 from ferry.errors import FerryError
+from ferry.gguf.file import GGUFFile
+from ferry.models.base import Model
 from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
 from ferry.placement import (EXPERTS_RE, Override, host_memory, kv_bytes, layer_devices, memory_plan,
                              parse_overrides, place, tensor_split)
@@ -104,9 +107,9 @@ class RunConfig:
 class Loaded:
     """An open file, its model and the backend its weights were placed on; what loading took."""
 
-    file: object  # GGUFFile
-    model: object  # Model
-    backend: object  # backends.base.Backend
+    file: GGUFFile
+    model: Model
+    backend: Backend
     seconds: float
     repacked_bytes: int = 0  # weights copied into ggml's interleaved CPU layout
     repack_seconds: float = 0.0
@@ -131,7 +134,6 @@ def load(cfg: RunConfig) -> Loaded:
     """Open, validate, build and place the weights: on the CPU (repacked into ggml's layout), on the GPU(s), or split
     between them (-ngl, -ot). A progress bar shows the weights being placed on a terminal unless cfg.quiet."""
     from ferry.backends.cpu import CpuBackend
-    from ferry.gguf.file import GGUFFile
     from ferry.models import load_model
 
     t0 = time.perf_counter()
