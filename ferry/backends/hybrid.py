@@ -98,7 +98,6 @@ class HybridBackend:
                 self.gpu.upload(w)
             else:
                 cpu_weights.append(w)
-        self.cpu.prepare(cpu_weights, progress=progress)
         self.streamer = Streamer(self.device, cpu_weights)
         by_layer: dict[int, dict[str, Weight]] = {}
         for w in cpu_weights:
@@ -114,6 +113,9 @@ class HybridBackend:
             for key, nbytes in (("ids", 8 * n_expert), ("weights", 4 * n_expert), ("x", 4 * n_embd),
                                 ("out", 4 * n_embd), ("rows", 4 * n_embd)):  # rows: the embedding's, from RAM
                 self._pinned_buffers[key] = torch.empty(SMALL_MOE * nbytes, dtype=torch.uint8).pin_memory()
+        # the CPU's repacked copies last, after the mmap is registered and the pinned buffers made (the order the
+        # generation speeds of docs/performance.md were measured in)
+        self.cpu.prepare(cpu_weights, progress=progress)
 
     @property
     def n_threads(self) -> int:

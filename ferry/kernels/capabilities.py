@@ -1,5 +1,5 @@
 """What each quant type can do where: the one table that backends, the offload policy, `ferry plan` and `ferry info`
-ask. Asking needs no GPU and no Triton; tests/kernels/test_capabilities.py checks the table against the kernels
+ask. Asking needs no GPU and no Triton; tests/test_capabilities.py checks the table against the kernels
 themselves (the GPU kernels' type maps, the CPU kernel's shapes, ggml's repack probe)."""
 
 from __future__ import annotations
@@ -14,15 +14,20 @@ class Can:
     """One quant type's abilities.
     gpu_gemv: the GPU's quantized kernels (GEMV, expert GEMVs, the grouped MoE GEMM) read its blocks in place;
     gpu_expand: the GPU's dequantizer expands it (for cuBLAS, or to bfloat16 for torch's grouped GEMM);
+    gpu_float: a float type the GPU's matmuls read as it is (a router, a float matrix) but its expert paths do not;
     cpu_native: ferry's CPU expert kernel reads it: "repacked" (ggml's interleaved copy), "plain" (its GGUF layout),
     or "" (ggml runs it)."""
 
     gpu_gemv: bool = False
     gpu_expand: bool = False
+    gpu_float: bool = False
     cpu_native: str = ""
 
 
 _TABLE = {
+    Q.F32: Can(gpu_float=True),
+    Q.F16: Can(gpu_float=True),
+    Q.BF16: Can(gpu_float=True),
     Q.Q8_0: Can(gpu_gemv=True, gpu_expand=True),
     Q.Q4_0: Can(gpu_gemv=True, gpu_expand=True, cpu_native="repacked"),
     Q.Q4_1: Can(gpu_expand=True),
@@ -63,8 +68,15 @@ def gpu_reads(qtypes) -> bool:
 
 
 def gpu_streams(qtypes) -> bool:
-    """Whether weights of all these types can cross PCIe and run on the GPU: read in place, or expanded on arrival."""
+    """Whether routed experts of all these types can cross PCIe and run on the GPU: read in place, or expanded on
+    arrival."""
     return all(can(q).gpu_expand for q in qtypes)
+
+
+def gpu_dense(qtype: Q) -> bool:
+    """Whether a matmul weight of this type can cross PCIe and run on the GPU: as floats, read in place, or expanded."""
+    c = can(qtype)
+    return c.gpu_float or c.gpu_expand
 
 
 def cpu_repack(qtype: Q, ne: tuple[int, ...]) -> bool:

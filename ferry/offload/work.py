@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ferry.kernels.capabilities import can, cpu_native_experts
+from ferry.kernels.capabilities import can, cpu_native_experts, gpu_dense
 from ferry.offload.cost import Calibration, experts_hit
 from ferry.offload.policy import Decision, ExpertSplit, Policy, decide, split_experts
 from ferry.quant import bytes_per_weight
@@ -16,9 +16,10 @@ ALL_ON, ALL_OFF = Policy(overrides={"all": "on"}), Policy(overrides={"all": "off
 SIDES = {"gpu": ALL_ON, "cpu": ALL_OFF}  # a way that moves every expert hit to one side
 
 
-def gpu_refuses(tensors) -> str:
-    """Why the GPU cannot take these weights from RAM ("" where it can): types no GPU kernel reads or expands."""
-    kept = sorted({t.qtype.name for t in tensors if not can(t.qtype).gpu_expand})
+def gpu_refuses(tensors, takes=lambda q: can(q).gpu_expand) -> str:
+    """Why the GPU cannot take these weights from RAM ("" where it can): types no GPU kernel of theirs reads or
+    expands (`takes`: the routed experts' kernels by default)."""
+    kept = sorted({t.qtype.name for t in tensors if not takes(t.qtype)})
     return f"{', '.join(kept)}, which no GPU kernel of ferry's reads or expands" if kept else ""
 
 
@@ -26,7 +27,7 @@ def dense_decision(tensor, n_tokens: int, calib: Calibration, policy: Policy) ->
     """Where a matmul on this weight in RAM runs for a u-batch of n_tokens: the policy's choice, or the CPU whatever
     the policy where the GPU cannot take its type."""
     d = decide("mul_mat", n_tokens, tensor.ne[1], tensor.ne[0], bytes_per_weight(tensor.qtype), calib, policy)
-    why = gpu_refuses([tensor])
+    why = gpu_refuses([tensor], gpu_dense)
     if why and d.device == "GPU":
         return replace(d, device="CPU", why=f"{why}: on the CPU under every policy")
     return d
