@@ -70,3 +70,15 @@ def test_prompt_plus_generation_and_depth_rows(tiny):
 def test_bench_flags_it_cannot_honour_are_errors_before_any_output(tiny, args, message):
     r = subprocess.run([sys.executable, "-m", "ferry", "bench", "-m", str(tiny), *args], capture_output=True, text=True)
     assert r.returncode == 2 and message in r.stderr and r.stdout == ""
+
+
+def test_bench_reports_its_progress_run_by_run(tiny):
+    """What `ferry bench` shows on a terminal: after each test, its runs (the warm-up included) done of all."""
+    from ferry.runtime.loader import RunConfig
+    from ferry.tools.bench import run_bench
+
+    seen = []
+    rows = run_bench([RunConfig(tiny, n_threads=1, quiet=True)], [16], [2], [2048], [512, 8], 2,
+                     on_progress=lambda done, total, note: seen.append((done, total, note)))
+    assert [r.n_ubatch for r in rows] == [512, 512, 8, 8]
+    assert seen == [(3, 12, "pp16"), (6, 12, "tg2"), (9, 12, "pp16"), (12, 12, "tg2")]

@@ -10,9 +10,24 @@ from ferry.errors import FerryError
 from ferry.offload.cost import Calibration
 
 
-def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys):
+def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys, monkeypatch):
+    import contextlib
+
+    import ferry.progress
+    from ferry.offload.calibrate import steps
+
+    shown = []  # what the progress bar would show on a terminal: (parts done, what) after each part
+
+    @contextlib.contextmanager
+    def bar(description, total, quiet=False):
+        shown.append((description, total))
+        yield lambda completed, note="", total=None: shown.append((completed, note))
+
+    monkeypatch.setattr(ferry.progress, "progress", bar)
     out = tmp_path / "c.json"
     assert main(["calibrate", "--quick", "-t", "1", "--out", str(out), "-q"]) == 0
+    assert shown[0] == ("calibrating", steps(True)) and [c for c, _ in shown[1:]] == list(range(1, steps(True) + 1))
+    assert shown[2] == (2, "Q4_0 routed experts")
     printed = capsys.readouterr().out
     assert "CPU Q4_0 GEMV (1 threads)" in printed
     data = json.loads(out.read_text())

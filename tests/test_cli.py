@@ -91,7 +91,7 @@ def test_info_says_which_cpu_tensors_are_repacked(tiny):
     assert default["blk.*.attn_q.weight"] == ""
     assert set(layouts("--no-repack").values()) == {"mmap"}
     r = ferry("info", str(tiny))
-    assert "never offloaded" in r.stdout
+    assert "repacked: copied at load into ggml's interleaved CPU layout" in r.stdout
 
 
 def test_a_transformers_without_a_converter_for_the_architecture_says_which_version_to_install(monkeypatch, tiny):

@@ -67,12 +67,6 @@ def gpu_reads(qtypes) -> bool:
     return all(can(q).gpu_gemv for q in qtypes)
 
 
-def gpu_streams(qtypes) -> bool:
-    """Whether routed experts of all these types can cross PCIe and run on the GPU: read in place, or expanded on
-    arrival."""
-    return all(can(q).gpu_expand for q in qtypes)
-
-
 def gpu_dense(qtype: Q) -> bool:
     """Whether a matmul weight of this type can cross PCIe and run on the GPU: as floats, read in place, or expanded."""
     c = can(qtype)
@@ -97,7 +91,8 @@ def cpu_native_experts(up, gate, down, act: str, repacked=None) -> str:
     kinds = {t.qtype: can(t.qtype).cpu_native for t in (up, down)}
     other = sorted(q.name for q, kind in kinds.items() if not kind)
     if other:
-        return f"these experts are {', '.join(other)}; it covers {', '.join(sorted(q.name for q in cpu_native_types()))}"
+        covers = ", ".join(sorted(q.name for q in cpu_native_types()))
+        return f"these experts are {', '.join(other)}; it covers {covers}"
     n_embd, n_ff = up.ne[0], up.ne[1]
     if n_embd % GGML_QUANT_SIZES[up.qtype][0] or n_ff % GGML_QUANT_SIZES[down.qtype][0] or n_embd % 8 or n_ff % 8:
         return f"their rows ({n_embd}, {n_ff}) are not whole blocks of 8 rows"

@@ -119,7 +119,7 @@ def measure_experts(backend, qtypes, quick: bool = False, on_step=None) -> dict:
     token's 8 experts, a different 8 each call, every expert once per pass); each point the best of two passes.
     Each timed call runs the next of enough layers (4x the L3, 1 GiB at least) that its weights come from RAM, as a
     model's do: one 170 MB layer read again and again sat half in the H100 machine's 260 MB L3 (ggml 78.7 GB/s at
-    one token per expert, against 44-48 in benchmarks/expert_reads.py; docs/performance.md, session 22)."""
+    one token per expert, against 44-48 in benchmarks/expert_reads.py; docs/performance.md, 2026-11-24)."""
     n_expert, n_used, d, ff = 64, 8, 2048, 768
     rng = np.random.default_rng(0)
     tables, token = {}, {}
@@ -150,7 +150,7 @@ def measure_experts(backend, qtypes, quick: bool = False, on_step=None) -> dict:
 
         best: dict = {}
         # two passes, each point's best: a disturbance shorter than a pass falls on one of them (on the H100 machine
-        # the first seconds after writing an 18 GB file read the experts at 4.2 GB/s; docs/performance.md, session 22)
+        # the first seconds after writing an 18 GB file read the experts at 4.2 GB/s; docs/performance.md, 2026-11-24)
         for _ in range(2):
             for c in ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):  # tokens per expert
                 ids = torch.arange(n_expert, dtype=torch.int32).repeat(c).view(-1, 1)
@@ -194,7 +194,7 @@ def add_experts(path: Path, backend, qtypes) -> None:
 
 
 def _tables(stored) -> dict:
-    """The experts' tables by type; files before session 22 stored Q4_0's alone, as a list."""
+    """The experts' tables by type; a file written by an earlier ferry holds Q4_0's alone, as a list."""
     return {"Q4_0": stored} if isinstance(stored, list) else dict(stored or {})
 
 

@@ -28,7 +28,8 @@ class Calibration:
     launch_s: float = 0.0  # one GPU kernel launch from Python: the GPU side of a split MoE costs a few dozen
     # the share of the shorter side's time that running both sides at once does not hide: PCIe copies and ggml's
     # experts slow each other (H100 machine: copy 4.3 ms, ggml 6.7 ms, both 9.9 ms; benchmarks/profile_hybrid.py;
-    # 0.55 in session 14). Not calibrated: a copy and ggml alone overlap almost fully (docs/decisions.md)
+    # 0.55 on another machine, docs/performance.md 2026-11-23). Not calibrated: a copy and ggml alone overlap almost
+    # fully (docs/decisions.md)
     overlap: float = 0.73
 
     def cpu_expert_s(self, expert_bytes: float, tokens, flops_per_token: float, types: dict[str, float] | None = None,
@@ -59,7 +60,7 @@ class Calibration:
 
 
 # launches' worth of host time a MoE layer's GPU side adds (staging, the expert kernels, the sum): 1.1 ms beyond its
-# copies on the H100 machine at 9 us per launch (benchmarks/profile_hybrid.py, session 5)
+# copies on the H100 machine at 9 us per launch (benchmarks/profile_hybrid.py, docs/performance.md 2026-11-23)
 GPU_SIDE_LAUNCHES = 120
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ferry.kernels.capabilities import can, cpu_native_experts, gpu_dense
-from ferry.offload.cost import Calibration, experts_hit
+from ferry.offload.cost import Calibration, experts_hit, type_shares
 from ferry.offload.policy import Decision, ExpertSplit, Policy, decide, split_experts
 from ferry.quant import bytes_per_weight
 
@@ -53,9 +53,7 @@ class ExpertsWork:
         tensors = (gate, up, down)
         n_expert = gate.ne[2]
         total = sum(t.nbytes for t in tensors)
-        shares: dict[str, float] = {}
-        for t in tensors:
-            shares[t.qtype.name] = shares.get(t.qtype.name, 0.0) + t.nbytes / total
+        shares = type_shares([(t.qtype.name, t.nbytes) for t in tensors])
         if token_kernel is None:
             from ferry.kernels.cpu import native
 

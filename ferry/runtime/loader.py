@@ -179,7 +179,8 @@ def _check_host_memory(f, model, cfg: RunConfig) -> None:
     if available is None:
         return
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, model.args, 0, [], ["CUDA0"],
-                       {"CPU": available}, _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), advise=False,
+                       {"CPU": available}, _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v),
+                       advise=False,
                        cache=model.cache_layout())
     cpu = next(d for d in plan.devices if d.device == "CPU")
     if cpu.kv_cache + cpu.compute > available:
@@ -211,7 +212,8 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
     others = sorted({d for d in devices.values()} - {"CPU", "CUDA0"})
     if others:
         raise FerryError(f"-ot places tensors on {', '.join(others)}, but ferry's runtime splits layers across GPUs "
-                         "(-ts) only, and keeps weights in RAM beside one GPU (CUDA0); the plan (`ferry plan`) covers more")
+                         "(-ts) only, and keeps weights in RAM beside one GPU (CUDA0); the plan (`ferry plan`) covers "
+                         "more")
     gpus = [f"CUDA{i}" for i in range(torch.cuda.device_count())]
     all_on_gpu = all(devices.get(w.name) == "CUDA0" for w in model.weights())
     tensors = {t.name: t.nbytes for t in f.tensors.values()}
@@ -228,7 +230,8 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
                 raise FerryError(plan.error())
             return MultiGpuBackend(device_map(f, model, n_gpu_layers, [], layers), layers, n_threads=cpu.n_threads)
     plan = memory_plan(tensors, a, n_gpu_layers, overrides, ["CUDA0"], {"CUDA0": torch.cuda.mem_get_info(0)[0]},
-                       _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), kv_on_gpu=True, cache=model.cache_layout(),
+                       _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), kv_on_gpu=True,
+                       cache=model.cache_layout(),
                        n_batch=cfg.n_batch if cfg.layer_first else 0)
     if not plan.fits:
         raise FerryError(plan.error())

@@ -165,10 +165,11 @@ def run_bench(configs: list, n_prompt: list[int], n_gen: list[int], n_batch: lis
     combos = list(itertools.product(mla, n_batch, n_ubatch, tests, depths))
     total, done = len(configs) * len(combos) * (reps + 1), 0
     for base in configs:
-        # loaded for the largest cache, u-batch and logical batch its tests need (the memory plan's sizes)
+        # loaded for the largest cache, logical batch and u-batch its tests need (the memory plan's sizes; RunConfig
+        # clamps the u-batch to the batch, here as in each test)
         ctx = max(depths) + max(p + n for p, n in tests) + 1
         cfg = base.with_(n_ctx=ctx, n_batch=min(max(n_batch), max(max(p for p, _ in tests), 1)),
-                         n_ubatch=max(min(ub, b) for ub in n_ubatch for b in n_batch))
+                         n_ubatch=max(n_ubatch))
         loaded = load(cfg)
         f, backend, model = loaded.file, loaded.backend, loaded.model
         size = sum(info.nbytes for info in f.tensors.values())

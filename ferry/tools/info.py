@@ -65,8 +65,8 @@ def info(cfg, as_json: bool) -> dict:
                       g["cpu_layout"])
     console.print(table)
     if any(g["cpu_layout"] == "repacked" for g in groups):
-        console.print("repacked: copied at load into ggml's interleaved CPU layout, which no GPU kernel reads, so "
-                      "these tensors are never offloaded to a GPU; --no-repack keeps them in the mmap (and offloadable)", soft_wrap=True)
+        console.print("repacked: copied at load into ggml's interleaved CPU layout, which the CPU's kernels read (a GPU "
+                      "that takes them streams them from the mmap); --no-repack keeps the mmap alone", soft_wrap=True)
     console.print("placement: " + ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in sorted(by_device.items())) +
                   f"  (-ngl {n_gpu_layers}" + "".join(f" -ot {s}" for s in override_specs) + ")")
     return report

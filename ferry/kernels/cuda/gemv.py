@@ -66,7 +66,7 @@ def gemv(w: Split, x: torch.Tensor, config: tuple[int, int, int] | None = None,
 
 def _gemv_config(outputs: int, cols: int) -> tuple[int, int, int]:
     """Enough programs for every SM, few steps per row: the fastest of sweeps on an H100 and an H200
-    (benchmarks/gemv_kernels.py, sessions 7 and 8; differences under 1 us are noise there)."""
+    (benchmarks/gemv_kernels.py, docs/performance.md 2026-11-23; differences under 1 us are noise there)."""
     if outputs >= 16 * 528:  # the output head
         return 16, 256, 8
     if outputs <= 1024 or cols > 2048:  # few rows (k, v, kv_a) or long ones (attn_output): a row in one step

@@ -263,7 +263,7 @@ def moe_tile_rows(pairs: int, n_expert: int) -> int:
 
 
 # (BN, BK, warps, stages) of the grouped GEMM per (tile height, gated): the fastest of a sweep on an H100 at the
-# expert shapes of Qwen3-30B-A3B and DeepSeek-V2-Lite (benchmarks/moe_kernels.py; docs/performance.md, session 7)
+# expert shapes of Qwen3-30B-A3B and DeepSeek-V2-Lite (benchmarks/moe_kernels.py; docs/performance.md, 2026-11-23)
 MOE_MM_CONFIGS = {(16, True): (64, 64, 4, 3), (16, False): (64, 64, 4, 3),
                   (32, True): (64, 32, 4, 3), (32, False): (64, 64, 4, 3),
                   (64, True): (64, 64, 4, 3), (64, False): (128, 32, 4, 4),

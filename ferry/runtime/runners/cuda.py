@@ -27,7 +27,7 @@ class LatentForms:
     cache's sizes, powers of two): the first u-batches of a class run `warmup` + `samples` layers in each form,
     one layer each in turn, timed by CUDA events, and the faster form is kept for the class. The crossover moves
     with the GPU, the head count, the cache type and -amb: on one H100 at V2-Lite's shapes, absorbing won over
-    short caches at every u-batch and expanding over 4096 cells and more (docs/performance.md, sessions 13-15).
+    short caches at every u-batch and expanding over 4096 cells and more (docs/performance.md, 2026-11-23).
     `fixed`: a rule (n_tokens, n_kv) -> form instead of measuring (tests, benchmarks)."""
 
     def __init__(self, fixed: Callable[[int, int], str] | None = None):

@@ -37,8 +37,9 @@ class Handshakes:
     between them (the driver's stream memory operations): at host step k the graph writes ready[k] = 1, waits until
     done[k] = 1, sets it back to 0 and copies the step's result in; the host, which launched the graph, reads
     ready[k] until it is set, runs the step and writes done[k]. Right after ggml's threads have run, each CUDA call
-    of the host costs 30-40 us against 10 on an idle host (docs/decisions.md, session 20): a hybrid decode step
-    cut into a graph per layer paid a launch, a copy and a synchronize per MoE layer; this way it pays one launch."""
+    of the host costs 30-40 us against 10 on an idle host (docs/decisions.md, "A hybrid decode step is one CUDA graph
+    that waits at its host steps"): a hybrid decode step cut into a graph per layer paid a launch, a copy and a
+    synchronize per MoE layer; this way it pays one launch."""
 
     CAPACITY = 1024  # host steps of one recording
     TIMEOUT_S = 120.0  # a host step the graph never reaches: an error, not a hang
@@ -351,7 +352,7 @@ class CudaGraphRunner:
         """The u-batches of one logical batch, layer by layer (Model.forward_layer_first): each one's logits.
         `joined`: Batch.join(batches). Recorded as a prompt u-batch is, its shape being the u-batches' sizes: each
         u-batch's attention over the cache and the joined rows' experts in RAM run between graphs. Eagerly, the
-        u-batches' launches bound the run at small u-batches (docs/performance.md, sessions 10 and 19)."""
+        u-batches' launches bound the run at small u-batches (docs/performance.md, 2026-11-23 and 2026-11-24)."""
         sizes = tuple(b.n_tokens for b in batches)
         key = (id(model), id(joined.kv), joined.n_tokens, joined.all_logits, sizes)
         if not self._recorded(key, max(sizes), prompt=True):
