@@ -279,11 +279,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampler = _sampler(args)
     first = _prompt(args)
     cfg = _run_config(args)
+    t0 = time.perf_counter()
     loaded = load(cfg)
     tok = Tokenizer(loaded.file)
     template, source = chat_template(tok, loaded.model.args.arch, args.chat_template)
     engine = loaded.engine(cfg)
     chat = Conversation(engine, tok, template, sampler, args.n_predict, args.system_prompt)
+    chat.timings.load_ms = 1000 * (time.perf_counter() - t0)
     interactive = sys.stdin.isatty()
     if not cfg.quiet:
         print(f"ferry: chatting with {loaded.file.path.name} through {source}; "
