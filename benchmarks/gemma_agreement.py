@@ -37,7 +37,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(Path(__file__).with_name("llamacpp_oracle.py")), str(path), str(ref_file),
                         *PROMPTS, "--n-greedy", str(a.n_greedy)], check=True, stderr=subprocess.DEVNULL)
         ref = dict(np.load(ref_file))
-    loaded = load(RunConfig(path, quiet=True))
+    loaded = load(RunConfig(path, quiet=True, n_gpu_layers=0))
     f, backend, model = loaded.file, loaded.backend, loaded.model
     tok = Tokenizer(f)
     rows = []

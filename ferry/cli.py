@@ -15,6 +15,7 @@ from pathlib import Path
 from ferry import __version__
 from ferry.config import settings
 from ferry.errors import FerryError
+from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,8 +93,9 @@ def _context_flags(p: argparse.ArgumentParser, lists: bool = False, n_ctx: int =
 
 
 def _gpu_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
-    p.add_argument("-ngl", "--n-gpu-layers", type=str if lists else int, default="0" if lists else 0,
-                   help="layers on the GPU (999: all); the rest stay in RAM" + (", comma list" if lists else ""))
+    p.add_argument("-ngl", "--n-gpu-layers", type=str if lists else int, default=None,
+                   help="layers on the GPU (999: all; 0: the CPU alone); the rest stay in RAM. Without -ngl and -ot a "
+                        "visible GPU is filled by the fit (--fit)" + (", comma list" if lists else ""))
     p.add_argument("-ot", "--override-tensor", action="append", default=[],
                    help="REGEX=DEVICE (CPU, CUDA0), repeatable, first match wins; e.g. -ot exps=CPU")
     p.add_argument("-ts", "--tensor-split", help="share of the GPU layers per GPU, e.g. 3,1 (default: equal over "
@@ -108,6 +110,24 @@ def _gpu_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
                         "layer over all its u-batches, so each layer's experts are read once per batch (default), "
                         "or u-batch by u-batch through every layer, as llama.cpp does")
     p.add_argument("--verbose", action="store_true", help="log every offload decision, predicted and measured")
+    p.add_argument("--fit", choices=("on", "off"), default="on",
+                   help="without -ngl / -ot, fill the GPU by itself: every weight but the routed experts, the KV cache "
+                        "(-c shrunk to fit, down to --fit-ctx), the buffers, then as many layers' routed experts as fit "
+                        "(default on; off: the CPU alone unless -ngl / -ot say otherwise)")
+    p.add_argument("--fit-target", default=str(FIT_TARGET_MIB), help="MiB the fit leaves free on each GPU, comma list "
+                                                                     f"per GPU (default {FIT_TARGET_MIB})")
+    p.add_argument("--fit-ctx", type=int, default=FIT_CTX, help=f"the context the fit may shrink -c to, no lower "
+                                                                f"(default {FIT_CTX})")
+    p.add_argument("--gpu-memory", action="append", default=[],
+                   help="CUDA0=12GiB[,CUDA1=...]: place and plan for GPUs of these sizes (at most what is free: a "
+                        "smaller GPU tried on a big one)")
+
+
+def _fit_target(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise FerryError(f"--fit-target '{text}': give MiB per GPU, e.g. --fit-target 1024 or 512,2048") from None
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -143,9 +163,12 @@ def _run_config(args: argparse.Namespace, **changes):
                        ("cache_type_v", "type_v"), ("n_gpu_layers", "n_gpu_layers"), ("override_tensor",
                        "override_tensor"), ("tensor_split", "tensor_split"), ("offload_policy", "offload_policy"),
                        ("offload_min_batch", "offload_min_batch"), ("batch_order", "batch_order"),
-                       ("verbose", "verbose"), ("quiet", "quiet")):
+                       ("verbose", "verbose"), ("quiet", "quiet"), ("fit_ctx", "fit_ctx"),
+                       ("gpu_memory", "gpu_memory")):
         if flag in vars(args):
             kw[dest] = vars(args)[flag]
+    if "fit" in vars(args):
+        kw["fit"], kw["fit_target"] = args.fit == "on", _fit_target(args.fit_target)
     kw.update(changes)
     return RunConfig(**kw)
 
@@ -218,7 +241,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     loaded = load(cfg)
     tok = Tokenizer(loaded.file)
-    engine = loaded.engine(cfg)
+    engine = loaded.engine()
     load_ms = 1000 * (time.perf_counter() - t0)
     if args.system_prompt is not None or args.chat_template:  # one turn through the chat template: the answer alone
         template, source = chat_template(tok, loaded.model.args.arch, args.chat_template)
@@ -283,7 +306,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     loaded = load(cfg)
     tok = Tokenizer(loaded.file)
     template, source = chat_template(tok, loaded.model.args.arch, args.chat_template)
-    engine = loaded.engine(cfg)
+    engine = loaded.engine()
     chat = Conversation(engine, tok, template, sampler, args.n_predict, args.system_prompt)
     chat.timings.load_ms = 1000 * (time.perf_counter() - t0)
     interactive = sys.stdin.isatty()
@@ -330,14 +353,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise FerryError(f"-o/--output must be one of {', '.join(bench.FORMATS)}, got '{args.output}'")
     lists = {flag: bench.parse_int_list(flag, v) for flag, v in
              (("-p", args.n_prompt), ("-n", args.n_gen), ("-b", args.batch_size), ("-ub", args.ubatch_size),
-              ("-t", args.threads), ("-d", args.n_depth), ("-ngl", args.n_gpu_layers), ("-fa", args.flash_attn))}
+              ("-t", args.threads), ("-d", args.n_depth), ("-fa", args.flash_attn))}
+    # -ngl not given: the fit places the weights (where a GPU is), as a run's default does
+    lists["-ngl"] = bench.parse_int_list("-ngl", args.n_gpu_layers) if args.n_gpu_layers is not None else [None]
     mla = bench.parse_int_list("-mla", args.mla) if args.mla is not None else [None]
     if any(v != 1 for v in lists["-fa"]):
         raise FerryError("-fa 0: ferry always uses flash attention; leave -fa out or pass -fa 1")
     if args.repetitions < 1:
         raise FerryError(f"-r/--repetitions must be at least 1, got {args.repetitions}")
     pairs = bench.parse_pairs("-pg", args.pg)
-    base = _run_config(args, model=None, n_threads=0, n_batch=2048, n_ubatch=512, n_gpu_layers=0, mla=None,
+    base = _run_config(args, model=None, n_threads=0, n_batch=2048, n_ubatch=512, n_gpu_layers=None, mla=None,
                        quiet=True)
     models = [Path(m) for m in args.model] if args.model else [base.model_path]
     configs = [base.with_(model=m, n_threads=t, n_gpu_layers=ngl) for m in models for t in lists["-t"]
@@ -377,7 +402,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         n_gen = args.n_predict or max(1, cfg.n_ubatch // 4)
         rows = sweep.run(loaded, cfg, n_gen, args.quiet)
         if args.json:
-            meta = {"model": loaded.file.path.name, "n_ctx": cfg.n_ctx, "n_batch": cfg.n_batch,
+            meta = {"model": loaded.file.path.name, "n_ctx": loaded.config.n_ctx, "n_batch": cfg.n_batch,
                     "n_ubatch": cfg.n_ubatch, "n_threads": loaded.backend.n_threads, "type_k": cfg.type_k,
                     "type_v": cfg.type_v, "repack": cfg.repack}
             sweep.save(rows, meta, Path(args.json))
@@ -405,11 +430,11 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         text = Path(args.file).read_text(encoding="utf-8", errors="replace")
     except OSError as e:
         raise FerryError(f"-f {args.file}: {e.strerror}") from None
-    cfg = _run_config(args)
+    cfg = _run_config(args, fit_ctx=args.ctx_size)  # the chunk size: the fit may not shrink it
     loaded = load(cfg)
     tok = Tokenizer(loaded.file)
     tokens = tok.encode(text)
-    engine = loaded.engine(cfg)
+    engine = loaded.engine()
     base = ppl.load_base(Path(args.kl_divergence_base), tokens, cfg.n_ctx) if args.kl_divergence else None
     save = Path(args.kl_divergence_base) if args.kl_divergence_base and not args.kl_divergence else None
     n_chunks = min(ppl.chunks(tokens, cfg.n_ctx, args.chunks), base["n_chunks"] if base else 1 << 30)
@@ -450,7 +475,7 @@ def build_server(args: argparse.Namespace):
     cfg = _run_config(args, n_batch=max(args.ubatch_size, args.parallel), n_ubatch=max(args.ubatch_size, args.parallel),
                       quiet=True)
     loaded = load(cfg)
-    n_ctx = cfg.n_ctx or loaded.model.args.n_ctx_train  # -c 0: the model's
+    n_ctx = loaded.config.n_ctx or loaded.model.args.n_ctx_train  # -c 0: the model's
     if n_ctx < 2 * args.parallel:
         raise FerryError(f"-c/--ctx-size {n_ctx} gives each of -np {args.parallel} slots fewer than 2 tokens; raise -c "
                          "or lower -np")
@@ -526,7 +551,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ubatches = parse_int_list("--ubatches", args.ubatches) if args.ubatches else None
     if ubatches is not None and min(ubatches) < 1:
         raise FerryError(f"--ubatches: every size must be at least 1, got {args.ubatches}")
-    return show(_run_config(args), args.gpu_memory, ubatches, args.calibration, args.json)
+    return show(_run_config(args), ubatches, args.calibration, args.json)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -558,7 +583,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     out = Path(args.output)
     t0 = time.perf_counter()
     synth(PRESETS[args.preset], out, experts, parse_qtype(args.type), seed=args.seed,
-          layers=args.layers, quiet=args.quiet, legacy_mla=args.legacy_mla)
+          layers=args.layers, quiet=args.quiet, legacy_mla=args.legacy_mla, shape_only=args.shape_only)
     if not args.quiet:
         print(f"ferry: wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
@@ -668,8 +693,6 @@ def build_parser() -> argparse.ArgumentParser:
     _mla_flags(p)
     _context_flags(p)
     _gpu_flags(p)
-    p.add_argument("--gpu-memory", action="append", default=[],
-                   help="CUDA0=80GiB[,CUDA1=...]: plan for these sizes instead of the free memory reported here")
     p.add_argument("--ubatches", help="u-batch sizes for the op table, e.g. 1,64,512,4096 (default: 1 and -ub)")
     p.add_argument("--calibration", help="a `ferry calibrate` result (default: this machine's)")
     p.add_argument("--json", action="store_true")
@@ -697,6 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--legacy-mla", action="store_true",
                    help="deepseek2: one attn_kv_b per layer, as files converted before 2025 hold it (default: "
                         "attn_k_b and attn_v_b, as llama.cpp's converters write it now)")
+    p.add_argument("--shape-only", action="store_true",
+                   help="every weight zero, as a sparse file written at once: the model's shape for `ferry plan` and "
+                        "`ferry info` (runs, but says nothing)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_synth)
     return parser

@@ -27,6 +27,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels on the CPU: Triton 3.6'
 
 def place(path, threads: int, **flags):
     """(backend, model) of the file at `path` loaded as a run with these flags would load it (RunConfig's fields)."""
+    flags.setdefault("n_gpu_layers", 0)  # no flags: the CPU reference, not the fit's placement
     loaded = load(RunConfig(path, n_threads=threads, quiet=True, **flags))
     return loaded.backend, loaded.model
 

@@ -77,6 +77,9 @@ def test_gpu_latent_attention_matches_the_cpu(tmp_path, mla):
           f"leads of the differing tops {(top2[:, 0] - top2[:, 1])[want.argmax(-1) != got.argmax(-1)].tolist()}")
     # measured under the interpreter: KL max 1.4e-5 to 1.5e-5; -mla 0 had one top-1 of 70 differ at a near-tie, and
     # on an H100 one of 35 (KL max 1.5e-5): a logit moved by this KL is about 0.005, so the top token must agree
-    # wherever the CPU's leads its runner-up by ten times that
-    assert kl.max() < 1e-4 and confident.sum() >= len(confident) // 2
+    # wherever the CPU's leads its runner-up by ten times that. One position may route differently: on another random
+    # model (synth's weights drawn anew) one of 70 had KL 6.5e-4, every other 1e-5, where layer 1's router separated
+    # its chosen experts from the next by 4.8e-4 in probability, within the two sides' rounding
+    assert kl.median() < 1e-4 and (kl > 1e-4).sum() <= 1 and kl.max() < 1e-2
+    assert confident.sum() >= len(confident) // 2
     assert (want.argmax(-1) == got.argmax(-1))[confident].all()

@@ -167,9 +167,14 @@ def byte_level_vocab(n_vocab: int, specials: list[str], rng: np.random.Generator
     seen = set(tokens)
     merges: list[str] = []
     n_plain = n_vocab - len(specials)
+    draws = iter(())
     while len(tokens) < n_plain:
-        i, j = rng.integers(0, len(tokens), size=2)
-        a, b = tokens[i], tokens[j]
+        try:
+            u, v = next(draws), next(draws)
+        except StopIteration:  # random numbers drawn in blocks: one numpy call per draw took a minute for 152k tokens
+            draws = iter(rng.random(1 << 16).tolist())
+            continue
+        a, b = tokens[int(u * len(tokens))], tokens[int(v * len(tokens))]
         if len(a) + len(b) > 12 or a + b in seen:
             continue
         tokens.append(a + b)
@@ -241,7 +246,10 @@ def _ffn(p: Preset, b: str, i: int, mat, experts: tuple, other_type, rng) -> lis
 
 
 def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_type: GGMLQuantizationType,
-          seed: int = 0, layers: int = 0, quiet: bool = False, legacy_mla: bool = False) -> None:
+          seed: int = 0, layers: int = 0, quiet: bool = False, legacy_mla: bool = False,
+          shape_only: bool = False) -> None:
+    """A random-weight GGUF of the preset's architecture and shapes; shape_only: every weight zero, as a sparse file
+    written at once (for planning and inspecting, not for running)."""
     rng = np.random.default_rng(seed)
     n_layer = layers or p.n_layer
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -333,8 +341,8 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
         ]
     specs += [named(ones(d), "output_norm.weight"), mat("output.weight", other_type, (d, p.n_vocab))]
 
-    if quiet:
-        write_gguf(out, a, metadata, specs)
+    if quiet or shape_only:
+        write_gguf(out, a, metadata, specs, shape_only=shape_only)
         return
     from rich.progress import Progress
 

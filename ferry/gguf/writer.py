@@ -3,6 +3,7 @@ file renamed into place only once complete, so a failed write never leaves a par
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -47,8 +48,10 @@ def _add_value(w: GGUFWriter, key: str, value: Any) -> None:
 
 
 def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: Iterable[TensorSpec],
-               on_tensor: Callable[[TensorSpec], None] | None = None) -> None:
-    """Write a GGUF atomically: metadata (general.architecture from `arch`), then each tensor in order."""
+               on_tensor: Callable[[TensorSpec], None] | None = None, shape_only: bool = False) -> None:
+    """Write a GGUF atomically: metadata (general.architecture from `arch`), then each tensor in order. shape_only:
+    every tensor's bytes zero, as a sparse file that takes no disk and no time to write (its `make` is not called):
+    a model's shape for `ferry plan` and `ferry info`."""
     path = Path(path)
     tensors = list(tensors)
     with atomic_file(path) as tmp:
@@ -61,6 +64,12 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: Iterabl
         w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+        if shape_only:
+            w.close()
+            align = w.data_alignment
+            start = GGUFWriter.ggml_pad(tmp.stat().st_size, align)
+            os.truncate(tmp, start + sum(GGUFWriter.ggml_pad(t.nbytes, align) for t in tensors))
+            return
         for t in tensors:
             data = np.ascontiguousarray(t.make()).view(np.uint8).reshape(-1)
             if data.nbytes != t.nbytes:

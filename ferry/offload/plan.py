@@ -144,44 +144,48 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def show(cfg, gpu_memory: list[str], ubatches: list[int] | None, calibration: str | None, as_json: bool) -> int:
-    """`ferry plan`: the memory per device before loading anything, then where the ops on weights left in RAM run
-    per u-batch and what they cost each generated token; a FerryError saying what to change where it does not fit."""
-    from ferry.models.base import ModelArgs
-    from ferry.placement import GIB, host_memory, kv_bytes, memory_plan, parse_gpu_memory, tensor_split
+def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool) -> int:
+    """`ferry plan` (cfg: a RunConfig): the placement (as given, or the fit's where no -ngl / -ot is given and a GPU
+    is visible or sized by --gpu-memory), the memory per device before loading anything, then where the ops on
+    weights left in RAM run per u-batch and what they cost each generated token; a FerryError saying what to change
+    where it does not fit."""
     from ferry.layers.cache import cache_layout, describe_cache, mla_mode
+    from ferry.models.base import ModelArgs
+    from ferry.offload.fit import gpu_room, placed
+    from ferry.placement import GIB, host_memory, kv_bytes, memory_plan, tensor_split
 
     f = GGUFFile(cfg.model_path)
     margs = ModelArgs.from_gguf(f)
-    available = parse_gpu_memory(gpu_memory)
-    if not available:
-        try:
-            import torch
-
-            for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-                available[f"CUDA{i}"] = torch.cuda.mem_get_info(i)[0]
-        except Exception:  # no usable CUDA here: plan without GPU sizes
-            pass
+    mla = mla_mode(margs, cfg.mla)
+    cache = cache_layout(margs, mla)
+    available = gpu_room(cfg.gpu_caps, planning=True)
     gpus = sorted(available) or ["CUDA0"]
+    cfg, fitted = placed(cfg, f, margs, cache, available)
     ram = host_memory()
     if ram is not None:
         available["CPU"] = ram
     split = tensor_split(cfg.tensor_split, gpus)
     # one GPU: the runtime keeps every layer's KV cache and the expert staging there (several GPUs: planned only)
     kv_on_gpu = len(gpus) == 1 and cfg.wants_gpu
-    mla = mla_mode(margs, cfg.mla)
     per_token, cache_note = describe_cache(margs, mla, cfg.type_k, cfg.type_v)
     n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else margs.n_ctx_train
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
                        available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
-                       cache=cache_layout(margs, mla), n_batch=cfg.n_batch if cfg.layer_first else 0)
+                       cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0)
     ops, ops_note, floor = _op_view(f, margs, cfg, ubatches, calibration) if kv_on_gpu else ([], "", None)
+    fit_view = None if fitted is None else {
+        "flags": fitted.flags(), "n_gpu_layers": fitted.n_gpu_layers, "override_tensor": list(fitted.override_tensor),
+        "n_ctx": fitted.n_ctx, "expert_layers": list(fitted.expert_layers), "moe_layers": fitted.moe_layers,
+        "gpu_share": fitted.gpu_share, "notes": fitted.notes}
     if as_json:
-        print(json.dumps({"fits": plan.fits, "advice": plan.advice,
+        print(json.dumps({"fits": plan.fits, "advice": plan.advice, "fit": fit_view,
                           "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices],
                           "kv_bytes_per_token": per_token, "mla": mla, "ops": ops, "ops_note": ops_note,
                           "generation": floor}, indent=1))
     else:
+        if fitted is not None:
+            print("\n".join([fitted.describe(), *fitted.notes]))
+            print()
         print("| device | weights GiB | KV cache GiB | compute GiB | total GiB | available GiB |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for d in plan.devices:

@@ -15,8 +15,9 @@ from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 from ferry.models.base import Model
 from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
+from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB, Fit, gpu_room, placed
 from ferry.placement import (EXPERTS_RE, Override, host_memory, kv_bytes, layer_devices, memory_plan,
-                             parse_overrides, place, tensor_split)
+                             parse_gpu_memory, parse_overrides, place, tensor_split)
 from ferry.layers.cache import kv_type
 
 MAX_THREADS = 1024
@@ -50,17 +51,22 @@ class RunConfig:
     n_ubatch: int = 512  # -ub
     type_k: str = "f16"  # -ctk
     type_v: str = "f16"  # -ctv
-    n_gpu_layers: int = 0  # -ngl
+    n_gpu_layers: int | None = None  # -ngl; None: not given (the fit places the weights where a GPU is, else the CPU)
     override_tensor: tuple[str, ...] = ()  # -ot, as given (for reports)
     tensor_split: str | None = None  # -ts, as given (its length is checked against the GPUs at load)
     offload_policy: str = "auto"  # --offload-policy, as given
     offload_min_batch: int = DEFAULT_MIN_BATCH  # --offload-min-batch
     batch_order: str = "layer-first"  # --batch-order
     verbose: bool = False  # --verbose: time and record every offload decision
+    fit: bool = True  # --fit on|off: fill the GPU by itself where no -ngl / -ot is given
+    fit_target: tuple[int, ...] = (FIT_TARGET_MIB,)  # --fit-target: MiB left free per GPU
+    fit_ctx: int = FIT_CTX  # --fit-ctx: the fit shrinks -c down to this, no lower
+    gpu_memory: tuple[str, ...] = ()  # --gpu-memory CUDA0=12GiB: plan and fit for these sizes (at most what is free)
     quiet: bool = False  # no progress bars, no notes on stderr
     settings: Settings = field(default_factory=current_settings)
     overrides: list[Override] = field(init=False, repr=False)  # -ot, parsed
     policy: Policy = field(init=False, repr=False)  # --offload-policy, parsed
+    gpu_caps: dict[str, int] = field(init=False, repr=False)  # --gpu-memory, parsed
 
     def __post_init__(self):
         for flag, v in (("-t/--threads", self.n_threads), ("-tb/--threads-batch", self.n_threads_batch)):
@@ -71,8 +77,12 @@ class RunConfig:
         for flag, v in (("-b/--batch-size", self.n_batch), ("-ub/--ubatch-size", self.n_ubatch)):
             if v < 1:
                 raise FerryError(f"{flag} must be at least 1, got {v}")
-        if self.n_gpu_layers < 0:
+        if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
             raise FerryError(f"-ngl/--n-gpu-layers must be 0 or more (999: every layer), got {self.n_gpu_layers}")
+        if any(m < 0 for m in self.fit_target) or not self.fit_target:
+            raise FerryError(f"--fit-target: give MiB of 0 or more per GPU, got {','.join(map(str, self.fit_target))}")
+        if self.fit_ctx < 1:
+            raise FerryError(f"--fit-ctx must be at least 1, got {self.fit_ctx}")
         if self.amb < 0:
             raise FerryError(f"-amb {self.amb}: give a size in MiB, or 0 for no bound")
         if self.batch_order not in BATCH_ORDERS:
@@ -84,6 +94,8 @@ class RunConfig:
         self.override_tensor = tuple(self.override_tensor)
         self.overrides = parse_overrides(list(self.override_tensor))
         self.policy = parse_policy(self.offload_policy, self.offload_min_batch)
+        self.gpu_memory = tuple(self.gpu_memory)
+        self.gpu_caps = parse_gpu_memory(list(self.gpu_memory))
 
     def with_(self, **changes) -> RunConfig:
         """A copy with some flags changed, checked again (bench's parameter combinations)."""
@@ -96,7 +108,11 @@ class RunConfig:
     @property
     def wants_gpu(self) -> bool:
         """Whether any weight is placed on a GPU (-ngl above 0, or an -ot rule to a CUDA device)."""
-        return self.n_gpu_layers > 0 or any(rule.device != "CPU" for rule in self.overrides)
+        return (self.n_gpu_layers or 0) > 0 or any(rule.device != "CPU" for rule in self.overrides)
+
+    @property
+    def placed_by_hand(self) -> bool:
+        return self.n_gpu_layers is not None or bool(self.override_tensor)
 
     @property
     def layer_first(self) -> bool:
@@ -113,11 +129,15 @@ class Loaded:
     seconds: float
     repacked_bytes: int = 0  # weights copied into ggml's interleaved CPU layout
     repack_seconds: float = 0.0
+    fit: Fit | None = None  # the placement the fit chose, where it chose it
+    config: RunConfig | None = None  # the run's flags with the placement decided (the fit's -ngl / -ot / -c)
 
-    def engine(self, cfg: RunConfig, **changes):
-        """An engine over this model for cfg's context, batch sizes and cache types (`changes` override them)."""
+    def engine(self, cfg: RunConfig | None = None, **changes):
+        """An engine over this model for the context, batch sizes and cache types of cfg (default: the run's own, with
+        the fit's -c); `changes` override them."""
         from ferry.runtime.engine import Engine
 
+        cfg = cfg or self.config
         kw = dict(n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch, type_k=cfg.type_k, type_v=cfg.type_v)
         return Engine(self.model, self.backend, **{**kw, **changes})
 
@@ -139,6 +159,11 @@ def load(cfg: RunConfig) -> Loaded:
     t0 = time.perf_counter()
     f = GGUFFile(cfg.model_path)
     model = load_model(f, cfg.mla, cfg.amb)
+    cfg, fitted = placed(cfg, f, model.args, model.cache_layout(), gpu_room(cfg.gpu_caps))
+    if fitted is not None and not cfg.quiet:
+        print(f"ferry: {fitted.describe()}", file=sys.stderr)
+        for note in fitted.notes:
+            print(f"ferry: {note}", file=sys.stderr)
     cpu = CpuBackend(cfg.n_threads, repack=cfg.repack, n_threads_batch=cfg.n_threads_batch, fused_moe=cfg.fused_moe,
                      native_kernels=cfg.settings.native_kernels)
     if cfg.wants_gpu:
@@ -150,7 +175,7 @@ def load(cfg: RunConfig) -> Loaded:
     _prepare(backend, model, cfg.quiet)
     seconds = time.perf_counter() - t1
     return Loaded(f, model, backend, time.perf_counter() - t0, cpu.repacked_bytes,
-                  seconds if cpu.repacked_bytes else 0.0)
+                  seconds if cpu.repacked_bytes else 0.0, fitted, cfg)
 
 
 def _prepare(backend, model, quiet: bool) -> None:
@@ -229,7 +254,7 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
             if not plan.fits:
                 raise FerryError(plan.error())
             return MultiGpuBackend(device_map(f, model, n_gpu_layers, [], layers), layers, n_threads=cpu.n_threads)
-    plan = memory_plan(tensors, a, n_gpu_layers, overrides, ["CUDA0"], {"CUDA0": torch.cuda.mem_get_info(0)[0]},
+    plan = memory_plan(tensors, a, n_gpu_layers, overrides, ["CUDA0"], {"CUDA0": gpu_room(cfg.gpu_caps)["CUDA0"]},
                        _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), kv_on_gpu=True,
                        cache=model.cache_layout(),
                        n_batch=cfg.n_batch if cfg.layer_first else 0)

@@ -61,6 +61,7 @@ class BenchRow:
     layer_first: bool = False  # a logical batch ran layer by layer (routed experts in RAM, --batch-order)
     samples_ts: list[float] = field(default_factory=list)
     experts_hit: list[int] = field(default_factory=list)  # pp: distinct experts per MoE layer, first u-batch
+    placement: str = ""  # the fit's placement as flags, where the fit placed (no -ngl / -ot given)
 
     @property
     def test(self) -> str:
@@ -180,6 +181,7 @@ def run_bench(configs: list, n_prompt: list[int], n_gen: list[int], n_batch: lis
                            loaded.repacked_bytes > 0,
                            run.type_k, run.type_v, p, n, d, mla=model.use_mla(mode, run.amb))
             row.layer_first = backend.layer_first and min(p, run.n_batch) > run.n_ubatch
+            row.placement = loaded.fit.flags() if loaded.fit else ""
             row.samples_ts, row.experts_hit, _ = measure(loaded, run, p, n, reps, d)
             rows.append(row)
             done += reps + 1

@@ -70,7 +70,7 @@ def run(loaded, cfg, n_gen: int, quiet: bool = False) -> list[SweepRow]:
     """`ferry sweep` on a loaded model: the table printed row by row (unless quiet), a progress bar on a terminal."""
     from ferry.progress import progress
 
-    engine = loaded.engine(cfg, n_batch=cfg.n_ubatch)  # a step's prompt is one u-batch
+    engine = loaded.engine(n_batch=loaded.config.n_ubatch)  # a step's prompt is one u-batch
     if not quiet:
         print(HEADER, flush=True)
     steps = max(0, (engine.n_ctx - engine.n_ubatch) // engine.n_ubatch + 1)

@@ -1,0 +1,157 @@
+"""A GPU smaller than the model: at each cap a ballast process holds all of CUDA0's free memory but the cap (one
+torch.empty), so that every engine sees the same smaller card; then, on each model, in the same call:
+- ferry's default placement (no -ngl / -ot: the fit), the placement it chose printed as flags;
+- ferry by hand: `-ngl 999 -ot exps=CPU`, and the fit's number of layers' experts on the GPU taken as the first
+  layers (llama.cpp's habit) instead of spread;
+- llama.cpp's default fit (`llama-bench -ngl 999 -fitt 1024`), and any other engine's llama-bench given with
+  --anchor NAME=PATH[:EXTRA FLAGS] (ik_llama.cpp: its --n-cpu-moe sweep written as several anchors).
+Every engine runs in its own process, one after another, on an otherwise idle GPU. Ratios: ferry's default against
+the best anchor and against ferry's best placement by hand.
+
+  python benchmarks/small_gpu.py -m qwen3-30b-a3b.gguf --caps 12 --llama-bench PATH -p 512 -n 128 -r 2 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp  # noqa: E402
+
+GIB = 1 << 30
+
+_BALLAST = """
+import sys, torch
+cap = int(sys.argv[1])
+free, _ = torch.cuda.mem_get_info()
+held = torch.empty(max(free - cap, 0), dtype=torch.uint8, device="cuda")
+print(torch.cuda.mem_get_info()[0], flush=True)
+sys.stdin.read()
+"""
+
+
+class Ballast:
+    """A process holding all of CUDA0's free memory but `cap` bytes, until closed."""
+
+    def __init__(self, cap: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", _BALLAST, str(cap)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line.strip():
+            raise RuntimeError("the ballast process could not hold the GPU's memory")
+        self.free = int(line)  # what the GPU has free beside it
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def ferry_bench(path: Path, flags: list[str], threads: int, prompts: list[int], n_gen: int, reps: int) -> dict:
+    """ferry bench in its own process: per test (pp512, tg128, ...), its mean, std, samples and the fit's flags."""
+    cmd = [sys.executable, "-m", "ferry", "bench", "-m", str(path), "-t", str(threads), "-r", str(reps),
+           "-p", ",".join(map(str, prompts)), "-n", str(n_gen), "-o", "json", *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        print(f"ferry bench {' '.join(flags) or '(default)'} failed ({r.returncode}): "
+              + "\n".join(r.stderr.splitlines()[-8:]), file=sys.stderr)
+        return {}
+    return {row["test"]: {k: row[k] for k in ("avg_ts", "stddev_ts", "samples_ts", "placement")}
+            for row in json.loads(r.stdout)}
+
+
+def anchor_bench(exe: str, extra: list[str], path: Path, threads: int, prompts: list[int], n_gen: int,
+                 reps: int) -> dict:
+    cmd = [exe, "-m", str(path), "-t", str(threads), "-r", str(reps), "-fa", "1", *extra]
+    out = {}
+    for test in [["-p", ",".join(map(str, prompts)), "-n", "0"], ["-p", "0", "-n", str(n_gen)]]:
+        try:
+            rows = llamacpp.llama_bench_rows([*cmd, *test])
+        except RuntimeError as e:  # one failed configuration does not lose the others
+            print(e, file=sys.stderr)
+            continue
+        out |= {(f"pp{p}" if p else f"tg{n}"): stats for (p, n, _), stats in rows.items()}
+    return out
+
+
+def first_layers(placement: str) -> list[str]:
+    """The fit's flags with its layers' experts taken as the first ones instead of spread ([] where it placed none)."""
+    import re
+
+    m = re.search(r"blk\\\.\(([\d|]+)\)", placement)
+    if not m:
+        return []
+    k = len(m.group(1).split("|"))
+    return ["-ngl", "999", "-ot", rf"blk\.({'|'.join(map(str, range(k)))})\.ffn_(gate|up|down)_exps=CUDA0",
+            "-ot", "exps=CPU"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", action="append", required=True, type=Path)
+    ap.add_argument("--caps", default="8,12,24", help="GiB left to the engines on CUDA0, comma list")
+    ap.add_argument("--llama-bench", help="a CUDA llama-bench (llama.cpp); its default fit is measured")
+    ap.add_argument("--llama-bench-from", help="a file that will hold that path once a build finishes")
+    ap.add_argument("--anchor", action="append", default=[], help="NAME=PATH[:FLAGS]: another llama-bench and flags")
+    ap.add_argument("-t", "--threads", type=int, default=16)
+    ap.add_argument("-p", default="512", help="prompt sizes, comma list")
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-r", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("small_gpu.json"))
+    a = ap.parse_args()
+    prompts = [int(p) for p in a.p.split(",")]
+    anchors: dict[str, tuple[str, list[str]]] = {}
+    exe = a.llama_bench or (llamacpp.wait_for_build(a.llama_bench_from) if a.llama_bench_from else None)
+    if exe:
+        anchors["llama.cpp fit"] = (exe, ["-ngl", "999", "-fitt", "1024"])
+    for spec in a.anchor:
+        name, _, rest = spec.partition("=")
+        path, _, flags = rest.partition(":")
+        anchors[name] = (path, flags.split())
+    results = []
+    for cap in (float(c) for c in a.caps.split(",")):
+        ballast = Ballast(int(cap * GIB))
+        try:
+            for model in a.model:
+                res = {"cap_gib": cap, "free_gib": ballast.free / GIB, "model": model.name, "runs": {}}
+                res["runs"]["ferry default"] = default = ferry_bench(model, [], a.threads, prompts, a.n, a.r)
+                placement = next(iter(default.values()), {}).get("placement", "")
+                hands = {"ferry -ot exps=CPU": ["-ngl", "999", "-ot", "exps=CPU"]}
+                if first_layers(placement):
+                    hands["ferry first layers"] = first_layers(placement)
+                for name, flags in hands.items():
+                    res["runs"][name] = ferry_bench(model, flags, a.threads, prompts, a.n, a.r)
+                for name, (path, flags) in anchors.items():
+                    res["runs"][name] = anchor_bench(path, flags, model, a.threads, prompts, a.n, a.r)
+                res["placement"] = placement
+                results.append(res)
+                a.out.write_text(json.dumps(results, indent=1))  # what is done survives a later failure
+        finally:
+            ballast.close()
+    table(results, prompts, a.n)
+
+
+def table(results: list[dict], prompts: list[int], n_gen: int) -> None:
+    tests = [f"pp{p}" for p in prompts] + [f"tg{n_gen}"]
+    for res in results:
+        runs = res["runs"]
+        print(f"\n{res['model']}, a {res['cap_gib']:g} GiB GPU ({res['free_gib']:.2f} GiB free beside the ballast); "
+              f"the fit: {res['placement'] or 'none'}")
+        names = list(runs)
+        print("| test | " + " | ".join(names) + " | default / best anchor | default / best ferry by hand |")
+        print("| --- |" + " ---: |" * (len(names) + 2))
+        for test in tests:
+            got = {n: runs[n][test]["avg_ts"] for n in names if test in runs[n]}
+            cells = [f"{got[n]:.1f}" if n in got else "-" for n in names]
+            default = got.get("ferry default")
+            anchor = max((v for n, v in got.items() if not n.startswith("ferry")), default=None)
+            hand = max((v for n, v in got.items() if n.startswith("ferry") and n != "ferry default"), default=None)
+            ratio = [f"{default / r:.2f}" if default and r else "-" for r in (anchor, hand)]
+            print(f"| {test} | " + " | ".join(cells + ratio) + " |")
+
+
+if __name__ == "__main__":
+    main()
