@@ -19,6 +19,8 @@
 #     ab      the tree in .old (e.g. `git archive COMMIT ferry | tar -x -C .old`, carried) against this one on the big
 #             model, processes in turn (benchmarks/ab_trees.py): experts in RAM (pp512 u-batch 128, tg128) and all on
 #             the GPU (pp4096 u-batch 512, tg128); AB_ROUNDS processes per tree (default 2)
+#   small   a GPU smaller than the model (benchmarks/small_gpu.py): a ballast process leaves SMALL_CAPS GiB (default 12)
+#           on CUDA0; ferry's default fit against its placements by hand and llama.cpp's -fitt fit (with the llama stage)
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -40,7 +42,7 @@ fi
 wait_build() { if [ -n "${BUILD:-}" ]; then wait "$BUILD" || true; BUILD=; fi; }
 PRESET=${PRESET:-qwen3-30b-a3b}
 BIG=/tmp/$PRESET.gguf
-if has big || has llama || has hybrid || has ab; then
+if has big || has llama || has hybrid || has ab || has small; then
     [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" -o "$BIG" -q &
     SYNTH=$!
 fi
@@ -99,3 +101,10 @@ if has ab; then
     python3 benchmarks/ab_trees.py --a .old --b . --rounds "${AB_ROUNDS:-2}" --json "$OUT/ab_gpu.json" -- \
         -m "$BIG" -ngl 999 -t 16 -p 4096 -ub 512 -n 128 -r 3 2> "$OUT/ab_gpu.log" | tee "$OUT/ab_gpu.md"
 fi
+if has small; then
+    wait_synth
+    wait_build
+    python3 benchmarks/small_gpu.py $LB -m "$BIG" --caps "${SMALL_CAPS:-12}" -t 16 ${SMALL_ARGS:-} \
+        --out "$OUT/small_gpu.json" 2> "$OUT/small_gpu.log" | tee "$OUT/small_gpu.md"
+fi
+wait_build  # a build started for later calls finishes in this one (kept in .build/ while the machine is warm)
