@@ -2,7 +2,7 @@
 torch.empty), so that every engine sees the same smaller card; then, on each model, in the same call:
 - ferry's default placement (no -ngl / -ot: the fit), the placement it chose printed as flags;
 - ferry by hand: `-ngl 999 -ot exps=CPU`, and the fit's number of layers' experts on the GPU taken as the first
-  layers (llama.cpp's habit) instead of spread;
+  layers (llama.cpp's habit) or the last ones instead of spread;
 - llama.cpp's default fit (`llama-bench -ngl 999 -fitt 1024`), and any other engine's llama-bench given with
   --anchor NAME=PATH[:EXTRA FLAGS] (ik_llama.cpp: its --n-cpu-moe sweep written as several anchors).
 Every engine runs in its own process, one after another, on an otherwise idle GPU. Ratios: ferry's default against
@@ -54,7 +54,8 @@ def ferry_bench(path: Path, flags: list[str], threads: int, prompts: list[int], 
     """ferry bench in its own process: per test (pp512, tg128, ...), its mean, std, samples and the fit's flags."""
     cmd = [sys.executable, "-m", "ferry", "bench", "-m", str(path), "-t", str(threads), "-r", str(reps),
            "-p", ",".join(map(str, prompts)), "-n", str(n_gen), "-o", "json", *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    print(f"$ ferry bench {' '.join(flags) or '(default)'}\n{r.stderr}", file=sys.stderr)  # what auto chose
     if r.returncode:
         print(f"ferry bench {' '.join(flags) or '(default)'} failed ({r.returncode}): "
               + "\n".join(r.stderr.splitlines()[-8:]), file=sys.stderr)
@@ -77,16 +78,26 @@ def anchor_bench(exe: str, extra: list[str], path: Path, threads: int, prompts: 
     return out
 
 
-def first_layers(placement: str) -> list[str]:
-    """The fit's flags with its layers' experts taken as the first ones instead of spread ([] where it placed none)."""
+def stretch(placement: str, n_layer: int, last: bool = False) -> list[str]:
+    """The fit's flags with its layers' experts taken as the first (or last) ones of n_layer instead of spread ([]
+    where it placed none or all)."""
     import re
 
     m = re.search(r"blk\\\.\(([\d|]+)\)", placement)
-    if not m:
+    k = len(m.group(1).split("|")) if m else 0
+    if not 0 < k < n_layer:
         return []
-    k = len(m.group(1).split("|"))
-    return ["-ngl", "999", "-ot", rf"blk\.({'|'.join(map(str, range(k)))})\.ffn_(gate|up|down)_exps=CUDA0",
+    chosen = range(n_layer - k, n_layer) if last else range(k)
+    return ["-ngl", "999", "-ot", rf"blk\.({'|'.join(map(str, chosen))})\.ffn_(gate|up|down)_exps=CUDA0",
             "-ot", "exps=CPU"]
+
+
+def block_count(path: Path) -> int:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    return int(r.fields[f"{arch}.block_count"].parts[-1][0])
 
 
 def main() -> None:
@@ -120,8 +131,10 @@ def main() -> None:
                 res["runs"]["ferry default"] = default = ferry_bench(model, [], a.threads, prompts, a.n, a.r)
                 placement = next(iter(default.values()), {}).get("placement", "")
                 hands = {"ferry -ot exps=CPU": ["-ngl", "999", "-ot", "exps=CPU"]}
-                if first_layers(placement):
-                    hands["ferry first layers"] = first_layers(placement)
+                n_layer = block_count(model)
+                for where, last in (("first", False), ("last", True)):
+                    if stretch(placement, n_layer, last):
+                        hands[f"ferry {where} layers"] = stretch(placement, n_layer, last)
                 for name, flags in hands.items():
                     res["runs"][name] = ferry_bench(model, flags, a.threads, prompts, a.n, a.r)
                 for name, (path, flags) in anchors.items():

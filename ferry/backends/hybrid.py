@@ -490,8 +490,9 @@ class HybridBackend:
                 + "".join(f",{k}={v}" for k, v in self.policy.overrides.items()) + f"; {pinned}")
 
     def notes(self) -> list[str]:
-        """What auto measured far from the calibration's prediction (policy.Explorer), for the run's report."""
-        return self.explorer.notes
+        """What auto measured and chose per u-batch size, and where that was far from the calibration's prediction
+        (policy.Explorer), for the run's report."""
+        return self.explorer.choices() + self.explorer.notes
 
     def report(self) -> list[str]:
         """The recorded decisions (--verbose) as table lines: predicted against measured milliseconds."""

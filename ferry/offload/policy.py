@@ -294,9 +294,21 @@ class Explorer:
                                   f"{guess[way] / guess[best]:.0f}x slower than {best}: a calibration measured on a "
                                   "busy machine is this far off; run `ferry calibrate` again on an idle one")
 
-    def why(self, n_tokens: int, cells: int | None = None) -> str:
+    def choices(self) -> list[str]:
+        """Each size class's measured way and why, for the run's report."""
+        out = []
+        for size, way in self.chosen.items():
+            span, measured = self._measured(*((size, None) if isinstance(size, int) else size))
+            out.append(f"{way} for {span}: {measured or 'the only plausible way'}")
+        return out
+
+    def _measured(self, n_tokens: int, cells: int | None = None) -> tuple[str, str]:
         size = self.key(n_tokens, cells)
         t = self.trials.get(size, {})
         measured = ", ".join(f"{k} {1e3 * min(v[self.warmup:]):.3f} ms" for k, v in t.items() if v[self.warmup:])
         span = f"u-batches up to {size}" if cells is None else f"u-batches up to {size[0]} over up to {size[1]} cells"
+        return span, measured
+
+    def why(self, n_tokens: int, cells: int | None = None) -> str:
+        span, measured = self._measured(n_tokens, cells)
         return f"measured for {span}: {measured}" if measured else "the only plausible way"
