@@ -78,13 +78,18 @@ def anchor_bench(exe: str, extra: list[str], path: Path, threads: int, prompts: 
     return out
 
 
-def stretch(placement: str, n_layer: int, last: bool = False) -> list[str]:
-    """The fit's flags with its layers' experts taken as the first (or last) ones of n_layer instead of spread ([]
-    where it placed none or all)."""
+def fit_layers(placement: str) -> list[int]:
+    """The layers whose experts the fit's flags put on the GPU."""
     import re
 
     m = re.search(r"blk\\\.\(([\d|]+)\)", placement)
-    k = len(m.group(1).split("|")) if m else 0
+    return [int(i) for i in m.group(1).split("|")] if m else []
+
+
+def stretch(placement: str, n_layer: int, last: bool = False) -> list[str]:
+    """The fit's flags with its layers' experts taken as the first (or last) ones of n_layer instead of spread ([]
+    where it placed none or all)."""
+    k = len(fit_layers(placement))
     if not 0 < k < n_layer:
         return []
     chosen = range(n_layer - k, n_layer) if last else range(k)

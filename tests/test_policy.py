@@ -324,6 +324,38 @@ def test_a_calibration_far_off_what_generation_measures_is_reported_and_overrule
     assert agreed.chosen[1] == "gpu" and not agreed.notes
 
 
+def test_a_generation_way_the_calibration_disagrees_with_is_measured_again_later():
+    """On the H100 machine the first process after writing an 18 GB file measured the CPU's generation layers at
+    4.9 ms against 0.9 a minute later, and streamed its whole run: a choice against the prediction is provisional,
+    measured again recheck_s later, each in turn, and then stands."""
+    from ferry.offload.policy import Explorer
+
+    guess = {"gpu": 4.0, "cpu": 1.0}  # the calibration: the CPU 4x faster
+
+    def measure(e, ms):
+        for way in ("gpu", "gpu", "cpu", "cpu"):
+            assert e.mode(1, guess) == (way, True)
+            e.record(1, way, ms[way] * 1e-3)
+
+    e = Explorer(samples=1, warmup=0, recheck_s=(3600.0,))
+    measure(e, {"gpu": 1.4, "cpu": 4.9})  # a busy moment
+    assert e.way(1) == "gpu" and e.mode(1, guess) == ("gpu", False)  # not due yet
+    assert len(e.notes) == 1 and "4x slower than cpu" in e.notes[0]
+    e._due[1] = 0.0  # an hour on
+    assert e.way(1) is None and 1 not in e.trials
+    e.record(1, "cpu", 1e-3)  # a trial of the earlier round, ending late: ignored, not an error
+    measure(e, {"gpu": 1.5, "cpu": 0.9})  # tried again, every way from the start
+    assert e.way(1) == "cpu" and not e.notes and not e._due  # as predicted: nothing to say, nothing more to measure
+    assert e.choices() == ["cpu for u-batches up to 1: gpu 1.500 ms, cpu 0.900 ms"]
+
+    stubborn = Explorer(samples=1, warmup=0, recheck_s=(0.0, 0.0))  # measured against the prediction every time
+    for _ in range(3):
+        assert stubborn.way(1) is None
+        measure(stubborn, {"gpu": 1.0, "cpu": 4.0})
+    assert stubborn.way(1) == "gpu" and stubborn.way(1) == "gpu" and stubborn._rechecks[1] == 2
+    assert "(measured 3 times)" in stubborn.notes[0]
+
+
 def test_work_that_grows_with_the_cache_is_measured_per_u_batch_and_cache_size_class():
     """-mla 3's forms on a GPU (runners/cuda.LatentForms): a class is a pair of powers of two, so a longer
     cache starts its own trials and a cache within the same class keeps the choice."""

@@ -235,6 +235,32 @@ def test_auto_records_its_decode_step_again_once_decided(mid):
     assert len(step.graph.graphs) == model.args.n_layer + embedding - waits + 1
     _check(want[:60], torch.cat(got), f"-ot exps=CPU auto, decode decided {way}")
 
+def test_auto_measures_a_provisional_decode_way_again_and_records_the_step_again(mid):
+    """A generation way that the calibration disagrees with is measured again later (policy.Explorer.recheck_s): the
+    decode step recorded for that way is recorded again, and every way is tried again, the step recorded for the way
+    measured. Logits as the CPU's throughout."""
+    path, tokens, want = mid
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto"))
+    backend.stats.keep = False
+    e = Engine(model, backend, n_ctx=512)
+    got = [e.decode(tokens[:40], all_logits=True)]
+    for t in tokens[40:50]:
+        got.append(e.decode([t]))
+    decided_step = next(c for k, c in e.runner._captured.items() if k[2] == 1)
+    assert backend.decided(1) is not None and decided_step.decided == backend.decided(1)
+    backend.explorer._due[1] = 0.0  # due now, as a choice against the prediction is recheck_s after it was made
+    steps = []
+    for t in tokens[50:60]:
+        got.append(e.decode([t]))
+        steps.append(next(c for k, c in e.runner._captured.items() if k[2] == 1))
+    assert steps[0] is not decided_step  # recorded again (its warm-up run may have tried the ways already)
+    assert backend.explorer._rechecks[1] == 1 and backend.decided(1) is not None
+    needed = backend.explorer._needed(1)
+    assert all(len(v) >= needed for v in backend.explorer.trials[1].values())  # every way measured again
+    assert steps[-1].decided == backend.decided(1)
+    _check(want[:60], torch.cat(got), "-ot exps=CPU auto, decode measured again")
+
+
 def test_auto_records_experts_the_gpu_cannot_stream_as_handshakes_from_the_first_step(tmp_path):
     """IQ3_S experts (no GPU kernel of ferry's reads or expands them) run on the CPU whatever the policy: auto records
     the decode step with a handshake at every MoE layer from its first step, as all=off does, and decodes the same

@@ -19,7 +19,7 @@ from ferry.backends.cuda import CudaBackend, gpu_route
 from ferry.kernels.capabilities import can, gpu_reads
 from ferry.placement import EXPERTS_RE
 from ferry.offload.cost import Calibration
-from ferry.offload.policy import Explorer, Policy, experts_fixed_side, size_class
+from ferry.offload.policy import Explorer, Policy, experts_fixed_side
 from ferry.offload.work import SIDES, ExpertsWork, dense_decision
 from ferry.backends.streamer import Streamer
 
@@ -245,7 +245,7 @@ class HybridBackend:
     def decided(self, n: int) -> str | None:
         """auto's measured way for u-batches of n tokens so far (None before it has one): a step recorded before
         it was decided cut its graphs at host steps that may now run as handshakes, and is recorded again."""
-        return self.explorer.chosen.get(size_class(n))
+        return self.explorer.way(n)
 
     def _pinned(self, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
         """A view of `shape` at the start of the page-locked buffer for `key` (allocated by prepare(), outside any
@@ -298,7 +298,7 @@ class HybridBackend:
         # no fixed side: auto mode, or the halves set apart (which no measured way covers)
         if self.policy.setting("moe_up_gate") != self.policy.setting("moe_down") or (id(gate), n) not in self._seen:
             return None
-        chosen = self.explorer.chosen.get(size_class(n))
+        chosen = self.explorer.way(n)
         return chosen if chosen in SIDES else None
 
     def _experts(self, x, ids, weights, host, up: Weight, gate: Weight, down: Weight, n_used: int, act: str,
@@ -374,7 +374,7 @@ class HybridBackend:
         """auto: the way this u-batch's size class was measured fastest (policy.Explorer), or a timed trial of one."""
         first = (id(gate), n) not in self._seen  # a layer's first call of a size builds graphs, compiles kernels:
         self._seen.add((id(gate), n))              # no trial there, the prediction decides
-        decided = self.explorer.chosen.get(size_class(n))
+        decided = self.explorer.way(n)
         if first and decided is None:
             return predicted, None
         if decided is not None:  # measured already: only that way is built, every MoE layer of every u-batch

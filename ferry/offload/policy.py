@@ -10,6 +10,7 @@ A decision is a pure function of the calibration and the op's shape, so it is te
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -243,8 +244,11 @@ class Explorer:
     `samples` x 2. The prediction rules out ways it expects to be over `margin` times the best, but not in
     generation, where a way's trial costs a few layers of a few ms: a calibration taken on a busy machine (every
     expert type read at 4-8 GB/s beside `ferry synth`) had ruled the CPU out there, and auto streamed what the CPU
-    reads faster. Where a way measures fastest that the prediction put over `margin` times the best, `notes` says so.
-    Work that also grows with the cache (-mla 3's forms) passes `cells`: its classes are then (tokens, cells) size
+    reads faster. Where a way measures fastest that the prediction put over `margin` times the best, `notes` says so,
+    and the choice is provisional: measured again `recheck_s` seconds later (each in turn), since one of the two was
+    taken on a busy machine and the few layers of a trial may be the one. On the H100 machine the first process after
+    writing an 18 GB file measured the CPU's generation layers at 4.9 ms against 0.9 a minute later and streamed
+    its whole run at 28 instead of 88 t/s (docs/performance.md, 2026-11-25). Work that also grows with the cache (-mla 3's forms) passes `cells`: its classes are then (tokens, cells) size
     pairs."""
 
     samples: int = 2
@@ -256,7 +260,27 @@ class Explorer:
     trials: dict[int | tuple[int, int], dict[str, list[float]]] = field(default_factory=dict)
     chosen: dict[int | tuple[int, int], str] = field(default_factory=dict)
     predicted: dict[int | tuple[int, int], dict[str, float]] = field(default_factory=dict)  # at each class's first
-    notes: list[str] = field(default_factory=list)  # measurements the calibration is far off from, for the run's report
+    recheck_s: tuple[float, ...] = (2.0, 10.0, 30.0)
+    _against: dict[int | tuple[int, int], str] = field(default_factory=dict)  # choices the prediction disagrees with
+    _due: dict[int | tuple[int, int], float] = field(default_factory=dict)  # when each provisional one is measured again
+    _rechecks: dict[int | tuple[int, int], int] = field(default_factory=dict)
+
+    @property
+    def notes(self) -> list[str]:
+        """Measurements the calibration is far off from, for the run's report."""
+        return list(self._against.values())
+
+    def way(self, n_tokens: int, cells: int | None = None) -> str | None:
+        """The way measured fastest for this size class; None before it is measured, and when a provisional choice
+        is due to be measured again (its trials start over)."""
+        size = self.key(n_tokens, cells)
+        due = self._due.get(size)
+        if due is not None and time.monotonic() >= due:
+            del self._due[size]
+            self.chosen.pop(size, None)
+            self.trials.pop(size, None)
+            self._rechecks[size] = self._rechecks.get(size, 0) + 1
+        return self.chosen.get(size)
 
     @staticmethod
     def key(n_tokens: int, cells: int | None = None) -> int | tuple[int, int]:
@@ -268,8 +292,9 @@ class Explorer:
     def mode(self, n_tokens: int, predicted: dict[str, float], cells: int | None = None) -> tuple[str, bool]:
         """(the way to run this layer, whether it is a trial to be timed and recorded)."""
         size = self.key(n_tokens, cells)
-        if size in self.chosen:
-            return self.chosen[size], False
+        decided = self.way(n_tokens, cells)
+        if decided is not None:
+            return decided, False
         if size not in self.trials:
             best, self.predicted[size] = min(predicted.values()), dict(predicted)
             margin = self.margin if n_tokens > GENERATION_TOKENS else float("inf")
@@ -283,16 +308,25 @@ class Explorer:
 
     def record(self, n_tokens: int, mode: str, seconds: float, cells: int | None = None) -> None:
         size = self.key(n_tokens, cells)
-        trials = self.trials[size]
+        trials = self.trials.get(size)
+        if trials is None or mode not in trials:  # a trial that ended after its class was due to be measured again
+            return
         trials[mode].append(seconds)
         if all(len(v) >= self._needed(n_tokens) for v in trials.values()):
             self.chosen[size] = way = min(trials, key=lambda k: min(trials[k][self.warmup:]))
             guess = self.predicted.get(size, {})
             if way in guess and guess[way] > self.margin * min(guess.values()):
                 best = min(guess, key=guess.get)
-                self.notes.append(f"{self.why(n_tokens, cells)}, the fastest {way}, which the calibration predicted "
-                                  f"{guess[way] / guess[best]:.0f}x slower than {best}: a calibration measured on a "
-                                  "busy machine is this far off; run `ferry calibrate` again on an idle one")
+                done = self._rechecks.get(size, 0)
+                again = f" (measured {done + 1} times)" if done else ""
+                self._against[size] = (f"{self.why(n_tokens, cells)}, the fastest {way}{again}, which the calibration "
+                                       f"predicted {guess[way] / guess[best]:.0f}x slower than {best}: a calibration "
+                                       "measured on a busy machine is this far off; run `ferry calibrate` again on an "
+                                       "idle one")
+                if done < len(self.recheck_s):
+                    self._due[size] = time.monotonic() + self.recheck_s[done]
+            else:
+                self._against.pop(size, None)
 
     def choices(self) -> list[str]:
         """Each size class's measured way and why, for the run's report."""

@@ -335,9 +335,12 @@ class CudaGraphRunner:
         if not self._recorded(key, batch.n_tokens):
             return model.forward(self.placed_ops(model, batch, tokens))
         c = self._captured.get(key)
-        if (c is not None and c.decided != self.backend.decided(batch.n_tokens) and isinstance(c.graph, _Recorder)
-                and len(c.graph.graphs) > 1):
-            c = None  # cut before auto decided its way: recorded again, the old step dropped only after the capture
+        decided = self.backend.decided(batch.n_tokens) if c is not None else None
+        if c is not None and c.decided != decided and (decided is None or (isinstance(c.graph, _Recorder)
+                                                                           and len(c.graph.graphs) > 1)):
+            # cut before auto decided its way, or auto measures it again: recorded again, the old step dropped only
+            # after the capture
+            c = None
         if c is None:
             c = self._captured[key] = self._capture(model, [(tokens, batch)], batch,
                                                     lambda opss: [model.forward(opss[0])])
