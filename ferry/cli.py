@@ -510,12 +510,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate_routing(args: argparse.Namespace) -> int:
+    """`ferry calibrate --routing -m MODEL -f TEXT`: how often the text routes to each expert (offload/routing.py)."""
+    from ferry.offload import routing
+    from ferry.progress import progress
+    from ferry.runtime.loader import load
+    from ferry.tokenizer import Tokenizer
+
+    if not args.model or not args.file:
+        raise FerryError("--routing counts a model's routing over a text: give -m MODEL.gguf and -f TEXT")
+    try:
+        text = Path(args.file).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise FerryError(f"-f {args.file}: {e.strerror}") from None
+    if args.ctx_size < 2:
+        raise FerryError(f"-c/--ctx-size is the chunk size: at least 2 tokens, got {args.ctx_size}")
+    cfg = _run_config(args, fit_ctx=args.ctx_size)
+    loaded = load(cfg)
+    layers = routing.moe_layers(loaded.file.tensors)
+    if not layers:
+        raise FerryError(f"{cfg.model.name} has no routed experts: there is no routing to count")
+    tok = Tokenizer(loaded.file)
+    tokens = tok.encode(text)
+    a = loaded.model.args
+    with progress("counting routing", -(-len(tokens) // cfg.n_ctx), cfg.quiet) as bar:
+        result = routing.measure(loaded.engine(), tokens, cfg.n_ctx, len(layers), a.n_expert,
+                                 tok.bos_id if tok.add_bos else None, on_chunk=lambda i, n: bar(i, total=n))
+    result = {"model": cfg.model.name, "key": routing.model_key(cfg.model), "layers": layers,
+              "n_expert": a.n_expert, "n_expert_used": a.n_expert_used, "n_ctx": cfg.n_ctx, **result}
+    path = Path(args.out) if args.out else routing.default_path(cfg.model)
+    routing.save(result, path)
+    print(json.dumps(result) if args.json else routing.table(result))
+    if not cfg.quiet:
+        print(f"ferry: saved to {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ferry.backends.cpu import CpuBackend
     from ferry.offload import calibrate
     from ferry.progress import progress
     from ferry.runtime.loader import RunConfig
 
+    if args.routing:
+        return _calibrate_routing(args)
+    if args.file or args.model:
+        raise FerryError("-m / -f are for counting a model's routing: add --routing (ferry calibrate alone measures "
+                         "the machine)")
     RunConfig(n_threads=args.threads)  # the thread count checked as a run checks it
     path = Path(args.out) if args.out else calibrate.default_path()
     if not args.quiet:
@@ -574,6 +615,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         raise FerryError(f"--layers must be 0 (the preset's count) or more, got {args.layers}")
     if not 0 <= args.seed < 2**32:
         raise FerryError(f"--seed must be 0..{2**32 - 1}, got {args.seed}")
+    if not 0 <= args.routing_skew <= 8:
+        raise FerryError(f"--routing-skew must be 0 (even routing) to 8, got {args.routing_skew}")
     experts = args.expert_type.upper()
     if experts not in MIXES:
         try:
@@ -583,7 +626,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
     out = Path(args.output)
     t0 = time.perf_counter()
     synth(PRESETS[args.preset], out, experts, parse_qtype(args.type), seed=args.seed,
-          layers=args.layers, quiet=args.quiet, legacy_mla=args.legacy_mla, shape_only=args.shape_only)
+          layers=args.layers, quiet=args.quiet, legacy_mla=args.legacy_mla, shape_only=args.shape_only,
+          routing_skew=args.routing_skew)
     if not args.quiet:
         print(f"ferry: wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s",
               file=sys.stderr)
@@ -676,9 +720,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this machine for the offload policy and store the result")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: physical cores)")
     p.add_argument("--quick", action="store_true", help="small sizes: seconds, less exact")
-    p.add_argument("--out", help="where to store it (default: ~/.cache/ferry/calibration-HOST.json)")
+    p.add_argument("--out", help="where to store it (default: ~/.cache/ferry/calibration-HOST.json, or "
+                                 "routing-KEY.json beside it with --routing)")
     p.add_argument("--json", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("--routing", action="store_true",
+                   help="count how often a text (-f) routes to each expert of a model (-m) instead, keyed by the file")
+    p.add_argument("-m", "--model", help="with --routing: the GGUF file")
+    p.add_argument("-f", "--file", help="with --routing: the text")
+    p.add_argument("-c", "--ctx-size", type=int, default=512, help="with --routing: the chunk size (default 512)")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("compare", help="is B faster than A? two `ferry bench -o json` results, row by row")
@@ -723,6 +773,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape-only", action="store_true",
                    help="every weight zero, as a sparse file written at once: the model's shape for `ferry plan` and "
                         "`ferry info` (runs, but says nothing)")
+    p.add_argument("--routing-skew", type=float, default=0.0, metavar="S",
+                   help="route unevenly: the expert of popularity rank r (random per layer) gets its router column "
+                        "scaled by (r+1)^-S (default 0: even)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_synth)
     return parser

@@ -245,11 +245,31 @@ def _ffn(p: Preset, b: str, i: int, mat, experts: tuple, other_type, rng) -> lis
     return specs
 
 
+def skewed(router: TensorSpec, skew: float, seed: int) -> TensorSpec:
+    """A router whose experts are routed to unevenly, as trained models' are: the expert of popularity rank r (a
+    random order per layer) has its router column scaled by (r + 1) ** -skew, the scales then set to a mean square
+    of 1. A larger column spreads that expert's scores wider, so more of them land among a token's top k: the share
+    of (token, expert) pairs falls with r, steeply for skew 1 or more (`ferry calibrate --routing` measures it). Its
+    own random numbers (from seed and the layer), so that the other weights stay those of the unskewed file."""
+    d, n_expert = router.ne
+    layer = int(router.name.split(".")[1])
+    make = router.make
+
+    def scaled() -> np.ndarray:
+        w = make().view(np.float32).reshape(n_expert, d).copy()  # row e: expert e's column in ggml's order
+        rank = np.random.default_rng([seed, layer, 0x5E]).permutation(n_expert)
+        scale = (rank + 1.0) ** -skew
+        w *= (scale / np.sqrt(np.mean(scale ** 2)))[:, None].astype(np.float32)
+        return w.reshape(-1).view(np.uint8)
+    return TensorSpec(router.name, router.qtype, router.ne, scaled)
+
+
 def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_type: GGMLQuantizationType,
           seed: int = 0, layers: int = 0, quiet: bool = False, legacy_mla: bool = False,
-          shape_only: bool = False) -> None:
+          shape_only: bool = False, routing_skew: float = 0.0) -> None:
     """A random-weight GGUF of the preset's architecture and shapes; shape_only: every weight zero, as a sparse file
-    written at once (for planning and inspecting, not for running)."""
+    written at once (for planning and inspecting, not for running); routing_skew: some experts routed to more than
+    others (skewed())."""
     rng = np.random.default_rng(seed)
     n_layer = layers or p.n_layer
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -340,6 +360,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
             mat(b + "ffn_down_exps.weight", experts[1], (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
         ]
     specs += [named(ones(d), "output_norm.weight"), mat("output.weight", other_type, (d, p.n_vocab))]
+    if routing_skew:
+        specs = [skewed(spec, routing_skew, seed) if spec.name.endswith(".ffn_gate_inp.weight") else spec
+                 for spec in specs]
 
     if quiet or shape_only:
         write_gguf(out, a, metadata, specs, shape_only=shape_only)

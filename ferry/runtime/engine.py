@@ -85,13 +85,20 @@ class Engine:
     def experts_hit(self) -> list[list[int]]:
         """Per prompt u-batch since the last reset, per MoE layer: how many distinct experts it routed to. Reading
         it waits for the GPU; the forward itself never does (a host sync per u-batch would drain the GPU's queue)."""
-        if self._routing:
+        self.take_routing()
+        return self._hits
+
+    def take_routing(self) -> list[list[torch.Tensor]]:
+        """The routing of each prompt u-batch since the last reset or take, per MoE layer its (n_tokens,
+        n_expert_used) expert ids on the host (waits for the GPU); counted into experts_hit as well."""
+        routing = self._routing
+        if routing:
             if torch.cuda.is_initialized():
                 for d in range(torch.cuda.device_count()):
                     torch.cuda.synchronize(d)
-            self._hits.extend(count_hits(ids) for ids in self._routing)
-            self._routing.clear()
-        return self._hits
+            self._hits.extend(count_hits(ids) for ids in routing)
+            self._routing = []
+        return routing
 
     def truncate(self, n_past: int) -> None:
         """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them."""
