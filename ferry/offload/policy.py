@@ -248,8 +248,8 @@ class Explorer:
     and the choice is provisional: measured again `recheck_s` seconds later (each in turn), since one of the two was
     taken on a busy machine and the few layers of a trial may be the one. On the H100 machine the first process after
     writing an 18 GB file measured the CPU's generation layers at 4.9 ms against 0.9 a minute later and streamed
-    its whole run at 28 instead of 88 t/s (docs/performance.md, 2026-11-25). Work that also grows with the cache (-mla 3's forms) passes `cells`: its classes are then (tokens, cells) size
-    pairs."""
+    its whole run at 28 instead of 88 t/s (docs/performance.md, 2026-11-25). Work that also grows with the cache
+    (-mla 3's forms) passes `cells`: its classes are then (tokens, cells) size pairs."""
 
     samples: int = 2
     margin: float = 3.0
@@ -262,7 +262,7 @@ class Explorer:
     predicted: dict[int | tuple[int, int], dict[str, float]] = field(default_factory=dict)  # at each class's first
     recheck_s: tuple[float, ...] = (2.0, 10.0, 30.0)
     _against: dict[int | tuple[int, int], str] = field(default_factory=dict)  # choices the prediction disagrees with
-    _due: dict[int | tuple[int, int], float] = field(default_factory=dict)  # when each provisional one is measured again
+    _due: dict[int | tuple[int, int], float] = field(default_factory=dict)  # when a provisional one is measured again
     _rechecks: dict[int | tuple[int, int], int] = field(default_factory=dict)
 
     @property
