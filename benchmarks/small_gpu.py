@@ -5,6 +5,9 @@ torch.empty), so that every engine sees the same smaller card; then, on each mod
   layers (llama.cpp's habit) or the last ones instead of spread;
 - llama.cpp's default fit (`llama-bench -ngl 999 -fitt 1024`), and any other engine's llama-bench given with
   --anchor NAME=PATH[:EXTRA FLAGS] (ik_llama.cpp: its --n-cpu-moe sweep written as several anchors).
+With --routing-text FILE, ferry's default runs a second time after `ferry calibrate --routing -f FILE` has counted
+the model's routing ("ferry default, routing counted": the most used experts first, per expert), and the share of
+routed pairs each fit predicts on the GPU is recorded (`ferry plan --json`); the count is removed again afterwards.
 Every engine runs in its own process, one after another, on an otherwise idle GPU. Ratios: ferry's default against
 the best anchor and against ferry's best placement by hand.
 
@@ -64,6 +67,26 @@ def ferry_bench(path: Path, flags: list[str], threads: int, prompts: list[int], 
             for row in json.loads(r.stdout)}
 
 
+def ferry_share(path: Path) -> dict:
+    """The fit's placement and the share of routed pairs it predicts on the GPU (`ferry plan --json`), here and now."""
+    r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(path), "--json"], capture_output=True,
+                       text=True)
+    fit = json.loads(r.stdout).get("fit") or {} if r.returncode == 0 else {}
+    return {k: fit.get(k) for k in ("gpu_share", "gpu_share_basis", "experts_per_layer", "flags")}
+
+
+def count_routing(path: Path, text: Path, threads: int) -> Path | None:
+    """`ferry calibrate --routing` for the model (stored where the fit finds it); the stored file, None on failure."""
+    r = subprocess.run([sys.executable, "-m", "ferry", "calibrate", "--routing", "-m", str(path), "-f", str(text),
+                        "-c", "512", "-t", str(threads), "-q"], capture_output=True, text=True)
+    print(f"$ ferry calibrate --routing\n{r.stdout}{r.stderr}", file=sys.stderr)
+    if r.returncode:
+        return None
+    from ferry.offload import routing
+
+    return routing.default_path(path)
+
+
 def anchor_bench(exe: str, extra: list[str], path: Path, threads: int, prompts: list[int], n_gen: int,
                  reps: int) -> dict:
     cmd = [exe, "-m", str(path), "-t", str(threads), "-r", str(reps), "-fa", "1", *extra]
@@ -117,6 +140,8 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("small_gpu.json"))
+    ap.add_argument("--routing-text", type=Path, help="a text to count each model's routing on, for a second default")
+    ap.add_argument("--no-hands", action="store_true", help="ferry's default placements alone, none by hand")
     a = ap.parse_args()
     prompts = [int(p) for p in a.p.split(",")]
     anchors: dict[str, tuple[str, list[str]]] = {}
@@ -134,13 +159,21 @@ def main() -> None:
             for model in a.model:
                 res = {"cap_gib": cap, "free_gib": ballast.free / GIB, "model": model.name, "runs": {}}
                 res["runs"]["ferry default"] = default = ferry_bench(model, [], a.threads, prompts, a.n, a.r)
+                res["shares"] = {"ferry default": ferry_share(model)}
                 placement = next(iter(default.values()), {}).get("placement", "")
+                if a.routing_text:
+                    counted = count_routing(model, a.routing_text, a.threads)
+                    if counted is not None:
+                        name = "ferry default, routing counted"
+                        res["runs"][name] = ferry_bench(model, [], a.threads, prompts, a.n, a.r)
+                        res["shares"][name] = ferry_share(model)
+                        counted.unlink()
                 hands = {"ferry -ot exps=CPU": ["-ngl", "999", "-ot", "exps=CPU"]}
                 n_layer = block_count(model)
                 for where, last in (("first", False), ("last", True)):
                     if stretch(placement, n_layer, last):
                         hands[f"ferry {where} layers"] = stretch(placement, n_layer, last)
-                for name, flags in hands.items():
+                for name, flags in ({} if a.no_hands else hands).items():
                     res["runs"][name] = ferry_bench(model, flags, a.threads, prompts, a.n, a.r)
                 for name, (path, flags) in anchors.items():
                     res["runs"][name] = anchor_bench(path, flags, model, a.threads, prompts, a.n, a.r)
@@ -166,9 +199,14 @@ def table(results: list[dict], prompts: list[int], n_gen: int) -> None:
             cells = [f"{got[n]:.1f}" if n in got else "-" for n in names]
             default = got.get("ferry default")
             anchor = max((v for n, v in got.items() if not n.startswith("ferry")), default=None)
-            hand = max((v for n, v in got.items() if n.startswith("ferry") and n != "ferry default"), default=None)
+            hand = max((v for n, v in got.items() if n.startswith("ferry") and not n.startswith("ferry default")),
+                       default=None)
             ratio = [f"{default / r:.2f}" if default and r else "-" for r in (anchor, hand)]
             print(f"| {test} | " + " | ".join(cells + ratio) + " |")
+        for name, share in res.get("shares", {}).items():
+            if share.get("gpu_share") is not None:
+                print(f"{name}: {100 * share['gpu_share']:.1f}% of the routed pairs on the GPU predicted "
+                      f"({share['gpu_share_basis']})")
 
 
 if __name__ == "__main__":

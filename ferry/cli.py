@@ -98,6 +98,9 @@ def _gpu_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
                         "visible GPU is filled by the fit (--fit)" + (", comma list" if lists else ""))
     p.add_argument("-ot", "--override-tensor", action="append", default=[],
                    help="REGEX=DEVICE (CPU, CUDA0), repeatable, first match wins; e.g. -ot exps=CPU")
+    p.add_argument("--gpu-experts", help="LAYER:EXPERTS[;...], e.g. '3:0-31,40;7:5': routed experts kept on the GPU "
+                                         "in layers whose experts stay in RAM (with -ngl / -ot; Q8_0 / Q4_0 experts); "
+                                         "the fit writes it from `ferry calibrate --routing`")
     p.add_argument("-ts", "--tensor-split", help="share of the GPU layers per GPU, e.g. 3,1 (default: equal over "
                                                  "every GPU when all weights are on GPUs; 1,0 keeps them on CUDA0)")
     p.add_argument("--offload-policy", default="auto",
@@ -164,7 +167,7 @@ def _run_config(args: argparse.Namespace, **changes):
                        "override_tensor"), ("tensor_split", "tensor_split"), ("offload_policy", "offload_policy"),
                        ("offload_min_batch", "offload_min_batch"), ("batch_order", "batch_order"),
                        ("verbose", "verbose"), ("quiet", "quiet"), ("fit_ctx", "fit_ctx"),
-                       ("gpu_memory", "gpu_memory")):
+                       ("gpu_memory", "gpu_memory"), ("gpu_experts", "gpu_experts")):
         if flag in vars(args):
             kw[dest] = vars(args)[flag]
     if "fit" in vars(args):

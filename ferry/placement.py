@@ -132,6 +132,53 @@ def parse_gpu_memory(specs: list[str]) -> dict[str, int]:
     return out
 
 
+def parse_gpu_experts(spec: str | None) -> dict[int, tuple[int, ...]]:
+    """--gpu-experts 'LAYER:EXPERTS[;LAYER:EXPERTS...]' (EXPERTS: ids and ranges, '0-31,40'): routed experts kept on
+    the GPU while the rest of their layer's experts stay in RAM -> {layer: sorted expert ids}."""
+    out: dict[int, tuple[int, ...]] = {}
+    for item in filter(None, (spec or "").replace(" ", "").split(";")):
+        layer, sep, experts = item.partition(":")
+        ids: set[int] = set()
+        try:
+            if not sep or not experts:
+                raise ValueError
+            for part in experts.split(","):
+                lo, dash, hi = part.partition("-")
+                a, b = int(lo), int(hi) if dash else int(lo)
+                if a < 0 or b < a:
+                    raise ValueError
+                ids.update(range(a, b + 1))
+            n = int(layer)
+        except ValueError:
+            raise FerryError(f"--gpu-experts '{item}' is not LAYER:EXPERTS; example: --gpu-experts '3:0-31,40;7:5'") \
+                from None
+        out[n] = tuple(sorted(ids | set(out.get(n, ()))))
+    return out
+
+
+def format_gpu_experts(resident: dict[int, tuple[int, ...]]) -> str:
+    """The --gpu-experts text of a placement, runs of neighbours as ranges."""
+    parts = []
+    for layer, ids in sorted(resident.items()):
+        runs: list[list[int]] = []
+        for e in ids:
+            if runs and runs[-1][1] == e - 1:
+                runs[-1][1] = e
+            else:
+                runs.append([e, e])
+        parts.append(f"{layer}:" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs))
+    return ";".join(parts)
+
+
+def resident_bytes(tensors: dict[str, int], resident: dict[int, tuple[int, ...]], n_expert: int) -> int:
+    """The bytes of resident experts (--gpu-experts): each expert's share of its layer's three stacked tensors."""
+    total = 0
+    for layer, ids in resident.items():
+        per_layer = sum(tensors.get(f"blk.{layer}.ffn_{p}_exps.weight", 0) for p in ("gate", "up", "down"))
+        total += per_layer * len(ids) // max(n_expert, 1)
+    return total
+
+
 @dataclass
 class DeviceNeed:
     device: str
@@ -195,7 +242,8 @@ def _ggml_only(name: str) -> bool:
 def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
                 available: dict[str, int], n_ctx: int, n_ubatch: int, kv_bytes_per_value: tuple[float, float] = (2, 2),
                 split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False,
-                cache: CacheLayout | None = None, n_batch: int = 0) -> MemoryPlan:
+                cache: CacheLayout | None = None, n_batch: int = 0,
+                resident: dict[int, tuple[int, ...]] | None = None) -> MemoryPlan:
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
@@ -203,7 +251,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     buffer copies land in). `available`: free bytes per device (CPU: RAM). `cache`: what the KV cache holds per
     position (default: the model's keys and values; MLA's latent: Model.cache_layout). `n_batch`: the logical
     batch whose rows meet at each MoE layer when routed experts in RAM are taken layer first (0: not so), whose
-    activations and expert buffers then add to the first GPU's."""
+    activations and expert buffers then add to the first GPU's. `resident`: experts of layers in RAM kept on the first
+    GPU too (--gpu-experts)."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     tensors = as_loaded(tensors, args)
     needs: dict[str, DeviceNeed] = {}
@@ -222,6 +271,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
                 continue  # only a GPU makes this copy
         if device == "CPU" or not _ggml_only(name):
             need(device).weights += size
+    if resident:
+        need(gpus[0]).weights += resident_bytes(tensors, resident, args.n_expert)
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
     per_layer = int(n_ctx * cache.bytes_per_position(kb, vb))

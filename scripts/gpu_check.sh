@@ -20,13 +20,20 @@
 #             model, processes in turn (benchmarks/ab_trees.py): experts in RAM (pp512 u-batch 128, tg128) and all on
 #             the GPU (pp4096 u-batch 512, tg128); AB_ROUNDS processes per tree (default 2)
 #   small   a GPU smaller than the model (benchmarks/small_gpu.py): a ballast process leaves SMALL_CAPS GiB (default 12)
-#           on CUDA0; ferry's default fit against its placements by hand and llama.cpp's -fitt fit (with the llama stage)
+#           on CUDA0; ferry's default fit against its placements by hand and llama.cpp's -fitt fit (with the llama stage).
+#           SKEW=S adds the same preset written with `--routing-skew S`; every model's default runs again after
+#           `ferry calibrate --routing` counted it on the repository's docs (the per-expert fit); SKEW_ONLY=1: that
+#           model alone
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests bench}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/gguf-*.whl
+# the transformers ferry is tested with, where carried (the machine's 5.17 builds no tokenizer for some families)
+if ls .whl/transformers-*.whl > /dev/null 2>&1 && [ ! -d /tmp/site/transformers ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/transformers-*.whl .whl/tokenizers-*.whl
+fi
 export FERRY_CACHE=$PWD/.build/ferry-cache
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has llama; then  # the CUDA build takes minutes: start it first
@@ -42,7 +49,7 @@ fi
 wait_build() { if [ -n "${BUILD:-}" ]; then wait "$BUILD" || true; BUILD=; fi; }
 PRESET=${PRESET:-qwen3-30b-a3b}
 BIG=/tmp/$PRESET.gguf
-if has big || has llama || has hybrid || has ab || has small; then
+if has big || has llama || has hybrid || has ab || { has small && [ -z "${SKEW_ONLY:-}" ]; }; then
     [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" -o "$BIG" -q &
     SYNTH=$!
 fi
@@ -103,8 +110,15 @@ if has ab; then
 fi
 if has small; then
     wait_synth
+    MODELS=(); [ -n "${SKEW_ONLY:-}" ] || MODELS=(-m "$BIG")
+    if [ -n "${SKEW:-}" ]; then
+        SKEWED=/tmp/$PRESET-skew$SKEW.gguf
+        [ -f "$SKEWED" ] || python3 -m ferry synth "$PRESET" --routing-skew "$SKEW" -o "$SKEWED" -q
+        MODELS+=(-m "$SKEWED")
+    fi
+    cat README.md docs/*.md > /tmp/routing-all.txt; head -c 60000 /tmp/routing-all.txt > /tmp/routing.txt
     wait_build
-    python3 benchmarks/small_gpu.py $LB -m "$BIG" --caps "${SMALL_CAPS:-12}" -t 16 ${SMALL_ARGS:-} \
-        --out "$OUT/small_gpu.json" 2> "$OUT/small_gpu.log" | tee "$OUT/small_gpu.md"
+    python3 benchmarks/small_gpu.py $LB "${MODELS[@]}" --caps "${SMALL_CAPS:-12}" -t 16 --routing-text /tmp/routing.txt \
+        ${SMALL_ARGS:-} --out "$OUT/small_gpu.json" 2> "$OUT/small_gpu.log" | tee "$OUT/small_gpu.md"
 fi
 wait_build  # a build started for later calls finishes in this one (kept in .build/ while the machine is warm)

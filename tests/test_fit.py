@@ -49,7 +49,7 @@ def test_plan_fills_a_4_gib_gpu_with_the_weights_the_cache_the_buffers_and_route
     plan = json.loads(r.stdout)
     gpu = next(d for d in plan["devices"] if d["device"] == "CUDA0")
     assert gpu["total"] >= 0.6 * 4 * GIB and gpu["total"] <= 4 * GIB - FIT_TARGET_MIB * MIB
-    assert plan["fit"]["expert_layers"] and plan["fit"]["n_ctx"] == 4096
+    assert plan["fit"]["experts_per_layer"] and plan["fit"]["n_ctx"] == 4096
     cpu = next(d for d in plan["devices"] if d["device"] == "CPU")
     assert 0 < cpu["weights"] < GGUFFile(qwen12).n_bytes  # the rest of the experts stay in RAM
 
@@ -107,3 +107,97 @@ def test_plan_prints_the_fitted_placement_and_fit_off_keeps_the_cpu(qwen12, caps
     assert main(["plan", "-m", str(qwen12), "--gpu-memory", "CUDA0=6GiB", "--fit", "off", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fit"] is None and all(d["weights"] == 0 for d in plan["devices"] if d["device"] == "CUDA0")
+
+
+def test_gpu_experts_text_round_trips_and_mistakes_are_one_line(tiny, capsys):
+    from ferry.placement import format_gpu_experts, parse_gpu_experts
+
+    spec = parse_gpu_experts("3:0-3,7;10:5; 3:9")
+    assert spec == {3: (0, 1, 2, 3, 7, 9), 10: (5,)} and format_gpu_experts(spec) == "3:0-3,7,9;10:5"
+    assert parse_gpu_experts(format_gpu_experts(spec)) == spec and parse_gpu_experts(None) == {}
+    for bad in ("3", "3:", "x:1", "3:5-2", "3:-1"):
+        with pytest.raises(FerryError, match="--gpu-experts"):
+            parse_gpu_experts(bad)
+    assert main(["plan", "-m", str(tiny), "--gpu-experts", "0:0-1"]) == 2  # no placement that leaves them in RAM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "-ngl 999 -ot exps=CPU --gpu-experts" in err[0]
+
+
+def test_resident_experts_count_on_the_gpu_in_the_memory_plan(qwen12):
+    from ferry.placement import memory_plan, parse_overrides
+
+    f = GGUFFile(qwen12)
+    args = ModelArgs.from_gguf(f)
+    tensors = {t.name: t.nbytes for t in f.tensors.values()}
+    layer = sum(tensors[f"blk.3.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
+
+    def gpu(resident):
+        plan = memory_plan(tensors, args, 999, parse_overrides(["exps=CPU"]), ["CUDA0"], {}, 4096, 512,
+                           kv_on_gpu=True, resident=resident)
+        return next(d for d in plan.devices if d.device == "CUDA0").weights
+    assert gpu({3: tuple(range(32))}) - gpu({}) == layer * 32 // args.n_expert
+    assert gpu({3: (0,), 5: (1, 2)}) - gpu({}) == 3 * (layer // args.n_expert)
+
+
+def test_the_room_left_by_whole_layers_takes_experts_of_one_more(qwen12):
+    whole, per_expert = _fit(qwen12, 5), _fit(qwen12, 5, per_expert=True)
+    assert per_expert.expert_layers == whole.expert_layers and len(per_expert.resident) == 1
+    (layer, ids), = per_expert.resident.items()
+    assert layer not in whole.expert_layers and ids == tuple(range(len(ids))) and 0 < len(ids) < 128
+    used = [next(d for d in s.plan.devices if d.device == "CUDA0").total for s in (whole, per_expert)]
+    assert used[0] < used[1] <= 5 * GIB - FIT_TARGET_MIB * MIB
+    assert per_expert.gpu_share == pytest.approx((len(whole.expert_layers) + len(ids) / 128) / 12)
+    assert f"--gpu-experts '{layer}:0-{len(ids) - 1}'" in per_expert.flags()
+    assert per_expert.experts_per_layer()[layer] == len(ids)
+
+
+def test_counted_routing_puts_the_most_used_experts_first(qwen12):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 5, size=(12, 128))
+    counts[:, :16] += 1000  # sixteen busy experts in every layer
+    counts[4] += 10_000  # and a layer where every expert is busier than any other layer's
+    held = counts // 2
+    r = _fit(qwen12, 5, per_expert=True, routing={"counts": counts.tolist(), "held_counts": held.tolist()})
+    assert 4 in r.expert_layers  # all of its experts chosen: placed whole
+    for layer, ids in r.resident.items():
+        assert set(range(16)) <= set(ids) or len(ids) < 16 and set(ids) < set(range(16))
+    on = sum(len(ids) for ids in r.resident.values()) + 128 * len(r.expert_layers)
+    uniform = on / (12 * 128)
+    assert r.counted_share > 2 * uniform and r.held_out_share == pytest.approx(r.gpu_share)
+    gpu = next(d for d in r.plan.devices if d.device == "CUDA0")
+    assert gpu.total <= 5 * GIB - FIT_TARGET_MIB * MIB
+    assert r.layer_share[next(iter(r.resident))] > 0.9  # the busy sixteen carry nearly every pair of their layer
+    # routing nearly even: the most used experts catch little more than whole layers do, and whole layers stay
+    even = np.full((12, 128), 100) + rng.integers(0, 3, size=(12, 128))
+    flat = _fit(qwen12, 5, per_expert=True, routing={"counts": even.tolist()})
+    assert flat.expert_layers == _fit(qwen12, 5).expert_layers and len(flat.resident) <= 1
+    assert "layer by layer" in flat.notes[-1]
+    # counts of another shape than this model's are not used
+    other = _fit(qwen12, 5, per_expert=True, routing={"counts": [[1, 2]]})
+    assert other.counted_share is None and other.expert_layers == _fit(qwen12, 5).expert_layers
+
+
+def test_plan_uses_the_routing_counted_for_the_file(qwen12, tmp_path, monkeypatch, capsys, request):
+    import numpy as np
+
+    from ferry.config import settings
+    from ferry.offload import routing
+
+    monkeypatch.setenv("FERRY_CACHE", str(tmp_path))
+    settings.cache_clear()  # read once per process: this test's cache, then the run's again
+    request.addfinalizer(settings.cache_clear)
+    counts = np.ones((12, 128), dtype=int)
+    counts[:, 100:] = 50
+    routing.save({"model": qwen12.name, "key": routing.model_key(qwen12), "counts": counts.tolist(),
+                  "held_counts": counts.tolist()}, routing.default_path(qwen12))
+    assert main(["plan", "-m", str(qwen12), "--gpu-memory", "CUDA0=5GiB", "--json"]) == 0
+    fit_view = json.loads(capsys.readouterr().out)["fit"]
+    assert fit_view["gpu_share_basis"].startswith("on the text held out")
+    per_layer = fit_view["experts_per_layer"]
+    assert sum(per_layer.values()) >= 12 * 20 and fit_view["gpu_experts"]
+    assert all(set(map(int, part.split(":")[1].replace("-", ",").split(","))) >= {100}
+               for part in fit_view["gpu_experts"].split(";"))
+    assert main(["plan", "-m", str(qwen12), "--gpu-memory", "CUDA0=5GiB"]) == 0
+    assert "routed experts on the GPU per MoE layer" in capsys.readouterr().out

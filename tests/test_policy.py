@@ -385,3 +385,19 @@ def test_ways_taken_in_turn_spread_a_slow_start_over_each_of_them():
         e.record(512, way, t, cells=4096)
     assert ways == ["absorbed", "expanded"] * 3 and e.chosen[512, 4096] == "expanded"
 
+
+
+def test_generation_trials_every_way_also_where_every_prediction_is_zero():
+    """A layer whose every pair met a resident expert predicts 0 s for each way: generation still trials them all
+    (its margin is unbounded, and inf * 0 must not leave none)."""
+    from ferry.offload.policy import Explorer
+
+    e = Explorer(samples=1, warmup=0)
+    ways = set()
+    for _ in range(6):
+        mode, trial = e.mode(1, {"gpu": 0.0, "cpu": 0.0})
+        if not trial:
+            break
+        ways.add(mode)
+        e.record(1, mode, 1e-3 if mode == "cpu" else 2e-3)
+    assert ways == {"gpu", "cpu"} and e.mode(1, {"gpu": 0.0, "cpu": 0.0}) == ("cpu", False)

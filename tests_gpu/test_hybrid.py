@@ -352,3 +352,87 @@ def test_a_host_step_that_fails_lets_the_waiting_graph_go(mid):
             backend.cpu.moe_experts = moe_experts
         out.append(torch.cat([e.decode([t]) for t in tokens[51:60]]))
     assert torch.equal(out[0], out[1])
+
+
+def _resident_spec(n_layer: int, n_expert: int) -> dict[int, tuple[int, ...]]:
+    """Some experts of every layer but the last kept on the GPU: a different count and set in each (none in the
+    last, as a layer the fit leaves wholly in RAM)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    return {layer: tuple(sorted(rng.choice(n_expert, size=1 + (layer * 11) % (n_expert - 1), replace=False).tolist()))
+            for layer in range(n_layer - 1)}
+
+
+@pytest.mark.parametrize("policy", ["all=off", "all=on", "balanced"])
+@pytest.mark.parametrize("ubatch", [300, 64, 5])
+def test_resident_experts_beside_the_rest_match_the_cpu(mid, policy, ubatch):
+    """--gpu-experts: some of a layer's experts kept on the GPU; its other pairs go as the policy says (the CPU,
+    streamed, or split), and the streamer never copies a resident expert."""
+    from ferry.placement import format_gpu_experts
+
+    path, tokens, want = mid
+    _, probe = place(path, 1)
+    spec = _resident_spec(probe.args.n_layer, probe.args.n_expert)
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto" if policy == "balanced" else policy,
+                                               gpu_experts=format_gpu_experts(spec)),
+                             BALANCED if policy == "balanced" else None)
+    assert len(backend._resident) == len(spec) and "kept on the GPU too" in backend.describe()
+    assert backend.streamer.pinned, backend.streamer.why
+    by_gate = {id(g): layer for layer in spec for g in [next(w for w in model.weights()
+                                                             if w.name == f"blk.{layer}.ffn_gate_exps.weight")]}
+    staged, stage = [], backend.streamer.stage_experts
+
+    def spy(weights, experts, *a, **kw):
+        staged.append((by_gate.get(id(weights[0])), set(experts)))
+        return stage(weights, experts, *a, **kw)
+
+    backend.streamer.stage_experts = spy
+    n = 300 if ubatch > 8 else 60
+    try:
+        got = Engine(model, backend, n_ctx=512, n_ubatch=ubatch).decode(tokens[:n], all_logits=True)
+    finally:
+        backend.streamer.stage_experts = stage
+        backend.close()  # the spy's cycle would keep the file's pages registered into the next test
+    _check(want[:n], got, f"--gpu-experts {policy} ub {ubatch}")
+    assert all(not (experts & set(spec[layer])) for layer, experts in staged if layer is not None)
+    if policy == "all=on":
+        assert any(layer is not None for layer, _ in staged)
+
+
+@pytest.mark.parametrize("policy", ["all=off", "threshold"])
+def test_generation_with_resident_experts_replays_as_graphs_with_the_eager_bits(mid, policy):
+    """A decode step with resident experts: the GPU's pairs inside the recorded graph, the CPU's at a handshake; the
+    same bits as op by op, and the CPU's logits."""
+    from ferry.placement import format_gpu_experts
+    from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
+
+    path, tokens, want = mid
+    _, probe = place(path, 1)
+    spec = _resident_spec(probe.args.n_layer, probe.args.n_expert)
+    backend, model = _hybrid(path, EXPS | dict(offload_policy=policy, gpu_experts=format_gpu_experts(spec)))
+    backend.stats.keep = False
+    backend.explorer.chosen[1] = backend.explorer.chosen[64] = "cpu"
+    out = []
+    for graphs in (True, False):
+        e = Engine(model, backend, n_ctx=512)
+        e.runner = CudaGraphRunner(backend, graphs=graphs)
+        e.decode(tokens[:50])
+        out.append(torch.cat([e.decode([t]) for t in tokens[50:80]]))
+        if graphs:
+            step = next(c for k, c in e.runner._captured.items() if k[2] == 1)
+            assert step.graph.n_handshakes >= model.args.n_layer
+    assert torch.equal(out[0], out[1])
+    _check(want[50:80], out[0], f"decode --gpu-experts {policy}")
+
+
+def test_resident_experts_flag_mistakes_are_one_line(mid):
+    from ferry.errors import FerryError
+
+    path, _, _ = mid
+    for flags, says in ((dict(n_gpu_layers=999, override_tensor=["blk\\.[1-9]\\.ffn_.*_exps=CPU"],
+                              gpu_experts="0:1"), "not in RAM"),
+                        (EXPS | dict(gpu_experts="0:999"), "has experts 0-"),
+                        (EXPS | dict(gpu_experts="500:1"), "no routed experts")):
+        with pytest.raises(FerryError, match=says):
+            place(path, 1, **flags)

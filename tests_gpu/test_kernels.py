@@ -367,6 +367,40 @@ def test_the_gpu_halves_of_the_experts_match_float64(qtype, n, n_expert, n_used,
     _close(got_y, want_y, 2e-3)
 
 
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff,kept", [(1, 8, 4, 64, 96, (1, 6)), (3, 16, 6, 96, 64, (0, 3, 9, 15)),
+                                                                (29, 8, 3, 64, 32, (2, 5, 6)), (1, 4, 2, 32, 32, ())])
+def test_resident_experts_give_only_their_pairs(qtype, n, n_expert, n_used, n_embd, n_ff, kept):
+    """CudaBackend.resident_experts: Splits of some experts alone, each pair's place among them (-1: elsewhere);
+    each token's weighted sum over its pairs on those experts, the others skipped (expert GEMVs for few pairs, the
+    grouped GEMM above 64: 29 tokens of 3)."""
+    from ferry.backends.cuda import CudaBackend
+
+    rng = np.random.default_rng(n * n_expert + len(kept))
+    (raw_g, g), (raw_u, u) = (_quantized(rng, qtype, n_expert, n_ff, n_embd) for _ in range(2))
+    raw_d, d = _quantized(rng, qtype, n_expert, n_embd, n_ff)
+    idx = torch.tensor(kept, dtype=torch.long)
+
+    def resident(raw, ne):
+        return layout.Split.of(raw.view(n_expert, -1)[idx.to(DEV)].reshape(-1), qtype, (*ne, len(kept)))
+    slot_of = torch.full((n_expert,), -1, dtype=torch.int32)
+    slot_of[idx] = torch.arange(len(kept), dtype=torch.int32)
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
+    x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
+    weights = torch.from_numpy(rng.uniform(0.1, 1.0, (n, n_used))).float()
+    got = CudaBackend(DEV).resident_experts(x.to(DEV), slot_of[ids].to(DEV), weights.to(DEV),
+                                            resident(raw_g, (n_embd, n_ff)), resident(raw_u, (n_embd, n_ff)),
+                                            resident(raw_d, (n_ff, n_embd)), "silu")
+    want = torch.zeros(n, n_embd, dtype=torch.float64)
+    for t in range(n):
+        for s in range(n_used):
+            e = int(ids[t, s])
+            if e in kept:
+                h = torch.nn.functional.silu(g[e] @ x[t].double()) * (u[e] @ x[t].double())
+                want[t] += weights[t, s].double() * (d[e] @ h)
+    _close(got, want, 5e-5 if n * n_used <= 64 else 3e-3)  # the grouped GEMM: f16 activations
+
+
 @pytest.mark.parametrize("n_expert", [1, 7, 128, 256, 300, 40000])  # keys of uint8, int16 and int32
 def test_sort_pairs_orders_by_expert_and_counts_each(n_expert):
     rng = np.random.default_rng(n_expert)

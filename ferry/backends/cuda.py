@@ -277,6 +277,32 @@ class CudaBackend:
             torch.cuda.current_stream(x.device).wait_event(wait_down)
         return moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights)
 
+    def resident_experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
+                         ) -> torch.Tensor:
+        """The pairs of a layer whose experts are kept on the GPU beside the rest in RAM (the hybrid runtime's resident
+        experts): slots (n, k) int32 on the GPU, each pair's place among the resident experts, -1 where its expert is
+        elsewhere; gate / up / down Splits holding only the resident experts. Each token's weighted sum over its
+        resident pairs, (n, n_embd) float32, without the host learning which pairs those are (a recorded step's
+        graph holds it). Expert GEMVs that skip the -1 pairs for few pairs; else the grouped GEMM with those pairs
+        sorted last and their tiles left out."""
+        from ferry.kernels.cuda.moe import moe_gemv, moe_mm, moe_tile_rows, moe_tiles, sum_pairs
+
+        n, k = slots.shape
+        if self._gemv_pairs(n * k):
+            return moe_gemv(x, slots, weights, gate, up, down, act)
+        n_res = gate.ne[2]
+        keys = torch.where(slots < 0, n_res, slots)
+        block = moe_tile_rows(n * k, n_res + 1)
+        order, tile_expert, tile_row, tile_end = moe_tiles(keys, n_res + 1, block)
+        sched = (order, torch.where(tile_expert == n_res, -1, tile_expert), tile_row, tile_end)
+        order = order.to(torch.int32)
+        h = moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
+                   rows_from=torch.div(order, k, rounding_mode="floor"))
+        y = torch.zeros(n * k, down.ne[1], dtype=torch.float32, device=x.device)
+        moe_mm(h, down, sched, torch.float32, block, rows_to=order,
+               row_scale=weights.float().reshape(-1).contiguous(), out=y)
+        return sum_pairs(y, k)
+
     def pair_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str) -> torch.Tensor:
         """act(gate . x) * (up . x) of each (token, slot) pair, (n * k, n_ff) in pair order (float32 for few pairs,
         float16 for many): the experts' first half when the second runs on the CPU (the hybrid runtime, moe_up_gate

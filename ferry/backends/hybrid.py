@@ -1,7 +1,9 @@
 """The hybrid backend: weights placed on the GPU run there (CudaBackend); weights left in CPU RAM (-ngl, -ot) are
 computed where the offload policy predicts it is faster, per op and u-batch: by ggml on the CPU, or on the GPU after
 the streamer copies them over PCIe. A MoE layer whose experts are in RAM splits them per u-batch: the hottest experts
-are copied to the GPU while the CPU computes the cold ones, at the same time (policy.split_experts).
+are copied to the GPU while the CPU computes the cold ones, at the same time (policy.split_experts). Some of such a
+layer's experts may be kept on the GPU for good (resident: --gpu-experts, the fit's per-expert placement): the GPU
+computes their pairs while the rest go as above, the CPU's and the streamer's work never seeing them.
 
 Activations, the KV cache, norms, rope and attention stay on the GPU; only the tensors an op needs cross PCIe."""
 
@@ -48,6 +50,18 @@ class HybridStats:
             self.records.append(r)
 
 
+@dataclass
+class Resident:
+    """A MoE layer's experts kept on the GPU beside the rest in RAM: slot_of (n_expert,) int32 on the GPU, each
+    expert's place among them (-1: in RAM); gate / up / down Splits of those experts alone."""
+
+    slot_of: torch.Tensor
+    gate: object
+    up: object
+    down: object
+    experts: tuple[int, ...]
+
+
 SMALL_MOE = 64  # tokens up to which a MoE host step's inputs and output travel through pinned buffers
 
 
@@ -60,7 +74,7 @@ class HybridBackend:
     graph_safe = False  # ops on CPU weights go through the host
 
     def __init__(self, gpu: CudaBackend, cpu, devices: dict[str, str], policy: Policy, calib: Calibration,
-                 timed: bool = False, layer_first: bool = True):
+                 timed: bool = False, layer_first: bool = True, resident: dict[int, tuple[int, ...]] | None = None):
         self.gpu, self.cpu, self.devices = gpu, cpu, devices
         self.device = gpu.device
         self.policy, self.calib = policy, calib
@@ -79,6 +93,8 @@ class HybridBackend:
         self._pinned_buffers: dict[str, torch.Tensor] = {}
         self._layer_first = layer_first
         self.layer_first = False  # set by prepare(): whether there are routed experts in RAM to take layer first
+        self._resident_spec = dict(resident or {})  # layer -> its experts kept on the GPU (--gpu-experts)
+        self._resident: dict[int, Resident] = {}  # id(layer's gate weight) -> its resident experts, by prepare()
 
     @property
     def host_steps(self) -> bool:
@@ -105,6 +121,10 @@ class HybridBackend:
             if m:
                 by_layer.setdefault(int(m.group(1)), {})[m.group(2)] = w
         layers = [(d["gate"], d["up"], d["down"]) for _, d in sorted(by_layer.items()) if len(d) == 3]
+        for layer, experts in sorted(self._resident_spec.items()):
+            d = by_layer.get(layer, {})
+            if len(d) == 3 and experts:
+                self._resident[id(d["gate"])] = self._keep(d["gate"], d["up"], d["down"], experts)
         for a, b in zip(layers, layers[1:]):
             self._next_experts[id(a[0])] = b
         self.layer_first = self._layer_first and bool(layers)
@@ -116,6 +136,19 @@ class HybridBackend:
         # the CPU's repacked copies last, after the mmap is registered and the pinned buffers made (the order the
         # generation speeds of docs/performance.md were measured in)
         self.cpu.prepare(cpu_weights, progress=progress)
+
+    def _keep(self, gate: Weight, up: Weight, down: Weight, experts: tuple[int, ...]) -> Resident:
+        """Copies of some experts of a layer in RAM on the GPU, as Splits of those experts alone."""
+        from ferry.kernels.cuda.layout import Split
+
+        idx = torch.tensor(experts, dtype=torch.long)
+        splits = []
+        for w in (gate, up, down):
+            raw = w.host_tensor().view(w.ne[2], -1)[idx].to(self.device)
+            splits.append(Split.of(raw.view(-1), w.qtype, (w.ne[0], w.ne[1], len(experts))))
+        slot_of = torch.full((gate.ne[2],), -1, dtype=torch.int32)
+        slot_of[idx] = torch.arange(len(experts), dtype=torch.int32)
+        return Resident(slot_of.to(self.device), *splits, tuple(experts))
 
     @property
     def n_threads(self) -> int:
@@ -218,7 +251,13 @@ class HybridBackend:
         if all(map(self.on_gpu, experts)):
             return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act, routing, residual)
         t0 = self._timer()
-        weights, ids = self.route(x, router, n_used, norm_topk, routing)
+        weights, routed = self.route(x, router, n_used, norm_topk, routing)
+        ids, kept = routed, None
+        res = self._resident.get(id(gate))
+        if res is not None:  # the resident experts' pairs on the GPU, queued before the host step that runs the rest
+            slots = res.slot_of[routed.long()]
+            kept = self.gpu.resident_experts(x, slots, weights, res.gate, res.up, res.down, act)
+            ids = torch.where(slots >= 0, -1, routed.to(torch.int32))  # -1: a pair the rest leaves out
         host = self._to_host(x, ids, weights)  # inside the step's CUDA graph when one is recorded
         if self.recorder is not None:
             direct = None  # the step as a function of host memory alone: the CPU's experts on the pinned copies
@@ -232,7 +271,9 @@ class HybridBackend:
         else:
             out = self._experts(x, ids, weights, host, up, gate, down, n_used, act, t0).to(self.device,
                                                                                            non_blocking=True)
-        return (out if residual is None else residual + out), ids
+        if kept is not None:
+            out = out + kept
+        return (out if residual is None else residual + out), routed
 
     def _cpu_on_pinned(self, host, up: Weight, gate: Weight, down: Weight, act: str,
                        out: torch.Tensor) -> torch.Tensor:
@@ -240,7 +281,31 @@ class HybridBackend:
         routing and activations in their pinned buffers (`host`, as _to_host gives them), into the pinned `out`: the
         way of every MoE layer decided on the CPU, cut or handshake."""
         ids_host, weights_host, x_host = host
-        return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act, out=out)
+        return self._cpu_experts(x_host, ids_host, weights_host, up, gate, down, act, out)
+
+    def _cpu_experts(self, x_host, ids_host, weights_host, up: Weight, gate: Weight, down: Weight, act: str,
+                     out: torch.Tensor | None) -> torch.Tensor:
+        """The CPU's routed experts of a u-batch (CpuBackend.moe_experts) whose pairs of id -1 (resident experts,
+        computed on the GPU) are left out: the live pairs of one token as its slots, of more as a list of pairs
+        (padded to few sizes, as _split_moe's cold ones) summed per token; zeros where none is left."""
+        live = ids_host >= 0
+        if bool(live.all()):
+            return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act, out=out)
+        n, n_embd = x_host.shape
+        out = torch.empty(n, n_embd, dtype=torch.float32) if out is None else out
+        m = int(live.sum())
+        if m == 0:
+            return out.zero_()
+        if n == 1:
+            return self.cpu.moe_experts(x_host, ids_host[live].view(1, m), weights_host[live].view(1, m), up, gate,
+                                        down, act, out=out)
+        tok, slot = live.nonzero(as_tuple=True)
+        pad = _bucket(m) - m
+        xs = torch.cat([x_host[tok], x_host[tok[-1:]].expand(pad, -1)])
+        es = torch.cat([ids_host[tok, slot], ids_host[tok[-1:], slot[-1:]].expand(pad)]).view(-1, 1)
+        ws = torch.cat([weights_host[tok, slot].float(), torch.zeros(pad)]).view(-1, 1)
+        y = self.cpu.moe_experts(xs, es, ws, up, gate, down, act)
+        return out.zero_().index_add_(0, tok, y[:m])
 
     def decided(self, n: int) -> str | None:
         """auto's measured way for u-batches of n tokens so far (None before it has one): a step recorded before
@@ -323,7 +388,10 @@ class HybridBackend:
             # pinned: the caller's upload of it is asynchronous (the next layer's host step waits for it)
             return self._cpu_on_pinned(host, up, gate, down, act, self._pinned("out", x_host.shape, torch.float32))
         parts = {"route": time.perf_counter() - t0} if self.timed else {}
-        counts = torch.bincount(ids_host.flatten().long(), minlength=n_expert).tolist()
+        flat = ids_host.flatten().long()
+        counts = torch.bincount(flat[flat >= 0], minlength=n_expert).tolist()  # -1: resident, on the GPU already
+        if not any(counts):  # every pair on resident experts: nothing for this side, nothing to measure
+            return torch.zeros(n, down.ne[1], dtype=torch.float32, device=self.device)
         trial = None
         if self._streams(experts, work):
             if side is not None:  # decided: that way alone, without predicting the others (auto costs what on does)
@@ -336,6 +404,9 @@ class HybridBackend:
         else:
             split = work.split(counts, self.calib, SIDES["cpu"])
             split = replace(split, why=f"experts {work.gpu_refuses or 'placed partly on the GPU'}: on the CPU")
+        if split.halves and id(gate) in self._resident:  # halves apart read every slot of a pair: not with resident
+            split = replace(work.split(counts, self.calib, SIDES["cpu"]),
+                            why="moe_up_gate and moe_down apart: not beside resident experts, the CPU's")
         if split.halves:
             out = self._halves_moe(x, x_host, ids, ids_host, weights, weights_host, split, up, gate, down, act,
                                    parts)
@@ -343,8 +414,8 @@ class HybridBackend:
             if x_host is None:
                 x_host = x.float().cpu()
             t1 = time.perf_counter()
-            y = self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act,
-                                     out=self._pinned("out", x_host.shape, torch.float32) if n <= SMALL_MOE else None)
+            y = self._cpu_experts(x_host, ids_host, weights_host, up, gate, down, act,
+                                  self._pinned("out", x_host.shape, torch.float32) if n <= SMALL_MOE else None)
             if self.timed:
                 parts["cpu"] = time.perf_counter() - t1
             out = y.to(self.device, non_blocking=True)
@@ -396,8 +467,11 @@ class HybridBackend:
         n, k = ids.shape
         on_gpu = torch.zeros(gate.ne[2], dtype=torch.bool)
         on_gpu[list(split.gpu)] = True
-        pair_gpu = on_gpu[ids_host.long()].flatten()
-        hot, cold = pair_gpu.nonzero().flatten(), (~pair_gpu).nonzero().flatten()
+        flat = ids_host.long().flatten()
+        live = flat >= 0  # -1: a resident expert's pair, computed already
+        pair_gpu = on_gpu[flat.clamp(min=0)] & live
+        hot, cold = pair_gpu.nonzero().flatten(), (~pair_gpu & live).nonzero().flatten()
+        gather = len(cold) or not bool(live.all())
         x_cold = None
         if len(cold):  # before the GPU work is queued
             x_cold = x_host[cold // k] if x_host is not None else x.float()[cold.to(self.device) // k].cpu()
@@ -405,27 +479,28 @@ class HybridBackend:
         stream = torch.cuda.current_stream(self.device)
         (g, _), (u, up_done), (dn, down_done) = staged
         stream.wait_event(up_done)  # gate and up are there; down may still be on its way
-        if len(cold):
+        if gather:
             hot_d = hot.to(self.device, non_blocking=True)
             xs, es = x[hot_d // k], ids.flatten()[hot_d].view(-1, 1)
         else:
             xs, es = x, ids
         y_gpu = self.gpu.expert_pairs(xs, es, g, u, dn, act, wait_down=down_done)
         self.streamer.release(("moe", self._slot))
-        if not len(cold):
+        if not gather:
             out = (y_gpu.view(n, k, -1) * weights[..., None]).sum(1)
         else:
-            y = torch.empty(n * k, x.shape[1], dtype=torch.float32, device=self.device)
+            y = torch.zeros(n * k, x.shape[1], dtype=torch.float32, device=self.device)
             y.index_copy_(0, hot_d, y_gpu)
-            padded = _bucket(len(cold))  # few distinct graph shapes: pad with copies of the last pair
-            xc = torch.cat([x_cold, x_cold[-1:].expand(padded - len(cold), -1)])
-            ec = ids_host.flatten()[cold]
-            ec = torch.cat([ec, ec[-1:].expand(padded - len(cold))])
             t1 = time.perf_counter()
-            y_cpu = self.cpu.moe_experts(xc, ec.view(-1, 1), None, up, gate, down, act)[:len(cold), 0]
+            if len(cold):
+                padded = _bucket(len(cold))  # few distinct graph shapes: pad with copies of the last pair
+                xc = torch.cat([x_cold, x_cold[-1:].expand(padded - len(cold), -1)])
+                ec = ids_host.flatten()[cold]
+                ec = torch.cat([ec, ec[-1:].expand(padded - len(cold))])
+                y_cpu = self.cpu.moe_experts(xc, ec.view(-1, 1), None, up, gate, down, act)[:len(cold), 0]
+                y.index_copy_(0, cold.to(self.device), y_cpu.to(self.device))
             if self.timed:
                 parts["cpu"] = time.perf_counter() - t1
-            y.index_copy_(0, cold.to(self.device), y_cpu.to(self.device))
             out = (y.view(n, k, -1) * weights[..., None]).sum(1)
         if not split.cpu and len(split.gpu) >= 0.9 * gate.ne[2]:
             self._prefetch_after(gate)  # a u-batch this large will want (nearly) all of the next layer's experts
@@ -478,15 +553,20 @@ class HybridBackend:
     def _prefetch_after(self, gate: Weight) -> None:
         nxt = self._next_experts.get(id(gate))
         if nxt is not None:
-            staged = self.streamer.stage_experts(list(nxt), list(range(nxt[0].ne[2])), ("moe", self._slot ^ 1),
-                                                 self._expands(nxt))
+            res = self._resident.get(id(nxt[0]))
+            kept = set(res.experts) if res is not None else set()
+            experts = [e for e in range(nxt[0].ne[2]) if e not in kept]  # resident ones are there already
+            staged = self.streamer.stage_experts(list(nxt), experts, ("moe", self._slot ^ 1), self._expands(nxt))
             self._prefetched = (nxt[0], staged)
 
     def describe(self) -> str:
         """One line for the run's report: what stays in RAM, the policy, whether the pages are pinned."""
         in_ram = [n for n, d in self.devices.items() if d == "CPU"]
         pinned = self.streamer.why if self.streamer else "nothing registered yet"
-        return (f"hybrid: {len(in_ram)} tensors in RAM, the rest on {self.device}; offload policy {self.policy.mode}"
+        kept = (f" ({sum(len(r.experts) for r in self._resident.values())} experts of {len(self._resident)} of their "
+                "layers kept on the GPU too)" if self._resident else "")
+        return (f"hybrid: {len(in_ram)} tensors in RAM{kept}, the rest on {self.device}; offload policy "
+                f"{self.policy.mode}"
                 + "".join(f",{k}={v}" for k, v in self.policy.overrides.items()) + f"; {pinned}")
 
     def notes(self) -> list[str]:

@@ -69,18 +69,20 @@ _HALF = {"gate": "up_gate", "up": "up_gate", "down": "down"}
 
 
 def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
-                     policy: Policy) -> dict | None:
+                     policy: Policy, resident_share: dict[int, float] | None = None) -> dict | None:
     """What the weights left in RAM cost each generated token, as the policy places one token's ops (a dense weight
     read whole, n_expert_used of each MoE layer's experts): the predicted seconds and the bytes the CPU reads per token.
-    Each layer waits for its RAM-side work, so no GPU work hides it: a floor under a token's time. None when every
-    weight is on the GPU."""
+    Each layer waits for its RAM-side work, so no GPU work hides it: a floor under a token's time. resident_share: per
+    layer, the share of its routed pairs whose experts are kept on the GPU (--gpu-experts), taken off its experts'
+    cost. None when every weight is on the GPU."""
     by_layer = _in_ram_by_layer(f, args, n_gpu_layers, overrides)
     if not by_layer:
         return None
     seconds = cpu_bytes = 0.0
     expert_types = []  # each MoE layer's
-    for mine in by_layer.values():
+    for layer, mine in by_layer.items():
         experts = [t for t in mine if EXPERTS_RE.match(t.name)]
+        kept = 1.0 - (resident_share or {}).get(layer, 0.0)
         if experts:
             expert_types.append({t.qtype.name for t in experts})
         for t in (t for t in mine if not EXPERTS_RE.match(t.name)):  # the dense weights
@@ -89,10 +91,10 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
             cpu_bytes += t.nbytes if d.device == "CPU" else 0
         if len(experts) == 3:
             s, _ = _experts_split(experts, args, calib, policy, 1)
-            seconds += s.predicted_s
+            seconds += s.predicted_s * kept
             # the CPU's experts whole, or (halves apart) its half of every expert hit
             read = [t for t in experts if not s.halves or _HALF[EXPERTS_RE.match(t.name).group(2)] == s.cpu_half]
-            cpu_bytes += len(s.cpu) * sum(t.nbytes for t in read) / args.n_expert
+            cpu_bytes += kept * len(s.cpu) * sum(t.nbytes for t in read) / args.n_expert
     return {"seconds_per_token": seconds, "cpu_bytes_per_token": cpu_bytes, "layers": len(by_layer),
             "max_tokens_per_s": 1.0 / seconds if seconds else float("inf"),
             "experts_kernel": experts_kernel(expert_types) if expert_types else None,
@@ -152,7 +154,7 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     from ferry.layers.cache import cache_layout, describe_cache, mla_mode
     from ferry.models.base import ModelArgs
     from ferry.offload.fit import gpu_room, placed
-    from ferry.placement import GIB, host_memory, kv_bytes, memory_plan, tensor_split
+    from ferry.placement import GIB, format_gpu_experts, host_memory, kv_bytes, memory_plan, tensor_split
 
     f = GGUFFile(cfg.model_path)
     margs = ModelArgs.from_gguf(f)
@@ -171,12 +173,14 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else margs.n_ctx_train
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
                        available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
-                       cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0)
-    ops, ops_note, floor = _op_view(f, margs, cfg, ubatches, calibration) if kv_on_gpu else ([], "", None)
+                       cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident)
+    ops, ops_note, floor = _op_view(f, margs, cfg, ubatches, calibration, fitted) if kv_on_gpu else ([], "", None)
     fit_view = None if fitted is None else {
         "flags": fitted.flags(), "n_gpu_layers": fitted.n_gpu_layers, "override_tensor": list(fitted.override_tensor),
         "n_ctx": fitted.n_ctx, "expert_layers": list(fitted.expert_layers), "moe_layers": fitted.moe_layers,
-        "gpu_share": fitted.gpu_share, "notes": fitted.notes}
+        "gpu_experts": format_gpu_experts(fitted.resident), "experts_per_layer": fitted.experts_per_layer(),
+        "n_expert": fitted.n_expert, "gpu_share": fitted.gpu_share, "gpu_share_basis": fitted.share_basis,
+        "notes": fitted.notes}
     if as_json:
         print(json.dumps({"fits": plan.fits, "advice": plan.advice, "fit": fit_view,
                           "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices],
@@ -185,6 +189,10 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     else:
         if fitted is not None:
             print("\n".join([fitted.describe(), *fitted.notes]))
+            per_layer = fitted.experts_per_layer()
+            if per_layer and fitted.n_expert:
+                print("routed experts on the GPU per MoE layer (layer:count of " + f"{fitted.n_expert}): "
+                      + " ".join(f"{layer}:{n}" for layer, n in per_layer.items()))
             print()
         print("| device | weights GiB | KV cache GiB | compute GiB | total GiB | available GiB |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -203,8 +211,8 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     return 0
 
 
-def _op_view(f: GGUFFile, margs, cfg, ubatches: list[int] | None,
-             calibration: str | None) -> tuple[list[dict], str, dict | None]:
+def _op_view(f: GGUFFile, margs, cfg, ubatches: list[int] | None, calibration: str | None,
+             fitted=None) -> tuple[list[dict], str, dict | None]:
     """Where the ops on weights left in RAM run per u-batch (plan's second table), from a calibration with a GPU, and
     what those weights cost each generated token (generation_floor)."""
     from ferry.offload import calibrate
@@ -218,7 +226,9 @@ def _op_view(f: GGUFFile, margs, cfg, ubatches: list[int] | None,
         return [], f"{path} was measured without a GPU: nothing to offload to", None
     policy = cfg.policy
     rows = op_plan(f, margs, cfg.n_gpu_layers, cfg.overrides, calib, policy, ubatches or [1, cfg.n_ubatch])
-    floor = generation_floor(f, margs, cfg.n_gpu_layers, cfg.overrides, calib, policy)
+    shares = fitted.layer_share if fitted is not None else {
+        layer: len(ids) / max(margs.n_expert, 1) for layer, ids in cfg.resident.items()}
+    floor = generation_floor(f, margs, cfg.n_gpu_layers, cfg.overrides, calib, policy, shares)
     note = ("auto predicts here; a run also times the plausible ways on its first u-batches of each size and keeps "
             "the fastest (--verbose prints them)") if rows and policy.mode == "auto" else ""
     if rows and cfg.layer_first and margs.n_expert:

@@ -298,7 +298,8 @@ class Explorer:
         if size not in self.trials:
             best, self.predicted[size] = min(predicted.values()), dict(predicted)
             margin = self.margin if n_tokens > GENERATION_TOKENS else float("inf")
-            self.trials[size] = {k: [] for k, v in predicted.items() if v <= margin * best}
+            # (generation: every way, also where the prediction is 0 for all, which inf * 0 would leave out)
+            self.trials[size] = {k: [] for k, v in predicted.items() if margin == float("inf") or v <= margin * best}
         trials = self.trials[size]
         if len(trials) == 1:
             self.chosen[size] = next(iter(trials))

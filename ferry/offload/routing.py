@@ -87,7 +87,7 @@ def measure(engine, tokens: list[int], n_ctx: int, n_layers: int, n_expert: int,
                          "a longer text")
     counted = count(engine, tokens[:cut], n_ctx, n_layers, n_expert, bos, on_chunk)
     held = count(engine, tokens[cut:], n_ctx, n_layers, n_expert, bos)
-    return {"counts": counted.tolist(), "tokens": cut, "held_out_tokens": len(tokens) - cut,
+    return {"counts": counted.tolist(), "held_counts": held.tolist(), "tokens": cut, "held_out_tokens": len(tokens) - cut,
             "coverage": coverage(counted, held)}
 
 

@@ -17,7 +17,7 @@ from ferry.models.base import Model
 from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
 from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB, Fit, gpu_room, placed
 from ferry.placement import (EXPERTS_RE, Override, host_memory, kv_bytes, layer_devices, memory_plan,
-                             parse_gpu_memory, parse_overrides, place, tensor_split)
+                             parse_gpu_experts, parse_gpu_memory, parse_overrides, place, tensor_split)
 from ferry.layers.cache import kv_type
 
 MAX_THREADS = 1024
@@ -53,6 +53,7 @@ class RunConfig:
     type_v: str = "f16"  # -ctv
     n_gpu_layers: int | None = None  # -ngl; None: not given (the fit places the weights where a GPU is, else the CPU)
     override_tensor: tuple[str, ...] = ()  # -ot, as given (for reports)
+    gpu_experts: str | None = None  # --gpu-experts: routed experts kept on the GPU in layers whose experts are in RAM
     tensor_split: str | None = None  # -ts, as given (its length is checked against the GPUs at load)
     offload_policy: str = "auto"  # --offload-policy, as given
     offload_min_batch: int = DEFAULT_MIN_BATCH  # --offload-min-batch
@@ -67,6 +68,7 @@ class RunConfig:
     overrides: list[Override] = field(init=False, repr=False)  # -ot, parsed
     policy: Policy = field(init=False, repr=False)  # --offload-policy, parsed
     gpu_caps: dict[str, int] = field(init=False, repr=False)  # --gpu-memory, parsed
+    resident: dict[int, tuple[int, ...]] = field(init=False, repr=False)  # --gpu-experts, parsed
 
     def __post_init__(self):
         for flag, v in (("-t/--threads", self.n_threads), ("-tb/--threads-batch", self.n_threads_batch)):
@@ -96,6 +98,10 @@ class RunConfig:
         self.policy = parse_policy(self.offload_policy, self.offload_min_batch)
         self.gpu_memory = tuple(self.gpu_memory)
         self.gpu_caps = parse_gpu_memory(list(self.gpu_memory))
+        self.resident = parse_gpu_experts(self.gpu_experts)
+        if self.resident and not (self.n_gpu_layers and self.override_tensor):
+            raise FerryError("--gpu-experts keeps some experts of layers in RAM on the GPU: give it with the placement "
+                             "that leaves those layers' experts in RAM, e.g. -ngl 999 -ot exps=CPU --gpu-experts ...")
 
     def with_(self, **changes) -> RunConfig:
         """A copy with some flags changed, checked again (bench's parameter combinations)."""
@@ -112,7 +118,7 @@ class RunConfig:
 
     @property
     def placed_by_hand(self) -> bool:
-        return self.n_gpu_layers is not None or bool(self.override_tensor)
+        return self.n_gpu_layers is not None or bool(self.override_tensor) or bool(self.gpu_experts)
 
     @property
     def layer_first(self) -> bool:
@@ -239,6 +245,7 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
         raise FerryError(f"-ot places tensors on {', '.join(others)}, but ferry's runtime splits layers across GPUs "
                          "(-ts) only, and keeps weights in RAM beside one GPU (CUDA0); the plan (`ferry plan`) covers "
                          "more")
+    _check_resident(f, model, devices, cfg.resident)
     gpus = [f"CUDA{i}" for i in range(torch.cuda.device_count())]
     all_on_gpu = all(devices.get(w.name) == "CUDA0" for w in model.weights())
     tensors = {t.name: t.nbytes for t in f.tensors.values()}
@@ -257,7 +264,7 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
     plan = memory_plan(tensors, a, n_gpu_layers, overrides, ["CUDA0"], {"CUDA0": gpu_room(cfg.gpu_caps)["CUDA0"]},
                        _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), kv_on_gpu=True,
                        cache=model.cache_layout(),
-                       n_batch=cfg.n_batch if cfg.layer_first else 0)
+                       n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident)
     if not plan.fits:
         raise FerryError(plan.error())
     gpu = CudaBackend("cuda:0", n_threads=cpu.n_threads)
@@ -267,7 +274,28 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
 
     in_ram = {w.qtype.name for w in model.weights() if devices.get(w.name) == "CPU" and EXPERTS_RE.match(w.name)}
     return HybridBackend(gpu, cpu, devices, cfg.policy, calibration(cpu.n_threads, cfg.quiet, in_ram),
-                         timed=cfg.verbose, layer_first=cfg.layer_first)
+                         timed=cfg.verbose, layer_first=cfg.layer_first, resident=cfg.resident)
+
+
+def _check_resident(f, model, devices: dict[str, str], resident: dict[int, tuple[int, ...]]) -> None:
+    """--gpu-experts names layers whose routed experts are in RAM, experts they have, of types the GPU reads in place."""
+    from ferry.kernels.capabilities import gpu_reads
+
+    for layer, ids in resident.items():
+        names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+        if not all(n in f.tensors for n in names):
+            raise FerryError(f"--gpu-experts names layer {layer}, which has no routed experts; see `ferry info` for the "
+                             "MoE layers")
+        if any(devices.get(n) != "CPU" for n in names):
+            raise FerryError(f"--gpu-experts names layer {layer}, whose routed experts are not in RAM: leave them there "
+                             "(-ot exps=CPU) or drop the layer from --gpu-experts")
+        n_expert = f.tensors[names[0]].ne[2]
+        if ids and ids[-1] >= n_expert:
+            raise FerryError(f"--gpu-experts {layer}:{ids[-1]}: layer {layer} has experts 0-{n_expert - 1}")
+        types = {f.tensors[n].qtype for n in names}
+        if not gpu_reads(types):
+            raise FerryError(f"--gpu-experts: layer {layer}'s experts are {'/'.join(sorted(t.name for t in types))}, "
+                             "which the GPU reads only expanded, by whole layers; place whole layers with -ot")
 
 
 def calibration(threads: int, quiet: bool, expert_types=()):

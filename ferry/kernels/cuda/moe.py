@@ -39,17 +39,20 @@ def _act(g, ACT: tl.constexpr):
 @triton.jit
 def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr, ACT: tl.constexpr,
                  BR: tl.constexpr, BK: tl.constexpr):
-    """Pair p = (token p // n_used, its expert ids[p]): h[p, r] = act(gate_e[r] . x) * (up_e[r] . x)."""
+    """Pair p = (token p // n_used, its expert ids[p]): h[p, r] = act(gate_e[r] . x) * (up_e[r] . x); a pair whose
+    id is -1 (its expert elsewhere: the hybrid runtime's resident experts) reads no weights and gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
-    row = tl.load(ids + p).to(tl.int64) * rows + r
+    e = tl.load(ids + p).to(tl.int64)
+    live = rmask & (e >= 0)
+    row = tl.maximum(e, 0) * rows + r
     xt = x + (p // n_used) * K
     g = tl.zeros((BR,), dtype=tl.float32)
     u = tl.zeros((BR,), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        g += _qdot(gq, gd, row, rmask, xt, k0, K, KIND, BK)
-        u += _qdot(uq, ud, row, rmask, xt, k0, K, KIND, BK)
+        g += _qdot(gq, gd, row, live, xt, k0, K, KIND, BK)
+        u += _qdot(uq, ud, row, live, xt, k0, K, KIND, BK)
     tl.store(h + p * rows + r, _act(g, ACT) * u, mask=rmask)
 
 
@@ -57,14 +60,17 @@ def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr,
 def _moe_down(dq, dd, h, ids, weights, y, rows, K, KIND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
     """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p]); the caller sums each token's pairs in a fixed order
     (no atomics: the same inputs give the same bits). One program per pair and row block: summing a token's
-    pairs in this kernel leaves too few programs (37.5-41.8 against 32.4 us for Qwen3's experts on an H100)."""
+    pairs in this kernel leaves too few programs (37.5-41.8 against 32.4 us for Qwen3's experts on an H100). A pair
+    whose id is -1 reads no weights and gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
-    row = tl.load(ids + p).to(tl.int64) * rows + r
+    e = tl.load(ids + p).to(tl.int64)
+    live = rmask & (e >= 0)
+    row = tl.maximum(e, 0) * rows + r
     acc = tl.zeros((BR,), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        acc += _qdot(dq, dd, row, rmask, h + p * K, k0, K, KIND, BK)
+        acc += _qdot(dq, dd, row, live, h + p * K, k0, K, KIND, BK)
     tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
 
 
@@ -272,16 +278,18 @@ MOE_MM_CONFIGS = {(16, True): (64, 64, 4, 3), (16, False): (64, 64, 4, 3),
 
 def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int, up: Split | None = None, act: str = "silu",
            rows_from: torch.Tensor | None = None, rows_to: torch.Tensor | None = None,
-           row_scale: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+           row_scale: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """Sorted row r (sched's order) times its expert's (rows, cols) matrix transposed: xs (pairs, cols) f16, row
     r of it being xs[rows_from[r]] when given, else xs[r]; with `up`, act(xs . w) * (xs . up) (w the gate). The
     result (pairs, rows) holds row r at rows_to[r] when given (times row_scale[rows_to[r]] when given), else at r.
-    config: (BN, BK, warps, stages), else MOE_MM_CONFIGS' choice."""
+    config: (BN, BK, warps, stages), else MOE_MM_CONFIGS' choice. out: where to write it (rows no tile covers keep
+    what it held), else a new tensor."""
     cols, rows, _ = w.ne
     _, tile_expert, tile_row, tile_end = sched
     pairs = tile_row.new_empty(0) if rows_from is None else rows_from
-    y = torch.empty(xs.shape[0] if rows_from is None else rows_from.shape[0], rows, dtype=out_dtype,
-                    device=xs.device)
+    y = out if out is not None else torch.empty(xs.shape[0] if rows_from is None else rows_from.shape[0], rows,
+                                                dtype=out_dtype, device=xs.device)
     bn, bk, warps, stages = config or MOE_MM_CONFIGS[block, up is not None]
     other = up if up is not None else w
     _moe_mm[(tile_expert.numel(), triton.cdiv(rows, bn))](
