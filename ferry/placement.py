@@ -156,18 +156,22 @@ def parse_gpu_experts(spec: str | None) -> dict[int, tuple[int, ...]]:
     return out
 
 
+def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
+    """Sorted expert ids as [first, last + 1) runs of neighbours: one copy per run (the streamer), one range of
+    --gpu-experts."""
+    runs: list[tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], e + 1)
+        else:
+            runs.append((e, e + 1))
+    return runs
+
+
 def format_gpu_experts(resident: dict[int, tuple[int, ...]]) -> str:
     """The --gpu-experts text of a placement, runs of neighbours as ranges."""
-    parts = []
-    for layer, ids in sorted(resident.items()):
-        runs: list[list[int]] = []
-        for e in ids:
-            if runs and runs[-1][1] == e - 1:
-                runs[-1][1] = e
-            else:
-                runs.append([e, e])
-        parts.append(f"{layer}:" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs))
-    return ";".join(parts)
+    return ";".join(f"{layer}:" + ",".join(str(a) if b == a + 1 else f"{a}-{b - 1}" for a, b in expert_runs(ids))
+                    for layer, ids in sorted(resident.items()))
 
 
 def resident_bytes(tensors: dict[str, int], resident: dict[int, tuple[int, ...]], n_expert: int) -> int:

@@ -288,10 +288,8 @@ class HybridBackend:
         """The CPU's routed experts of a u-batch (CpuBackend.moe_experts) whose pairs of id -1 (resident experts,
         computed on the GPU) are left out: the live pairs of one token as its slots, of more as a list of pairs
         (padded to few sizes, as _split_moe's cold ones) summed per token; zeros where none is left."""
-        if id(gate) not in self._resident:  # no -1 pairs: generation's hot path checks nothing more
-            return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act, out=out)
-        live = ids_host >= 0
-        if bool(live.all()):
+        live = ids_host >= 0 if id(gate) in self._resident else None  # only those layers have -1 pairs
+        if live is None or bool(live.all()):
             return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act, out=out)
         n, n_embd = x_host.shape
         out = torch.empty(n, n_embd, dtype=torch.float32) if out is None else out

@@ -19,6 +19,7 @@ import torch
 
 from ferry.kernels.cuda.driver import cudart_library
 
+from ferry.placement import expert_runs  # noqa: F401 (tests and the staging below)
 from ferry.weight import Weight
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly: the mmap is mapped read-only
@@ -45,17 +46,6 @@ def _clear_last_cuda_error() -> None:
     lib = cudart_library()
     if lib is not None:
         lib.cudaGetLastError()
-
-
-def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
-    """Sorted expert ids as [first, last + 1) runs of neighbours: one copy per run."""
-    runs: list[tuple[int, int]] = []
-    for e in experts:
-        if runs and runs[-1][1] == e:
-            runs[-1] = (runs[-1][0], e + 1)
-        else:
-            runs.append((e, e + 1))
-    return runs
 
 
 @dataclass
