@@ -27,6 +27,7 @@ class Weight:
     graphs: dict = field(default_factory=dict, repr=False)  # backend kernels built for this weight
     f32_copy: np.ndarray | None = field(default=None, repr=False)  # for a type no backend kernel reads
     repacked: object = field(default=None, repr=False)  # the CPU backend's interleaved copy (False: none exists)
+    own_copy: np.ndarray | None = field(default=None, repr=False)  # ferry's CPU kernels' interleaved copy (Q8_0)
 
     @property
     def nbytes(self) -> int:

@@ -65,8 +65,11 @@ def test_q8_0_weights_and_f16_cache_stay_close_to_transformers(family, graph, tm
     # flipped near-tie weighs 2.5x as much (seen: one position at 0.06); at most two such positions of 37
     # deepseek3 picks 2 of 4 groups of 2 experts first: a near-tie between groups (position 25, layer 1: margin 0.015
     # against a median 0.18) flips two of its three experts at once (seen: that one position at 0.29, graph only)
+    # gemma3: 6.1e-4 under ggml's kernels, 1.03e-3 under ferry's CPU kernels (eager): the same rounding scheme (8-bit
+    # activations per 32 or 256), another draw of its noise (mean KL 2.9e-4 and 3.8e-4; ferry's against ggml's 2.8e-4;
+    # llama's and mixtral's lower under ferry's)
     worst = {"qwen3moe": 0.05, "mixtral": 0.05, "glm4moe": 0.15, "deepseek2": 0.05, "deepseek2-lite": 0.05,
-             "deepseek2-split": 0.05, "deepseek3": 0.35}.get(family, 1e-3)
+             "deepseek2-split": 0.05, "deepseek3": 0.35, "gemma3": 1.5e-3}.get(family, 1e-3)
     assert kl.max() < worst, f"{family}: max KL {kl.max():.2e}"
     assert (kl > 1e-2).sum() <= 2, f"{family}: {(kl > 1e-2).sum()} positions above KL 1e-2"
     top2 = ref.topk(2, -1).values

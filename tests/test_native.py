@@ -91,6 +91,79 @@ def test_the_kernel_matches_float64_given_its_activation_rounding(up_type, down_
     assert err < 2e-2 and err < 1.5 * np.linalg.norm(theirs - exact) / np.linalg.norm(exact) + 1e-3
 
 
+# (up and gate's type, down's type, n_embd, n_ff, n_expert, n_used, tokens, threads): tokens past a tile of 8 and
+# not a multiple of it, fewer tokens than threads, experts no token picks, one expert for all, the three types mixed
+BATCHES = [(Q40, Q40, 2048, 768, 16, 8, 37, 3), (Q40, Q40, 96, 64, 3, 2, 2, 3), (Q40, Q40, 160, 96, 5, 1, 17, 2),
+           (Q40, Q40, 64, 32, 1, 1, 9, 1), (Q40, Q40, 320, 224, 24, 5, 11, 2), (Q40, Q40, 256, 160, 9, 8, 64, 3),
+           (Q4K, Q6K, 2048, 768, 16, 8, 19, 3), (Q4K, Q4K, 768, 256, 3, 2, 5, 2), (Q6K, Q40, 768, 96, 7, 5, 23, 3),
+           (Q40, Q6K, 96, 1280, 9, 8, 8, 1), (Q6K, Q6K, 256, 256, 1, 1, 3, 2), (Q40, Q4K, 160, 256, 40, 3, 33, 3)]
+
+
+@pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n,threads", BATCHES)
+def test_the_batch_kernel_matches_float64_given_its_activation_rounding(up_type, down_type, n_embd, n_ff, n_expert,
+                                                                          n_used, n, threads):
+    """Many tokens at once (ferry_moe_batch: the pairs sorted by expert, tiles of tokens per weight group), some slots
+    of id -1 (experts computed elsewhere: they add nothing), against float64 with the kernel's rounding of x and h."""
+    rng = np.random.default_rng(n_embd * n + n_used)
+    cpu = CpuBackend(threads)
+    (up, gate, down), (up64, gate64, down64) = _layer(rng, n_expert, n_embd, n_ff, up_type, down_type)
+    round_x, round_h = ((lambda v, b=32 if t == Q40 else 256: _as_kernel_rounds(v, b)) for t in (up_type, down_type))
+    x = rng.standard_normal((n, n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n)]).astype(np.int32)
+    ids[rng.random(ids.shape) < 0.2] = -1
+    weights = rng.random((n, n_used)).astype(np.float32)
+    rounded = np.zeros((n, n_embd))
+    for i in range(n):
+        xr = round_x(x[i].astype(np.float64))
+        for j, e in enumerate(ids[i]):
+            if e >= 0:
+                g, u = gate64[e] @ xr, up64[e] @ xr
+                rounded[i] += weights[i, j] * (down64[e] @ round_h(g / (1 + np.exp(-g)) * u))
+    assert cpu.native_experts(n, True, up, gate, down, "silu") is not None
+    got = cpu.moe_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), up, gate, down,
+                          "silu").numpy()
+    # float32 accumulation and an h value rounded the other way here and there (about 3e-4 of a row's scale each)
+    scale = np.abs(rounded).max(axis=1, keepdims=True)
+    assert np.all(np.abs(got - rounded) <= 3e-3 * np.maximum(scale, 1e-30)), np.abs(got - rounded).max()
+    assert np.linalg.norm(got - rounded) / np.linalg.norm(rounded) < 1e-3  # the exact result is 1e-2 away
+    assert not np.any(got[(ids < 0).all(axis=1)])  # a token whose every slot is elsewhere: exact zeros
+    # token by token through the one-token kernel (its live slots): the same sums in another order
+    for i in range(n):
+        live = ids[i] >= 0
+        if live.any():
+            one = cpu.moe_experts(torch.from_numpy(x[i:i + 1]), torch.from_numpy(ids[i:i + 1, live]),
+                                  torch.from_numpy(weights[i:i + 1, live]), up, gate, down, "silu").numpy()[0]
+            assert np.abs(got[i] - one).max() <= 1e-5 * np.abs(one).max()
+
+
+def test_the_batch_kernel_matches_ggml_on_the_same_tokens():
+    """The batch kernel and ggml's mul_mat_id on one layer's 300 tokens: the same result to 8-bit activations'
+    rounding, which both make (ggml's Q8_0 / Q8_K, the kernel's own)."""
+    rng = np.random.default_rng(11)
+    (up, gate, down), _ = _layer(rng, 32, 512, 256)
+    x = torch.from_numpy(rng.standard_normal((300, 512)).astype(np.float32))
+    ids = torch.from_numpy(np.stack([rng.choice(32, 4, replace=False) for _ in range(300)]).astype(np.int32))
+    weights = torch.from_numpy(rng.random((300, 4)).astype(np.float32))
+    ours = CpuBackend(2).moe_experts(x, ids, weights, up, gate, down, "silu")
+    theirs = CpuBackend(2, native_kernels=False).moe_experts(x, ids, weights, up, gate, down, "silu")
+    assert torch.linalg.norm(ours - theirs) / torch.linalg.norm(theirs) < 2e-2
+
+
+def test_an_expert_id_out_of_range_in_a_batch_is_an_error_and_writes_nothing():
+    rng = np.random.default_rng(12)
+    cpu = CpuBackend(2)
+    layer, _ = _layer(rng, 4, 64, 32)
+    kernel = cpu.native_experts(3, True, *layer, "silu")
+    if kernel is None:
+        assert not _has_vnni()
+        return
+    out = torch.full((3, 64), 7.0)
+    with pytest.raises(ValueError, match=r"\[-2, 4\] are not all below 4"):
+        kernel(torch.randn(3, 64), torch.tensor([[1, 2], [4, -1], [0, -2]], dtype=torch.int32), torch.ones(3, 2),
+               *(w.repacked.tensor.contents.data for w in layer), 4, out)
+    assert torch.equal(out, torch.full((3, 64), 7.0))
+
+
 def test_an_expert_id_out_of_range_is_an_error_and_writes_nothing():
     rng = np.random.default_rng(5)
     cpu = CpuBackend(2)
@@ -111,7 +184,7 @@ def test_ggml_keeps_what_the_kernel_does_not_cover():
     q4, _ = _layer(rng, 4, 64, 32)
     q8, _ = _layer(rng, 4, 64, 32, Q.Q8_0)
     assert (cpu.native_experts(1, True, *q4, "silu") is not None) == _has_vnni()
-    assert cpu.native_experts(2, True, *q4, "silu") is None
+    assert (cpu.native_experts(2, True, *q4, "silu") is not None) == _has_vnni()  # many tokens: the batch kernel
     assert cpu.native_experts(1, False, *q4, "silu") is None
     assert cpu.native_experts(1, True, *q4, "gelu") is None
     assert cpu.native_experts(1, True, *q8, "silu") is None
@@ -151,3 +224,67 @@ def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
         assert mixed.startswith("ggml's kernel")
     q8 = experts_kernel([{"Q8_0"}, {"Q8_0"}])
     assert q8.startswith("ggml's kernel") and "these are Q8_0" in q8
+
+
+def _rounded_rows(x: np.ndarray, qtype) -> np.ndarray:
+    """x's rows after the kernel's activation rounding for weights of qtype (blocks of 32 for Q4_0 / Q8_0, else 256)."""
+    return np.stack([_as_kernel_rounds(r.astype(np.float64), 32 if qtype in (Q40, Q.Q8_0) else 256) for r in x])
+
+
+# (type, rows, columns, tokens, threads): one block, odd block counts, one group of 8 rows, tokens past a tile of 8,
+# fewer tokens than threads
+LINEAR = [(Q.Q8_0, 8, 32, 1, 1), (Q.Q8_0, 24, 96, 3, 3), (Q.Q8_0, 72, 160, 17, 2), (Q.Q8_0, 2048, 512, 9, 3),
+          (Q40, 40, 160, 20, 2), (Q40, 8, 32, 1, 3), (Q40, 1024, 96, 11, 2),
+          (Q4K, 16, 768, 5, 2), (Q4K, 8, 256, 1, 1), (Q4K, 136, 1280, 19, 3),
+          (Q6K, 8, 256, 2, 3), (Q6K, 56, 768, 13, 2), (Q6K, 24, 1280, 1, 1)]
+
+
+@pytest.mark.parametrize("qtype,m,k,n,threads", LINEAR)
+def test_the_matrix_kernel_matches_float64_given_its_activation_rounding(qtype, m, k, n, threads):
+    """Dense weights (ferry_linear: Q8_0 in ferry's own interleaved copy, Q4_0 / Q4_K in ggml's repacked one, Q6_K
+    plain), one token and many, eager and as a node of a ggml graph (a dense FFN's three weights)."""
+    rng = np.random.default_rng(m * k + n)
+    w, w64 = _weight(rng, qtype, m, k)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    cpu = CpuBackend(threads)
+    assert cpu.native_linear(w) is not None
+    got = cpu.linear(torch.from_numpy(x), w).numpy()
+    rounded = _rounded_rows(x, qtype) @ w64.T
+    assert np.abs(got - rounded).max() <= 1e-5 * np.abs(rounded).max()
+    exact = x.astype(np.float64) @ w64.T
+    assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 2e-2  # 8-bit activations: about 0.5%
+    if qtype == Q.Q8_0:
+        assert w.own_copy is not None and w.own_copy.nbytes == w.data.nbytes  # the same bytes, interleaved
+
+
+def test_a_dense_ffn_graph_runs_the_matrix_kernel_as_ggml_runs_its_own():
+    """CpuBackend.ffn (one graph: up, gate, down as ferry's nodes) against ggml's mul_mat on the same weights, and
+    against float64 with both roundings of the kernel's activations."""
+    rng = np.random.default_rng(21)
+    (up, up64), (gate, gate64) = _weight(rng, Q.Q8_0, 96, 64), _weight(rng, Q.Q8_0, 96, 64)
+    down, down64 = _weight(rng, Q40, 64, 96)
+    x = rng.standard_normal((13, 64)).astype(np.float32)
+    ours = CpuBackend(2).ffn(torch.from_numpy(x), gate, up, down, "silu").numpy()
+    theirs = CpuBackend(2, native_kernels=False).ffn(torch.from_numpy(x), gate, up, down, "silu").numpy()
+    xr = _rounded_rows(x, Q.Q8_0)
+    g, u = xr @ gate64.T, xr @ up64.T
+    ref = _rounded_rows(g / (1 + np.exp(-g)) * u, Q40) @ down64.T
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= 3e-3 * scale  # an h value rounded the other way here and there
+    assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 2e-2
+
+
+def test_ggml_keeps_the_dense_weights_the_matrix_kernel_does_not_cover():
+    """Rows not a multiple of 8, a type it does not read, Q4_0 without ggml's repacked copy (--no-repack), FERRY_NATIVE
+    off: ggml's mul_mat, with the same result as before."""
+    rng = np.random.default_rng(22)
+    cpu = CpuBackend(2)
+    odd, _ = _weight(rng, Q.Q8_0, 12, 64)
+    q5, _ = _weight(rng, Q.Q5_0, 16, 64)
+    q4, _ = _weight(rng, Q40, 16, 64)
+    assert cpu.native_linear(odd) is None and cpu.native_linear(q5) is None
+    assert CpuBackend(2, repack=False).native_linear(q4) is None
+    assert CpuBackend(2, native_kernels=False).native_linear(q4) is None
+    x = torch.randn(3, 64)
+    ref = x.double() @ torch.from_numpy(odd.dequantize()).double().T
+    assert torch.linalg.norm(cpu.linear(x, odd).double() - ref) / torch.linalg.norm(ref) < 2e-2

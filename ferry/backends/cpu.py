@@ -14,7 +14,7 @@ import torch
 
 from ferry.config import settings
 from ferry.errors import FerryError
-from ferry.kernels.capabilities import cpu_native_experts
+from ferry.kernels.capabilities import can, cpu_native_experts, cpu_native_linear
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
 from ferry.weight import Weight
@@ -91,6 +91,7 @@ class CpuBackend:
         # ferry's own kernels where they run (kernels/cpu/native.py), else ggml's; by default Settings.native_kernels
         self.native_kernels = settings().native_kernels if native_kernels is None else native_kernels
         self._kernels: dict[tuple, native.MoeExperts] = {}  # ferry's expert kernel per shape and types
+        self._dense_kernel: native.Dense | None = None  # ferry's matrix kernel, made at first use
         self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
         self.placeholder = self._placeholder.ctypes.data
 
@@ -169,17 +170,36 @@ class CpuBackend:
                                  "reference dequantizer handle; re-quantize the model to a common type") from None
         return g.leaf(ggml.GGML_TYPE_F32, w.ne, w.f32_copy.ctypes.data)
 
+    def linear_node(self, g: _Graph, x, w: Weight):
+        """W x for x (k, n) float32: ferry's matrix kernel where it runs W (native_linear), else ggml's mul_mat."""
+        at = self.native_linear(w)
+        c = x.contents
+        if at is None or c.type != ggml.GGML_TYPE_F32 or c.nb[0] != 4 or c.ne[2] != 1 or c.ne[3] != 1:
+            return ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, w), x)
+        return self._dense().node(g.ctx, x, at, w.qtype.value, w.ne[1], g.keep)
+
     def ffn_nodes(self, g: _Graph, x, gate: Weight, up: Weight, down: Weight, act: str):
         """down(act(gate x) * up x) for x (n_embd, n)."""
-        u = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, up), x)
-        gt = ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, gate), x)
-        return ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, down), _GLU[act](g.ctx, gt, u))
+        u = self.linear_node(g, x, up)
+        gt = self.linear_node(g, x, gate)
+        return self.linear_node(g, _GLU[act](g.ctx, gt, u), down)
 
     def moe_nodes(self, g: _Graph, x, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
                   norm_topk: bool, act: str, routing=None):
-        """The sparse MoE block for x (n_embd, n): router (softmax, or layers.ffn.Routing's sigmoid + choice bias +
-        scale), top-k, the selected experts (mul_mat_id, fused up/gate + activation), weighted sum. Returns
-        (out (n_embd, n), expert ids (n_used, n))."""
+        """The sparse MoE block for x (n_embd, n): route_nodes, then the selected experts and their weighted sum
+        (ferry's kernel where it runs them, else mul_mat_id with up/gate + activation fused). Returns (out (n_embd, n), expert ids (n_used, n))."""
+        ids, weights = self.route_nodes(g, x, router, n_used, norm_topk, routing)
+        n_embd, n = x.contents.ne[0], x.contents.ne[1]
+        kernel = self.native_experts(n, True, up, gate, down, act)
+        if kernel is not None:  # ferry's kernel as a node (run by ggml's threads)
+            w2 = ggml.ggml_reshape_2d(g.ctx, weights, n_used, n)
+            return kernel.node(g.ctx, x, ids, w2, *map(_kernel_layout, (up, gate, down)), gate.ne[2], g.keep), ids
+        return self.expert_nodes(g, ggml.ggml_reshape_3d(g.ctx, x, n_embd, 1, n), ids, weights, up, gate, down,
+                                 act), ids
+
+    def route_nodes(self, g: _Graph, x, router: Weight, n_used: int, norm_topk: bool, routing=None):
+        """The router of x (n_embd, n): softmax, or layers.ffn.Routing's sigmoid + choice bias + groups + scale, then
+        top-k. Returns (expert ids (n_used, n), their weights (1, n_used, n))."""
         c = g.ctx
         n_embd, n = x.contents.ne[0], x.contents.ne[1]
         n_expert = router.ne[1]
@@ -199,7 +219,7 @@ class CpuBackend:
             weights = ggml.ggml_reshape_3d(c, ggml.ggml_div(c, w2, ggml.ggml_sum_rows(c, w2)), 1, n_used, n)
         if routing is not None and routing.scale != 1.0:
             weights = ggml.ggml_scale(c, weights, routing.scale)
-        return self.expert_nodes(g, x, ids, weights, up, gate, down, act), ids
+        return ids, weights
 
     @staticmethod
     def _group_mask(g: _Graph, choice, routing, n_expert: int, n: int):
@@ -271,11 +291,41 @@ class CpuBackend:
     def report(self) -> list[str]:
         return []
 
+    def native_linear(self, w: Weight) -> int | None:
+        """The address ferry's matrix kernel reads dense weight w at, where it runs it (capabilities.cpu_native_linear:
+        Q4_0 / Q4_K repacked by ggml, Q6_K plain, Q8_0 in its own copy, made here once), on a CPU it was built for;
+        None where ggml runs it. Decided once per weight."""
+        if not self.native_kernels or len(w.ne) != 2:
+            return None
+        known = w.graphs.get("native linear")
+        if known is None or known[0] is not self:
+            lib, at = native.library(), None
+            if lib is not None and can(w.qtype).cpu_linear == "repacked":
+                self.repack(w)
+            if lib is not None and not cpu_native_linear(w, repacked=lambda t: bool(t.repacked)):
+                kind = can(w.qtype).cpu_linear
+                if kind == "own":
+                    if w.own_copy is None:
+                        w.own_copy = native.repack_q8_0(lib, w.data, w.ne[1], w.ne[0], self.n_threads_batch)
+                    at = w.own_copy.ctypes.data
+                else:
+                    at = w.data.ctypes.data if kind == "plain" else w.repacked.tensor.contents.data
+            known = w.graphs["native linear"] = (self, at)
+        return known[1]
+
+    def _dense(self) -> native.Dense:
+        if self._dense_kernel is None:
+            self._dense_kernel = native.Dense(native.library(), self.n_threads, self.n_threads_batch)
+        return self._dense_kernel
+
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        """y = x @ W.T for x (n, k) float32 and W (m, k) in any ggml type."""
+        """y = x @ W.T for x (n, k) float32 and W (m, k) in any ggml type (ferry's matrix kernel where it runs W)."""
         x = x.contiguous().float()
         n, k = x.shape
         m = w.ne[1]
+        at = self.native_linear(w)
+        if at is not None:
+            return self._dense()(x, at, w.qtype.value, m, torch.empty(n, m, dtype=torch.float32))
 
         def build() -> _Graph:
             g = _Graph(self, n)
@@ -313,8 +363,8 @@ class CpuBackend:
 
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
             norm_topk: bool, act: str, routing=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole sparse MoE block as one graph: softmax router, top-k, the selected experts (mul_mat_id,
-        fused up/gate + activation), weighted sum. x (n, n_embd) float32 -> ((n, n_embd), ids (n, n_used))."""
+        """The whole sparse MoE block as one graph (moe_nodes): softmax router, top-k, the selected experts, weighted
+        sum. x (n, n_embd) float32 -> ((n, n_embd), ids (n, n_used))."""
         x = x.contiguous().float()
         n, n_embd = x.shape
 
@@ -359,10 +409,10 @@ class CpuBackend:
 
     def native_experts(self, n: int, weighted: bool, up: Weight, gate: Weight, down: Weight,
                        act: str) -> native.MoeExperts | None:
-        """ferry's own kernel for n tokens' routed experts, where it runs them: one token, its weighted sum, experts it
-        reads (capabilities.cpu_native_experts: silu, Q4_0 / Q4_K repacked, Q6_K), a CPU it was built for
+        """ferry's own kernel for n tokens' routed experts, where it runs them: their weighted sum, experts it reads
+        (capabilities.cpu_native_experts: silu, Q4_0 / Q4_K repacked, Q6_K), a CPU it was built for
         (kernels/cpu/native.py); None where ggml runs them. Decided once per layer."""
-        if not self.native_kernels or n != 1 or not weighted:
+        if not self.native_kernels or not weighted:
             return None
         known = up.graphs.get(("native", act))  # kept on the weight, as its graphs are: it dies with the layer
         if known is None or known[:3] != (self, gate, down):
@@ -375,10 +425,10 @@ class CpuBackend:
 
     def _kernel(self, lib, up: Weight, down: Weight) -> native.MoeExperts:
         """The kernel for experts of up's shape and these types (one per shape, types and thread count)."""
-        key = (up.ne[0], up.ne[1], up.qtype, down.qtype, self.n_threads)
+        key = (up.ne[0], up.ne[1], up.qtype, down.qtype, self.n_threads, self.n_threads_batch)
         if key not in self._kernels:
             self._kernels[key] = native.MoeExperts(lib, up.ne[0], up.ne[1], up.qtype.value, down.qtype.value,
-                                                   self.n_threads)
+                                                   self.n_threads, self.n_threads_batch)
         return self._kernels[key]
 
     def moe_up_gate(self, x: torch.Tensor, ids: torch.Tensor, up: Weight, gate: Weight, act: str) -> torch.Tensor:

@@ -16,28 +16,31 @@ class Can:
     gpu_expand: the GPU's dequantizer expands it (for cuBLAS, or to bfloat16 for torch's grouped GEMM);
     gpu_float: a float type the GPU's matmuls read as it is (a router, a float matrix) but its expert paths do not;
     cpu_native: ferry's CPU expert kernel reads it: "repacked" (ggml's interleaved copy), "plain" (its GGUF layout),
-    or "" (ggml runs it)."""
+    or "" (ggml runs it);
+    cpu_linear: ferry's CPU matrix kernel reads it as a dense weight: as cpu_native, or "own" (its own interleaved copy,
+    made at load where ggml has none)."""
 
     gpu_gemv: bool = False
     gpu_expand: bool = False
     gpu_float: bool = False
     cpu_native: str = ""
+    cpu_linear: str = ""
 
 
 _TABLE = {
     Q.F32: Can(gpu_float=True),
     Q.F16: Can(gpu_float=True),
     Q.BF16: Can(gpu_float=True),
-    Q.Q8_0: Can(gpu_gemv=True, gpu_expand=True),
-    Q.Q4_0: Can(gpu_gemv=True, gpu_expand=True, cpu_native="repacked"),
+    Q.Q8_0: Can(gpu_gemv=True, gpu_expand=True, cpu_linear="own"),
+    Q.Q4_0: Can(gpu_gemv=True, gpu_expand=True, cpu_native="repacked", cpu_linear="repacked"),
     Q.Q4_1: Can(gpu_expand=True),
     Q.Q5_0: Can(gpu_expand=True),
     Q.Q5_1: Can(gpu_expand=True),
     Q.Q2_K: Can(gpu_expand=True),
     Q.Q3_K: Can(gpu_expand=True),
-    Q.Q4_K: Can(gpu_expand=True, cpu_native="repacked"),
+    Q.Q4_K: Can(gpu_expand=True, cpu_native="repacked", cpu_linear="repacked"),
     Q.Q5_K: Can(gpu_expand=True),
-    Q.Q6_K: Can(gpu_expand=True, cpu_native="plain"),
+    Q.Q6_K: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_XS: Can(gpu_expand=True),
     Q.IQ4_NL: Can(gpu_expand=True),
     Q.MXFP4: Can(gpu_expand=True),
@@ -60,6 +63,24 @@ def gpu_expand_types() -> frozenset[Q]:
 
 def cpu_native_types() -> frozenset[Q]:
     return frozenset(q for q, c in _TABLE.items() if c.cpu_native)
+
+
+def cpu_linear_types() -> frozenset[Q]:
+    return frozenset(q for q, c in _TABLE.items() if c.cpu_linear)
+
+
+def cpu_native_linear(w, repacked=None) -> str:
+    """Why ferry's CPU matrix kernel cannot run this dense weight (anything with qtype and ne), "" where it can on a
+    CPU it was built for. `repacked(w)`: whether ggml holds a repacked copy of it (None: where cpu_repack says)."""
+    kind = can(w.qtype).cpu_linear
+    if not kind:
+        covers = ", ".join(sorted(q.name for q in cpu_linear_types()))
+        return f"it is {w.qtype.name}; the kernel covers {covers}"
+    if len(w.ne) != 2 or w.ne[0] % GGML_QUANT_SIZES[w.qtype][0] or w.ne[1] % 8:
+        return f"its shape {tuple(w.ne)} is not whole blocks of 8 rows"
+    if kind == "repacked" and not (repacked or (lambda t: cpu_repack(t.qtype, t.ne)))(w):
+        return "it reads ggml's repacked copy of this type, and there is none (--no-repack)"
+    return ""
 
 
 def gpu_reads(qtypes) -> bool:

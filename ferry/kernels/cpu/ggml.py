@@ -39,6 +39,7 @@ class _Graph:
         self.input_views: list = []
         self.placed: list | None = None  # the nodes the graph allocator places (set at the first allocation)
         self.generation = -1  # the compute buffer's generation when they were placed
+        self.keep: list = []  # what nodes of ferry's own kernels read (their operands, scratch): alive with the graph
 
     def leaf(self, qtype: int, ne: tuple[int, ...], data_ptr: int | None = None):
         ne = tuple(int(n) for n in ne)

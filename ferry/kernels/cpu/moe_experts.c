@@ -36,9 +36,10 @@
 #endif
 
 #define GROUP 8 /* rows interleaved */
-enum { Q4_0 = 2, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
+enum { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
+#define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
 #define QK_K 256
 #define Q4_K_BYTES 1152 /* a group's super-block: 8 d + 8 dmin (fp16), 96 bytes of scales, 8 x 128 of nibbles */
 #define Q6_K_BYTES 210  /* one row's super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, fp16 d */
@@ -46,9 +47,10 @@ enum { Q4_0 = 2, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
 #define PREFETCH_AHEAD 1152 /* bytes ahead of the block being read (8 Q4_0 blocks, one Q4_K super-block) */
 #endif
 
-typedef struct { /* an activation block of 32 for Q4_0 weights, quantized to int8 */
+typedef struct { /* an activation block of 32 for Q4_0 (Q8_0) weights, quantized to int8 */
     int8_t q[QK4_0];
-    int32_t corr[2]; /* -8 times the sum of q over the elements an even (odd) 32-bit lane meets: Q4_0's offset */
+    int32_t corr[2]; /* -8 (-128) times the sum of q over the elements an even (odd) 32-bit lane meets: the offset
+                      * of Q4_0's nibbles (of Q8_0's bytes as the kernel stores them, XOR 0x80) */
     float d;
 } act_q4_0;
 
@@ -66,15 +68,16 @@ typedef struct { /* an activation block of 256 for Q6_K weights: Q8_K's rounding
 
 int ferry_moe_fast(void) { return FAST; }
 
-static int block_of(int type) { return type == Q4_0 ? QK4_0 : type == Q4_K || type == Q6_K ? QK_K : 0; }
+static int block_of(int type) { return type == Q4_0 || type == Q8_0 ? QK4_0 : type == Q4_K || type == Q6_K ? QK_K : 0; }
 
 /* bytes of one activation row of n values, and of one group of 8 weight rows of n columns, for weights of type */
 static size_t act_bytes(int type, int n) {
-    return type == Q4_0 ? sizeof(act_q4_0) * (size_t)(n / QK4_0)
+    return type == Q4_0 || type == Q8_0 ? sizeof(act_q4_0) * (size_t)(n / QK4_0)
          : type == Q4_K ? sizeof(act_q4_k) * (size_t)(n / QK_K) : sizeof(act_q6_k) * (size_t)(n / QK_K);
 }
 static size_t group_bytes(int type, int n) {
     return type == Q4_0 ? (size_t)Q4_0_BYTES * (n / QK4_0)
+         : type == Q8_0 ? (size_t)Q8_0_BYTES * (n / QK4_0)
          : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K) : (size_t)GROUP * Q6_K_BYTES * (n / QK_K);
 }
 
@@ -93,7 +96,8 @@ static float round_q8_k(const float *v, int8_t *q) {
 
 /* x (n values) as the activation blocks that weights of `type` read */
 static void quantize_row(int type, const float *x, int n, void *dst) {
-    if (type == Q4_0) {
+    if (type == Q4_0 || type == Q8_0) {
+        const int32_t offset = type == Q4_0 ? 8 : 128;
         act_q4_0 *a = (act_q4_0 *)dst;
         for (int b = 0; b < n / QK4_0; b++) {
             const float *v = x + (size_t)b * QK4_0;
@@ -103,8 +107,8 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
                 a[b].q[i] = (int8_t)lrintf(v[i] * id);
                 sums[(i / 4) & 1] += a[b].q[i]; /* lane parity of element i: 4 bytes a lane, 8 a row's chunk */
             }
-            a[b].corr[0] = -8 * sums[0];
-            a[b].corr[1] = -8 * sums[1];
+            a[b].corr[0] = -offset * sums[0];
+            a[b].corr[1] = -offset * sums[1];
             a[b].d = d;
         }
     } else if (type == Q4_K) {
@@ -276,6 +280,113 @@ static void dot_q6_k(const uint8_t *g, const act_q6_k *a, int n, float *out) {
     }
 }
 
+/* Many tokens: each weight group is read once for a tile of up to TILE of the tokens routed to its expert. For Q4_0
+ * the 4 unpacked registers of a block serve every token of the tile (dot_q4_0's work less the loads and unpacking,
+ * TILE times over); Q4_K and Q6_K run dot_q4_k / dot_q6_k token by token on the group, which stays in L1. */
+#define TILE 8
+
+static inline __attribute__((always_inline)) void tile_q4_0(const uint8_t *g, const uint8_t *const *act, int n,
+                                                             float *const *out, const int T) {
+    const __m512i flip = _mm512_set1_epi8((char)0x88), low = _mm512_set1_epi8(0x0f);
+    const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    __m512 acc[TILE];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < n / QK4_0; b++, g += Q4_0_BYTES) {
+        _mm_prefetch((const char *)g + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)g + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)g + PREFETCH_AHEAD + 128, _MM_HINT_T0);
+        const __m512i lo = _mm512_loadu_si512(g + 16), hi = _mm512_loadu_si512(g + 80);
+        const __m512i w0 = _mm512_ternarylogic_epi32(lo, flip, low, 0x28);
+        const __m512i w1 = _mm512_ternarylogic_epi32(hi, flip, low, 0x28);
+        const __m512i w2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), flip, low, 0x28);
+        const __m512i w3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(hi, 4), flip, low, 0x28);
+        const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(
+                                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g))));
+        for (int t = 0; t < T; t++) {
+            const act_q4_0 *a = (const act_q4_0 *)act[t] + b;
+            __m512i s = _mm512_set1_epi64(load_i64(a->corr));
+            s = _mm512_dpbusd_epi32(s, w0, _mm512_set1_epi64(load_i64(a->q)));
+            s = _mm512_dpbusd_epi32(s, w1, _mm512_set1_epi64(load_i64(a->q + 8)));
+            s = _mm512_dpbusd_epi32(s, w2, _mm512_set1_epi64(load_i64(a->q + 16)));
+            s = _mm512_dpbusd_epi32(s, w3, _mm512_set1_epi64(load_i64(a->q + 24)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a->d)), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) { /* a row's two lanes summed */
+        const __m512 pairs = _mm512_add_ps(acc[t], _mm512_permute_ps(acc[t], 0xb1)); /* lane i + lane i ^ 1 */
+        _mm256_storeu_ps(out[t], _mm512_castps512_ps256(_mm512_permutexvar_ps(
+                                     _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0), pairs)));
+    }
+}
+
+/* Q8_0 as ferry_repack_q8_0 stores it: per block of 32 columns the 8 rows' fp16 scales, then for each 8 columns the
+ * 8 rows' 8 bytes, each XOR 0x80 (so unsigned: w + 128, the 128 taken back by the activation's corr) */
+static inline __attribute__((always_inline)) void tile_q8_0(const uint8_t *g, const uint8_t *const *act, int n,
+                                                             float *const *out, const int T) {
+    const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    __m512 acc[TILE];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < n / QK4_0; b++, g += Q8_0_BYTES) {
+        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES + 192, _MM_HINT_T0);
+        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES + 256, _MM_HINT_T0);
+        const __m512i w0 = _mm512_loadu_si512(g + 16), w1 = _mm512_loadu_si512(g + 80);
+        const __m512i w2 = _mm512_loadu_si512(g + 144), w3 = _mm512_loadu_si512(g + 208);
+        const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(
+                                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g))));
+        for (int t = 0; t < T; t++) {
+            const act_q4_0 *a = (const act_q4_0 *)act[t] + b;
+            __m512i s = _mm512_set1_epi64(load_i64(a->corr));
+            s = _mm512_dpbusd_epi32(s, w0, _mm512_set1_epi64(load_i64(a->q)));
+            s = _mm512_dpbusd_epi32(s, w1, _mm512_set1_epi64(load_i64(a->q + 8)));
+            s = _mm512_dpbusd_epi32(s, w2, _mm512_set1_epi64(load_i64(a->q + 16)));
+            s = _mm512_dpbusd_epi32(s, w3, _mm512_set1_epi64(load_i64(a->q + 24)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a->d)), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const __m512 pairs = _mm512_add_ps(acc[t], _mm512_permute_ps(acc[t], 0xb1));
+        _mm256_storeu_ps(out[t], _mm512_castps512_ps256(_mm512_permutexvar_ps(
+                                     _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0), pairs)));
+    }
+}
+
+/* the group at g (8 rows of n columns of type) against T activation rows: out[t][0..7] */
+static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n, float *const *out, int T) {
+    if (type == Q4_0) {
+        switch (T) { /* constant tile sizes, so that the accumulators stay in registers */
+        case 8: tile_q4_0(g, act, n, out, 8); return;
+        case 7: tile_q4_0(g, act, n, out, 7); return;
+        case 6: tile_q4_0(g, act, n, out, 6); return;
+        case 5: tile_q4_0(g, act, n, out, 5); return;
+        case 4: tile_q4_0(g, act, n, out, 4); return;
+        case 3: tile_q4_0(g, act, n, out, 3); return;
+        case 2: tile_q4_0(g, act, n, out, 2); return;
+        default: tile_q4_0(g, act, n, out, 1); return;
+        }
+    }
+    if (type == Q8_0) {
+        switch (T) {
+        case 8: tile_q8_0(g, act, n, out, 8); return;
+        case 7: tile_q8_0(g, act, n, out, 7); return;
+        case 6: tile_q8_0(g, act, n, out, 6); return;
+        case 5: tile_q8_0(g, act, n, out, 5); return;
+        case 4: tile_q8_0(g, act, n, out, 4); return;
+        case 3: tile_q8_0(g, act, n, out, 3); return;
+        case 2: tile_q8_0(g, act, n, out, 2); return;
+        default: tile_q8_0(g, act, n, out, 1); return;
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        if (type == Q4_K)
+            dot_q4_k(g, (const act_q4_k *)act[t], n, out[t]);
+        else
+            dot_q6_k(g, (const act_q6_k *)act[t], n, out[t]);
+    }
+}
+
 /* y for groups lo..hi of the flattened (slot, matrix, group) list, where matrix m of a slot is base[m]'s expert
  * ids[slot], of `groups` row groups of n columns of `type`, against that slot's activation row */
 static void groups_of(int type, int64_t lo, int64_t hi, int groups, int mats, const uint8_t *const *base,
@@ -285,12 +396,48 @@ static void groups_of(int type, int64_t lo, int64_t hi, int groups, int mats, co
         const int64_t slot = u / ((int64_t)mats * groups), rem = u % ((int64_t)mats * groups);
         const uint8_t *g = base[rem / groups] + (size_t)ids[slot] * per_expert + (size_t)(rem % groups) * per_group;
         const uint8_t *x = act + slot * act_per_slot;
-        if (type == Q4_0)
+        if (type == Q4_0) {
             dot_q4_0(g, (const act_q4_0 *)x, n, y + u * GROUP);
-        else if (type == Q4_K)
-            dot_q4_k(g, (const act_q4_k *)x, n, y + u * GROUP);
-        else
-            dot_q6_k(g, (const act_q6_k *)x, n, y + u * GROUP);
+        } else {
+            float *o = y + u * GROUP;
+            tile_of(type, g, &x, n, &o, 1);
+        }
+    }
+}
+
+/* units lo..hi of one phase: unit u of expert e (units first[e]..first[e + 1]) is (matrix, row group, tile of e's
+ * pairs), the tile innermost so that a group's tiles run one after another. Pair p (in expert order) reads activation
+ * row act + act_row(p) * act_stride and writes out + p * out_stride + matrix * out_matrix + 8 group. */
+typedef struct {
+    int type, n, groups, mats;
+    const uint8_t *const *base; /* each matrix's n_expert stacked experts */
+    const int64_t *first;       /* n_expert + 1 unit offsets */
+    const int32_t *start;       /* n_expert + 1 pair offsets (pairs in expert order) */
+    const int32_t *act_row;     /* pair -> its activation row */
+    const uint8_t *act;
+    size_t act_stride, out_stride, out_matrix;
+    float *out;
+} phase;
+
+static void run_units(const phase *ph, int64_t lo, int64_t hi) {
+    if (lo >= hi) return;
+    int e = 0;
+    while (ph->first[e + 1] <= lo) e++;
+    const size_t per_group = group_bytes(ph->type, ph->n), per_expert = per_group * ph->groups;
+    for (int64_t u = lo; u < hi; u++) {
+        while (ph->first[e + 1] <= u) e++;
+        const int count = ph->start[e + 1] - ph->start[e], tiles = (count + TILE - 1) / TILE;
+        const int64_t rem = u - ph->first[e];
+        const int tile = (int)(rem % tiles), group = (int)(rem / tiles % ph->groups), m = (int)(rem / tiles / ph->groups);
+        const uint8_t *g = ph->base[m] + (size_t)e * per_expert + (size_t)group * per_group;
+        const uint8_t *act[TILE];
+        float *out[TILE];
+        const int p0 = ph->start[e] + tile * TILE, T = count - tile * TILE < TILE ? count - tile * TILE : TILE;
+        for (int t = 0; t < T; t++) {
+            act[t] = ph->act + (size_t)ph->act_row[p0 + t] * ph->act_stride;
+            out[t] = ph->out + (size_t)(p0 + t) * ph->out_stride + (size_t)m * ph->out_matrix + (size_t)group * GROUP;
+        }
+        tile_of(ph->type, g, act, ph->n, out, T);
     }
 }
 #endif
@@ -302,10 +449,209 @@ static void thread_range(int64_t total, int t, int nt, int64_t *lo, int64_t *hi)
 
 static size_t aligned(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* The threads of one call wait for each other between phases here: OpenMP's team (the C entry points) or ggml's
+ * (the graph node, whose threads all run it at once), so one body serves both. Zeroed once; each full round leaves
+ * count at 0. */
+typedef struct {
+    _Atomic int count, round;
+} spin_barrier;
+
+static void sync_threads(spin_barrier *b, int nt) {
+    if (nt == 1) return;
+    const int round = __atomic_load_n(&b->round, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == nt) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->round, round + 1, __ATOMIC_RELEASE);
+    } else {
+        while (__atomic_load_n(&b->round, __ATOMIC_ACQUIRE) == round) __builtin_ia32_pause();
+    }
+}
+
+/* one call's operands: n tokens' x rows (x_stride floats apart), ids and weights (n_used each, ids_stride and
+ * w_stride apart), the stacked experts and their types, out (n rows of n_embd) */
+typedef struct {
+    const float *x;
+    const int32_t *ids;
+    const float *weights;
+    int64_t x_stride, ids_stride, w_stride;
+    int n, n_used, n_embd, n_ff, n_expert, up_type, down_type;
+    const uint8_t *up, *gate, *down;
+    float *out;
+    uint8_t *scratch;
+} moe_call;
+
 size_t ferry_moe_scratch(int n_embd, int n_ff, int n_used, int up_type, int down_type) {
     return aligned(act_bytes(up_type, n_embd)) + aligned((size_t)n_used * act_bytes(down_type, n_ff))
            + sizeof(float) * ((size_t)2 * n_used * n_ff + (size_t)n_used * n_embd);
 }
+
+/* scratch bytes for n tokens of n_used slots (one token: ferry_moe_scratch's) */
+size_t ferry_moe_batch_scratch(int n, int n_used, int n_embd, int n_ff, int n_expert, int up_type, int down_type) {
+    if (n == 1) return ferry_moe_scratch(n_embd, n_ff, n_used, up_type, down_type);
+    const size_t pairs = (size_t)n * n_used;
+    return aligned((size_t)n * act_bytes(up_type, n_embd)) + aligned(sizeof(int32_t) * (n_expert + 1))
+           + 2 * aligned(sizeof(int64_t) * (n_expert + 1)) + 3 * aligned(sizeof(int32_t) * pairs)
+           + aligned(sizeof(float) * pairs * 2 * n_ff) + aligned(pairs * act_bytes(down_type, n_ff))
+           + sizeof(float) * pairs * n_embd;
+}
+
+/* whether the call's sizes and types are ones the kernel covers, and its ids in range (-1 allowed over many tokens) */
+static int valid(const moe_call *c) {
+    if (!block_of(c->up_type) || !block_of(c->down_type) || c->n_embd % block_of(c->up_type)
+        || c->n_ff % block_of(c->down_type) || c->n_embd % GROUP || c->n_ff % GROUP || c->n_used < 1 || c->n < 1)
+        return 0;
+    for (int i = 0; i < c->n; i++)
+        for (int j = 0; j < c->n_used; j++) {
+            const int32_t e = c->ids[i * c->ids_stride + j];
+            if (e < (c->n == 1 ? 0 : -1) || e >= c->n_expert) return 0;
+        }
+    return 1;
+}
+
+#if FAST
+/* One token (thread t of nt): x quantized once; up and gate of every slot as one flattened (slot, matrix, row group)
+ * list, one contiguous range per thread; silu(gate) * up quantized per slot; down likewise; the weighted sum. */
+static void token_body(const moe_call *c, int t, int nt, spin_barrier *b) {
+    const int n_used = c->n_used, n_embd = c->n_embd, n_ff = c->n_ff;
+    const size_t h_bytes = act_bytes(c->down_type, n_ff);
+    uint8_t *xq = c->scratch;
+    uint8_t *hq = xq + aligned(act_bytes(c->up_type, n_embd));      /* n_used activation rows of n_ff */
+    float *ug = (float *)(hq + aligned((size_t)n_used * h_bytes)); /* per slot: its up rows, then its gate rows */
+    float *y = ug + (size_t)2 * n_used * n_ff;                     /* per slot: its down rows */
+    const uint8_t *up_gate[2] = {c->up, c->gate};
+    int64_t lo, hi;
+    if (t == 0) quantize_row(c->up_type, c->x, n_embd, xq);
+    sync_threads(b, nt);
+    thread_range((int64_t)n_used * 2 * (n_ff / GROUP), t, nt, &lo, &hi);
+    groups_of(c->up_type, lo, hi, n_ff / GROUP, 2, up_gate, c->ids, n_embd, xq, 0, ug);
+    sync_threads(b, nt);
+    for (int64_t s = t; s < n_used; s += nt) {
+        float *u = ug + s * 2 * n_ff;
+        const float *g = u + n_ff;
+        for (int i = 0; i < n_ff; i++) u[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        quantize_row(c->down_type, u, n_ff, hq + s * h_bytes);
+    }
+    sync_threads(b, nt);
+    thread_range((int64_t)n_used * (n_embd / GROUP), t, nt, &lo, &hi);
+    groups_of(c->down_type, lo, hi, n_embd / GROUP, 1, &c->down, c->ids, n_ff, hq, h_bytes, y);
+    sync_threads(b, nt);
+    thread_range(n_embd, t, nt, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < n_used; j++) s += c->weights[j] * y[(size_t)j * n_embd + i];
+        c->out[i] = s;
+    }
+}
+
+/* Many tokens (thread t of nt): the (token, slot) pairs sorted by expert, so that each expert's weights are read once
+ * per tile of TILE of its tokens; each phase's work a list of equal units (matrix, row group, tile) split into one
+ * contiguous range per thread, so that no thread idles while another has a whole expert left. A slot of id -1 adds
+ * nothing (an expert held elsewhere). */
+static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
+    const int n = c->n, n_used = c->n_used, n_embd = c->n_embd, n_ff = c->n_ff, n_expert = c->n_expert;
+    const int64_t pairs = (int64_t)n * n_used;
+    const size_t x_bytes = act_bytes(c->up_type, n_embd), h_bytes = act_bytes(c->down_type, n_ff);
+    uint8_t *at = c->scratch;
+    uint8_t *xq = at;
+    at += aligned((size_t)n * x_bytes);
+    int32_t *start = (int32_t *)at; /* pairs of expert e: start[e]..start[e + 1] in expert order */
+    at += aligned(sizeof(int32_t) * (n_expert + 1));
+    int64_t *first_ug = (int64_t *)at, *first_down = (int64_t *)(at + aligned(sizeof(int64_t) * (n_expert + 1)));
+    at += 2 * aligned(sizeof(int64_t) * (n_expert + 1));
+    int32_t *token_of = (int32_t *)at;                                     /* pair in expert order -> its token */
+    int32_t *self = (int32_t *)(at + aligned(sizeof(int32_t) * pairs));     /* p -> p: h's rows are the pairs' own */
+    int32_t *pos = (int32_t *)(at + 2 * aligned(sizeof(int32_t) * pairs)); /* token * n_used + slot -> p, or -1 */
+    at += 3 * aligned(sizeof(int32_t) * pairs);
+    float *ug = (float *)at; /* per pair: its up rows, then its gate rows */
+    at += aligned(sizeof(float) * pairs * 2 * n_ff);
+    uint8_t *hq = at;
+    at += aligned(pairs * h_bytes);
+    float *y = (float *)at; /* per pair: its down rows */
+    const uint8_t *up_gate[2] = {c->up, c->gate};
+    const int ff_groups = n_ff / GROUP, embd_groups = n_embd / GROUP;
+    int64_t lo, hi;
+
+    thread_range(n, t, nt, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) quantize_row(c->up_type, c->x + i * c->x_stride, n_embd, xq + i * x_bytes);
+    if (t == 0) { /* counting sort of the pairs by expert, and each phase's units per expert */
+        memset(start, 0, sizeof(int32_t) * (n_expert + 1));
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < n_used; j++) {
+                const int32_t e = c->ids[i * c->ids_stride + j];
+                if (e >= 0) start[e + 1]++;
+            }
+        for (int e = 0; e < n_expert; e++) start[e + 1] += start[e];
+        first_ug[0] = first_down[0] = 0;
+        for (int e = 0; e < n_expert; e++) {
+            const int64_t tiles = (start[e + 1] - start[e] + TILE - 1) / TILE;
+            first_ug[e + 1] = first_ug[e] + tiles * 2 * ff_groups;
+            first_down[e + 1] = first_down[e] + tiles * embd_groups;
+        }
+        for (int e = n_expert; e > 0; e--) start[e] = start[e - 1]; /* shifted: start[e + 1] is e's next free */
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < n_used; j++) {
+                const int32_t e = c->ids[i * c->ids_stride + j];
+                if (e < 0) {
+                    pos[i * n_used + j] = -1;
+                    continue;
+                }
+                const int p = start[e + 1]++;
+                pos[i * n_used + j] = p;
+                token_of[p] = i;
+                self[p] = p;
+            }
+    }
+    sync_threads(b, nt);
+    const int live = start[n_expert];
+    const phase up_phase = {c->up_type, n_embd, ff_groups, 2, up_gate, first_ug, start, token_of, xq, x_bytes,
+                            (size_t)2 * n_ff, (size_t)n_ff, ug};
+    thread_range(first_ug[n_expert], t, nt, &lo, &hi);
+    run_units(&up_phase, lo, hi);
+    sync_threads(b, nt);
+    thread_range(live, t, nt, &lo, &hi);
+    for (int64_t p = lo; p < hi; p++) {
+        float *u = ug + p * 2 * n_ff;
+        const float *g = u + n_ff;
+        for (int i = 0; i < n_ff; i++) u[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        quantize_row(c->down_type, u, n_ff, hq + p * h_bytes);
+    }
+    sync_threads(b, nt);
+    const phase down_phase = {c->down_type, n_ff, embd_groups, 1, &c->down, first_down, start, self, hq, h_bytes,
+                              (size_t)n_embd, 0, y};
+    thread_range(first_down[n_expert], t, nt, &lo, &hi);
+    run_units(&down_phase, lo, hi);
+    sync_threads(b, nt);
+    const int chunks = (n_embd + 63) / 64; /* (token, 64 columns) units, so that a few tokens use every thread */
+    thread_range((int64_t)n * chunks, t, nt, &lo, &hi);
+    for (int64_t u = lo; u < hi; u++) {
+        const int64_t i = u / chunks;
+        const int c0 = (int)(u % chunks) * 64, c1 = c0 + 64 < n_embd ? c0 + 64 : n_embd;
+        float *o = c->out + i * n_embd;
+        for (int col = c0; col < c1; col++) o[col] = 0.0f;
+        for (int j = 0; j < n_used; j++) {
+            const int32_t p = pos[i * n_used + j];
+            if (p < 0) continue;
+            const float w = c->weights[i * c->w_stride + j], *yp = y + (size_t)p * n_embd;
+            for (int col = c0; col < c1; col++) o[col] += w * yp[col];
+        }
+    }
+}
+
+static void run_call(const moe_call *c, int t, int nt, spin_barrier *b) {
+    if (c->n == 1)
+        token_body(c, t, nt, b);
+    else
+        batch_body(c, t, nt, b);
+}
+
+static int run_omp(const moe_call *c, int n_threads) {
+    if (!valid(c)) return -1;
+    spin_barrier b = {0, 0};
+#pragma omp parallel num_threads(n_threads)
+    run_call(c, omp_get_thread_num(), omp_get_num_threads(), &b);
+    return 0;
+}
+#endif
 
 /* x (n_embd) -> out (n_embd): sum over slots j of weights[j] * down[ids[j]] (silu(gate[ids[j]] x) * up[ids[j]] x).
  * up, gate: n_expert matrices of n_ff rows of n_embd, of up_type; down: n_expert matrices of n_embd rows of n_ff, of
@@ -318,44 +664,153 @@ int ferry_moe_experts(const float *x, const int32_t *ids, const float *weights, 
 #if !FAST
     return -2; /* native.py asks ferry_moe_fast first and never gets here */
 #else
-    if (!block_of(up_type) || !block_of(down_type) || n_embd % block_of(up_type) || n_ff % block_of(down_type)
-        || n_embd % GROUP || n_ff % GROUP || n_used < 1)
-        return -1;
-    for (int j = 0; j < n_used; j++)
-        if (ids[j] < 0 || ids[j] >= n_expert) return -1;
-    const size_t h_bytes = act_bytes(down_type, n_ff);
-    uint8_t *xq = (uint8_t *)scratch;
-    uint8_t *hq = xq + aligned(act_bytes(up_type, n_embd));        /* n_used activation rows of n_ff */
-    float *ug = (float *)(hq + aligned((size_t)n_used * h_bytes)); /* per slot: its up rows, then its gate rows */
-    float *y = ug + (size_t)2 * n_used * n_ff;                     /* per slot: its down rows */
-    const uint8_t *up_gate[2] = {up, gate};
+    const moe_call c = {x, ids, weights, n_embd, n_used, n_used, 1, n_used, n_embd, n_ff, n_expert, up_type,
+                        down_type, up, gate, down, out, (uint8_t *)scratch};
+    return run_omp(&c, n_threads);
+#endif
+}
 
-#pragma omp parallel num_threads(n_threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t lo, hi;
-        if (t == 0) quantize_row(up_type, x, n_embd, xq);
-#pragma omp barrier
-        thread_range((int64_t)n_used * 2 * (n_ff / GROUP), t, nt, &lo, &hi);
-        groups_of(up_type, lo, hi, n_ff / GROUP, 2, up_gate, ids, n_embd, xq, 0, ug);
-#pragma omp barrier
-        for (int64_t s = t; s < n_used; s += nt) {
-            float *u = ug + s * 2 * n_ff;
-            const float *g = u + n_ff;
-            for (int i = 0; i < n_ff; i++) u[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-            quantize_row(down_type, u, n_ff, hq + s * h_bytes);
+/* n tokens' routed experts: x (n, n_embd) -> out (n, n_embd), row i the sum over its slots j of weights[i, j] *
+ * down[e] (silu(gate[e] x_i) * up[e] x_i), e = ids[i, j]; over many tokens a slot of id -1 adds nothing. Layouts,
+ * types and returns as ferry_moe_experts'; scratch: ferry_moe_batch_scratch bytes, 64-byte aligned. */
+int ferry_moe_batch(const float *x, const int32_t *ids, const float *weights, int n, int n_used, int n_embd, int n_ff,
+                    int n_expert, const uint8_t *up, const uint8_t *gate, const uint8_t *down, int up_type,
+                    int down_type, float *out, void *scratch, int n_threads) {
+#if !FAST
+    return -2;
+#else
+    const moe_call c = {x, ids, weights, n_embd, n_used, n_used, n, n_used, n_embd, n_ff, n_expert, up_type,
+                        down_type, up, gate, down, out, (uint8_t *)scratch};
+    return run_omp(&c, n_threads);
+#endif
+}
+
+/* The same as a node of a ggml graph (ggml_custom_4d, called by each of ggml's nth threads at once with its ith):
+ * dst (n_embd, n) float32 = the experts of src[0] x (n_embd, n) float32, src[1] ids (>= n_used, n) int32, src[2]
+ * weights (n_used, n) float32, rows of each at their nb[1]. The layer's fixed part is a ferry_ggml_moe, its tensor
+ * field offsets given by the caller (so that no ggml header is needed here). ids are top_k's: in range. */
+typedef struct {
+    const uint8_t *up, *gate, *down;
+    int n_embd, n_ff, n_expert, n_used, up_type, down_type;
+    uint8_t *scratch; /* ferry_moe_batch_scratch bytes for the graph's n tokens */
+    spin_barrier *barrier;
+    int64_t off_ne, off_nb, off_src, off_data; /* byte offsets of ggml_tensor's ne, nb, src and data fields */
+} ferry_ggml_moe;
+
+static void *field_ptr(const void *tensor, int64_t off) { return *(void **)((const uint8_t *)tensor + off); }
+
+size_t ferry_ggml_moe_size(void) { return sizeof(ferry_ggml_moe); }
+
+void ferry_moe_ggml(void *dst, int ith, int nth, void *userdata) {
+#if FAST
+    const ferry_ggml_moe *m = (const ferry_ggml_moe *)userdata;
+    const void *const *src = (const void *const *)((const uint8_t *)dst + m->off_src);
+    const int64_t *ne = (const int64_t *)((const uint8_t *)dst + m->off_ne);
+    const size_t *nb_x = (const size_t *)((const uint8_t *)src[0] + m->off_nb);
+    const size_t *nb_ids = (const size_t *)((const uint8_t *)src[1] + m->off_nb);
+    const size_t *nb_w = (const size_t *)((const uint8_t *)src[2] + m->off_nb);
+    const moe_call c = {field_ptr(src[0], m->off_data), field_ptr(src[1], m->off_data), field_ptr(src[2], m->off_data),
+                        (int64_t)(nb_x[1] / sizeof(float)), (int64_t)(nb_ids[1] / sizeof(int32_t)),
+                        (int64_t)(nb_w[1] / sizeof(float)), (int)ne[1], m->n_used, m->n_embd, m->n_ff, m->n_expert,
+                        m->up_type, m->down_type, m->up, m->gate, m->down, field_ptr(dst, m->off_data), m->scratch};
+    run_call(&c, ith, nth, m->barrier);
+#else
+    (void)dst, (void)ith, (void)nth, (void)userdata;
+#endif
+}
+
+/* Plain Q8_0 rows (34 bytes a block: fp16 d, 32 int8) to the layout tile_q8_0 reads, rows in groups of 8 (rows: a
+ * multiple of 8, cols: of 32); the rows split between n_threads. */
+void ferry_repack_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t cols, int n_threads) {
+    const int64_t blocks = cols / QK4_0, groups = rows / GROUP;
+#pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t gi = 0; gi < groups; gi++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *o = dst + (gi * blocks + b) * Q8_0_BYTES;
+            for (int r = 0; r < GROUP; r++) {
+                const uint8_t *blk = src + ((gi * GROUP + r) * blocks + b) * 34;
+                memcpy(o + 2 * r, blk, 2);
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 8; i++) o[16 + 64 * c + 8 * r + i] = blk[2 + 8 * c + i] ^ 0x80;
+            }
         }
-#pragma omp barrier
-        thread_range((int64_t)n_used * (n_embd / GROUP), t, nt, &lo, &hi);
-        groups_of(down_type, lo, hi, n_embd / GROUP, 1, &down, ids, n_ff, hq, h_bytes, y);
-#pragma omp barrier
-        thread_range(n_embd, t, nt, &lo, &hi);
-        for (int64_t i = lo; i < hi; i++) {
-            float s = 0.0f;
-            for (int j = 0; j < n_used; j++) s += weights[j] * y[(size_t)j * n_embd + i];
-            out[i] = s;
-        }
+}
+
+/* y = W x for n rows of x: W m rows of k columns of type in the kernel's layout (Q4_0 / Q4_K: ggml's repacked, Q8_0:
+ * ferry_repack_q8_0's, Q6_K: plain), x rows x_stride floats apart, y rows out_stride apart */
+typedef struct {
+    const float *x;
+    int64_t x_stride, out_stride;
+    int n, m, k, type;
+    const uint8_t *w;
+    float *out;
+    uint8_t *scratch;
+} linear_call;
+
+size_t ferry_linear_scratch(int n, int k, int type) {
+    return aligned((size_t)n * act_bytes(type, k)) + sizeof(int32_t) * (size_t)n;
+}
+
+#if FAST
+/* x quantized once (rows split between threads), then (row group, tile of tokens) units, the tile innermost */
+static void linear_body(const linear_call *c, int t, int nt, spin_barrier *b) {
+    const size_t x_bytes = act_bytes(c->type, c->k);
+    uint8_t *xq = c->scratch;
+    int32_t *rows = (int32_t *)(xq + aligned((size_t)c->n * x_bytes));
+    int64_t lo, hi;
+    thread_range(c->n, t, nt, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        quantize_row(c->type, c->x + i * c->x_stride, c->k, xq + i * x_bytes);
+        rows[i] = (int32_t)i;
     }
+    sync_threads(b, nt);
+    const int groups = c->m / GROUP;
+    const int64_t first[2] = {0, (int64_t)groups * ((c->n + TILE - 1) / TILE)};
+    const int32_t start[2] = {0, c->n};
+    const phase ph = {c->type, c->k, groups, 1, &c->w, first, start, rows, xq, x_bytes, (size_t)c->out_stride, 0,
+                      c->out};
+    thread_range(first[1], t, nt, &lo, &hi);
+    run_units(&ph, lo, hi);
+}
+#endif
+
+int ferry_linear(const float *x, int n, int64_t x_stride, const uint8_t *w, int type, int m, int k, float *out,
+                 int64_t out_stride, void *scratch, int n_threads) {
+#if !FAST
+    return -2;
+#else
+    if (!block_of(type) || k % block_of(type) || m % GROUP || n < 1) return -1;
+    const linear_call c = {x, x_stride, out_stride, n, m, k, type, w, out, (uint8_t *)scratch};
+    spin_barrier b = {0, 0};
+#pragma omp parallel num_threads(n_threads)
+    linear_body(&c, omp_get_thread_num(), omp_get_num_threads(), &b);
     return 0;
+#endif
+}
+
+/* ferry_linear as a node of a ggml graph: dst (m, n) float32 = W src[0] (k, n) float32 */
+typedef struct {
+    const uint8_t *w;
+    int type, m, k;
+    uint8_t *scratch; /* ferry_linear_scratch bytes for the graph's n tokens */
+    spin_barrier *barrier;
+    int64_t off_ne, off_nb, off_src, off_data;
+} ferry_ggml_linear;
+
+size_t ferry_ggml_linear_size(void) { return sizeof(ferry_ggml_linear); }
+
+void ferry_linear_ggml(void *dst, int ith, int nth, void *userdata) {
+#if FAST
+    const ferry_ggml_linear *l = (const ferry_ggml_linear *)userdata;
+    const void *const *src = (const void *const *)((const uint8_t *)dst + l->off_src);
+    const int64_t *ne = (const int64_t *)((const uint8_t *)dst + l->off_ne);
+    const size_t *nb_x = (const size_t *)((const uint8_t *)src[0] + l->off_nb);
+    const size_t *nb_y = (const size_t *)((const uint8_t *)dst + l->off_nb);
+    const linear_call c = {field_ptr(src[0], l->off_data), (int64_t)(nb_x[1] / sizeof(float)),
+                           (int64_t)(nb_y[1] / sizeof(float)), (int)ne[1], l->m, l->k, l->type, l->w,
+                           field_ptr(dst, l->off_data), l->scratch};
+    linear_body(&c, ith, nth, l->barrier);
+#else
+    (void)dst, (void)ith, (void)nth, (void)userdata;
 #endif
 }

@@ -1,8 +1,8 @@
 """ferry's own CPU kernels (C beside this file), compiled for this machine at first use and kept in the cache.
 
-So far one: a token's routed experts for Q4_0 and Q4_K weights in ggml's repacked layouts and Q6_K weights in their
-plain one (moe_experts.c), which reads them faster than ggml's mul_mat_id at one token (benchmarks/expert_reads.py;
-docs/decisions.md). Where no C compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None
+So far the routed experts, of one token or of many, for Q4_0 and Q4_K weights in ggml's repacked layouts and Q6_K
+weights in their plain one (moe_experts.c): at one token it reads them faster than ggml's mul_mat_id
+(benchmarks/expert_reads.py; docs/decisions.md), at many it reads each expert once per tile of its tokens. Where no C compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None
 (`why_not()` says why) and ggml runs those experts."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import ggml
 import numpy as np
 import torch
 
@@ -69,11 +70,56 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             p, i = ctypes.c_void_p, ctypes.c_int
             lib.ferry_moe_experts.restype = ctypes.c_int
             lib.ferry_moe_experts.argtypes = [p, p, p, i, i, i, i, p, p, p, i, i, p, p, i]
+            lib.ferry_moe_batch_scratch.restype = ctypes.c_size_t
+            lib.ferry_moe_batch_scratch.argtypes = [ctypes.c_int] * 7
+            lib.ferry_moe_batch.restype = ctypes.c_int
+            lib.ferry_moe_batch.argtypes = [p, p, p, i, i, i, i, i, p, p, p, i, i, p, p, i]
+            lib.ferry_linear_scratch.restype = ctypes.c_size_t
+            lib.ferry_linear_scratch.argtypes = [i, i, i]
+            lib.ferry_linear.restype = ctypes.c_int
+            lib.ferry_linear.argtypes = [p, i, ctypes.c_int64, p, i, i, i, p, ctypes.c_int64, p, i]
+            lib.ferry_repack_q8_0.restype = None
+            lib.ferry_repack_q8_0.argtypes = [p, p, ctypes.c_int64, ctypes.c_int64, i]
+            lib.ferry_ggml_linear_size.restype = ctypes.c_size_t
+            if lib.ferry_ggml_linear_size() != ctypes.sizeof(_GgmlLinear):
+                raise OSError("moe_experts.c's ferry_ggml_linear and native.py's _GgmlLinear differ")
+            lib.ferry_ggml_moe_size.restype = ctypes.c_size_t
+            if lib.ferry_ggml_moe_size() != ctypes.sizeof(_GgmlMoe):
+                raise OSError("moe_experts.c's ferry_ggml_moe and native.py's _GgmlMoe differ")
             _built[key] = lib if lib.ferry_moe_fast() else (
                 "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for")
         except (OSError, subprocess.SubprocessError) as e:
             _built[key] = f"ferry's CPU kernels did not build ({e})"
     return _built[key]
+
+
+class _GgmlMoe(ctypes.Structure):
+    """moe_experts.c's ferry_ggml_moe: a layer's fixed operands of the graph node, and where ggml_tensor keeps the
+    fields the node reads."""
+    _fields_ = [("up", ctypes.c_void_p), ("gate", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("n_embd", ctypes.c_int), ("n_ff", ctypes.c_int), ("n_expert", ctypes.c_int), ("n_used", ctypes.c_int),
+                ("up_type", ctypes.c_int), ("down_type", ctypes.c_int), ("scratch", ctypes.c_void_p),
+                ("barrier", ctypes.c_void_p), ("off_ne", ctypes.c_int64), ("off_nb", ctypes.c_int64),
+                ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64)]
+
+
+class _GgmlLinear(ctypes.Structure):
+    """moe_experts.c's ferry_ggml_linear: a dense weight's fixed operands of the graph node."""
+    _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int), ("m", ctypes.c_int), ("k", ctypes.c_int),
+                ("scratch", ctypes.c_void_p), ("barrier", ctypes.c_void_p), ("off_ne", ctypes.c_int64),
+                ("off_nb", ctypes.c_int64), ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64)]
+
+
+def _offsets() -> tuple[int, int, int, int]:
+    """Where ggml_tensor keeps ne, nb, src and data: the C side reads a node's operands through them."""
+    t = ggml.ggml_tensor
+    return t.ne.offset, t.nb.offset, t.src.offset, t.data.offset
+
+
+def _aligned(size: int) -> tuple[np.ndarray, int]:
+    """A buffer of `size` bytes and its first 64-byte aligned address."""
+    buf = np.empty(size + 64, dtype=np.uint8)
+    return buf, buf.ctypes.data + (-buf.ctypes.data) % 64
 
 
 def library(s: Settings | None = None) -> ctypes.CDLL | None:
@@ -94,29 +140,114 @@ def why_not(s: Settings | None = None) -> str:
 
 
 class MoeExperts:
-    """One token's routed experts of one shape and types through moe_experts.c, with its scratch memory kept.
-    up_type: the up and gate matrices' ggml type number, down_type: the down matrices'."""
+    """Routed experts of one shape and types through moe_experts.c, with its scratch memory kept: one token's
+    (ferry_moe_experts) or many tokens' (ferry_moe_batch). up_type: the up and gate matrices' ggml type number,
+    down_type: the down matrices'."""
 
-    def __init__(self, lib: ctypes.CDLL, n_embd: int, n_ff: int, up_type: int, down_type: int, n_threads: int):
+    def __init__(self, lib: ctypes.CDLL, n_embd: int, n_ff: int, up_type: int, down_type: int, n_threads: int,
+                 n_threads_batch: int | None = None):
         self.lib, self.n_embd, self.n_ff, self.n_threads = lib, n_embd, n_ff, n_threads
+        self.n_threads_batch = n_threads_batch or n_threads  # many tokens' threads (-tb)
         self.up_type, self.down_type = up_type, down_type
-        self._scratch: dict[int, tuple[np.ndarray, int]] = {}  # n_used -> its buffer and 64-byte aligned address
+        self._scratch: dict[tuple, tuple[np.ndarray, int]] = {}  # (kind, n_used) -> its buffer and aligned address
+        self._barrier = np.zeros(16, dtype=np.int32)  # the graph nodes' spin barrier (they run one at a time)
 
-    def _scratch_for(self, n_used: int) -> int:
-        if n_used not in self._scratch:  # sized once: a layer's call on the decode path asks nothing of the library
-            size = self.lib.ferry_moe_scratch(self.n_embd, self.n_ff, n_used, self.up_type, self.down_type)
-            buf = np.empty(size + 64, dtype=np.uint8)
-            self._scratch[n_used] = buf, buf.ctypes.data + (-buf.ctypes.data) % 64
-        return self._scratch[n_used][1]
+    def _scratch_for(self, n: int, n_used: int, n_expert: int) -> int:
+        """A 64-byte aligned buffer for n tokens (one token's sized once: a layer's call on the decode path asks nothing
+        of the library; many tokens' grown to the largest batch and kept)."""
+        if n == 1:
+            key, size = (1, n_used), None
+        else:
+            key = ("batch", n_used)
+            size = self.lib.ferry_moe_batch_scratch(n, n_used, self.n_embd, self.n_ff, n_expert, self.up_type,
+                                                    self.down_type)
+        held = self._scratch.get(key)
+        if held is None or (size is not None and held[0].nbytes < size + 64):
+            if size is None:
+                size = self.lib.ferry_moe_scratch(self.n_embd, self.n_ff, n_used, self.up_type, self.down_type)
+            held = self._scratch[key] = _aligned(size)
+        return held[1]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: int, gate: int, down: int,
                  n_expert: int, out: torch.Tensor) -> torch.Tensor:
-        """x (1, n_embd) float32, ids (1, n_used) int32, weights (1, n_used) float32, contiguous; up, gate, down: the
-        addresses of the stacked expert tensors in the layout of their type (PLAIN or ggml's repacked); out (1,
-        n_embd) float32."""
-        n_used = ids.shape[-1]
-        if self.lib.ferry_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_used, self.n_embd, self.n_ff,
-                                      n_expert, up, gate, down, self.up_type, self.down_type, out.data_ptr(),
-                                      self._scratch_for(n_used), self.n_threads):
-            raise ValueError(f"expert ids {ids.tolist()} are not all below {n_expert}")
+        """x (n, n_embd) float32, ids (n, n_used) int32, weights (n, n_used) float32, contiguous; up, gate, down: the
+        addresses of the stacked expert tensors in the layout of their type (PLAIN or ggml's repacked); out (n,
+        n_embd) float32. Over one token every id must name an expert; over many, an id of -1 adds nothing (an expert
+        computed elsewhere)."""
+        n, n_used = ids.shape
+        scratch = self._scratch_for(n, n_used, n_expert)
+        if n == 1:
+            failed = self.lib.ferry_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_used, self.n_embd,
+                                                self.n_ff, n_expert, up, gate, down, self.up_type, self.down_type,
+                                                out.data_ptr(), scratch, self.n_threads)
+        else:
+            failed = self.lib.ferry_moe_batch(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n, n_used,
+                                              self.n_embd, self.n_ff, n_expert, up, gate, down, self.up_type,
+                                              self.down_type, out.data_ptr(), scratch, self.n_threads_batch)
+        if failed:
+            bad = sorted(set(ids[(ids < (0 if n == 1 else -1)) | (ids >= n_expert)].tolist()))
+            raise ValueError(f"expert ids {bad} are not all below {n_expert}")
         return out
+
+    def node(self, ctx, x, ids, weights, up: int, gate: int, down: int, n_expert: int, keep: list):
+        """The experts as a node of a ggml graph (ggml_custom_4d, run by ggml's threads): x (n_embd, n) float32, ids
+        (>= n_used, n) int32 (top_k's view), weights (n_used, n) float32, rows at their strides; up, gate, down as for
+        __call__. Returns the (n_embd, n) float32 node; what it reads stays alive in `keep` (the graph's). Its scratch
+        is this kernel's for n tokens, shared by every graph and layer of that size: they run one at a time."""
+        n, n_used = x.contents.ne[1], weights.contents.ne[0]
+        size = self.lib.ferry_moe_batch_scratch(n, n_used, self.n_embd, self.n_ff, n_expert, self.up_type,
+                                                self.down_type)
+        key = ("node", n, n_used)
+        held = self._scratch.get(key)
+        if held is None or held[0].nbytes < size + 64:
+            held = self._scratch[key] = _aligned(size)
+        fixed = _GgmlMoe(up, gate, down, self.n_embd, self.n_ff, n_expert, n_used, self.up_type, self.down_type,
+                         held[1], self._barrier.ctypes.data, *_offsets())
+        fun = ggml.ggml_custom_op_t(ctypes.cast(self.lib.ferry_moe_ggml, ctypes.c_void_p).value)
+        args = (ctypes.POINTER(ggml.ggml_tensor) * 3)(x, ids, weights)
+        keep += [fixed, fun, args, held[0], self._barrier]
+        return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, self.n_embd, n, 1, 1, args, 3, fun, -1,
+                                   ctypes.addressof(fixed))
+
+
+def repack_q8_0(lib: ctypes.CDLL, data: np.ndarray, rows: int, cols: int, n_threads: int) -> np.ndarray:
+    """Plain Q8_0 rows in the layout ferry's kernels read (8 rows interleaved, bytes XOR 0x80), 64-byte aligned."""
+    buf, at = _aligned(data.nbytes)
+    lib.ferry_repack_q8_0(data.ctypes.data, at, rows, cols, n_threads)
+    offset = at - buf.ctypes.data
+    return buf[offset:offset + data.nbytes]
+
+
+class Dense:
+    """Dense weights through moe_experts.c's matrix kernel (ferry_linear): y = W x for n rows, W in the layout of its
+    type (capabilities.cpu_native_linear), with the activations' scratch kept per size."""
+
+    def __init__(self, lib: ctypes.CDLL, n_threads: int, n_threads_batch: int):
+        self.lib, self.n_threads, self.n_threads_batch = lib, n_threads, n_threads_batch
+        self._scratch: dict[tuple, tuple[np.ndarray, int]] = {}  # (n, k, type) -> buffer, aligned address
+        self._barrier = np.zeros(16, dtype=np.int32)
+
+    def _scratch_for(self, n: int, k: int, qtype: int) -> tuple[np.ndarray, int]:
+        key = (n, k, qtype)
+        if key not in self._scratch:
+            self._scratch[key] = _aligned(self.lib.ferry_linear_scratch(n, k, qtype))
+        return self._scratch[key]
+
+    def __call__(self, x: torch.Tensor, w: int, qtype: int, m: int, out: torch.Tensor) -> torch.Tensor:
+        """x (n, k) float32 contiguous, w: the weight's address, out (n, m) float32."""
+        n, k = x.shape
+        threads = self.n_threads if n == 1 else self.n_threads_batch
+        if self.lib.ferry_linear(x.data_ptr(), n, k, w, qtype, m, k, out.data_ptr(), m,
+                                 self._scratch_for(n, k, qtype)[1], threads):
+            raise ValueError(f"ferry's matrix kernel does not take a {m} x {k} weight of type {qtype}")
+        return out
+
+    def node(self, ctx, x, w: int, qtype: int, m: int, keep: list):
+        """y = W x as a node of a ggml graph: x (k, n) float32 rows at their stride -> (m, n) float32."""
+        k, n = x.contents.ne[0], x.contents.ne[1]
+        held = self._scratch_for(n, k, qtype)
+        fixed = _GgmlLinear(w, qtype, m, k, held[1], self._barrier.ctypes.data, *_offsets())
+        fun = ggml.ggml_custom_op_t(ctypes.cast(self.lib.ferry_linear_ggml, ctypes.c_void_p).value)
+        args = (ctypes.POINTER(ggml.ggml_tensor) * 1)(x)
+        keep += [fixed, fun, args, held[0], self._barrier]
+        return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, m, n, 1, 1, args, 1, fun, -1, ctypes.addressof(fixed))

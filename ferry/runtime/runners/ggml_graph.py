@@ -74,7 +74,7 @@ class GraphOps:
         return None  # ggml's graph fuses nothing: the layer's own ops
 
     def linear(self, x, w: Weight, bias: torch.Tensor | None = None):
-        y = ggml.ggml_mul_mat(self.c, self.backend._weight_leaf(self.g, w), x)
+        y = self.backend.linear_node(self.g, x, w)
         return y if bias is None else ggml.ggml_add(self.c, y, self._vector(bias))
 
     def heads(self, x, n_head: int, head_dim: int):
