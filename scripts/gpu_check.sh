@@ -24,6 +24,10 @@
 #           SKEW=S adds the same preset written with `--routing-skew S`; every model's default runs again after
 #           `ferry calibrate --routing` counted it on the repository's docs (the per-expert fit); SKEW_ONLY=1: that
 #           model alone
+#   ik      start ik_llama.cpp's CUDA build (.whl/ik_llama.cpp-*.tar.gz, ../shared/anchors) in the background with setsid,
+#           into .build/ik; it outlives the call (about 13 minutes): a later call, while the machine is warm, uses it
+#   cpu     CPU only, GPU hidden: ferry against ik_llama.cpp -rtr 1 (benchmarks/cpu_vs_ik.py) on the big model at
+#           CPU_THREADS (default 16), pp512 / pp2048 / tg64; waits for the ik build (CPU_ARGS: more options)
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -44,12 +48,21 @@ if has llama; then  # the CUDA build takes minutes: start it first
         || echo failed > "$OUT/llama_bench_path.txt") &
     BUILD=$!
 fi
+IK_PATH=$PWD/.build/ik_bench_path.txt
+if has ik && [ ! -f "$IK_PATH" ]; then
+    mkdir -p .build/ik && tar xzf .whl/ik_llama.cpp-*.tar.gz -C .build/ik --strip-components=1
+    setsid nohup bash -c "cd .build/ik && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_SCHED_MAX_COPIES=1 -DLLAMA_CURL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF > ../ik_build.log 2>&1 && nice -n 10 cmake --build build -j 16 --target llama-bench \
+        >> ../ik_build.log 2>&1 && echo $PWD/.build/ik/build/bin/llama-bench > $IK_PATH.tmp \
+        && mv $IK_PATH.tmp $IK_PATH || echo failed > $IK_PATH" > /dev/null 2>&1 < /dev/null &
+fi
 # ferry's timed runs wait for the build: compiling on every core beside them cost hybrid generation a third of
 # its speed (25.7 against 37.7 t/s, docs/performance.md 2026-11-23), while llama.cpp's runs came after the build
 wait_build() { if [ -n "${BUILD:-}" ]; then wait "$BUILD" || true; BUILD=; fi; }
 PRESET=${PRESET:-qwen3-30b-a3b}
 BIG=/tmp/$PRESET.gguf
-if has big || has llama || has hybrid || has ab || { has small && [ -z "${SKEW_ONLY:-}" ]; }; then
+if has big || has llama || has hybrid || has ab || has cpu || { has small && [ -z "${SKEW_ONLY:-}" ]; }; then
     [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" -o "$BIG" -q &
     SYNTH=$!
 fi
@@ -107,6 +120,17 @@ if has ab; then
         -m "$BIG" -ngl 999 -ot exps=CPU -t 16 -p 512 -ub 128 -n 128 -r 3 2> "$OUT/ab_hybrid.log" | tee "$OUT/ab_hybrid.md"
     python3 benchmarks/ab_trees.py --a .old --b . --rounds "${AB_ROUNDS:-2}" --json "$OUT/ab_gpu.json" -- \
         -m "$BIG" -ngl 999 -t 16 -p 4096 -ub 512 -n 128 -r 3 2> "$OUT/ab_gpu.log" | tee "$OUT/ab_gpu.md"
+fi
+if has cpu; then
+    wait_synth
+    wait_build
+    IK=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import llamacpp; print(llamacpp.wait_for_build('$IK_PATH') or '')")
+    [ -n "$IK" ] || { tail -20 .build/ik_build.log; exit 1; }
+    CUDA_VISIBLE_DEVICES= python3 benchmarks/cpu_vs_ik.py --ik "$IK" -m "$BIG" -t "${CPU_THREADS:-16}" ${CPU_ARGS:-} \
+        --out "$OUT/cpu_vs_ik.json" 2> "$OUT/cpu_vs_ik.log" | tee "$OUT/cpu_vs_ik.md"
+    # ferry on ggml's kernels alone, for the change ferry's own made
+    CUDA_VISIBLE_DEVICES= FERRY_NATIVE=0 python3 -m ferry bench -m "$BIG" -ngl 0 -t "${CPU_THREADS:-16}" -p 512 -n 64 \
+        -r 2 | tail -2 | tee "$OUT/cpu_ggml_only.md"
 fi
 if has small; then
     wait_synth

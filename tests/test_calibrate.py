@@ -50,16 +50,22 @@ def test_quick_calibration_measures_the_cpu_and_stores_json(tmp_path, capsys, mo
 def test_a_calibration_of_another_ggml_build_is_stale(tmp_path):
     """The CPU's rates belong to the ggml build that measured them: a stored calibration that names other CPU
     features, or none, is measured again by the next run (runtime.loader.calibration); the current build's is kept."""
+    from ferry.kernels.cpu.native import kernel_id
     from ferry.offload.calibrate import ggml_build, stale
 
     now = ggml_build()
     path = tmp_path / "c.json"
-    cpu = {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 16}
+    cpu = {"cpu_bytes_per_s": 4e10, "cpu_flops": 1e12, "threads": 16, "cpu_kernels": kernel_id()}
     assert stale(path) is None  # none stored: nothing stale (the run calibrates anyway)
     path.write_text(json.dumps({"cpu": {**cpu, "ggml_build": list(reversed(now))}, "gpu": None}))
     assert stale(path) is None
     path.write_text(json.dumps({"cpu": {**cpu, "ggml_build": now + ["amx_int8_of_another_build"]}, "gpu": None}))
     assert "other CPU features" in stale(path) and "amx_int8_of_another_build" in stale(path)
+    # ferry's own kernels changed (another source, or ggml's where they measured ferry's): measured again
+    path.write_text(json.dumps({"cpu": {**cpu, "ggml_build": now, "cpu_kernels": "ferry-0123456789ab"}, "gpu": None}))
+    assert "ferry's CPU kernels changed" in stale(path) and "ferry-0123456789ab" in stale(path)
+    path.write_text(json.dumps({"cpu": {**cpu, "ggml_build": now, "cpu_kernels": None}, "gpu": None}))
+    assert "not recorded" in stale(path)
     path.write_text(json.dumps({"cpu": cpu, "gpu": None}))
     assert "does not record" in stale(path)
 
@@ -70,8 +76,8 @@ def test_a_run_calibrates_again_when_ggml_was_rebuilt(tmp_path, monkeypatch, cap
 
     path = tmp_path / "c.json"
     gpu = {"h2d_bytes_per_s": 55e9, "h2d_latency_s": 2.3e-5, "gpu_bytes_per_s": 3e12, "gpu_flops": 8e14, "gpu_name": "x"}
-    fresh = {"cpu": {"cpu_bytes_per_s": 5e10, "cpu_flops": 1e12, "threads": 16, "ggml_build": calibrate.ggml_build()},
-             "gpu": gpu}
+    fresh = {"cpu": {"cpu_bytes_per_s": 5e10, "cpu_flops": 1e12, "threads": 16, "ggml_build": calibrate.ggml_build(),
+                     "cpu_kernels": calibrate.native.kernel_id()}, "gpu": gpu}
     measured = []
     monkeypatch.setattr(calibrate, "default_path", lambda: path)
     monkeypatch.setattr(calibrate, "calibrate", lambda backend, quick: measured.append(quick) or fresh)
@@ -113,7 +119,8 @@ def test_a_run_measures_the_expert_types_of_its_model_that_the_calibration_lacks
     gpu = {"h2d_bytes_per_s": 55e9, "h2d_latency_s": 2.3e-5, "gpu_bytes_per_s": 3e12, "gpu_flops": 8e14, "gpu_name": "x"}
     q4_0 = {"Q4_0": [[1, 2e-11], [64, 1e-9]]}
     path.write_text(json.dumps({"cpu": {"cpu_bytes_per_s": 5e10, "cpu_flops": 1e12, "threads": 1, "cpu_moe": q4_0,
-                                        "cpu_moe_token": {"Q4_0": 1.5e-11}, "ggml_build": calibrate.ggml_build()},
+                                        "cpu_moe_token": {"Q4_0": 1.5e-11}, "ggml_build": calibrate.ggml_build(),
+                                        "cpu_kernels": calibrate.native.kernel_id()},
                                 "gpu": gpu}))
     monkeypatch.setattr(calibrate, "default_path", lambda: path)
     assert calibrate.missing_experts(path, {"Q4_0"}) == []

@@ -286,12 +286,15 @@ class HybridBackend:
     def _cpu_experts(self, x_host, ids_host, weights_host, up: Weight, gate: Weight, down: Weight, act: str,
                      out: torch.Tensor | None) -> torch.Tensor:
         """The CPU's routed experts of a u-batch (CpuBackend.moe_experts) whose pairs of id -1 (resident experts,
-        computed on the GPU) are left out: the live pairs of one token as its slots, of more as a list of pairs
-        (padded to few sizes, as _split_moe's cold ones) summed per token; zeros where none is left."""
+        computed on the GPU) are left out: by ferry's kernel itself over many tokens; else the live pairs of one token
+        as its slots, of more as a list of pairs (padded to few sizes, as _split_moe's cold ones) summed per token;
+        zeros where none is left."""
         live = ids_host >= 0 if id(gate) in self._resident else None  # only those layers have -1 pairs
-        if live is None or bool(live.all()):
-            return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act, out=out)
         n, n_embd = x_host.shape
+        if live is None or bool(live.all()) or (n > 1 and self.cpu.native_experts(n, True, up, gate, down, act)
+                                                 is not None):
+            # ferry's kernel over many tokens leaves -1 pairs out itself
+            return self.cpu.moe_experts(x_host, ids_host, weights_host, up, gate, down, act, out=out)
         out = torch.empty(n, n_embd, dtype=torch.float32) if out is None else out
         m = int(live.sum())
         if m == 0:

@@ -17,6 +17,7 @@ from ferry.config import settings
 from ferry.errors import FerryError
 from ferry.gguf.synth import random_tensor
 from ferry.kernels.capabilities import can
+from ferry.kernels.cpu import native
 from ferry.offload.cost import Calibration
 from ferry.quant import Q
 from ferry.weight import Weight
@@ -65,6 +66,9 @@ def stale(path: Path) -> str | None:
         return "it does not record which ggml build it measured"
     if sorted(stored) != now:
         return f"ggml was built for other CPU features since (then: {' '.join(stored)}; now: {' '.join(now)})"
+    kernels, now_kernels = cpu.get("cpu_kernels"), native.kernel_id()
+    if kernels != now_kernels:
+        return f"ferry's CPU kernels changed since (then: {kernels or 'not recorded'}; now: {now_kernels})"
     return None
 
 
@@ -90,7 +94,8 @@ def measure_cpu(backend, quick: bool = False, on_step=None) -> dict:
     if on_step:
         on_step(1, "CPU GEMV and matmul")
     return {"cpu_bytes_per_s": gemv_bytes / gemv_s, "cpu_flops": 2.0 * n * k * m / gemm_s, "threads": backend.n_threads,
-            **measure_experts(backend, _expert_types(quick), quick, on_step), "ggml_build": ggml_build()}
+            **measure_experts(backend, _expert_types(quick), quick, on_step), "ggml_build": ggml_build(),
+            "cpu_kernels": native.kernel_id()}
 
 
 def _expert_types(quick: bool) -> tuple[str, ...]:
@@ -155,7 +160,8 @@ def measure_experts(backend, qtypes, quick: bool = False, on_step=None) -> dict:
             for c in ((1, 4, 16, 64) if quick else (1, 2, 4, 8, 16, 32, 64, 128)):  # tokens per expert
                 ids = torch.arange(n_expert, dtype=torch.int32).repeat(c).view(-1, 1)
                 x = torch.randn(ids.shape[0], d)
-                t = _best(lambda: backend.moe_experts(x, ids, None, *next(turn), "silu"), 3 if quick else 5)
+                ones = torch.ones(ids.shape[0], 1)  # weighted, as the hybrid's CPU side runs them (ferry's kernel)
+                t = _best(lambda: backend.moe_experts(x, ids, ones, *next(turn), "silu"), 3 if quick else 5)
                 best[c] = min(best.get(c, t), t)
             if kernel:
                 t = _best(one_pass, 3 if quick else 5)

@@ -130,6 +130,15 @@ def library(s: Settings | None = None) -> ctypes.CDLL | None:
     return lib if isinstance(lib, ctypes.CDLL) else None
 
 
+def kernel_id(s: Settings | None = None) -> str:
+    """Which CPU kernels run ferry's matmuls here: "ggml", or "ferry-" and the hash of this source (a calibration
+    that measured others is stale)."""
+    s = s or settings()
+    if library(s) is None:
+        return "ggml"
+    return "ferry-" + hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def why_not(s: Settings | None = None) -> str:
     """Why library() is None ("" where it is not), for `ferry plan` and verbose runs."""
     s = s or settings()
