@@ -1,6 +1,8 @@
-/* One token's routed experts on the CPU, for Q4_0 and Q4_K experts in ggml's repacked CPU layouts (the copies
- * CpuBackend.repack made) and Q6_K experts in their plain GGUF layout (ggml has no repacked one for it): h = silu(gate
- * x) * up x for each selected expert, then the weighted sum of down h. A Q4_K_M file's MoE layers are Q4_K up and
+/* ferry's CPU matrix kernels: routed experts of one token (ferry_moe_experts) or of many (ferry_moe_batch: h =
+ * silu(gate x) * up x for each selected expert, then the weighted sum of down h), and dense weights (ferry_linear: y =
+ * W x), each also as a node of a ggml graph (ferry_moe_ggml, ferry_linear_ggml). Q4_0 and Q4_K weights in ggml's
+ * repacked CPU layouts (the copies CpuBackend.repack made), Q6_K in its plain GGUF layout (ggml has no repacked one for
+ * it), Q8_0 in a layout of ferry's own (ferry_repack_q8_0; dense weights). A Q4_K_M file's MoE layers are Q4_K up and
  * gate with Q4_K or Q6_K down.
  * Compiled at first use by ferry/kernels/cpu/native.py, for CPUs with AVX512-VNNI; elsewhere ggml runs these experts.
  *
@@ -21,8 +23,8 @@
  *
  * Why it is faster than ggml's mul_mat_id at one token (docs/decisions.md): each 32-bit lane's dot product belongs
  * to one row and the activation's 8 bytes are a broadcast load, so no shuffles but the scales' spread per block.
- * Each phase splits the flattened (expert slot, matrix, row group) list into one contiguous range per thread; the
- * phases are separated by OpenMP barriers (OpenMP's threads: the team ggml's graphs use when built with OpenMP). */
+ * Each phase splits a flattened list of equal units ((expert slot or tile of tokens, matrix, row group)) into one
+ * contiguous range per thread; the phases are separated by barriers (sync_threads). */
 
 #include <math.h>
 #include <sched.h>
@@ -190,100 +192,10 @@ static inline __m512i spread_bytes(uint64_t v) {
     return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
 }
 
-/* out[0..7] = the 8 rows of the Q4_K group at g (n columns) against the activation blocks */
-static void dot_q4_k(const uint8_t *g, const act_q4_k *a, int n, float *out) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < n / QK_K; b++, g += Q4_K_BYTES) {
-        const uint8_t *packed = g + 32, *qs = g + 128;
-        const int8_t *q = a[b].q;
-        __m512i isum = _mm512_setzero_si512();
-        __m256i msum = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) { /* columns 64c..64c+63: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
-            const uint8_t *p0 = packed + 24 * c, *p1 = p0 + 12;
-            const uint64_t s0 = six_bits(load_u32(p0), load_u32(p0 + 8), 0);
-            const uint64_t m0 = six_bits(load_u32(p0 + 4), load_u32(p0 + 8), 4);
-            const uint64_t s1 = six_bits(load_u32(p1), load_u32(p1 + 8), 0);
-            const uint64_t m1 = six_bits(load_u32(p1 + 4), load_u32(p1 + 8), 4);
-            __m512i lo_acc = _mm512_setzero_si512(), hi_acc = _mm512_setzero_si512();
-            for (int k = 0; k < 4; k++) {
-                const uint8_t *v8 = qs + 64 * (4 * c + k);
-                _mm_prefetch((const char *)v8 + PREFETCH_AHEAD, _MM_HINT_T0);
-                const __m512i v = _mm512_loadu_si512(v8);
-                lo_acc = _mm512_dpbusd_epi32(lo_acc, _mm512_and_si512(v, low),
-                                             _mm512_set1_epi64(load_i64(q + 64 * c + 8 * k)));
-                hi_acc = _mm512_dpbusd_epi32(hi_acc, _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                                             _mm512_set1_epi64(load_i64(q + 64 * c + 32 + 8 * k)));
-            }
-            isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(lo_acc, spread_bytes(s0)),
-                                                           _mm512_mullo_epi32(hi_acc, spread_bytes(s1))));
-            const __m256i mins0 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m0));
-            const __m256i mins1 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m1));
-            msum = _mm256_add_epi32(msum, _mm256_add_epi32(_mm256_mullo_epi32(mins0, _mm256_set1_epi32(a[b].sum[2 * c])),
-                                                           _mm256_mullo_epi32(mins1, _mm256_set1_epi32(a[b].sum[2 * c + 1]))));
-        }
-        _mm_prefetch((const char *)g + PREFETCH_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + PREFETCH_AHEAD + 64, _MM_HINT_T0);
-        /* a row's two lanes summed: the even lane of each 64-bit pair, narrowed to the row's 32-bit lane */
-        const __m256i rows = _mm512_cvtepi64_epi32(_mm512_add_epi32(isum, _mm512_srli_epi64(isum, 32)));
-        const __m256 dx = _mm256_set1_ps(a[b].d);
-        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), dx);
-        const __m256 dmin = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))), dx);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), d, acc);
-        acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), dmin, acc);
-    }
-    _mm256_storeu_ps(out, acc);
-}
-
-/* out[0..7] = the 8 Q6_K rows at g (n columns each, one after another) against the activation blocks */
-static void dot_q6_k(const uint8_t *g, const act_q6_k *a, int n, float *out) {
-    const __m512i nibble = _mm512_set1_epi8(0x0f), pair = _mm512_set1_epi8(0x30);
-    /* the high pairs to bits 4-5 of each byte: weights l, l + 32 (lower, upper 256 bits) shift left 4 and 2, weights
-     * l + 64, l + 96 right 0 and 2 (16-bit shifts; the 0x30 mask keeps each byte's own bits) */
-    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    __m512i lane_of[4]; /* the scale index of each 32-bit lane of the block's 64-column quarter k: 4k + lane / 4 */
-    for (int k = 0; k < 4; k++)
-        lane_of[k] = _mm512_set_epi32(4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 2, 4 * k + 2, 4 * k + 2,
-                                      4 * k + 2, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k, 4 * k, 4 * k, 4 * k);
-    const int blocks = n / QK_K;
-    for (int r = 0; r < GROUP; r++) {
-        const uint8_t *row = g + (size_t)r * blocks * Q6_K_BYTES;
-        __m512 acc = _mm512_setzero_ps();
-        for (int b = 0; b < blocks; b++, row += Q6_K_BYTES) {
-            _mm_prefetch((const char *)row + PREFETCH_AHEAD, _MM_HINT_T0);
-            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 192, _MM_HINT_T0);
-            const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)));
-            const int8_t *q = a[b].q;
-            __m512i isum = _mm512_setzero_si512();
-            for (int h = 0; h < 2; h++) { /* columns 128h..128h+127 */
-                const __m512i lo = _mm512_loadu_si512(row + 64 * h);
-                const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 128 + 32 * h)));
-                const __m512i v0 = _mm512_or_si512(_mm512_and_si512(lo, nibble),
-                                                   _mm512_and_si512(_mm512_sllv_epi16(hi, left), pair));
-                const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble),
-                                                   _mm512_and_si512(_mm512_srlv_epi16(hi, right), pair));
-                const __m512i d0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(a[b].corr + 32 * h), v0,
-                                                       _mm512_loadu_si512(q + 128 * h));
-                const __m512i d1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(a[b].corr + 32 * h + 16), v1,
-                                                       _mm512_loadu_si512(q + 128 * h + 64));
-                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(d0, _mm512_permutexvar_epi32(lane_of[2 * h], scales)));
-                isum = _mm512_add_epi32(isum,
-                                        _mm512_mullo_epi32(d1, _mm512_permutexvar_epi32(lane_of[2 * h + 1], scales)));
-            }
-            uint16_t dh;
-            memcpy(&dh, row + 208, 2);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(_cvtsh_ss(dh) * a[b].d), acc);
-        }
-        out[r] = _mm512_reduce_add_ps(acc);
-    }
-}
-
 /* Many tokens: each weight group is read once for a tile of up to TILE of the tokens routed to its expert. For Q4_0
  * the 4 unpacked registers of a block serve every token of the tile (dot_q4_0's work less the loads and unpacking,
- * TILE times over); Q4_K and Q6_K run dot_q4_k / dot_q6_k token by token on the group, which stays in L1. */
+ * TILE times over); for Q4_K and Q6_K a block's unpacked nibbles and scales serve 4 tokens at a time (their
+ * accumulators would not fit the registers for 8). One token is a tile of one. */
 #define TILE 8
 
 static inline __attribute__((always_inline)) void tile_q4_0(const uint8_t *g, const uint8_t *const *act, int n,
@@ -354,6 +266,122 @@ static inline __attribute__((always_inline)) void tile_q8_0(const uint8_t *g, co
     }
 }
 
+/* the 8 rows of the Q4_K group at g (n columns) against up to 4 tokens, each block's nibbles and 6-bit scales
+ * unpacked once for all: w = d sc q - dmin m, the mins against the activation's sums per sub-block */
+static inline __attribute__((always_inline)) void tile_q4_k(const uint8_t *g, const uint8_t *const *act, int n,
+                                                             float *const *out, const int T) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m256 acc[4];
+    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    for (int b = 0; b < n / QK_K; b++, g += Q4_K_BYTES) {
+        const uint8_t *packed = g + 32, *qs = g + 128;
+        const act_q4_k *a[4];
+        __m512i isum[4];
+        __m256i msum[4];
+        for (int t = 0; t < T; t++) {
+            a[t] = (const act_q4_k *)act[t] + b;
+            isum[t] = _mm512_setzero_si512();
+            msum[t] = _mm256_setzero_si256();
+        }
+        for (int c = 0; c < 4; c++) { /* columns 64c..64c+63: sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+            const uint8_t *p0 = packed + 24 * c, *p1 = p0 + 12;
+            const __m512i sc0 = spread_bytes(six_bits(load_u32(p0), load_u32(p0 + 8), 0));
+            const __m512i sc1 = spread_bytes(six_bits(load_u32(p1), load_u32(p1 + 8), 0));
+            const __m256i mins0 = _mm256_cvtepu8_epi32(
+                _mm_cvtsi64_si128((long long)six_bits(load_u32(p0 + 4), load_u32(p0 + 8), 4)));
+            const __m256i mins1 = _mm256_cvtepu8_epi32(
+                _mm_cvtsi64_si128((long long)six_bits(load_u32(p1 + 4), load_u32(p1 + 8), 4)));
+            __m512i lo_acc[4], hi_acc[4];
+            for (int t = 0; t < T; t++) lo_acc[t] = hi_acc[t] = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                const uint8_t *v8 = qs + 64 * (4 * c + k);
+                _mm_prefetch((const char *)v8 + PREFETCH_AHEAD, _MM_HINT_T0);
+                const __m512i v = _mm512_loadu_si512(v8);
+                const __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int t = 0; t < T; t++) {
+                    lo_acc[t] = _mm512_dpbusd_epi32(lo_acc[t], vl, _mm512_set1_epi64(load_i64(a[t]->q + 64 * c + 8 * k)));
+                    hi_acc[t] = _mm512_dpbusd_epi32(hi_acc[t], vh,
+                                                    _mm512_set1_epi64(load_i64(a[t]->q + 64 * c + 32 + 8 * k)));
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(lo_acc[t], sc0),
+                                                                     _mm512_mullo_epi32(hi_acc[t], sc1)));
+                msum[t] = _mm256_add_epi32(msum[t], _mm256_add_epi32(
+                                                        _mm256_mullo_epi32(mins0, _mm256_set1_epi32(a[t]->sum[2 * c])),
+                                                        _mm256_mullo_epi32(mins1, _mm256_set1_epi32(a[t]->sum[2 * c + 1]))));
+            }
+        }
+        _mm_prefetch((const char *)g + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)g + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+        for (int t = 0; t < T; t++) {
+            const __m256i rows = _mm512_cvtepi64_epi32(_mm512_add_epi32(isum[t], _mm512_srli_epi64(isum[t], 32)));
+            const __m256 dx = _mm256_set1_ps(a[t]->d);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), _mm256_mul_ps(d, dx), acc[t]);
+            acc[t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[t]), _mm256_mul_ps(dmin, dx), acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(out[t], acc[t]);
+}
+
+/* the 8 Q6_K rows at g (n columns each, one after another: plain, so that all types share the (slot, matrix, group)
+ * split) against up to 4 tokens: each row's quarter-blocks and scales unpacked once for all */
+static inline __attribute__((always_inline)) void tile_q6_k(const uint8_t *g, const uint8_t *const *act, int n,
+                                                             float *const *out, const int T) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), pair = _mm512_set1_epi8(0x30);
+    /* the high pairs to bits 4-5 of each byte: weights l, l + 32 (lower, upper 256 bits) shift left 4 and 2, weights
+     * l + 64, l + 96 right 0 and 2 (16-bit shifts; the 0x30 mask keeps each byte's own bits) */
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    __m512i lane_of[4]; /* the scale index of each 32-bit lane of the block's 64-column quarter k: 4k + lane / 4 */
+    for (int k = 0; k < 4; k++)
+        lane_of[k] = _mm512_set_epi32(4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 2, 4 * k + 2, 4 * k + 2,
+                                      4 * k + 2, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k, 4 * k, 4 * k, 4 * k);
+    const int blocks = n / QK_K;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * blocks * Q6_K_BYTES;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += Q6_K_BYTES) {
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD + 192, _MM_HINT_T0);
+            const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)));
+            __m512i isum[4];
+            for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) { /* columns 128h..128h+127 */
+                const __m512i lo = _mm512_loadu_si512(row + 64 * h);
+                const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 128 + 32 * h)));
+                const __m512i v0 = _mm512_or_si512(_mm512_and_si512(lo, nibble),
+                                                   _mm512_and_si512(_mm512_sllv_epi16(hi, left), pair));
+                const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble),
+                                                   _mm512_and_si512(_mm512_srlv_epi16(hi, right), pair));
+                const __m512i s0 = _mm512_permutexvar_epi32(lane_of[2 * h], scales);
+                const __m512i s1 = _mm512_permutexvar_epi32(lane_of[2 * h + 1], scales);
+                for (int t = 0; t < T; t++) {
+                    const act_q6_k *a = (const act_q6_k *)act[t] + b;
+                    const __m512i d0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h), v0,
+                                                           _mm512_loadu_si512(a->q + 128 * h));
+                    const __m512i d1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h + 16), v1,
+                                                           _mm512_loadu_si512(a->q + 128 * h + 64));
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(d0, s0),
+                                                                         _mm512_mullo_epi32(d1, s1)));
+                }
+            }
+            uint16_t dh;
+            memcpy(&dh, row + 208, 2);
+            const float d = _cvtsh_ss(dh);
+            for (int t = 0; t < T; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[t]),
+                                         _mm512_set1_ps(d * ((const act_q6_k *)act[t] + b)->d), acc[t]);
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+
 /* the group at g (8 rows of n columns of type) against T activation rows: out[t][0..7] */
 static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n, float *const *out, int T) {
     if (type == Q4_0) {
@@ -380,11 +408,23 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
         default: tile_q8_0(g, act, n, out, 1); return;
         }
     }
-    for (int t = 0; t < T; t++) {
-        if (type == Q4_K)
-            dot_q4_k(g, (const act_q4_k *)act[t], n, out[t]);
-        else
-            dot_q6_k(g, (const act_q6_k *)act[t], n, out[t]);
+    for (int t = 0; t < T; t += 4) { /* K-quants 4 tokens at a time: 8 tokens' accumulators would not fit */
+        const int left = T - t < 4 ? T - t : 4;
+        if (type == Q4_K) {
+            switch (left) {
+            case 4: tile_q4_k(g, act + t, n, out + t, 4); break;
+            case 3: tile_q4_k(g, act + t, n, out + t, 3); break;
+            case 2: tile_q4_k(g, act + t, n, out + t, 2); break;
+            default: tile_q4_k(g, act + t, n, out + t, 1); break;
+            }
+        } else {
+            switch (left) {
+            case 4: tile_q6_k(g, act + t, n, out + t, 4); break;
+            case 3: tile_q6_k(g, act + t, n, out + t, 3); break;
+            case 2: tile_q6_k(g, act + t, n, out + t, 2); break;
+            default: tile_q6_k(g, act + t, n, out + t, 1); break;
+            }
+        }
     }
 }
 
