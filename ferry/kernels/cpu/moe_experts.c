@@ -149,36 +149,6 @@ static inline uint32_t load_u32(const void *p) {
     return v;
 }
 
-/* out[0..7] = the 8 rows of the Q4_0 group at g (n columns) against the activation blocks */
-static void dot_q4_0(const uint8_t *g, const act_q4_0 *a, int n, float *out) {
-    const __m512i flip = _mm512_set1_epi8((char)0x88), low = _mm512_set1_epi8(0x0f);
-    const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    __m512 acc = _mm512_setzero_ps();
-    for (int b = 0; b < n / QK4_0; b++, g += Q4_0_BYTES) {
-        _mm_prefetch((const char *)g + PREFETCH_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + PREFETCH_AHEAD + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + PREFETCH_AHEAD + 128, _MM_HINT_T0);
-        const __m512i lo = _mm512_loadu_si512(g + 16), hi = _mm512_loadu_si512(g + 80); /* bytes 0-7, 8-15 */
-        const int8_t *q = a[b].q;
-        __m512i s = _mm512_set1_epi64(load_i64(a[b].corr));
-        /* (v ^ 0x88) & 0x0f: ternary logic 0x28 is (A ^ B) & C */
-        s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(lo, flip, low, 0x28),
-                                _mm512_set1_epi64(load_i64(q)));
-        s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(hi, flip, low, 0x28),
-                                _mm512_set1_epi64(load_i64(q + 8)));
-        s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), flip, low, 0x28),
-                                _mm512_set1_epi64(load_i64(q + 16)));
-        s = _mm512_dpbusd_epi32(s, _mm512_ternarylogic_epi32(_mm512_srli_epi16(hi, 4), flip, low, 0x28),
-                                _mm512_set1_epi64(load_i64(q + 24)));
-        const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(
-                                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g))));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a[b].d)), acc);
-    }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, acc);
-    for (int r = 0; r < GROUP; r++) out[r] = lanes[2 * r] + lanes[2 * r + 1];
-}
-
 /* the 8 rows' 6-bit values of one sub-block, one byte each, from their 4 low (packed with the top bits of the other
  * 4's) and 4 high; `shift` picks the high ones' nibble */
 static inline uint64_t six_bits(uint32_t lo, uint32_t hi_nibbles, int shift) {
@@ -193,74 +163,44 @@ static inline __m512i spread_bytes(uint64_t v) {
 }
 
 /* Many tokens: each weight group is read once for a tile of up to TILE of the tokens routed to its expert. For Q4_0
- * the 4 unpacked registers of a block serve every token of the tile (dot_q4_0's work less the loads and unpacking,
- * TILE times over); for Q4_K and Q6_K a block's unpacked nibbles and scales serve 4 tokens at a time (their
+ * the 4 unpacked registers of a block serve every token of the tile (one token's work less the loads and
+ * unpacking, TILE times over); for Q4_K and Q6_K a block's unpacked nibbles and scales serve 4 tokens at a time (their
  * accumulators would not fit the registers for 8). One token is a tile of one. */
 #define TILE 8
 
-static inline __attribute__((always_inline)) void tile_q4_0(const uint8_t *g, const uint8_t *const *act, int n,
-                                                             float *const *out, const int T) {
+/* Q4_0 (ggml's block_q4_0x8) or Q8_0 (ferry_repack_q8_0's layout: per block of 32 columns the 8 rows' fp16 scales,
+ * then for each 8 columns the 8 rows' 8 bytes, each XOR 0x80, so unsigned: w + 128, the 128 taken back by the
+ * activation's corr) against T tokens: the block's 4 registers of 8 bytes of 8 rows, unpacked once */
+static inline __attribute__((always_inline)) void tile_32(const uint8_t *g, const uint8_t *const *act, int n,
+                                                           float *const *out, const int T, const int q8) {
     const __m512i flip = _mm512_set1_epi8((char)0x88), low = _mm512_set1_epi8(0x0f);
     const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const int bytes = q8 ? Q8_0_BYTES : Q4_0_BYTES, ahead = q8 ? 2 * Q8_0_BYTES : PREFETCH_AHEAD;
     __m512 acc[TILE];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < n / QK4_0; b++, g += Q4_0_BYTES) {
-        _mm_prefetch((const char *)g + PREFETCH_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + PREFETCH_AHEAD + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + PREFETCH_AHEAD + 128, _MM_HINT_T0);
-        const __m512i lo = _mm512_loadu_si512(g + 16), hi = _mm512_loadu_si512(g + 80);
-        const __m512i w0 = _mm512_ternarylogic_epi32(lo, flip, low, 0x28);
-        const __m512i w1 = _mm512_ternarylogic_epi32(hi, flip, low, 0x28);
-        const __m512i w2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), flip, low, 0x28);
-        const __m512i w3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(hi, 4), flip, low, 0x28);
+    for (int b = 0; b < n / QK4_0; b++, g += bytes) {
+        for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)g + ahead + line, _MM_HINT_T0);
+        __m512i w[4];
+        if (q8) {
+            for (int k = 0; k < 4; k++) w[k] = _mm512_loadu_si512(g + 16 + 64 * k);
+        } else { /* (v ^ 0x88) & 0x0f: ternary logic 0x28 is (A ^ B) & C; bytes 0-7, 8-15, then their high nibbles */
+            const __m512i lo = _mm512_loadu_si512(g + 16), hi = _mm512_loadu_si512(g + 80);
+            w[0] = _mm512_ternarylogic_epi32(lo, flip, low, 0x28);
+            w[1] = _mm512_ternarylogic_epi32(hi, flip, low, 0x28);
+            w[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(lo, 4), flip, low, 0x28);
+            w[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(hi, 4), flip, low, 0x28);
+        }
         const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(
                                                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g))));
         for (int t = 0; t < T; t++) {
             const act_q4_0 *a = (const act_q4_0 *)act[t] + b;
             __m512i s = _mm512_set1_epi64(load_i64(a->corr));
-            s = _mm512_dpbusd_epi32(s, w0, _mm512_set1_epi64(load_i64(a->q)));
-            s = _mm512_dpbusd_epi32(s, w1, _mm512_set1_epi64(load_i64(a->q + 8)));
-            s = _mm512_dpbusd_epi32(s, w2, _mm512_set1_epi64(load_i64(a->q + 16)));
-            s = _mm512_dpbusd_epi32(s, w3, _mm512_set1_epi64(load_i64(a->q + 24)));
+            for (int k = 0; k < 4; k++) s = _mm512_dpbusd_epi32(s, w[k], _mm512_set1_epi64(load_i64(a->q + 8 * k)));
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a->d)), acc[t]);
         }
     }
     for (int t = 0; t < T; t++) { /* a row's two lanes summed */
         const __m512 pairs = _mm512_add_ps(acc[t], _mm512_permute_ps(acc[t], 0xb1)); /* lane i + lane i ^ 1 */
-        _mm256_storeu_ps(out[t], _mm512_castps512_ps256(_mm512_permutexvar_ps(
-                                     _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0), pairs)));
-    }
-}
-
-/* Q8_0 as ferry_repack_q8_0 stores it: per block of 32 columns the 8 rows' fp16 scales, then for each 8 columns the
- * 8 rows' 8 bytes, each XOR 0x80 (so unsigned: w + 128, the 128 taken back by the activation's corr) */
-static inline __attribute__((always_inline)) void tile_q8_0(const uint8_t *g, const uint8_t *const *act, int n,
-                                                             float *const *out, const int T) {
-    const __m512i spread = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    __m512 acc[TILE];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < n / QK4_0; b++, g += Q8_0_BYTES) {
-        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES + 192, _MM_HINT_T0);
-        _mm_prefetch((const char *)g + 2 * Q8_0_BYTES + 256, _MM_HINT_T0);
-        const __m512i w0 = _mm512_loadu_si512(g + 16), w1 = _mm512_loadu_si512(g + 80);
-        const __m512i w2 = _mm512_loadu_si512(g + 144), w3 = _mm512_loadu_si512(g + 208);
-        const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps256_ps512(
-                                                            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g))));
-        for (int t = 0; t < T; t++) {
-            const act_q4_0 *a = (const act_q4_0 *)act[t] + b;
-            __m512i s = _mm512_set1_epi64(load_i64(a->corr));
-            s = _mm512_dpbusd_epi32(s, w0, _mm512_set1_epi64(load_i64(a->q)));
-            s = _mm512_dpbusd_epi32(s, w1, _mm512_set1_epi64(load_i64(a->q + 8)));
-            s = _mm512_dpbusd_epi32(s, w2, _mm512_set1_epi64(load_i64(a->q + 16)));
-            s = _mm512_dpbusd_epi32(s, w3, _mm512_set1_epi64(load_i64(a->q + 24)));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, _mm512_set1_ps(a->d)), acc[t]);
-        }
-    }
-    for (int t = 0; t < T; t++) {
-        const __m512 pairs = _mm512_add_ps(acc[t], _mm512_permute_ps(acc[t], 0xb1));
         _mm256_storeu_ps(out[t], _mm512_castps512_ps256(_mm512_permutexvar_ps(
                                      _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 12, 10, 8, 6, 4, 2, 0), pairs)));
     }
@@ -384,28 +324,17 @@ static inline __attribute__((always_inline)) void tile_q6_k(const uint8_t *g, co
 
 /* the group at g (8 rows of n columns of type) against T activation rows: out[t][0..7] */
 static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n, float *const *out, int T) {
-    if (type == Q4_0) {
+    if (type == Q4_0 || type == Q8_0) {
+        const int q8 = type == Q8_0;
         switch (T) { /* constant tile sizes, so that the accumulators stay in registers */
-        case 8: tile_q4_0(g, act, n, out, 8); return;
-        case 7: tile_q4_0(g, act, n, out, 7); return;
-        case 6: tile_q4_0(g, act, n, out, 6); return;
-        case 5: tile_q4_0(g, act, n, out, 5); return;
-        case 4: tile_q4_0(g, act, n, out, 4); return;
-        case 3: tile_q4_0(g, act, n, out, 3); return;
-        case 2: tile_q4_0(g, act, n, out, 2); return;
-        default: tile_q4_0(g, act, n, out, 1); return;
-        }
-    }
-    if (type == Q8_0) {
-        switch (T) {
-        case 8: tile_q8_0(g, act, n, out, 8); return;
-        case 7: tile_q8_0(g, act, n, out, 7); return;
-        case 6: tile_q8_0(g, act, n, out, 6); return;
-        case 5: tile_q8_0(g, act, n, out, 5); return;
-        case 4: tile_q8_0(g, act, n, out, 4); return;
-        case 3: tile_q8_0(g, act, n, out, 3); return;
-        case 2: tile_q8_0(g, act, n, out, 2); return;
-        default: tile_q8_0(g, act, n, out, 1); return;
+        case 8: q8 ? tile_32(g, act, n, out, 8, 1) : tile_32(g, act, n, out, 8, 0); return;
+        case 7: q8 ? tile_32(g, act, n, out, 7, 1) : tile_32(g, act, n, out, 7, 0); return;
+        case 6: q8 ? tile_32(g, act, n, out, 6, 1) : tile_32(g, act, n, out, 6, 0); return;
+        case 5: q8 ? tile_32(g, act, n, out, 5, 1) : tile_32(g, act, n, out, 5, 0); return;
+        case 4: q8 ? tile_32(g, act, n, out, 4, 1) : tile_32(g, act, n, out, 4, 0); return;
+        case 3: q8 ? tile_32(g, act, n, out, 3, 1) : tile_32(g, act, n, out, 3, 0); return;
+        case 2: q8 ? tile_32(g, act, n, out, 2, 1) : tile_32(g, act, n, out, 2, 0); return;
+        default: q8 ? tile_32(g, act, n, out, 1, 1) : tile_32(g, act, n, out, 1, 0); return;
         }
     }
     for (int t = 0; t < T; t += 4) { /* K-quants 4 tokens at a time: 8 tokens' accumulators would not fit */
@@ -437,12 +366,8 @@ static void groups_of(int type, int64_t lo, int64_t hi, int groups, int mats, co
         const int64_t slot = u / ((int64_t)mats * groups), rem = u % ((int64_t)mats * groups);
         const uint8_t *g = base[rem / groups] + (size_t)ids[slot] * per_expert + (size_t)(rem % groups) * per_group;
         const uint8_t *x = act + slot * act_per_slot;
-        if (type == Q4_0) {
-            dot_q4_0(g, (const act_q4_0 *)x, n, y + u * GROUP);
-        } else {
-            float *o = y + u * GROUP;
-            tile_of(type, g, &x, n, &o, 1);
-        }
+        float *o = y + u * GROUP;
+        tile_of(type, g, &x, n, &o, 1);
     }
 }
 
@@ -771,7 +696,7 @@ void ferry_moe_ggml(void *dst, int ith, int nth, void *userdata) {
 #endif
 }
 
-/* Plain Q8_0 rows (34 bytes a block: fp16 d, 32 int8) to the layout tile_q8_0 reads, rows in groups of 8 (rows: a
+/* Plain Q8_0 rows (34 bytes a block: fp16 d, 32 int8) to the layout tile_32 reads, rows in groups of 8 (rows: a
  * multiple of 8, cols: of 32); the rows split between n_threads. */
 void ferry_repack_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t cols, int n_threads) {
     const int64_t blocks = cols / QK4_0, groups = rows / GROUP;
