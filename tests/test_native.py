@@ -288,3 +288,20 @@ def test_ggml_keeps_the_dense_weights_the_matrix_kernel_does_not_cover():
     x = torch.randn(3, 64)
     ref = x.double() @ torch.from_numpy(odd.dequantize()).double().T
     assert torch.linalg.norm(cpu.linear(x, odd).double() - ref) / torch.linalg.norm(ref) < 2e-2
+
+
+def test_graphs_built_for_more_tokens_grow_the_scratch_that_earlier_graphs_then_read():
+    """A layer's graph nodes share one scratch per kernel (graphs run one at a time): a graph of 3 tokens, then one of
+    40 (the scratch grows, the first graph's pointer must follow), then the first again, each as ggml's own graph
+    computes them (the MoE block and a dense FFN, ferry's nodes in both)."""
+    rng = np.random.default_rng(23)
+    (up, gate, down), _ = _layer(rng, 8, 256, 96)
+    router = Weight("router", Q.F32, (256, 8), rng.standard_normal((8, 256)).astype(np.float32).view(np.uint8).ravel())
+    (fu, _), (fg, _), (fd, _) = _weight(rng, Q.Q8_0, 96, 256), _weight(rng, Q.Q8_0, 96, 256), _weight(rng, Q40, 256, 96)
+    ours, theirs = CpuBackend(2), CpuBackend(2, native_kernels=False)
+    for n in (3, 40, 3):
+        x = torch.from_numpy(rng.standard_normal((n, 256)).astype(np.float32))
+        (a, ia), (b, ib) = (be.moe(x, router, up, gate, down, 2, True, "silu") for be in (ours, theirs))
+        assert torch.equal(ia, ib) and torch.linalg.norm(a - b) / torch.linalg.norm(b) < 2e-2
+        a, b = (be.ffn(x, fg, fu, fd, "silu") for be in (ours, theirs))
+        assert torch.linalg.norm(a - b) / torch.linalg.norm(b) < 2e-2

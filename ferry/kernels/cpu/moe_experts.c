@@ -669,7 +669,8 @@ int ferry_moe_batch(const float *x, const int32_t *ids, const float *weights, in
 typedef struct {
     const uint8_t *up, *gate, *down;
     int n_embd, n_ff, n_expert, n_used, up_type, down_type;
-    uint8_t *scratch; /* ferry_moe_batch_scratch bytes for the graph's n tokens */
+    uint8_t *const *scratch; /* where the kernel's scratch is now: ferry_moe_batch_scratch bytes for the largest
+                              * graph built (graphs run one at a time and are built before they run) */
     spin_barrier *barrier;
     int64_t off_ne, off_nb, off_src, off_data; /* byte offsets of ggml_tensor's ne, nb, src and data fields */
 } ferry_ggml_moe;
@@ -689,7 +690,7 @@ void ferry_moe_ggml(void *dst, int ith, int nth, void *userdata) {
     const moe_call c = {field_ptr(src[0], m->off_data), field_ptr(src[1], m->off_data), field_ptr(src[2], m->off_data),
                         (int64_t)(nb_x[1] / sizeof(float)), (int64_t)(nb_ids[1] / sizeof(int32_t)),
                         (int64_t)(nb_w[1] / sizeof(float)), (int)ne[1], m->n_used, m->n_embd, m->n_ff, m->n_expert,
-                        m->up_type, m->down_type, m->up, m->gate, m->down, field_ptr(dst, m->off_data), m->scratch};
+                        m->up_type, m->down_type, m->up, m->gate, m->down, field_ptr(dst, m->off_data), *m->scratch};
     run_call(&c, ith, nth, m->barrier);
 #else
     (void)dst, (void)ith, (void)nth, (void)userdata;
@@ -769,7 +770,7 @@ int ferry_linear(const float *x, int n, int64_t x_stride, const uint8_t *w, int 
 typedef struct {
     const uint8_t *w;
     int type, m, k;
-    uint8_t *scratch; /* ferry_linear_scratch bytes for the graph's n tokens */
+    uint8_t *const *scratch; /* as ferry_ggml_moe's: ferry_linear_scratch bytes for the largest graph built */
     spin_barrier *barrier;
     int64_t off_ne, off_nb, off_src, off_data;
 } ferry_ggml_linear;
@@ -785,7 +786,7 @@ void ferry_linear_ggml(void *dst, int ith, int nth, void *userdata) {
     const size_t *nb_y = (const size_t *)((const uint8_t *)dst + l->off_nb);
     const linear_call c = {field_ptr(src[0], l->off_data), (int64_t)(nb_x[1] / sizeof(float)),
                            (int64_t)(nb_y[1] / sizeof(float)), (int)ne[1], l->m, l->k, l->type, l->w,
-                           field_ptr(dst, l->off_data), l->scratch};
+                           field_ptr(dst, l->off_data), *l->scratch};
     linear_body(&c, ith, nth, l->barrier);
 #else
     (void)dst, (void)ith, (void)nth, (void)userdata;

@@ -122,6 +122,20 @@ def _aligned(size: int) -> tuple[np.ndarray, int]:
     return buf, buf.ctypes.data + (-buf.ctypes.data) % 64
 
 
+class _Scratch:
+    """One growing 64-byte aligned buffer that graph nodes find through `where`, the address of a pointer to it: a
+    graph built for more tokens grows it (before any graph runs again), and every node reads the pointer at each run."""
+
+    def __init__(self):
+        self.buf: np.ndarray | None = None
+        self.slot = (ctypes.c_void_p * 1)()
+        self.where = ctypes.addressof(self.slot)
+
+    def grow(self, size: int) -> None:
+        if self.buf is None or self.buf.nbytes < size + 64:
+            self.buf, self.slot[0] = _aligned(size)
+
+
 def library(s: Settings | None = None) -> ctypes.CDLL | None:
     """The compiled kernels, or None (why_not() says why): with Settings.native_kernels off (FERRY_NATIVE=0), where no
     C compiler works, or where the CPU lacks the instructions they are written for."""
@@ -160,6 +174,7 @@ class MoeExperts:
         self.up_type, self.down_type = up_type, down_type
         self._scratch: dict[tuple, tuple[np.ndarray, int]] = {}  # (kind, n_used) -> its buffer and aligned address
         self._barrier = np.zeros(16, dtype=np.int32)  # the graph nodes' spin barrier (they run one at a time)
+        self._nodes = _Scratch()  # the graph nodes' scratch
 
     def _scratch_for(self, n: int, n_used: int, n_expert: int) -> int:
         """A 64-byte aligned buffer for n tokens (one token's sized once: a layer's call on the decode path asks nothing
@@ -202,19 +217,16 @@ class MoeExperts:
         """The experts as a node of a ggml graph (ggml_custom_4d, run by ggml's threads): x (n_embd, n) float32, ids
         (>= n_used, n) int32 (top_k's view), weights (n_used, n) float32, rows at their strides; up, gate, down as for
         __call__. Returns the (n_embd, n) float32 node; what it reads stays alive in `keep` (the graph's). Its scratch
-        is this kernel's for n tokens, shared by every graph and layer of that size: they run one at a time."""
+        is this kernel's one buffer, grown to the largest graph built: every graph and layer shares it, as they run one
+        at a time, and reads where it is at each run."""
         n, n_used = x.contents.ne[1], weights.contents.ne[0]
-        size = self.lib.ferry_moe_batch_scratch(n, n_used, self.n_embd, self.n_ff, n_expert, self.up_type,
-                                                self.down_type)
-        key = ("node", n, n_used)
-        held = self._scratch.get(key)
-        if held is None or held[0].nbytes < size + 64:
-            held = self._scratch[key] = _aligned(size)
+        self._nodes.grow(self.lib.ferry_moe_batch_scratch(n, n_used, self.n_embd, self.n_ff, n_expert, self.up_type,
+                                                          self.down_type))
         fixed = _GgmlMoe(up, gate, down, self.n_embd, self.n_ff, n_expert, n_used, self.up_type, self.down_type,
-                         held[1], self._barrier.ctypes.data, *_offsets())
+                         self._nodes.where, self._barrier.ctypes.data, *_offsets())
         fun = ggml.ggml_custom_op_t(ctypes.cast(self.lib.ferry_moe_ggml, ctypes.c_void_p).value)
         args = (ctypes.POINTER(ggml.ggml_tensor) * 3)(x, ids, weights)
-        keep += [fixed, fun, args, held[0], self._barrier]
+        keep += [fixed, fun, args, self._nodes, self._barrier]
         return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, self.n_embd, n, 1, 1, args, 3, fun, -1,
                                    ctypes.addressof(fixed))
 
@@ -229,34 +241,28 @@ def repack_q8_0(lib: ctypes.CDLL, data: np.ndarray, rows: int, cols: int, n_thre
 
 class Dense:
     """Dense weights through moe_experts.c's matrix kernel (ferry_linear): y = W x for n rows, W in the layout of its
-    type (capabilities.cpu_native_linear), with the activations' scratch kept per size."""
+    type (capabilities.cpu_native_linear), with the activations' scratch grown to the largest call and kept."""
 
     def __init__(self, lib: ctypes.CDLL, n_threads: int, n_threads_batch: int):
         self.lib, self.n_threads, self.n_threads_batch = lib, n_threads, n_threads_batch
-        self._scratch: dict[tuple, tuple[np.ndarray, int]] = {}  # (n, k, type) -> buffer, aligned address
+        self._eager, self._nodes = _Scratch(), _Scratch()  # the calls' scratch and the graph nodes', as MoeExperts'
         self._barrier = np.zeros(16, dtype=np.int32)
-
-    def _scratch_for(self, n: int, k: int, qtype: int) -> tuple[np.ndarray, int]:
-        key = (n, k, qtype)
-        if key not in self._scratch:
-            self._scratch[key] = _aligned(self.lib.ferry_linear_scratch(n, k, qtype))
-        return self._scratch[key]
 
     def __call__(self, x: torch.Tensor, w: int, qtype: int, m: int, out: torch.Tensor) -> torch.Tensor:
         """x (n, k) float32 contiguous, w: the weight's address, out (n, m) float32."""
         n, k = x.shape
         threads = self.n_threads if n == 1 else self.n_threads_batch
-        if self.lib.ferry_linear(x.data_ptr(), n, k, w, qtype, m, k, out.data_ptr(), m,
-                                 self._scratch_for(n, k, qtype)[1], threads):
+        self._eager.grow(self.lib.ferry_linear_scratch(n, k, qtype))
+        if self.lib.ferry_linear(x.data_ptr(), n, k, w, qtype, m, k, out.data_ptr(), m, self._eager.slot[0], threads):
             raise ValueError(f"ferry's matrix kernel does not take a {m} x {k} weight of type {qtype}")
         return out
 
     def node(self, ctx, x, w: int, qtype: int, m: int, keep: list):
         """y = W x as a node of a ggml graph: x (k, n) float32 rows at their stride -> (m, n) float32."""
         k, n = x.contents.ne[0], x.contents.ne[1]
-        held = self._scratch_for(n, k, qtype)
-        fixed = _GgmlLinear(w, qtype, m, k, held[1], self._barrier.ctypes.data, *_offsets())
+        self._nodes.grow(self.lib.ferry_linear_scratch(n, k, qtype))
+        fixed = _GgmlLinear(w, qtype, m, k, self._nodes.where, self._barrier.ctypes.data, *_offsets())
         fun = ggml.ggml_custom_op_t(ctypes.cast(self.lib.ferry_linear_ggml, ctypes.c_void_p).value)
         args = (ctypes.POINTER(ggml.ggml_tensor) * 1)(x)
-        keep += [fixed, fun, args, held[0], self._barrier]
+        keep += [fixed, fun, args, self._nodes, self._barrier]
         return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, m, n, 1, 1, args, 1, fun, -1, ctypes.addressof(fixed))
