@@ -239,7 +239,8 @@ static inline __attribute__((always_inline)) void tile_q4_k(const uint8_t *g, co
                 const __m512i v = _mm512_loadu_si512(v8);
                 const __m512i vl = _mm512_and_si512(v, low), vh = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int t = 0; t < T; t++) {
-                    lo_acc[t] = _mm512_dpbusd_epi32(lo_acc[t], vl, _mm512_set1_epi64(load_i64(a[t]->q + 64 * c + 8 * k)));
+                    lo_acc[t] = _mm512_dpbusd_epi32(lo_acc[t], vl,
+                                                    _mm512_set1_epi64(load_i64(a[t]->q + 64 * c + 8 * k)));
                     hi_acc[t] = _mm512_dpbusd_epi32(hi_acc[t], vh,
                                                     _mm512_set1_epi64(load_i64(a[t]->q + 64 * c + 32 + 8 * k)));
                 }
@@ -247,9 +248,9 @@ static inline __attribute__((always_inline)) void tile_q4_k(const uint8_t *g, co
             for (int t = 0; t < T; t++) {
                 isum[t] = _mm512_add_epi32(isum[t], _mm512_add_epi32(_mm512_mullo_epi32(lo_acc[t], sc0),
                                                                      _mm512_mullo_epi32(hi_acc[t], sc1)));
-                msum[t] = _mm256_add_epi32(msum[t], _mm256_add_epi32(
-                                                        _mm256_mullo_epi32(mins0, _mm256_set1_epi32(a[t]->sum[2 * c])),
-                                                        _mm256_mullo_epi32(mins1, _mm256_set1_epi32(a[t]->sum[2 * c + 1]))));
+                const __m256i m0 = _mm256_mullo_epi32(mins0, _mm256_set1_epi32(a[t]->sum[2 * c]));
+                const __m256i m1 = _mm256_mullo_epi32(mins1, _mm256_set1_epi32(a[t]->sum[2 * c + 1]));
+                msum[t] = _mm256_add_epi32(msum[t], _mm256_add_epi32(m0, m1));
             }
         }
         _mm_prefetch((const char *)g + PREFETCH_AHEAD, _MM_HINT_T0);
@@ -394,7 +395,8 @@ static void run_units(const phase *ph, int64_t lo, int64_t hi) {
         while (ph->first[e + 1] <= u) e++;
         const int count = ph->start[e + 1] - ph->start[e], tiles = (count + TILE - 1) / TILE;
         const int64_t rem = u - ph->first[e];
-        const int tile = (int)(rem % tiles), group = (int)(rem / tiles % ph->groups), m = (int)(rem / tiles / ph->groups);
+        const int tile = (int)(rem % tiles), group = (int)(rem / tiles % ph->groups);
+        const int m = (int)(rem / tiles / ph->groups);
         const uint8_t *g = ph->base[m] + (size_t)e * per_expert + (size_t)group * per_group;
         const uint8_t *act[TILE];
         float *out[TILE];
@@ -662,35 +664,47 @@ int ferry_moe_batch(const float *x, const int32_t *ids, const float *weights, in
 #endif
 }
 
+/* byte offsets of ggml_tensor's ne, nb, src and data fields (given by the caller, so that no ggml header is needed
+ * here), and what a node reads through them */
+typedef struct {
+    int64_t ne, nb, src, data;
+} tensor_fields;
+
+static const void *src_of(const void *t, const tensor_fields *f, int i) {
+    return ((const void *const *)((const uint8_t *)t + f->src))[i];
+}
+static void *data_of(const void *t, const tensor_fields *f) { return *(void *const *)((const uint8_t *)t + f->data); }
+static int64_t columns_of(const void *t, const tensor_fields *f) { /* ne[1] */
+    return ((const int64_t *)((const uint8_t *)t + f->ne))[1];
+}
+static int64_t row_stride(const void *t, const tensor_fields *f, size_t item) { /* nb[1] in items */
+    return (int64_t)(((const size_t *)((const uint8_t *)t + f->nb))[1] / item);
+}
+
 /* The same as a node of a ggml graph (ggml_custom_4d, called by each of ggml's nth threads at once with its ith):
  * dst (n_embd, n) float32 = the experts of src[0] x (n_embd, n) float32, src[1] ids (>= n_used, n) int32, src[2]
- * weights (n_used, n) float32, rows of each at their nb[1]. The layer's fixed part is a ferry_ggml_moe, its tensor
- * field offsets given by the caller (so that no ggml header is needed here). ids are top_k's: in range. */
+ * weights (n_used, n) float32, rows of each at their nb[1]. The layer's fixed part is a ferry_ggml_moe. ids are
+ * top_k's: in range. */
 typedef struct {
     const uint8_t *up, *gate, *down;
     int n_embd, n_ff, n_expert, n_used, up_type, down_type;
     uint8_t *const *scratch; /* where the kernel's scratch is now: ferry_moe_batch_scratch bytes for the largest
                               * graph built (graphs run one at a time and are built before they run) */
     spin_barrier *barrier;
-    int64_t off_ne, off_nb, off_src, off_data; /* byte offsets of ggml_tensor's ne, nb, src and data fields */
+    tensor_fields f;
 } ferry_ggml_moe;
-
-static void *field_ptr(const void *tensor, int64_t off) { return *(void **)((const uint8_t *)tensor + off); }
 
 size_t ferry_ggml_moe_size(void) { return sizeof(ferry_ggml_moe); }
 
 void ferry_moe_ggml(void *dst, int ith, int nth, void *userdata) {
 #if FAST
     const ferry_ggml_moe *m = (const ferry_ggml_moe *)userdata;
-    const void *const *src = (const void *const *)((const uint8_t *)dst + m->off_src);
-    const int64_t *ne = (const int64_t *)((const uint8_t *)dst + m->off_ne);
-    const size_t *nb_x = (const size_t *)((const uint8_t *)src[0] + m->off_nb);
-    const size_t *nb_ids = (const size_t *)((const uint8_t *)src[1] + m->off_nb);
-    const size_t *nb_w = (const size_t *)((const uint8_t *)src[2] + m->off_nb);
-    const moe_call c = {field_ptr(src[0], m->off_data), field_ptr(src[1], m->off_data), field_ptr(src[2], m->off_data),
-                        (int64_t)(nb_x[1] / sizeof(float)), (int64_t)(nb_ids[1] / sizeof(int32_t)),
-                        (int64_t)(nb_w[1] / sizeof(float)), (int)ne[1], m->n_used, m->n_embd, m->n_ff, m->n_expert,
-                        m->up_type, m->down_type, m->up, m->gate, m->down, field_ptr(dst, m->off_data), *m->scratch};
+    const tensor_fields *f = &m->f;
+    const void *x = src_of(dst, f, 0), *ids = src_of(dst, f, 1), *w = src_of(dst, f, 2);
+    const moe_call c = {data_of(x, f), data_of(ids, f), data_of(w, f), row_stride(x, f, sizeof(float)),
+                        row_stride(ids, f, sizeof(int32_t)), row_stride(w, f, sizeof(float)), (int)columns_of(dst, f),
+                        m->n_used, m->n_embd, m->n_ff, m->n_expert, m->up_type, m->down_type, m->up, m->gate, m->down,
+                        data_of(dst, f), *m->scratch};
     run_call(&c, ith, nth, m->barrier);
 #else
     (void)dst, (void)ith, (void)nth, (void)userdata;
@@ -772,7 +786,7 @@ typedef struct {
     int type, m, k;
     uint8_t *const *scratch; /* as ferry_ggml_moe's: ferry_linear_scratch bytes for the largest graph built */
     spin_barrier *barrier;
-    int64_t off_ne, off_nb, off_src, off_data;
+    tensor_fields f;
 } ferry_ggml_linear;
 
 size_t ferry_ggml_linear_size(void) { return sizeof(ferry_ggml_linear); }
@@ -780,13 +794,10 @@ size_t ferry_ggml_linear_size(void) { return sizeof(ferry_ggml_linear); }
 void ferry_linear_ggml(void *dst, int ith, int nth, void *userdata) {
 #if FAST
     const ferry_ggml_linear *l = (const ferry_ggml_linear *)userdata;
-    const void *const *src = (const void *const *)((const uint8_t *)dst + l->off_src);
-    const int64_t *ne = (const int64_t *)((const uint8_t *)dst + l->off_ne);
-    const size_t *nb_x = (const size_t *)((const uint8_t *)src[0] + l->off_nb);
-    const size_t *nb_y = (const size_t *)((const uint8_t *)dst + l->off_nb);
-    const linear_call c = {field_ptr(src[0], l->off_data), (int64_t)(nb_x[1] / sizeof(float)),
-                           (int64_t)(nb_y[1] / sizeof(float)), (int)ne[1], l->m, l->k, l->type, l->w,
-                           field_ptr(dst, l->off_data), *l->scratch};
+    const tensor_fields *f = &l->f;
+    const void *x = src_of(dst, f, 0);
+    const linear_call c = {data_of(x, f), row_stride(x, f, sizeof(float)), row_stride(dst, f, sizeof(float)),
+                           (int)columns_of(dst, f), l->m, l->k, l->type, l->w, data_of(dst, f), *l->scratch};
     linear_body(&c, ith, nth, l->barrier);
 #else
     (void)dst, (void)ith, (void)nth, (void)userdata;
