@@ -20,7 +20,8 @@
 #             model, processes in turn (benchmarks/ab_trees.py): experts in RAM (pp512 u-batch 128, tg128) and all on
 #             the GPU (pp4096 u-batch 512, tg128); AB_ROUNDS processes per tree (default 2)
 #   small   a GPU smaller than the model (benchmarks/small_gpu.py): a ballast process leaves SMALL_CAPS GiB (default 12)
-#           on CUDA0; ferry's default fit against its placements by hand and llama.cpp's -fitt fit (with the llama stage).
+#           on CUDA0; ferry's default fit against its placements by hand and llama.cpp's -fitt fit (with the llama stage);
+#           SMALL_ROUTING=0 leaves out the second default, after counting routing
 #           SKEW=S adds the same preset written with `--routing-skew S`; every model's default runs again after
 #           `ferry calibrate --routing` counted it on the repository's docs (the per-expert fit); SKEW_ONLY=1: that
 #           model alone
@@ -142,7 +143,8 @@ if has small; then
     fi
     cat README.md docs/*.md > /tmp/routing-all.txt; head -c 60000 /tmp/routing-all.txt > /tmp/routing.txt
     wait_build
-    python3 benchmarks/small_gpu.py $LB "${MODELS[@]}" --caps "${SMALL_CAPS:-12}" -t 16 --routing-text /tmp/routing.txt \
+    ROUTING="--routing-text /tmp/routing.txt"; [ "${SMALL_ROUTING:-1}" = 1 ] || ROUTING=""
+    python3 benchmarks/small_gpu.py $LB "${MODELS[@]}" --caps "${SMALL_CAPS:-12}" -t 16 $ROUTING \
         ${SMALL_ARGS:-} --out "$OUT/small_gpu.json" 2> "$OUT/small_gpu.log" | tee "$OUT/small_gpu.md"
 fi
 wait_build  # a build started for later calls finishes in this one (kept in .build/ while the machine is warm)
