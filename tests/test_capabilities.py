@@ -42,8 +42,9 @@ def _layer(rng, up_type, down_type=None, n_expert=4, n_embd=256, n_ff=256):
 
 
 def test_the_cpu_kernel_column_is_what_ferrys_kernel_reads():
-    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q6_K}
-    assert {q for q in Q if caps.can(q).cpu_native == "plain"} == {Q.Q6_K}  # ggml has no repacked Q6_K
+    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
+    # ggml has no x86 repacked layout for these: the kernel reads their plain rows
+    assert {q for q in Q if caps.can(q).cpu_native == "plain"} == {Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
     rng = np.random.default_rng(0)
     q4 = _layer(rng, Q.Q4_0)
     assert caps.cpu_native_experts(*q4, "silu") == ""

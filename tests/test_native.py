@@ -48,14 +48,16 @@ def test_the_kernel_is_there_exactly_where_the_cpu_has_avx512_vnni():
 
 # (up and gate's type, down's type, n_embd, n_ff, n_expert, n_used): Qwen3-30B-A3B's layer; odd block counts (Q4_0:
 # 96 = 3 blocks, 160 = 5; Q4_K and Q6_K: 768 = 3 super-blocks, 1280 = 5); one expert; the types mixed, either way
-# (Q4_K with Q6_K down: a Q4_K_M file's layers)
-Q40, Q4K, Q6K = Q.Q4_0, Q.Q4_K, Q.Q6_K
+# (Q4_K with Q6_K down: a Q4_K_M file's layers, Q5_K with Q6_K a Q5_K_M file's)
+Q40, Q4K, Q5K, Q6K, IQ4 = Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS
 SHAPES = [(Q40, Q40, 2048, 768, 16, 8), (Q40, Q40, 96, 64, 3, 2), (Q40, Q40, 160, 96, 5, 1), (Q40, Q40, 64, 32, 1, 1),
           (Q40, Q40, 320, 224, 7, 5), (Q40, Q40, 256, 160, 9, 8),
           (Q4K, Q4K, 2048, 768, 16, 8), (Q4K, Q4K, 768, 256, 3, 2), (Q4K, Q4K, 1280, 768, 5, 1),
           (Q4K, Q4K, 256, 256, 1, 1), (Q4K, Q40, 768, 96, 7, 5), (Q40, Q4K, 96, 1280, 9, 8),
           (Q4K, Q6K, 2048, 768, 16, 8), (Q6K, Q6K, 768, 256, 3, 2), (Q6K, Q6K, 1280, 768, 5, 1),
-          (Q6K, Q6K, 256, 256, 1, 1), (Q6K, Q40, 768, 96, 7, 5), (Q40, Q6K, 96, 1280, 9, 8)]
+          (Q6K, Q6K, 256, 256, 1, 1), (Q6K, Q40, 768, 96, 7, 5), (Q40, Q6K, 96, 1280, 9, 8),
+          (Q5K, Q5K, 2048, 768, 16, 8), (Q5K, Q6K, 768, 256, 3, 2), (Q5K, Q5K, 1280, 768, 5, 1), (Q5K, Q40, 256, 96, 1, 1),
+          (IQ4, IQ4, 2048, 768, 16, 8), (IQ4, IQ4, 768, 1280, 3, 2), (IQ4, Q6K, 1280, 256, 5, 1), (Q4K, IQ4, 256, 256, 1, 1)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used", SHAPES)
@@ -96,7 +98,9 @@ def test_the_kernel_matches_float64_given_its_activation_rounding(up_type, down_
 BATCHES = [(Q40, Q40, 2048, 768, 16, 8, 37, 3), (Q40, Q40, 96, 64, 3, 2, 2, 3), (Q40, Q40, 160, 96, 5, 1, 17, 2),
            (Q40, Q40, 64, 32, 1, 1, 9, 1), (Q40, Q40, 320, 224, 24, 5, 11, 2), (Q40, Q40, 256, 160, 9, 8, 64, 3),
            (Q4K, Q6K, 2048, 768, 16, 8, 19, 3), (Q4K, Q4K, 768, 256, 3, 2, 5, 2), (Q6K, Q40, 768, 96, 7, 5, 23, 3),
-           (Q40, Q6K, 96, 1280, 9, 8, 8, 1), (Q6K, Q6K, 256, 256, 1, 1, 3, 2), (Q40, Q4K, 160, 256, 40, 3, 33, 3)]
+           (Q40, Q6K, 96, 1280, 9, 8, 8, 1), (Q6K, Q6K, 256, 256, 1, 1, 3, 2), (Q40, Q4K, 160, 256, 40, 3, 33, 3),
+           (Q5K, Q5K, 2048, 768, 16, 8, 21, 3), (Q5K, Q6K, 768, 256, 5, 3, 7, 2), (IQ4, IQ4, 2048, 768, 16, 8, 13, 3),
+           (IQ4, IQ4, 1280, 256, 1, 1, 6, 2), (Q5K, IQ4, 256, 768, 9, 4, 30, 3)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n,threads", BATCHES)
@@ -213,12 +217,13 @@ def test_ferry_native_0_turns_the_kernel_off():
 
 
 def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
-    """A Q4_K_M file (Q4_K layers, some with Q6_K down) all on ferry's kernel; a Q5_K_M file's Q5_K layers on ggml's
-    beside its Q6_K ones on ferry's; Q8_0 experts all on ggml's."""
-    mixed = experts_kernel([{"Q5_K"}, {"Q5_K", "Q6_K"}, {"Q6_K"}])
+    """A Q4_K_M or Q5_K_M file (Q4_K / Q5_K layers, some with Q6_K down) and an IQ4_XS one all on ferry's kernel; a
+    file's Q8_0 layers on ggml's beside its Q6_K ones on ferry's; Q8_0 experts all on ggml's."""
+    mixed = experts_kernel([{"Q8_0"}, {"Q8_0", "Q6_K"}, {"Q6_K"}])
     if _has_vnni():
-        assert mixed.startswith("ferry's own kernel") and "in 1 of 3 layers" in mixed and "theirs are Q5_K" in mixed
-        assert experts_kernel([{"Q4_K"}, {"Q4_K", "Q6_K"}]).startswith("ferry's own kernel (")
+        assert mixed.startswith("ferry's own kernel") and "in 1 of 3 layers" in mixed and "theirs are Q6_K, Q8_0" in mixed
+        for layers in ([{"Q4_K"}, {"Q4_K", "Q6_K"}], [{"Q5_K"}, {"Q5_K", "Q6_K"}], [{"IQ4_XS"}]):
+            assert experts_kernel(layers).startswith("ferry's own kernel ("), layers
         assert experts_kernel([{"Q4_0"}, {"Q4_K"}]).startswith("ferry's own kernel (")
     else:
         assert mixed.startswith("ggml's kernel")
@@ -236,13 +241,15 @@ def _rounded_rows(x: np.ndarray, qtype) -> np.ndarray:
 LINEAR = [(Q.Q8_0, 8, 32, 1, 1), (Q.Q8_0, 24, 96, 3, 3), (Q.Q8_0, 72, 160, 17, 2), (Q.Q8_0, 2048, 512, 9, 3),
           (Q40, 40, 160, 20, 2), (Q40, 8, 32, 1, 3), (Q40, 1024, 96, 11, 2),
           (Q4K, 16, 768, 5, 2), (Q4K, 8, 256, 1, 1), (Q4K, 136, 1280, 19, 3),
-          (Q6K, 8, 256, 2, 3), (Q6K, 56, 768, 13, 2), (Q6K, 24, 1280, 1, 1)]
+          (Q6K, 8, 256, 2, 3), (Q6K, 56, 768, 13, 2), (Q6K, 24, 1280, 1, 1),
+          (Q5K, 8, 256, 1, 1), (Q5K, 40, 768, 9, 3), (Q5K, 136, 1280, 5, 2),
+          (IQ4, 8, 256, 3, 2), (IQ4, 72, 1280, 1, 3), (IQ4, 24, 768, 17, 2)]
 
 
 @pytest.mark.parametrize("qtype,m,k,n,threads", LINEAR)
 def test_the_matrix_kernel_matches_float64_given_its_activation_rounding(qtype, m, k, n, threads):
-    """Dense weights (ferry_linear: Q8_0 in ferry's own interleaved copy, Q4_0 / Q4_K in ggml's repacked one, Q6_K
-    plain), one token and many, eager and as a node of a ggml graph (a dense FFN's three weights)."""
+    """Dense weights (ferry_linear: Q8_0 in ferry's own interleaved copy, Q4_0 / Q4_K in ggml's repacked one, Q5_K,
+    Q6_K and IQ4_XS plain), one token and many."""
     rng = np.random.default_rng(m * k + n)
     w, w64 = _weight(rng, qtype, m, k)
     x = rng.standard_normal((n, k)).astype(np.float32)

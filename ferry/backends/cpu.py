@@ -293,8 +293,8 @@ class CpuBackend:
 
     def native_linear(self, w: Weight) -> int | None:
         """The address ferry's matrix kernel reads dense weight w at, where it runs it (capabilities.cpu_native_linear:
-        Q4_0 / Q4_K repacked by ggml, Q6_K plain, Q8_0 in its own copy, made here once), on a CPU it was built for;
-        None where ggml runs it. Decided once per weight."""
+        Q4_0 / Q4_K repacked by ggml, Q5_K / Q6_K / IQ4_XS plain, Q8_0 in its own copy, made here once), on a CPU it
+        was built for; None where ggml runs it. Decided once per weight."""
         if not self.native_kernels or len(w.ne) != 2:
             return None
         known = w.graphs.get("native linear")
@@ -410,7 +410,7 @@ class CpuBackend:
     def native_experts(self, n: int, weighted: bool, up: Weight, gate: Weight, down: Weight,
                        act: str) -> native.MoeExperts | None:
         """ferry's own kernel for n tokens' routed experts, where it runs them: their weighted sum, experts it reads
-        (capabilities.cpu_native_experts: silu, Q4_0 / Q4_K repacked, Q6_K), a CPU it was built for
+        (capabilities.cpu_native_experts: silu, Q4_0 / Q4_K repacked, Q5_K / Q6_K / IQ4_XS plain), a CPU it was built for
         (kernels/cpu/native.py); None where ggml runs them. Decided once per layer."""
         if not self.native_kernels or not weighted:
             return None

@@ -39,9 +39,9 @@ _TABLE = {
     Q.Q2_K: Can(gpu_expand=True),
     Q.Q3_K: Can(gpu_expand=True),
     Q.Q4_K: Can(gpu_expand=True, cpu_native="repacked", cpu_linear="repacked"),
-    Q.Q5_K: Can(gpu_expand=True),
+    Q.Q5_K: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     Q.Q6_K: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
-    Q.IQ4_XS: Can(gpu_expand=True),
+    Q.IQ4_XS: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_NL: Can(gpu_expand=True),
     Q.MXFP4: Can(gpu_expand=True),
 }

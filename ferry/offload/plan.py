@@ -103,7 +103,7 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
 
 def experts_kernel(layers: list[set[str]]) -> str:
     """Which kernel the CPU runs one token's routed experts with, given each MoE layer's expert quant types, and why
-    (`ferry plan`): a Q5_K_M file's layers with Q5_K experts run on ggml's beside its Q6_K layers on ferry's."""
+    (`ferry plan`): a file with Q8_0 experts in some layers runs those on ggml's beside its others on ferry's."""
     types = {q.name for q in cpu_native_types()}
     other = [t for t in layers if not t <= types]
     covers = f"ferry's own covers {', '.join(sorted(types))} experts"
@@ -111,7 +111,7 @@ def experts_kernel(layers: list[set[str]]) -> str:
         return f"ggml's kernel ({covers}; these are {', '.join(sorted(set().union(*other)))})"
     if native.library() is None:
         return f"ggml's kernel ({native.why_not()})"
-    own = "ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q6_K)"
+    own = "ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q5_K, Q6_K and IQ4_XS)"
     if not other:
         return own
     return (f"{own} in {len(layers) - len(other)} of {len(layers)} layers, ggml's in the others ({covers}; theirs "

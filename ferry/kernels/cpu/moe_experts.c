@@ -1,9 +1,10 @@
 /* ferry's CPU matrix kernels: routed experts of one token (ferry_moe_experts) or of many (ferry_moe_batch: h =
  * silu(gate x) * up x for each selected expert, then the weighted sum of down h), and dense weights (ferry_linear: y =
  * W x), each also as a node of a ggml graph (ferry_moe_ggml, ferry_linear_ggml). Q4_0 and Q4_K weights in ggml's
- * repacked CPU layouts (the copies CpuBackend.repack made), Q6_K in its plain GGUF layout (ggml has no repacked one for
- * it), Q8_0 in a layout of ferry's own (ferry_repack_q8_0; dense weights). A Q4_K_M file's MoE layers are Q4_K up and
- * gate with Q4_K or Q6_K down.
+ * repacked CPU layouts (the copies CpuBackend.repack made), Q5_K, Q6_K and IQ4_XS in their plain GGUF layouts (ggml
+ * has no repacked ones for them), Q8_0 in a layout of ferry's own (ferry_repack_q8_0; dense weights). A Q4_K_M file's
+ * MoE layers are Q4_K up and gate with Q4_K or Q6_K down, a Q5_K_M file's Q5_K with Q5_K or Q6_K, an IQ4_XS file's
+ * IQ4_XS throughout.
  * Compiled at first use by ferry/kernels/cpu/native.py, for CPUs with AVX512-VNNI; elsewhere ggml runs these experts.
  *
  * The layouts (ggml's repack for AVX2 and up) keep rows in groups of 8 and, per group, take 8 bytes of each row's
@@ -18,8 +19,14 @@
  * - Q6_K (block_q6_K, plain: each row its own blocks): per super-block of 256 columns, 210 bytes: 128 of low nibbles,
  *   64 of high bit pairs, 16 int8 scales (one per 16 columns), fp16 d; w = d sc (q - 32). In each half of 128
  *   columns, byte l (l < 64) of the low nibbles holds weight l (low nibble) and l + 64 (high nibble); byte l (l < 32)
- *   of the high pairs holds bits 4-5 of weights l, l + 32, l + 64, l + 96 (its bit pairs 0-1, 2-3, 4-5, 6-7). The
- *   kernel reads 8 rows in turn as one group, so that all three types share the (slot, matrix, group) split.
+ *   of the high pairs holds bits 4-5 of weights l, l + 32, l + 64, l + 96 (its bit pairs 0-1, 2-3, 4-5, 6-7).
+ * - Q5_K (block_q5_K, plain): per super-block 176 bytes: fp16 d and dmin, 12 bytes of 6-bit scales and mins (as
+ *   Q4_K's), 32 of high bits, 128 of nibbles; in each 64 columns j, byte l (l < 32) of the nibbles holds weight 64 j +
+ *   l (low) and 64 j + 32 + l (high), bits 2 j and 2 j + 1 of high-bit byte l their fifth bits: w = d sc q - dmin m.
+ * - IQ4_XS (block_iq4_xs, plain): per super-block 136 bytes: fp16 d, then each sub-block of 32's 6-bit scale ls (its
+ *   high 2 bits in a uint16, low 4 in 4 bytes), then 16 bytes per sub-block, byte j holding indices into IQ4_NL's
+ *   16 values for weights j (low) and j + 16 (high): w = d (ls - 32) table[index].
+ * The plain types' kernels read 8 rows in turn as one group, so that all types share the (slot, matrix, group) split.
  *
  * Why it is faster than ggml's mul_mat_id at one token (docs/decisions.md): each 32-bit lane's dot product belongs
  * to one row and the activation's 8 bytes are a broadcast load, so no shuffles but the scales' spread per block.
@@ -39,13 +46,17 @@
 #endif
 
 #define GROUP 8 /* rows interleaved */
-enum { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* ggml's type numbers */
+enum { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 }; /* ggml's type numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
 #define QK_K 256
 #define Q4_K_BYTES 1152 /* a group's super-block: 8 d + 8 dmin (fp16), 96 bytes of scales, 8 x 128 of nibbles */
 #define Q6_K_BYTES 210  /* one row's super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, fp16 d */
+#define Q5_K_BYTES 176  /* one row's super-block: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 32 of high bits,
+                         * 128 of low nibbles */
+#define IQ4_XS_BYTES 136 /* one row's super-block: fp16 d, 2 bytes of the scales' high bits, 4 of their low nibbles,
+                          * 128 of nibbles indexing IQ4_NL's table */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1152 /* bytes ahead of the block being read (8 Q4_0 blocks, one Q4_K super-block) */
 #endif
@@ -57,31 +68,37 @@ typedef struct { /* an activation block of 32 for Q4_0 (Q8_0) weights, quantized
     float d;
 } act_q4_0;
 
-typedef struct { /* an activation block of 256 for Q4_K weights, quantized to int8 with one scale, as ggml's Q8_K */
+typedef struct { /* an activation block of 256 for Q4_K (Q5_K) weights, quantized to int8 with one scale, as ggml's
+                  * Q8_K; for Q5_K q is in the order of the weights' 64-byte vectors (q5_k_order) */
     int8_t q[QK_K];
     int32_t sum[8]; /* the sum of q over each sub-block of 32: what the weights' mins multiply */
     float d;
 } act_q4_k;
 
-typedef struct { /* an activation block of 256 for Q6_K weights: Q8_K's rounding, and Q6_K's offset per 32-bit lane */
+typedef struct { /* an activation block of 256 for Q6_K (IQ4_XS) weights: Q8_K's rounding, and the weights' offset per
+                  * 32-bit lane; for IQ4_XS q is in the order of the weights' 64-byte vectors (iq4_xs_order) */
     int8_t q[QK_K];
-    int32_t corr[QK_K / 4]; /* -32 times the sum of each 4 q a lane multiplies: Q6_K's q - 32 */
+    int32_t corr[QK_K / 4]; /* minus the offset times the sum of each 4 q a lane multiplies: Q6_K's q - 32 (32),
+                             * IQ4_XS's table values stored + 128 (128) */
     float d;
 } act_q6_k;
 
 int ferry_moe_fast(void) { return FAST; }
 
-static int block_of(int type) { return type == Q4_0 || type == Q8_0 ? QK4_0 : type == Q4_K || type == Q6_K ? QK_K : 0; }
+static int block_of(int type) {
+    return type == Q4_0 || type == Q8_0 ? QK4_0 : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? QK_K : 0;
+}
 
 /* bytes of one activation row of n values, and of one group of 8 weight rows of n columns, for weights of type */
 static size_t act_bytes(int type, int n) {
     return type == Q4_0 || type == Q8_0 ? sizeof(act_q4_0) * (size_t)(n / QK4_0)
-         : type == Q4_K ? sizeof(act_q4_k) * (size_t)(n / QK_K) : sizeof(act_q6_k) * (size_t)(n / QK_K);
+         : type == Q4_K || type == Q5_K ? sizeof(act_q4_k) * (size_t)(n / QK_K) : sizeof(act_q6_k) * (size_t)(n / QK_K);
 }
 static size_t group_bytes(int type, int n) {
     return type == Q4_0 ? (size_t)Q4_0_BYTES * (n / QK4_0)
          : type == Q8_0 ? (size_t)Q8_0_BYTES * (n / QK4_0)
-         : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K) : (size_t)GROUP * Q6_K_BYTES * (n / QK_K);
+         : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K)
+         : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : IQ4_XS_BYTES) * (n / QK_K);
 }
 
 static float scale_of(const float *v, int n) {
@@ -95,6 +112,22 @@ static float round_q8_k(const float *v, int8_t *q) {
     const float d = scale_of(v, QK_K), id = d > 0.0f ? 1.0f / d : 0.0f;
     for (int i = 0; i < QK_K; i++) q[i] = (int8_t)lrintf(v[i] * id);
     return d;
+}
+
+/* Where column i of a super-block goes in the activation block that the plain Q5_K / IQ4_XS kernels read: in the
+ * order of the 64-byte vectors they unpack from a row's nibbles.
+ * Q5_K: the row's 128 bytes of nibbles as two loads of 64 (h = 0, 1), each byte l (l < 32) of the first half holding
+ * columns 128h + l (low nibble) and 128h + 32 + l (high), of the second half 128h + 64 + l and 128h + 96 + l; vector
+ * 2h is the low nibbles, 2h + 1 the high. */
+static int q5_k_order(int i) {
+    const int h = i / 128, r = i % 128, half = r / 64, high = r % 64 / 32;
+    return 64 * (2 * h + high) + 32 * half + r % 32;
+}
+/* IQ4_XS: sub-block s (32 columns) is 16 bytes, byte j holding columns 32s + j (low nibble) and 32s + 16 + j (high);
+ * a load of 64 holds sub-blocks 4h..4h + 3, vector 2h their low nibbles, 2h + 1 their high */
+static int iq4_xs_order(int i) {
+    const int s = i / 32, high = i % 32 / 16;
+    return 64 * (2 * (s / 4) + high) + 16 * (s % 4) + i % 16;
 }
 
 /* x (n values) as the activation blocks that weights of `type` read */
@@ -114,23 +147,28 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
             a[b].corr[1] = -offset * sums[1];
             a[b].d = d;
         }
-    } else if (type == Q4_K) {
+    } else if (type == Q4_K || type == Q5_K) {
         act_q4_k *a = (act_q4_k *)dst;
+        int8_t q[QK_K];
         for (int b = 0; b < n / QK_K; b++) {
-            a[b].d = round_q8_k(x + (size_t)b * QK_K, a[b].q);
+            a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
             for (int j = 0; j < 8; j++) {
                 int32_t s = 0;
-                for (int i = 32 * j; i < 32 * (j + 1); i++) s += a[b].q[i];
+                for (int i = 32 * j; i < 32 * (j + 1); i++) s += q[i];
                 a[b].sum[j] = s;
             }
+            for (int i = 0; i < QK_K; i++) a[b].q[type == Q5_K ? q5_k_order(i) : i] = q[i];
         }
     } else {
+        const int iq4 = type == IQ4_XS;
         act_q6_k *a = (act_q6_k *)dst;
+        int8_t q[QK_K];
         for (int b = 0; b < n / QK_K; b++) {
-            a[b].d = round_q8_k(x + (size_t)b * QK_K, a[b].q);
+            a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
+            for (int i = 0; i < QK_K; i++) a[b].q[iq4 ? iq4_xs_order(i) : i] = q[i];
             for (int l = 0; l < QK_K / 4; l++) {
-                const int8_t *q = a[b].q + 4 * l;
-                a[b].corr[l] = -32 * (q[0] + q[1] + q[2] + q[3]);
+                const int8_t *ql = a[b].q + 4 * l;
+                a[b].corr[l] = (iq4 ? -128 : -32) * (ql[0] + ql[1] + ql[2] + ql[3]);
             }
         }
     }
@@ -323,6 +361,124 @@ static inline __attribute__((always_inline)) void tile_q6_k(const uint8_t *g, co
     }
 }
 
+/* the 8 Q5_K rows at g (plain, one after another) against up to 4 tokens: each super-block's 5-bit values unpacked
+ * once for all (low nibbles, and the high bit of qh moved to bit 4), its scales per 32-bit lane; w = d sc q - dmin m,
+ * the mins against the activation's sums per sub-block */
+static inline __attribute__((always_inline)) void tile_q5_k(const uint8_t *g, const uint8_t *const *act, int n,
+                                                             float *const *out, const int T) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    /* qh's bit 4h (lower 256 bits) and 4h + 2 (upper) to bit 4 for vector 2h, bits 4h + 1 and 4h + 3 for 2h + 1:
+     * 16-bit shifts (a byte's bit 4 comes from its own bits for shifts of 4 left to 3 right) */
+    const __m512i left0 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i left1 = _mm512_inserti64x4(_mm512_set1_epi16(3), _mm256_set1_epi16(1), 1);
+    const __m512i right0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i right1 = _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1);
+    __m512i lane_of[4]; /* vector k's sub-blocks per lane: lower 8 lanes 4h + (k & 1), upper 4h + (k & 1) + 2 */
+    for (int k = 0; k < 4; k++) {
+        const int s = 4 * (k / 2) + (k & 1);
+        lane_of[k] = _mm512_inserti64x4(_mm512_set1_epi32(s), _mm256_set1_epi32(s + 2), 1);
+    }
+    const int blocks = n / QK_K;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * blocks * Q5_K_BYTES;
+        __m512 acc[4];
+        __m256 mins[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps(), mins[t] = _mm256_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += Q5_K_BYTES) {
+            for (int line = 0; line < 192; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            const uint64_t sc8 = six_bits(load_u32(row + 4), load_u32(row + 12), 0);
+            const uint64_t m8 = six_bits(load_u32(row + 8), load_u32(row + 12), 4);
+            const __m512i scales = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8));
+            const __m256i m32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16)));
+            __m512i w[4];
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_loadu_si512(row + 48 + 64 * h);
+                const __m512i hi0 = h ? _mm512_srlv_epi16(qh, right0) : _mm512_sllv_epi16(qh, left0);
+                const __m512i hi1 = h ? _mm512_srlv_epi16(qh, right1) : _mm512_sllv_epi16(qh, left1);
+                /* ternary logic 0xf8: A | (B & C) */
+                w[2 * h] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, nibble), hi0, bit4, 0xf8);
+                w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), hi1, bit4,
+                                                         0xf8);
+            }
+            __m512i sc[4];
+            for (int k = 0; k < 4; k++) sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
+            uint16_t dh[2];
+            memcpy(dh, row, 4);
+            const float d = _cvtsh_ss(dh[0]), dmin = _cvtsh_ss(dh[1]);
+            for (int t = 0; t < T; t++) {
+                const act_q4_k *a = (const act_q4_k *)act[t] + b;
+                __m512i isum = _mm512_setzero_si512();
+                for (int k = 0; k < 4; k++)
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(sc[k], _mm512_dpbusd_epi32(
+                                                      _mm512_setzero_si512(), w[k], _mm512_loadu_si512(a->q + 64 * k))));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
+                const __m256i msum = _mm256_mullo_epi32(m32, _mm256_loadu_si256((const __m256i *)a->sum));
+                mins[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * a->d), mins[t]);
+            }
+        }
+        for (int t = 0; t < T; t++)
+            out[t][r] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[t], _mm512_zextps256_ps512(mins[t])));
+    }
+}
+
+/* the 8 IQ4_XS rows at g (plain, one after another) against up to 4 tokens: each super-block's nibbles looked up in
+ * IQ4_NL's table once for all (stored + 128, unsigned for VNNI; the activation's corr takes the 128 back), its 6-bit
+ * scales less 32 per 32-bit lane: w = d (ls - 32) table[q] */
+static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, const uint8_t *const *act, int n,
+                                                               float *const *out, const int T) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8((char)1, (char)24, (char)45, (char)63, (char)79,
+                                                               (char)93, (char)106, (char)118, (char)129, (char)141,
+                                                               (char)153, (char)166, (char)181, (char)197, (char)217,
+                                                               (char)241));
+    const __m256i four_s = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), two_s = _mm256_setr_epi32(0, 2, 4, 6, 8, 10,
+                                                                                                      12, 14);
+    __m512i lane_of[2]; /* the sub-block of each 32-bit lane in load h: 4h + lane / 4 (of 8: the upper 8 unread) */
+    for (int h = 0; h < 2; h++)
+        lane_of[h] = _mm512_set_epi32(4 * h + 3, 4 * h + 3, 4 * h + 3, 4 * h + 3, 4 * h + 2, 4 * h + 2, 4 * h + 2,
+                                      4 * h + 2, 4 * h + 1, 4 * h + 1, 4 * h + 1, 4 * h + 1, 4 * h, 4 * h, 4 * h, 4 * h);
+    const int blocks = n / QK_K;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * blocks * IQ4_XS_BYTES;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += IQ4_XS_BYTES) {
+            for (int line = 0; line < 192; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            uint16_t dh, high;
+            memcpy(&dh, row, 2);
+            memcpy(&high, row + 2, 2);
+            /* sub-block s's low 4 bits at bit 4 s of the 4 bytes after, its high 2 at bit 2 s of `high` */
+            const __m256i lo4 = _mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(row + 4)), four_s);
+            const __m256i hi2 = _mm256_srlv_epi32(_mm256_set1_epi32(high), two_s);
+            const __m512i scales = _mm512_castsi256_si512(_mm256_sub_epi32(_mm256_or_si256(
+                _mm256_and_si256(lo4, _mm256_set1_epi32(0xf)),
+                _mm256_slli_epi32(_mm256_and_si256(hi2, _mm256_set1_epi32(3)), 4)), _mm256_set1_epi32(32)));
+            __m512i w[4], sc[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_loadu_si512(row + 8 + 64 * h);
+                w[2 * h] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, nibble));
+                w[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+                sc[h] = _mm512_permutexvar_epi32(lane_of[h], scales);
+            }
+            const float d = _cvtsh_ss(dh);
+            for (int t = 0; t < T; t++) {
+                const act_q6_k *a = (const act_q6_k *)act[t] + b;
+                __m512i isum = _mm512_setzero_si512();
+                for (int h = 0; h < 2; h++) {
+                    const __m512i lo = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h), w[2 * h],
+                                                           _mm512_loadu_si512(a->q + 128 * h));
+                    const __m512i hi = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h + 16), w[2 * h + 1],
+                                                           _mm512_loadu_si512(a->q + 128 * h + 64));
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[h]));
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+
 /* the group at g (8 rows of n columns of type) against T activation rows: out[t][0..7] */
 static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n, float *const *out, int T) {
     if (type == Q4_0 || type == Q8_0) {
@@ -346,6 +502,20 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
             case 3: tile_q4_k(g, act + t, n, out + t, 3); break;
             case 2: tile_q4_k(g, act + t, n, out + t, 2); break;
             default: tile_q4_k(g, act + t, n, out + t, 1); break;
+            }
+        } else if (type == Q5_K) {
+            switch (left) {
+            case 4: tile_q5_k(g, act + t, n, out + t, 4); break;
+            case 3: tile_q5_k(g, act + t, n, out + t, 3); break;
+            case 2: tile_q5_k(g, act + t, n, out + t, 2); break;
+            default: tile_q5_k(g, act + t, n, out + t, 1); break;
+            }
+        } else if (type == IQ4_XS) {
+            switch (left) {
+            case 4: tile_iq4_xs(g, act + t, n, out + t, 4); break;
+            case 3: tile_iq4_xs(g, act + t, n, out + t, 3); break;
+            case 2: tile_iq4_xs(g, act + t, n, out + t, 2); break;
+            default: tile_iq4_xs(g, act + t, n, out + t, 1); break;
             }
         } else {
             switch (left) {

@@ -1,7 +1,7 @@
 """ferry's own CPU kernels (C beside this file), compiled for this machine at first use and kept in the cache.
 
-So far the routed experts, of one token or of many, for Q4_0 and Q4_K weights in ggml's repacked layouts and Q6_K
-weights in their plain one (moe_experts.c): at one token it reads them faster than ggml's mul_mat_id
+So far the routed experts, of one token or of many, for Q4_0 and Q4_K weights in ggml's repacked layouts and Q5_K,
+Q6_K and IQ4_XS weights in their plain ones (moe_experts.c): at one token it reads them faster than ggml's mul_mat_id
 (benchmarks/expert_reads.py; docs/decisions.md), at many it reads each expert once per tile of its tokens. Where no C compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None
 (`why_not()` says why) and ggml runs those experts."""
 

@@ -1,0 +1,89 @@
+"""One MoE layer's routed experts on the CPU, per quant type: ferry's own kernels (ferry/kernels/cpu/moe_experts.c)
+against ggml's mul_mat_id on the same weights and tokens, in one process.
+
+The layer has Qwen3-30B-A3B's shape by default (2048 wide, experts of 768, 8 of 128 per token). Its weights are a
+few experts quantized from random numbers, repeated to fill the layer (the bytes the kernels read are real, their
+values repeat). Per type and token count: the median ms of the layer, ferry / ggml, and at one token the GB/s of
+expert bytes read (8 experts' up, gate and down). Both through CpuBackend.moe_experts, ggml's with Q4_0 / Q4_K
+repacked as it runs them.
+  python benchmarks/cpu_experts.py [-t 2] [-n 1,512] [--types Q4_0,Q4_K,Q5_K,Q6_K,IQ4_XS] [--json FILE]
+A type given as UP/DOWN (Q4_K/Q6_K) gives the down matrices another type.
+"""
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ferry.backends.cpu import CpuBackend
+from ferry.kernels.cpu import native
+from ferry.quant import parse_qtype, quantize
+from ferry.weight import Weight
+
+
+def stacked(rng, qtype, n_expert: int, rows: int, cols: int, distinct: int) -> Weight:
+    """n_expert experts of rows x cols: `distinct` of them quantized from random numbers, repeated."""
+    raw = quantize(rng.standard_normal((distinct, rows, cols)).astype(np.float32), qtype).reshape(distinct, -1)
+    data = np.ascontiguousarray(np.tile(raw, (n_expert // distinct + 1, 1))[:n_expert]).reshape(-1)
+    return Weight("exps", qtype, (cols, rows, n_expert), data)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", "--tokens", default="1,512", help="token counts, comma list")
+    ap.add_argument("--types", default="Q4_0,Q4_K,Q5_K,Q6_K,IQ4_XS,Q4_K/Q6_K,Q5_K/Q6_K")
+    ap.add_argument("--embd", type=int, default=2048)
+    ap.add_argument("--ff", type=int, default=768)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--used", type=int, default=8)
+    ap.add_argument("-r", "--reps", type=int, default=5)
+    ap.add_argument("--json", default="cpu_experts.json")
+    a = ap.parse_args()
+    if native.library() is None:
+        raise SystemExit(f"ferry's kernels do not run here: {native.why_not()}")
+    tokens = [int(n) for n in a.tokens.split(",")]
+    rng, pick = np.random.default_rng(0), random.Random(0)
+    ours, ggml = CpuBackend(a.threads), CpuBackend(a.threads, native_kernels=False)
+    rows = []
+    print(f"one layer: {a.embd} wide, experts of {a.ff}, {a.used} of {a.experts} per token, {a.threads} threads")
+    print("| experts (up/down) | tokens | ferry ms | ggml ms | ggml / ferry | ferry GB/s | ggml GB/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for spec in a.types.split(","):
+        up_name, _, down_name = spec.partition("/")
+        up_t, down_t = parse_qtype(up_name), parse_qtype(down_name or up_name)
+        up = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
+        gate = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
+        down = stacked(rng, down_t, a.experts, a.embd, a.ff, 4)
+        read = sum(w.data.nbytes for w in (up, gate, down)) / a.experts * a.used  # one token's experts
+        for n in tokens:
+            x = torch.randn(n, a.embd)
+            weights = torch.full((n, a.used), 1.0 / a.used)
+            out = torch.empty(n, a.embd)
+            ms = {}
+            for name, cpu in (("ferry", ours), ("ggml", ggml)):
+                if name == "ferry" and cpu.native_experts(n, True, up, gate, down, "silu") is None:
+                    raise SystemExit(f"ferry's kernel does not take {spec} experts")
+                times = []
+                for rep in range(a.reps + 2):  # two to warm up
+                    ids = torch.tensor([pick.sample(range(a.experts), a.used) for _ in range(n)], dtype=torch.int32)
+                    t0 = time.perf_counter()
+                    cpu.moe_experts(x, ids, weights, up, gate, down, "silu", out=out)
+                    if rep >= 2:
+                        times.append((time.perf_counter() - t0) * 1e3)
+                ms[name] = statistics.median(times)
+            rate = {k: read / v / 1e6 if n == 1 else None for k, v in ms.items()}
+            rows.append({"experts": spec, "tokens": n, "threads": a.threads, "ms": ms, "gb_s": rate})
+            gbs = [f"{rate[k]:.1f}" if rate[k] else "" for k in ("ferry", "ggml")]
+            print(f"| {spec} | {n} | {ms['ferry']:.2f} | {ms['ggml']:.2f} | {ms['ggml'] / ms['ferry']:.2f} | "
+                  f"{gbs[0]} | {gbs[1]} |", flush=True)
+    with open(a.json, "w") as fh:
+        json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
