@@ -1,5 +1,6 @@
 """ferry serve through the official openai client: streamed and not, 16 clients at once, a disconnect mid-stream,
-and bad requests (malformed JSON, unknown model, too-long prompt, wrong key) that get 4xx while the server serves on."""
+any model name, llama-server's /tokenize and /detokenize, and bad requests (malformed JSON, too-long prompt, wrong key,
+n > 1) that get 4xx while the server serves on."""
 
 import concurrent.futures
 import socket
@@ -82,8 +83,8 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, c
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     r = httpx.post(server + "/v1/chat/completions", content=b"{not json", headers=headers)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="one choice per request"):
+        client.chat.completions.create(model="tiny.gguf", messages=[{"role": "user", "content": "hi"}], n=2)
     with pytest.raises(openai.BadRequestError, match="shorten it"):
         client.completions.create(model="tiny.gguf", prompt="word " * 400, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="'messages' must be"):
@@ -94,3 +95,33 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, c
     metrics = httpx.get(server + "/metrics").text
     assert "ferry_requests_total" in metrics and "ferry_slots_idle 4" in metrics
     assert _chat(client, "after all that").usage.completion_tokens == 8
+
+
+def test_any_model_name_is_served_by_the_one_model(client):
+    """Clients send fixed names ("gpt-4o"): llama-server serves its one model under any, and so does ferry."""
+    ours = client.completions.create(model="tiny.gguf", prompt="the same prompt", temperature=0, max_tokens=5)
+    theirs = client.completions.create(model="gpt-4o", prompt="the same prompt", temperature=0, max_tokens=5)
+    assert theirs.choices[0].text == ours.choices[0].text and theirs.usage.completion_tokens == 5
+    assert _chat(client, "hi", n=1).choices[0].message.content is not None  # n = 1 is the one choice
+
+
+def test_tokenize_and_detokenize_as_llama_server(server, tiny):
+    from ferry.gguf.file import GGUFFile
+    from ferry.tokenizer import Tokenizer
+
+    tok = Tokenizer(GGUFFile(tiny))
+    headers = {"Authorization": f"Bearer {KEY}"}
+    text = "What is the capital of France ?"
+    ids = httpx.post(server + "/tokenize", json={"content": text}, headers=headers).json()["tokens"]
+    assert ids == tok.encode(text, add_bos=False) and len(ids) > 3
+    with_bos = httpx.post(server + "/tokenize", json={"content": text, "add_special": True}, headers=headers).json()
+    assert with_bos["tokens"] == tok.encode(text, add_bos=True)
+    pieces = httpx.post(server + "/tokenize", json={"content": text, "with_pieces": True}, headers=headers).json()
+    assert [p["id"] for p in pieces["tokens"]] == ids
+    assert "".join(p["piece"] for p in pieces["tokens"]) == tok.decode(ids)
+    back = httpx.post(server + "/detokenize", json={"tokens": ids}, headers=headers).json()
+    assert back["content"].strip() == text
+    r = httpx.post(server + "/detokenize", json={"tokens": [0, tok.n_vocab]}, headers=headers)
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+    r = httpx.post(server + "/tokenize", json={"content": 5}, headers=headers)
+    assert r.status_code == 400 and "'content' must be a string" in r.json()["error"]["message"]

@@ -1,6 +1,7 @@
 """`ferry serve`: an OpenAI-compatible HTTP server (FastAPI): /v1/chat/completions and /v1/completions with
-and without streaming (SSE), /v1/models, /health, /metrics, llama-server's `timings` in responses.
-Bad requests get a 4xx with a JSON error; the server keeps serving."""
+and without streaming (SSE), /v1/models, /health, /metrics, llama-server's `timings` in responses and its /tokenize
+and /detokenize. One model is served under any `model` name a request gives, as llama-server does (clients send fixed
+ones). Bad requests get a 4xx with a JSON error; the server keeps serving."""
 
 from __future__ import annotations
 
@@ -80,9 +81,6 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
             raise BadRequest(400, f"the request body is not valid JSON: {e}")
         if not isinstance(body, dict):
             raise BadRequest(400, "the request body must be a JSON object")
-        if body.get("model") not in (None, "", model_name):
-            raise BadRequest(404, f"model '{body['model']}' does not exist; this server has '{model_name}'",
-                             code="model_not_found")
         return body
 
     def number(body: dict, key: str, default, kind=float, low=None, high=None):
@@ -110,6 +108,9 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
                                 top_k=number(body, "top_k", 40, int, low=0),
                                 min_p=number(body, "min_p", 0.05, low=0, high=1),
                                 seed=number(body, "seed", -1, int))
+        if number(body, "n", 1, int, low=1) > 1:
+            raise BadRequest(400, f"'n' is {body['n']}: ferry returns one choice per request; send the request that "
+                                  "many times (with different seeds) for more")
         max_tokens = number(body, "max_completion_tokens", None, int, low=-1)
         if max_tokens is None:
             max_tokens = number(body, "max_tokens", default_max, int, low=-1)
@@ -168,6 +169,37 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
                 r.cancelled.set()  # a disconnect ends this generator: the slot is freed at the next step
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    def flag(body: dict, key: str) -> bool:
+        v = body.get(key, False)
+        if not isinstance(v, bool):
+            raise BadRequest(400, f"'{key}' must be true or false, got {v!r}")
+        return v
+
+    @app.post("/tokenize")
+    async def tokenize(http: HttpRequest):
+        """llama-server's: {content, add_special, with_pieces} -> {tokens}: ids, or {id, piece} objects."""
+        body = await body_of(http)
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise BadRequest(400, "'content' must be a string")
+        ids = tokenizer.encode(content, add_bos=flag(body, "add_special"))
+        if flag(body, "with_pieces"):
+            return {"tokens": [{"id": i, "piece": tokenizer.decode([i])} for i in ids]}
+        return {"tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(http: HttpRequest):
+        """llama-server's: {tokens} -> {content}."""
+        body = await body_of(http)
+        ids = body.get("tokens")
+        n_vocab = tokenizer.n_vocab
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise BadRequest(400, "'tokens' must be a list of token ids")
+        bad = [i for i in ids if not 0 <= i < n_vocab]
+        if bad:
+            raise BadRequest(400, f"token ids {bad[:8]} are outside the vocabulary (0..{n_vocab - 1})")
+        return {"content": tokenizer.decode(ids)}
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
