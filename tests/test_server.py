@@ -125,3 +125,22 @@ def test_tokenize_and_detokenize_as_llama_server(server, tiny):
     assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
     r = httpx.post(server + "/tokenize", json={"content": 5}, headers=headers)
     assert r.status_code == 400 and "'content' must be a string" in r.json()["error"]["message"]
+
+
+def test_apply_template_props_and_slots_as_llama_server(server, client):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    messages = [{"role": "user", "content": "what is two and two?"}]
+    prompt = httpx.post(server + "/apply-template", json={"messages": messages}, headers=headers).json()["prompt"]
+    assert "what is two and two?" in prompt
+    # the rendered prompt through /v1/completions generates what the chat request does (greedy)
+    chat = client.chat.completions.create(model="tiny.gguf", messages=messages, temperature=0, max_tokens=6)
+    raw = httpx.post(server + "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 6},
+                     headers=headers).json()
+    assert raw["choices"][0]["text"] == chat.choices[0].message.content
+    r = httpx.post(server + "/apply-template", json={"messages": "hi"}, headers=headers)
+    assert r.status_code == 400 and "'messages' must be" in r.json()["error"]["message"]
+    props = httpx.get(server + "/props").json()
+    assert props["total_slots"] == 4 and props["model_alias"] == "tiny.gguf"
+    assert props["default_generation_settings"]["n_ctx"] == 256  # -c 1024 over 4 slots
+    slots = httpx.get(server + "/slots").json()
+    assert [s["id"] for s in slots] == [0, 1, 2, 3] and not any(s["is_processing"] for s in slots)

@@ -1,6 +1,6 @@
 """`ferry serve`: an OpenAI-compatible HTTP server (FastAPI): /v1/chat/completions and /v1/completions with
 and without streaming (SSE), /v1/models, /health, /metrics, llama-server's `timings` in responses and its /tokenize
-and /detokenize. One model is served under any `model` name a request gives, as llama-server does (clients send fixed
+and /detokenize, /apply-template, /props and /slots. One model is served under any `model` name a request gives, as llama-server does (clients send fixed
 ones). Bad requests get a 4xx with a JSON error; the server keeps serving."""
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ferry.runtime.sampling import SamplingParams
 from ferry.server.scheduler import Request, Scheduler
 from ferry.tokenizer import BUILTIN_TEMPLATES, TemplateError, render_chat
+
+
+# a request's sampling where it gives none (llama-server's defaults), also what /props reports
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "seed": -1}
 
 
 class BadRequest(Exception):
@@ -103,11 +107,11 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(400, "'stop' must be a string or a list of non-empty strings")
-        params = SamplingParams(temp=number(body, "temperature", 0.8, low=0, high=100),
-                                top_p=number(body, "top_p", 0.95, low=1e-9, high=1),
-                                top_k=number(body, "top_k", 40, int, low=0),
-                                min_p=number(body, "min_p", 0.05, low=0, high=1),
-                                seed=number(body, "seed", -1, int))
+        params = SamplingParams(temp=number(body, "temperature", DEFAULTS["temperature"], low=0, high=100),
+                                top_p=number(body, "top_p", DEFAULTS["top_p"], low=1e-9, high=1),
+                                top_k=number(body, "top_k", DEFAULTS["top_k"], int, low=0),
+                                min_p=number(body, "min_p", DEFAULTS["min_p"], low=0, high=1),
+                                seed=number(body, "seed", DEFAULTS["seed"], int))
         if number(body, "n", 1, int, low=1) > 1:
             raise BadRequest(400, f"'n' is {body['n']}: ferry returns one choice per request; send the request that "
                                   "many times (with different seeds) for more")
@@ -201,6 +205,36 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
             raise BadRequest(400, f"token ids {bad[:8]} are outside the vocabulary (0..{n_vocab - 1})")
         return {"content": tokenizer.decode(ids)}
 
+    def chat_prompt(body: dict) -> str:
+        """The request's `messages` rendered by the chat template (a 400 for malformed ones)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise BadRequest(400, "'messages' must be a non-empty list of {role, content} objects with string content")
+        try:
+            return render_chat(template, messages, bos, eos)
+        except TemplateError as e:
+            raise BadRequest(400, str(e)) from None
+
+    @app.post("/apply-template")
+    async def apply_template(http: HttpRequest):
+        """llama-server's: {messages} -> {prompt}, the text a chat request would prefill, generating nothing."""
+        return {"prompt": chat_prompt(await body_of(http))}
+
+    @app.get("/props")
+    async def props():
+        """llama-server's: what a client reads to set itself up."""
+        return {"model_alias": model_name, "total_slots": len(scheduler.slots), "chat_template": template,
+                "bos_token": bos, "eos_token": eos, "build_info": "ferry",
+                "default_generation_settings": {"n_ctx": scheduler.seq_len, "params": {**DEFAULTS, "n_predict": -1}}}
+
+    @app.get("/slots")
+    async def slots():
+        """llama-server's: each slot, its context and whether it is generating now."""
+        return [{"id": i, "n_ctx": scheduler.seq_len, "is_processing": r is not None}
+                for i, r in enumerate(scheduler.slots)]
+
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
         body = await body_of(http)
@@ -214,16 +248,7 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
         body = await body_of(http)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise BadRequest(400, "'messages' must be a non-empty list of {role, content} objects with string content")
-        try:
-            text = render_chat(template, messages, bos, eos)
-        except TemplateError as e:
-            raise BadRequest(400, str(e)) from None
-        prompt = tokenizer.encode_chat(text)
+        prompt = tokenizer.encode_chat(chat_prompt(body))
         return await respond(body, make_request(body, prompt, default_max=-1), "chat")
 
     return app
