@@ -463,6 +463,13 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_serve_args(args: argparse.Namespace) -> None:
+    if args.parallel < 1:
+        raise FerryError(f"-np/--parallel must be at least 1, got {args.parallel}")
+    if args.ubatch_size < 1:
+        raise FerryError(f"-ub/--ubatch-size must be at least 1, got {args.ubatch_size}")
+
+
 def build_server(args: argparse.Namespace):
     """The FastAPI app for `ferry serve` (tests start it in-process)."""
     from ferry.runtime.loader import load
@@ -470,10 +477,7 @@ def build_server(args: argparse.Namespace):
     from ferry.server.scheduler import Scheduler
     from ferry.tokenizer import Tokenizer, chat_template
 
-    if args.parallel < 1:
-        raise FerryError(f"-np/--parallel must be at least 1, got {args.parallel}")
-    if args.ubatch_size < 1:
-        raise FerryError(f"-ub/--ubatch-size must be at least 1, got {args.ubatch_size}")
+    _check_serve_args(args)
     # a prompt is prefilled u-batch by u-batch; a decode step takes one token of every slot
     cfg = _run_config(args, n_batch=max(args.ubatch_size, args.parallel), n_ubatch=max(args.ubatch_size, args.parallel),
                       quiet=True)
@@ -492,24 +496,44 @@ def build_server(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import socket
+    import threading
 
     import uvicorn
 
     if not 0 <= args.port <= 65535:
         raise FerryError(f"--port must be 0..65535 (0: any free port), got {args.port}")
+    _check_serve_args(args)
     try:  # bound before loading the model: a port in use is an error now, not after the load
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise FerryError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); pick another with --port "
                          "or --host") from None
+    from ferry.server.app import Loading
+
+    # the port answers at once (503 "Loading model" until the model is loaded, as llama-server's /health)
+    shell, failed = Loading(), []
+    server = uvicorn.Server(uvicorn.Config(shell, log_level="warning", lifespan="off"))
+    host, port = sock.getsockname()[:2]
+
+    def load() -> None:
+        try:
+            app = build_server(args)
+        except BaseException as e:  # re-raised in the main thread, once the server has stopped for it
+            failed.append(e)
+            server.should_exit = True
+            return
+        shell.app = app
+        print(f"ferry: serving on http://{host}:{port} ({args.parallel} slots of {app.state.slot_tokens} tokens)",
+              file=sys.stderr)
+
+    print(f"ferry: loading {args.model}; http://{host}:{port}/health answers 503 until it is loaded", file=sys.stderr)
+    threading.Thread(target=load, name="ferry-load", daemon=True).start()
     try:
-        app = build_server(args)
-        host, port = sock.getsockname()[:2]
-        print(f"ferry: serving on http://{host}:{port} ({args.parallel} slots of "
-              f"{app.state.slot_tokens} tokens)", file=sys.stderr)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         sock.close()
+    if failed:
+        raise failed[0]
     return 0
 
 

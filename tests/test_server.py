@@ -144,3 +144,20 @@ def test_apply_template_props_and_slots_as_llama_server(server, client):
     assert props["default_generation_settings"]["n_ctx"] == 256  # -c 1024 over 4 slots
     slots = httpx.get(server + "/slots").json()
     assert [s["id"] for s in slots] == [0, 1, 2, 3] and not any(s["is_processing"] for s in slots)
+
+
+def test_health_is_503_while_the_model_loads_then_the_loaded_app_answers(tiny):
+    """`ferry serve` listens at once: until the model is loaded every path answers 503 "Loading model" (llama-server's
+    /health does), then the loaded server answers them all."""
+    from fastapi.testclient import TestClient
+
+    from ferry.server.app import Loading
+
+    shell = Loading()
+    client = TestClient(shell)
+    for path in ("/health", "/v1/models"):
+        r = client.get(path)
+        assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
+    shell.app = build_server(build_parser().parse_args(["serve", "-m", str(tiny), "-np", "1", "-c", "64", "-t", "1"]))
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny.gguf"

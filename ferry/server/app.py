@@ -254,5 +254,19 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
     return app
 
 
+class Loading:
+    """The server while its model loads: an ASGI app that answers every request 503 "Loading model" (llama-server's
+    /health does so) until `app` is set to the loaded one, which then answers everything."""
+
+    def __init__(self):
+        self.app = None
+
+    async def __call__(self, scope, receive, send):
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "http":
+            await _error(503, "Loading model", "unavailable_error", "loading")(scope, receive, send)
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj)}\n\n"
