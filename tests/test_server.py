@@ -34,6 +34,16 @@ def server(tiny):
     thread.join(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def tiny_mla(tmp_path_factory):
+    """A deepseek2-tiny synthetic GGUF: MLA, its cache the latent rows."""
+    from ferry.cli import main
+
+    path = tmp_path_factory.mktemp("synth") / "deepseek2-tiny.gguf"
+    assert main(["synth", "deepseek2-tiny", "-o", str(path), "-q"]) == 0
+    return path
+
+
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
@@ -161,3 +171,50 @@ def test_health_is_503_while_the_model_loads_then_the_loaded_app_answers(tiny):
     shell.app = build_server(build_parser().parse_args(["serve", "-m", str(tiny), "-np", "1", "-c", "64", "-t", "1"]))
     assert client.get("/health").json()["status"] == "ok"
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny.gguf"
+
+
+def _serve(path, *flags):
+    """A server of its own (uvicorn in a thread): its URL and a function that stops it."""
+    app = build_server(build_parser().parse_args(["serve", "-m", str(path), "-np", "2", "-c", "1024", "-t", "1",
+                                                  *flags]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+
+    def stop():
+        srv.should_exit = True
+        thread.join(timeout=10)
+    return f"http://127.0.0.1:{port}", stop
+
+
+@pytest.mark.parametrize("model,flags", [("tiny", []), ("tiny", ["-ctk", "q8_0", "-ctv", "q8_0"]),
+                                         ("tiny_mla", [])])
+def test_a_conversation_reuses_its_slots_cache_and_generates_the_same_tokens(model, flags, request):
+    """Turn 2 of a conversation starts with turn 1's prompt and answer: it reuses that prefix from the slot's cache
+    (timings.cache_n, only the rest prefilled, as llama-server's cache_prompt) and generates, greedy, exactly what it
+    generates with cache_prompt false. f16 and q8_0 caches, and an MLA model's latent cache."""
+    path = request.getfixturevalue(model)
+    url, stop = _serve(path, *flags)
+    try:
+        def ask(prompt, **kw):
+            return httpx.post(url + "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 6,
+                                                              **kw}, timeout=120).json()
+        first = ask("the first turn of a conversation about caches")
+        assert first["timings"]["cache_n"] == 0
+        second_prompt = "the first turn of a conversation about caches" + first["choices"][0]["text"] + " and then"
+        cached = ask(second_prompt)
+        fresh = ask(second_prompt, cache_prompt=False)
+        assert cached["timings"]["cache_n"] > 5 and fresh["timings"]["cache_n"] == 0
+        assert cached["timings"]["prompt_n"] + cached["timings"]["cache_n"] == cached["usage"]["prompt_tokens"]
+        assert cached["choices"][0]["text"] == fresh["choices"][0]["text"]
+        # a prompt that shares nothing reuses nothing, and a repeat of a whole prompt still prefills its last token
+        assert ask("zzz entirely different")["timings"]["cache_n"] == 0
+        again = ask("zzz entirely different")
+        assert again["timings"]["prompt_n"] == 1 and again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1
+    finally:
+        stop()

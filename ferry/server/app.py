@@ -98,6 +98,12 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
             raise BadRequest(400, f"'{key}' must be in [{low}, {high}], got {v}")
         return v
 
+    def flag(body: dict, key: str, default: bool = False) -> bool:
+        v = body.get(key, default)
+        if not isinstance(v, bool):
+            raise BadRequest(400, f"'{key}' must be true or false, got {v!r}")
+        return v
+
     def make_request(body: dict, prompt: list[int], default_max: int) -> Request:
         seq_len = scheduler.seq_len
         if len(prompt) + 1 >= seq_len:
@@ -119,7 +125,8 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
         if max_tokens is None:
             max_tokens = number(body, "max_tokens", default_max, int, low=-1)
         loop = asyncio.get_running_loop()
-        return Request(prompt, params, max_tokens, stop, loop, asyncio.Queue())
+        return Request(prompt, params, max_tokens, stop, loop, asyncio.Queue(),
+                       cache_prompt=flag(body, "cache_prompt", True))
 
     async def respond(body: dict, r: Request, kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
@@ -173,12 +180,6 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
                 r.cancelled.set()  # a disconnect ends this generator: the slot is freed at the next step
 
         return StreamingResponse(events(), media_type="text/event-stream")
-
-    def flag(body: dict, key: str) -> bool:
-        v = body.get(key, False)
-        if not isinstance(v, bool):
-            raise BadRequest(400, f"'{key}' must be true or false, got {v!r}")
-        return v
 
     @app.post("/tokenize")
     async def tokenize(http: HttpRequest):

@@ -1,5 +1,10 @@
 """The server's slots: one thread owns the engine; each step it admits waiting requests into free slots
-(prefilling their prompts) and then decodes one token for every generating slot in one batched forward."""
+(prefilling their prompts) and then decodes one token for every generating slot in one batched forward.
+
+Prompt cache (llama-server's `cache_prompt`, on by default): each slot remembers the tokens its KV cache holds when
+its request ends; a new request goes to the free slot holding the longest common prefix with its prompt and prefills
+only the rest. A slot's attention reads its cache up to each token's position, so rows past the reused prefix are
+simply written over."""
 
 from __future__ import annotations
 
@@ -22,7 +27,9 @@ class Request:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue  # ("text", piece) ... then ("done", info) or ("error", message)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    cache_prompt: bool = True  # reuse a slot's cached prefix of the prompt
     slot: int = -1
+    n_cached: int = 0  # prompt tokens reused from the slot's cache (timings.cache_n)
     n_past: int = 0
     last: int = 0
     generated: list[int] = field(default_factory=list)
@@ -39,6 +46,7 @@ class Scheduler:
     def __init__(self, engine, tokenizer, n_slots: int, seq_len: int):
         self.engine, self.tok, self.seq_len = engine, tokenizer, seq_len
         self.slots: list[Request | None] = [None] * n_slots
+        self.held: list[list[int]] = [[] for _ in range(n_slots)]  # the tokens each slot's cache holds, in order
         self.pending: queue.Queue[Request] = queue.Queue()
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -85,14 +93,19 @@ class Scheduler:
     def _admit(self, r: Request) -> None:
         if r.cancelled.is_set():
             return
-        r.slot = self.slots.index(None)
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        shared = {i: _common(self.held[i], r.prompt) if r.cache_prompt else 0 for i in free}
+        r.slot = max(free, key=lambda i: (shared[i], -i))  # the longest cached prefix, else the first free slot
+        # at least the prompt's last token is prefilled: its logits give the first generated token
+        r.n_cached = min(shared[r.slot], len(r.prompt) - 1)
         self.slots[r.slot] = r
+        self.held[r.slot] = []  # until the request ends, the slot's rows past n_cached are being rewritten
         r.t0 = time.perf_counter()
         try:
             r.sampler = Sampler(r.params)
             r.decoder = StreamDecoder(self.tok)
             ub = self.engine.n_ubatch
-            for i in range(0, len(r.prompt), ub):
+            for i in range(r.n_cached, len(r.prompt), ub):
                 chunk = r.prompt[i:i + ub]
                 logits = self.engine.decode_sequences(chunk, [r.slot] * len(chunk), list(range(i, i + len(chunk))),
                                                       self.seq_len, all_logits=False)
@@ -103,7 +116,7 @@ class Scheduler:
         r.n_past = len(r.prompt)
         r.prompt_ms = 1000 * (time.perf_counter() - r.t0)
         r.t_gen = time.perf_counter()
-        self.prompt_tokens_total += len(r.prompt)
+        self.prompt_tokens_total += len(r.prompt) - r.n_cached
         self._accept(r, r.sampler(logits[-1], r.prompt))
 
     def _accept(self, r: Request, token: int) -> None:
@@ -133,16 +146,28 @@ class Scheduler:
             self._emit(r, "text", r.text[r.sent:])
             r.sent = len(r.text)
         gen_ms = 1000 * (time.perf_counter() - r.t_gen)
-        n = len(r.generated)
+        n, prompt_n = len(r.generated), len(r.prompt) - r.n_cached
         self._emit(r, "done", {
             "finish_reason": reason,
             "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": n, "total_tokens": len(r.prompt) + n},
-            "timings": {"prompt_n": len(r.prompt), "prompt_ms": r.prompt_ms,
-                        "prompt_per_second": 1000 * len(r.prompt) / r.prompt_ms if r.prompt_ms else 0.0,
+            "timings": {"cache_n": r.n_cached, "prompt_n": prompt_n, "prompt_ms": r.prompt_ms,
+                        "prompt_per_second": 1000 * prompt_n / r.prompt_ms if r.prompt_ms else 0.0,
                         "predicted_n": n, "predicted_ms": gen_ms,
                         "predicted_per_second": 1000 * n / gen_ms if gen_ms else 0.0}})
         self._free(r)
 
     def _free(self, r: Request) -> None:
         if 0 <= r.slot < len(self.slots) and self.slots[r.slot] is r:
+            # what the cache holds: positions 0..n_past - 1 (the last token sampled was never fed); a request that
+            # failed or was cut before its prompt was in leaves nothing to reuse
+            self.held[r.slot] = (r.prompt + r.generated)[:r.n_past] if r.n_past >= len(r.prompt) else []
             self.slots[r.slot] = None
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
