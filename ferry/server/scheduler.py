@@ -1,5 +1,6 @@
-"""The server's slots: one thread owns the engine; each step it admits waiting requests into free slots
-(prefilling their prompts) and then decodes one token for every generating slot in one batched forward.
+"""The server's slots: one thread owns the engine; each step it admits waiting requests into free slots, prefills one
+u-batch of the earliest prompt not yet in, and decodes one token for every generating slot in one batched forward
+(chunked prefill: a long prompt never stops the streams already running).
 
 Prompt cache (llama-server's `cache_prompt`, on by default): each slot remembers the tokens its KV cache holds when
 its request ends; a new request goes to the free slot holding the longest common prefix with its prompt and prefills
@@ -68,14 +69,17 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             if self.busy == 0:
-                self._admit(self.pending.get())  # nothing to decode: wait for work
+                self._admit(self.pending.get())  # nothing to do: wait for work
             while self.busy < len(self.slots) and not self.pending.empty():
                 self._admit(self.pending.get_nowait())
-            active = [r for r in self.slots if r is not None]
-            for r in active:
-                if r.cancelled.is_set():
-                    self._free(r)
-            active = [r for r in self.slots if r is not None]
+            for r in [r for r in self.slots if r is not None and r.cancelled.is_set()]:
+                self._free(r)
+            # a step: one u-batch of the earliest prompt still prefilling, then one token of every generating slot, so
+            # that a long prompt arriving delays the running streams by a u-batch per token, not by its whole prefill
+            filling = [r for r in self.slots if r is not None and r.n_past < len(r.prompt)]
+            if filling:
+                self._prefill(min(filling, key=lambda r: r.t0))
+            active = [r for r in self.slots if r is not None and r.n_past >= len(r.prompt)]
             if not active:
                 continue
             try:
@@ -91,29 +95,33 @@ class Scheduler:
                 self._accept(r, r.sampler(row, r.prompt + r.generated))
 
     def _admit(self, r: Request) -> None:
+        """r into the free slot holding the longest prefix of its prompt; its prefill runs in the steps after."""
         if r.cancelled.is_set():
             return
         free = [i for i, s in enumerate(self.slots) if s is None]
         shared = {i: _common(self.held[i], r.prompt) if r.cache_prompt else 0 for i in free}
         r.slot = max(free, key=lambda i: (shared[i], -i))  # the longest cached prefix, else the first free slot
         # at least the prompt's last token is prefilled: its logits give the first generated token
-        r.n_cached = min(shared[r.slot], len(r.prompt) - 1)
+        r.n_cached = r.n_past = min(shared[r.slot], len(r.prompt) - 1)
         self.slots[r.slot] = r
-        self.held[r.slot] = []  # until the request ends, the slot's rows past n_cached are being rewritten
         r.t0 = time.perf_counter()
+        r.sampler = Sampler(r.params)
+        r.decoder = StreamDecoder(self.tok)
+
+    def _prefill(self, r: Request) -> None:
+        """The next u-batch of r's prompt into its slot's cache; after the last, its first token."""
+        i = r.n_past
+        chunk = r.prompt[i:i + self.engine.n_ubatch]
         try:
-            r.sampler = Sampler(r.params)
-            r.decoder = StreamDecoder(self.tok)
-            ub = self.engine.n_ubatch
-            for i in range(r.n_cached, len(r.prompt), ub):
-                chunk = r.prompt[i:i + ub]
-                logits = self.engine.decode_sequences(chunk, [r.slot] * len(chunk), list(range(i, i + len(chunk))),
-                                                      self.seq_len, all_logits=False)
+            logits = self.engine.decode_sequences(chunk, [r.slot] * len(chunk), list(range(i, i + len(chunk))),
+                                                  self.seq_len, all_logits=False)
         except Exception as e:
             self._emit(r, "error", str(e))
             self._free(r)
             return
-        r.n_past = len(r.prompt)
+        r.n_past = i + len(chunk)
+        if r.n_past < len(r.prompt):
+            return
         r.prompt_ms = 1000 * (time.perf_counter() - r.t0)
         r.t_gen = time.perf_counter()
         self.prompt_tokens_total += len(r.prompt) - r.n_cached
@@ -158,9 +166,9 @@ class Scheduler:
 
     def _free(self, r: Request) -> None:
         if 0 <= r.slot < len(self.slots) and self.slots[r.slot] is r:
-            # what the cache holds: positions 0..n_past - 1 (the last token sampled was never fed); a request that
-            # failed or was cut before its prompt was in leaves nothing to reuse
-            self.held[r.slot] = (r.prompt + r.generated)[:r.n_past] if r.n_past >= len(r.prompt) else []
+            # what the cache holds: positions 0..n_past - 1 (the last token sampled was never fed; a prompt cut in its
+            # prefill, the part that was in)
+            self.held[r.slot] = (r.prompt + r.generated)[:r.n_past]
             self.slots[r.slot] = None
 
 

@@ -1,0 +1,98 @@
+"""What a long prompt arriving costs the streams already running on `ferry serve`, per u-batch size: the server
+prefills one u-batch of a new prompt per step between its decode steps (chunked prefill), so a larger -ub prefills
+the prompt sooner and holds the running streams up longer at each step.
+
+Per -ub, one server in this process (-np 2): stream A generates (greedy) while prompt B (about --prompt-tokens
+tokens) arrives; measured: B's time to its first token, A's longest gap between two tokens while B prefills, and A's
+median gap. Prints a table, writes JSON.
+  python benchmarks/serve_prefill.py [-m MODEL] [--ub 64,256,512,4096] [-t 2] [--prompt-tokens 2000]
+(no -m: the embedded Gemma 3 270M)
+"""
+
+import argparse
+import json
+import socket
+import statistics
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from ferry.cli import build_parser, build_server
+
+
+def serve(flags: list[str]):
+    app = build_server(build_parser().parse_args(["serve", *flags]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", srv, thread
+
+
+def one(url: str, prompt_tokens: int, n_stream: int) -> dict:
+    arrivals: list[float] = []
+
+    def stream_a() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": n_stream, "temperature": 0, "stream": True,
+                "cache_prompt": False}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.perf_counter())
+
+    a = threading.Thread(target=stream_a)
+    a.start()
+    while len(arrivals) < 20:
+        time.sleep(0.01)
+    words = " ".join(["the cat sat on the mat and"] * (prompt_tokens // 7))  # a word a token, in most vocabularies
+    t0 = time.perf_counter()
+    b = httpx.post(url + "/v1/completions", json={"prompt": words, "max_tokens": 1, "temperature": 0,
+                                                  "cache_prompt": False}, timeout=600).json()
+    t1 = time.perf_counter()
+    a.join()
+    gaps = [(y - x) * 1e3 for x, y in zip(arrivals, arrivals[1:])]
+    during = [(y - x) * 1e3 for x, y in zip(arrivals, arrivals[1:]) if y > t0 and x < t1]
+    return {"b_prompt_tokens": b["usage"]["prompt_tokens"], "b_first_token_s": t1 - t0,
+            "a_max_gap_ms_during_b": max(during) if during else None, "a_median_gap_ms": statistics.median(gaps),
+            "a_tokens_during_b": len(during)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model")
+    ap.add_argument("--ub", default="64,256,512,4096", help="u-batch sizes, comma list")
+    ap.add_argument("-t", "--threads", default="2")
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--stream-tokens", type=int, default=400)
+    ap.add_argument("--json", default="serve_prefill.json")
+    a = ap.parse_args()
+    rows = []
+    print("| -ub | B's prompt tokens | B's first token s | A's longest gap during B, ms | A's tokens during B | "
+          "A's median gap, ms |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for ub in (int(u) for u in a.ub.split(",")):
+        flags = (["-m", a.model] if a.model else []) + ["-np", "2", "-c", "8192", "-t", a.threads, "-ub", str(ub)]
+        url, srv, thread = serve(flags)
+        try:
+            row = {"ub": ub, **one(url, a.prompt_tokens, a.stream_tokens)}
+        finally:
+            srv.should_exit = True
+            thread.join(timeout=30)
+        rows.append(row)
+        gap = row["a_max_gap_ms_during_b"]
+        print(f"| {ub} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | "
+              f"{gap:.0f} | {row['a_tokens_during_b']} | {row['a_median_gap_ms']:.1f} |" if gap is not None else
+              f"| {ub} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | - | 0 | {row['a_median_gap_ms']:.1f} |",
+              flush=True)
+    with open(a.json, "w") as fh:
+        json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The server's scheduler on an engine that records its calls: a long prompt is prefilled one u-batch per step between
+the decode steps of the streams already running (chunked prefill), and the prompt cache prefills only what a slot
+does not hold."""
+
+import asyncio
+import threading
+import time
+
+import torch
+
+from ferry.runtime.sampling import SamplingParams
+from ferry.server.scheduler import Request, Scheduler
+
+VOCAB = 50
+
+
+class RecordingEngine:
+    """decode_sequences as the engine's: logits rows (one per token, or the last with all_logits=False) whose argmax is
+    the next token id (position + 1, below VOCAB); every call recorded as (kind, slots, first position, tokens)."""
+
+    n_ubatch = 4
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def decode_sequences(self, tokens, slots, positions, seq_len, all_logits=True):
+        with self.lock:
+            kind = "prefill" if not all_logits else "decode"
+            self.calls.append((kind, tuple(slots), positions[0], len(tokens)))
+        rows = torch.zeros(len(tokens) if all_logits else 1, VOCAB)
+        for i, p in enumerate(positions if all_logits else positions[-1:]):
+            rows[i, (p + 1) % (VOCAB - 1) + 1] = 1.0  # never 0, the end of generation
+        time.sleep(0.002)
+        return rows
+
+
+class Tok:
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def is_eog(self, token):
+        return token == 0
+
+
+def _request(loop, prompt, max_tokens, **kw):
+    return Request(list(prompt), SamplingParams(temp=0), max_tokens, [], loop, asyncio.Queue(), **kw)
+
+
+def _done(loop, r, timeout=10.0):
+    async def wait():
+        while True:
+            what, payload = await asyncio.wait_for(r.out.get(), timeout)
+            if what != "text":
+                return what, payload
+    return loop.run_until_complete(wait())
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_streams_decode_steps():
+    engine, loop = RecordingEngine(), asyncio.new_event_loop()
+    sched = Scheduler(engine, Tok(), 2, 256)
+    running = _request(loop, [1, 2, 3], 60)
+    sched.submit(running)
+    while not any(c[0] == "decode" for c in engine.calls):
+        time.sleep(0.001)
+    long = _request(loop, range(1, 31), 2)  # 30 tokens: 8 u-batches of 4
+    sched.submit(long)
+    assert _done(loop, long)[0] == "done" and _done(loop, running)[0] == "done"
+    calls = engine.calls
+    chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[1][0] == long.slot]
+    assert [calls[i][3] for i in chunks] == [4] * 7 + [2] and [calls[i][2] for i in chunks] == list(range(0, 30, 4))
+    # between one chunk of the long prompt and the next, the running stream decoded a token
+    for a, b in zip(chunks, chunks[1:]):
+        assert any(c[0] == "decode" and running.slot in c[1] for c in calls[a + 1:b]), calls[a:b + 1]
+    loop.close()
+
+
+def test_the_prompt_cache_prefills_only_what_the_slot_does_not_hold():
+    engine, loop = RecordingEngine(), asyncio.new_event_loop()
+    sched = Scheduler(engine, Tok(), 2, 256)
+    first = _request(loop, range(1, 11), 5)
+    sched.submit(first)
+    _, info = _done(loop, first)
+    assert info["timings"]["cache_n"] == 0 and info["timings"]["prompt_n"] == 10
+    # the next turn: the first prompt, its answer (5 tokens, the last never fed to the cache), then new text
+    held = list(range(1, 11)) + first.generated[:4]
+    second = _request(loop, held + [7, 8, 9], 3)
+    before = len(engine.calls)
+    sched.submit(second)
+    _, info = _done(loop, second)
+    assert second.slot == first.slot and info["timings"]["cache_n"] == len(held)
+    assert info["timings"]["prompt_n"] == 3 and info["usage"]["prompt_tokens"] == len(held) + 3
+    prefills = [c for c in engine.calls[before:] if c[0] == "prefill"]
+    assert prefills == [("prefill", (second.slot,) * 3, len(held), 3)]
+    # without cache_prompt the whole prompt is prefilled again
+    third = _request(loop, held + [7, 8, 9], 3, cache_prompt=False)
+    sched.submit(third)
+    _, info = _done(loop, third)
+    assert info["timings"]["cache_n"] == 0 and info["timings"]["prompt_n"] == len(held) + 3
+    loop.close()
