@@ -23,6 +23,8 @@ from ferry.cli import build_parser, build_server
 
 
 def serve(flags: list[str]):
+    """`ferry serve FLAGS` in this process (uvicorn in a thread, any free port): (its URL, the uvicorn server, the
+    thread); set the server's should_exit and join the thread to stop it. tests/test_server.py starts its servers so."""
     app = build_server(build_parser().parse_args(["serve", *flags]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

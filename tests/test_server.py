@@ -3,15 +3,13 @@ any model name, llama-server's /tokenize and /detokenize, and bad requests (malf
 n > 1) that get 4xx while the server serves on."""
 
 import concurrent.futures
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
+from benchmarks.serve_prefill import serve
 from ferry.cli import build_parser, build_server
 
 KEY = "secret-key"
@@ -19,17 +17,8 @@ KEY = "secret-key"
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    args = build_parser().parse_args(["serve", "-m", str(tiny), "-np", "4", "-c", "1024", "-t", "1", "--api-key", KEY])
-    app = build_server(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
+    url, srv, thread = serve(["-m", str(tiny), "-np", "4", "-c", "1024", "-t", "1", "--api-key", KEY])
+    yield url
     srv.should_exit = True
     thread.join(timeout=10)
 
@@ -173,33 +162,13 @@ def test_health_is_503_while_the_model_loads_then_the_loaded_app_answers(tiny):
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny.gguf"
 
 
-def _serve(path, *flags):
-    """A server of its own (uvicorn in a thread): its URL and a function that stops it."""
-    app = build_server(build_parser().parse_args(["serve", "-m", str(path), "-np", "2", "-c", "1024", "-t", "1",
-                                                  *flags]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-
-    def stop():
-        srv.should_exit = True
-        thread.join(timeout=10)
-    return f"http://127.0.0.1:{port}", stop
-
-
 @pytest.mark.parametrize("model,flags", [("tiny", []), ("tiny", ["-ctk", "q8_0", "-ctv", "q8_0"]),
                                          ("tiny_mla", [])])
 def test_a_conversation_reuses_its_slots_cache_and_generates_the_same_tokens(model, flags, request):
     """Turn 2 of a conversation starts with turn 1's prompt and answer: it reuses that prefix from the slot's cache
     (timings.cache_n, only the rest prefilled, as llama-server's cache_prompt) and generates, greedy, exactly what it
     generates with cache_prompt false. f16 and q8_0 caches, and an MLA model's latent cache."""
-    path = request.getfixturevalue(model)
-    url, stop = _serve(path, *flags)
+    url, srv, thread = serve(["-m", str(request.getfixturevalue(model)), "-np", "2", "-c", "1024", "-t", "1", *flags])
     try:
         def ask(prompt, **kw):
             return httpx.post(url + "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 6,
@@ -217,4 +186,5 @@ def test_a_conversation_reuses_its_slots_cache_and_generates_the_same_tokens(mod
         again = ask("zzz entirely different")
         assert again["timings"]["prompt_n"] == 1 and again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1
     finally:
-        stop()
+        srv.should_exit = True
+        thread.join(timeout=10)

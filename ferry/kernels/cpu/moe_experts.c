@@ -512,38 +512,27 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
         default: q8 ? tile_32(g, act, n, out, 1, 1) : tile_32(g, act, n, out, 1, 0); return;
         }
     }
+/* fn for up to 4 tokens, the count a constant in each call (the accumulators stay in registers) */
+#define K_TILE(fn)                                                                                                    \
+    switch (left) {                                                                                                   \
+    case 4: fn(g, act + t, n, out + t, 4); break;                                                                     \
+    case 3: fn(g, act + t, n, out + t, 3); break;                                                                     \
+    case 2: fn(g, act + t, n, out + t, 2); break;                                                                     \
+    default: fn(g, act + t, n, out + t, 1); break;                                                                    \
+    }
     for (int t = 0; t < T; t += 4) { /* K-quants 4 tokens at a time: 8 tokens' accumulators would not fit */
         const int left = T - t < 4 ? T - t : 4;
         if (type == Q4_K) {
-            switch (left) {
-            case 4: tile_q4_k(g, act + t, n, out + t, 4); break;
-            case 3: tile_q4_k(g, act + t, n, out + t, 3); break;
-            case 2: tile_q4_k(g, act + t, n, out + t, 2); break;
-            default: tile_q4_k(g, act + t, n, out + t, 1); break;
-            }
+            K_TILE(tile_q4_k)
         } else if (type == Q5_K) {
-            switch (left) {
-            case 4: tile_q5_k(g, act + t, n, out + t, 4); break;
-            case 3: tile_q5_k(g, act + t, n, out + t, 3); break;
-            case 2: tile_q5_k(g, act + t, n, out + t, 2); break;
-            default: tile_q5_k(g, act + t, n, out + t, 1); break;
-            }
+            K_TILE(tile_q5_k)
         } else if (type == IQ4_XS) {
-            switch (left) {
-            case 4: tile_iq4_xs(g, act + t, n, out + t, 4); break;
-            case 3: tile_iq4_xs(g, act + t, n, out + t, 3); break;
-            case 2: tile_iq4_xs(g, act + t, n, out + t, 2); break;
-            default: tile_iq4_xs(g, act + t, n, out + t, 1); break;
-            }
+            K_TILE(tile_iq4_xs)
         } else {
-            switch (left) {
-            case 4: tile_q6_k(g, act + t, n, out + t, 4); break;
-            case 3: tile_q6_k(g, act + t, n, out + t, 3); break;
-            case 2: tile_q6_k(g, act + t, n, out + t, 2); break;
-            default: tile_q6_k(g, act + t, n, out + t, 1); break;
-            }
+            K_TILE(tile_q6_k)
         }
     }
+#undef K_TILE
 }
 
 /* y for groups lo..hi of the flattened (slot, matrix, group) list, where matrix m of a slot is base[m]'s expert
