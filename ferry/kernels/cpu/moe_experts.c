@@ -167,13 +167,18 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
         for (int b = 0; b < n / QK_K; b++) {
             a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
             for (int i = 0; i < QK_K; i++) a[b].q[iq4 ? iq4_xs_order(i) : i] = q[i];
-            for (int l = 0; l < QK_K / 4; l++) {
-                const int8_t *ql = a[b].q + 4 * l;
-                a[b].corr[l] = (iq4 ? -128 : -32) * (ql[0] + ql[1] + ql[2] + ql[3]);
+            if (iq4) {
+                for (int l = 0; l < QK_K / 4; l++) {
+                    const int8_t *ql = a[b].q + 4 * l;
+                    a[b].corr[l] = -128 * (ql[0] + ql[1] + ql[2] + ql[3]);
+                }
+            } else {
+                for (int j = 0; j < QK_K / 16; j++) {
+                    int s = 0;
+                    for (int i = 16 * j; i < 16 * (j + 1); i++) s += q[i];
+                    a[b].sum16[j] = (int16_t)s;
+                }
             }
-            for (int j = 0; j < QK_K / 16; j++) a[b].sum16[j] = (int16_t)(-(a[b].corr[4 * j] + a[b].corr[4 * j + 1]
-                                                                       + a[b].corr[4 * j + 2] + a[b].corr[4 * j + 3])
-                                                                     / (iq4 ? 128 : 32));
         }
     }
 }
@@ -196,6 +201,12 @@ static inline uint32_t load_u32(const void *p) {
 static inline uint64_t six_bits(uint32_t lo, uint32_t hi_nibbles, int shift) {
     const uint32_t first = lo & 0x3f3f3f3fu, second = ((hi_nibbles >> shift) & 0x0f0f0f0fu) | ((lo >> 2) & 0x30303030u);
     return first | (uint64_t)second << 32;
+}
+
+/* for the lanes of 64-byte vector k, each 4 bytes of one group of 16 columns: 4k + lane / 4 (the group's scale index) */
+static inline __m512i groups_of_16(int k) {
+    return _mm512_set_epi32(4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2,
+                            4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k, 4 * k, 4 * k, 4 * k);
 }
 
 /* each row's byte to the two 32-bit lanes of its row */
@@ -318,10 +329,8 @@ static inline __attribute__((always_inline)) void tile_q6_k(const uint8_t *g, co
      * l + 64, l + 96 right 0 and 2 (16-bit shifts; the 0x30 mask keeps each byte's own bits) */
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    __m512i lane_of[4]; /* the scale index of each 32-bit lane of the block's 64-column quarter k: 4k + lane / 4 */
-    for (int k = 0; k < 4; k++)
-        lane_of[k] = _mm512_set_epi32(4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 2, 4 * k + 2, 4 * k + 2,
-                                      4 * k + 2, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k, 4 * k, 4 * k, 4 * k);
+    __m512i lane_of[4]; /* the scale index of each 32-bit lane of the block's 64-column quarter k */
+    for (int k = 0; k < 4; k++) lane_of[k] = groups_of_16(k);
     const int blocks = n / QK_K;
     for (int r = 0; r < GROUP; r++) {
         const uint8_t *row = g + (size_t)r * blocks * Q6_K_BYTES;
@@ -452,10 +461,8 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
                                                                (char)241));
     const __m256i four_s = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), two_s = _mm256_setr_epi32(0, 2, 4, 6, 8, 10,
                                                                                                       12, 14);
-    __m512i lane_of[2]; /* the sub-block of each 32-bit lane in load h: 4h + lane / 4 (of 8: the upper 8 unread) */
-    for (int h = 0; h < 2; h++)
-        lane_of[h] = _mm512_set_epi32(4 * h + 3, 4 * h + 3, 4 * h + 3, 4 * h + 3, 4 * h + 2, 4 * h + 2, 4 * h + 2,
-                                      4 * h + 2, 4 * h + 1, 4 * h + 1, 4 * h + 1, 4 * h + 1, 4 * h, 4 * h, 4 * h, 4 * h);
+    __m512i lane_of[2]; /* the sub-block of each 32-bit lane in load h (16 bytes each: as Q6_K's groups of 16) */
+    for (int h = 0; h < 2; h++) lane_of[h] = groups_of_16(h);
     const int blocks = n / QK_K;
     for (int r = 0; r < GROUP; r++) {
         const uint8_t *row = g + (size_t)r * blocks * IQ4_XS_BYTES;
