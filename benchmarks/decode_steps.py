@@ -3,8 +3,11 @@ graph launches, the host steps and the time outside them. A host step that cuts 
 step that needs the GPU's data) is split into the wait for the GPU segment before it and the step itself; a host step
 the graph waits at (a handshake) into the wait for the graph to reach it and the step. Then the last token's ggml
 calls again, back to back and with a spin of --gap us after each (as long as a GPU segment): what ggml alone takes
-of a token, and what an idle gap between two layers' ggml costs it. Only perf_counter around the steps.
+of a token, and what an idle gap between two layers' ggml costs it; and the expert bytes the CPU read per token
+(its live pairs' up, gate and down) over the time in its expert calls. Only perf_counter around the steps.
+Experts in RAM by default; with --gpu-memory the fit places them as a plain run does on a GPU of that size.
   python benchmarks/decode_steps.py -m model.gguf [-t 16] [--policy all=off] [-n 32] [--gap 100]
+      [--gpu-memory CUDA0=12GiB]
 """
 
 import argparse
@@ -14,6 +17,7 @@ import torch
 
 from ferry.runtime.loader import RunConfig, load
 from ferry.runtime.engine import Engine
+from ferry.weight import Weight
 
 
 def main() -> None:
@@ -23,14 +27,18 @@ def main() -> None:
     ap.add_argument("--policy", default="all=off")
     ap.add_argument("-n", type=int, default=32)
     ap.add_argument("--gap", type=float, default=100.0, help="us spun after each ggml call when replayed alone")
+    ap.add_argument("--gpu-memory", help="fit the experts to a GPU of this size (CUDA0=12GiB) instead of -ot exps=CPU")
     a = ap.parse_args()
-    loaded = load(RunConfig(a.model, n_threads=a.threads, quiet=True, n_gpu_layers=999, override_tensor=["exps=CPU"],
-                            offload_policy=a.policy, n_ctx=4096, n_ubatch=512))
+    placement = (dict(gpu_memory=(a.gpu_memory,)) if a.gpu_memory
+                 else dict(n_gpu_layers=999, override_tensor=["exps=CPU"]))
+    loaded = load(RunConfig(a.model, n_threads=a.threads, quiet=True, offload_policy=a.policy, n_ctx=4096,
+                            n_ubatch=512, **placement))
     backend, model = loaded.backend, loaded.model
     parts = ("launch", "cut wait", "cut step", "handshakes", "ggml")
     times = dict.fromkeys(parts, 0.0)
     steps = {"cut": 0, "handshake": 0}
     last: list = []  # the last token's ggml calls: (function, args, keywords)
+    read = [0]  # expert bytes the CPU's calls read: their live pairs'
 
     def add(part: str, fn):
         def timed(*args, **kw):
@@ -51,7 +59,10 @@ def main() -> None:
     def ggml(fn):
         def called(*args, **kw):
             last.append((fn, args, kw))
-            return add("ggml", fn)(*args, **kw)
+            out = add("ggml", fn)(*args, **kw)
+            ids, mats = args[1], [w for w in args if isinstance(w, Weight)]
+            read[0] += int((ids >= 0).sum()) * sum(w.data.nbytes for w in mats) // mats[0].ne[2]
+            return out
         return called
 
     for name in ("moe_experts", "moe_up_gate", "moe_down"):  # the whole experts, or a half of each (halves set apart)
@@ -74,6 +85,7 @@ def main() -> None:
         steps["handshake"] += getattr(c.graph, "n_handshakes", 0)
     for k in times:
         times[k] = 0.0
+    read[0] = 0
     t0 = time.perf_counter()
     for i in range(a.n):
         last.clear()
@@ -89,10 +101,13 @@ def main() -> None:
     served = times["launch"] + times["cut wait"] + times["cut step"] + times["handshakes"]
     rows = (("graph launches", times["launch"]), ("cut host steps: wait for the GPU segment", times["cut wait"]),
             ("cut host steps: the step", times["cut step"]),
-            ("handshakes: waits and steps", times["handshakes"]), ("ggml (in either)", times["ggml"]),
+            ("handshakes: waits and steps", times["handshakes"]), ("the CPU's expert calls (in either)", times["ggml"]),
             ("outside the steps", total - served))
     for name, v in rows:
         print(f"| {name} | {1e3 * v / a.n:.3f} | {1e3 * v / a.n / n_moe:.3f} |")
+    if times["ggml"]:
+        print(f"the CPU's expert calls read {read[0] / a.n / 1e6:.1f} MB per token at "
+              f"{read[0] / times['ggml'] / 1e9:.1f} GB/s")
     if last:
         calls_of_token = [(fn, [t.clone() if isinstance(t, torch.Tensor) else t for t in args], kw)
                           for fn, args, kw in last]

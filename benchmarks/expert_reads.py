@@ -8,18 +8,23 @@ exps=CPU), one token:
 - torch's sum over 1 GiB of float32 at the same thread counts: the rate the cores can read memory at;
 - a 12-kernel CUDA graph's launch, an asynchronous 8 KiB copy and a synchronize, right after a ggml call, 20 ms after
   one, and with no ggml before.
+- with --cflags, ferry's kernel built with each of several sets of compiler flags in turn (e.g. its -DBUNDLE_BYTES
+  and -DPREFETCH_AHEAD), each a row, the sets taken round after round.
 Prints tables, writes JSON.
   python benchmarks/expert_reads.py -m model.gguf [-t 16,8,12] [--plain] [--no-cuda] [--json FILE]
+      [--cflags "FLAGS|FLAGS|..."]
 """
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
 
 import torch
 
+from ferry.config import settings
 from ferry.runtime.loader import RunConfig, load
 from ferry.kernels.cpu import native
 from ferry.backends.cpu import CpuBackend
@@ -33,6 +38,7 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="also read the experts' plain bytes, unrepacked")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA calls' timings")
     ap.add_argument("-r", "--rounds", type=int, default=12)
+    ap.add_argument("--cflags", help="sets of flags for ferry's kernel, | apart (an empty set: the defaults)")
     ap.add_argument("--json", default="expert_reads.json")
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
@@ -74,6 +80,12 @@ def main() -> None:
         token_rate(CpuBackend(t, native_kernels=False), "ggml, repacked", t)
         if own:
             token_rate(CpuBackend(t), "ferry's kernel, repacked", t)
+    if own and a.cflags is not None:
+        for _ in range(2):
+            for flags in a.cflags.split("|"):
+                os.environ["FERRY_NATIVE_CFLAGS"] = flags
+                settings.cache_clear()
+                token_rate(CpuBackend(threads[0]), f"ferry's kernel, cflags '{flags}'", threads[0])
     if a.plain:
         kept = {id(w): w.repacked for layer in layers for w in layer}
         for layer in layers:

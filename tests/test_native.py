@@ -93,6 +93,32 @@ def test_the_kernel_matches_float64_given_its_activation_rounding(up_type, down_
     assert err < 2e-2 and err < 1.5 * np.linalg.norm(theirs - exact) / np.linalg.norm(exact) + 1e-3
 
 
+@pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used",
+                         [(Q40, Q40, 2048, 768, 16, 8), (Q4K, Q6K, 1280, 768, 5, 3), (Q40, Q4K, 96, 1280, 9, 8),
+                          (IQ4, Q40, 256, 96, 4, 1)])
+def test_one_token_gives_the_same_bits_at_any_thread_count_call_after_call(up_type, down_type, n_embd, n_ff, n_expert,
+                                                                           n_used):
+    """The threads take bundles of rows from one counter and hand h's chunks and out's rows on through counters: each
+    value is computed the same way whichever thread takes it, so a thread that read h before it was whole, or a
+    counter not reset between calls, shows as a difference."""
+    rng = np.random.default_rng(n_embd + n_used)
+    (up, gate, down), _ = _layer(rng, n_expert, n_embd, n_ff, up_type, down_type)
+    results = []
+    for threads in (1, 2, 5, 9):
+        cpu = CpuBackend(threads)
+        assert cpu.native_experts(1, True, up, gate, down, "silu") is not None
+        for call in range(3):
+            crng = np.random.default_rng(call)
+            x = torch.from_numpy(crng.standard_normal((1, n_embd)).astype(np.float32))
+            ids = torch.from_numpy(crng.choice(n_expert, n_used, replace=False).astype(np.int32)[None])
+            weights = torch.from_numpy(crng.random((1, n_used)).astype(np.float32))
+            results.append((threads, call, cpu.moe_experts(x, ids, weights, up, gate, down, "silu")))
+    for threads, call, got in results:
+        first = next(r for t, c, r in results if c == call)
+        assert torch.equal(got, first), (threads, call)
+    assert not torch.equal(results[0][2], results[1][2])  # the calls differ: their inputs do
+
+
 # (up and gate's type, down's type, n_embd, n_ff, n_expert, n_used, tokens, threads): tokens past a tile of 8 and
 # not a multiple of it, fewer tokens than threads, experts no token picks, one expert for all, the three types mixed
 BATCHES = [(Q40, Q40, 2048, 768, 16, 8, 37, 3), (Q40, Q40, 96, 64, 3, 2, 2, 3), (Q40, Q40, 160, 96, 5, 1, 17, 2),

@@ -643,11 +643,19 @@ typedef struct {
     uint8_t *scratch;
 } moe_call;
 
-size_t ferry_moe_scratch(int n_embd, int n_ff, int n_used, int up_type, int down_type) {
-    return aligned(act_bytes(up_type, n_embd)) + aligned((size_t)n_used * act_bytes(down_type, n_ff))
-           + sizeof(float) * ((size_t)2 * n_used * n_ff + (size_t)n_used * n_embd);
+/* one token's counters (token_body): the next bundle, then per (slot, chunk of h), per slot and per bundle of out's
+ * rows (at most a group each) */
+static size_t token_counter_bytes(int n_used, int n_ff, int n_embd, int down_type) {
+    const int chunks = block_of(down_type) ? n_ff / block_of(down_type) : 0;
+    return 64 + aligned(sizeof(int) * (size_t)n_used * chunks) + aligned(sizeof(int) * (size_t)n_used)
+           + aligned(sizeof(int) * (size_t)(n_embd / GROUP));
 }
 
+size_t ferry_moe_scratch(int n_embd, int n_ff, int n_used, int up_type, int down_type) {
+    return aligned(act_bytes(up_type, n_embd)) + aligned((size_t)n_used * act_bytes(down_type, n_ff))
+           + aligned(sizeof(float) * ((size_t)2 * n_used * n_ff + (size_t)n_used * n_embd))
+           + token_counter_bytes(n_used, n_ff, n_embd, down_type);
+}
 /* scratch bytes for n tokens of n_used slots (one token: ferry_moe_scratch's) */
 size_t ferry_moe_batch_scratch(int n, int n_used, int n_embd, int n_ff, int n_expert, int up_type, int down_type) {
     if (n == 1) return ferry_moe_scratch(n_embd, n_ff, n_used, up_type, down_type);
@@ -672,37 +680,113 @@ static int valid(const moe_call *c) {
 }
 
 #if FAST
-/* One token (thread t of nt): x quantized once; up and gate of every slot as one flattened (slot, matrix, row group)
- * list, one contiguous range per thread; silu(gate) * up quantized per slot; down likewise; the weighted sum. */
+/* One token's work as a list of bundles (a few row groups of one matrix of one slot, about BUNDLE_BYTES of weights),
+ * first every slot's up and gate, then every slot's down; the threads take bundles in turn from one counter, so that
+ * a thread the memory served slower than the others takes fewer, and none waits at a barrier between the phases:
+ * - a chunk of a slot's h (one activation block of the down weights: 32 or 256 rows) is silu(gate) * up and
+ *   quantized by the thread that finishes the last of its up and gate rows (counted per chunk);
+ * - a down bundle waits only until its slot's chunks are all quantized (counted per slot), which bundles taken
+ *   earlier are finishing;
+ * - a down bundle's rows of out are the weighted sum over the slots, added by the thread that finishes the last slot's
+ *   bundle of those rows (counted per bundle).
+ * The counters are zeroed with x's quantization, before the call's one barrier. */
+#ifndef BUNDLE_BYTES
+#define BUNDLE_BYTES 65536
+#endif
+
+typedef struct { /* the counters of one call, each array on its own cache lines */
+    _Atomic int64_t *next;
+    _Atomic int *chunk_done, *slot_ready, *rows_done;
+} token_counters;
+
+/* row groups per bundle of a matrix of `groups` groups of n columns of type: about BUNDLE_BYTES, and small enough that
+ * `mats` matrices of n_used slots make at least 4 bundles a thread */
+static int bundle_groups(int type, int n, int groups, int mats, int n_used, int nt) {
+    int64_t by_bytes = BUNDLE_BYTES / (int64_t)group_bytes(type, n);
+    const int64_t total = (int64_t)groups * mats * n_used, by_threads = (total + 4 * nt - 1) / (4 * nt);
+    if (by_threads < by_bytes) by_bytes = by_threads;
+    return by_bytes < 1 ? 1 : by_bytes > groups ? groups : (int)by_bytes;
+}
+
+static void wait_for(_Atomic int *v, int value) {
+    for (int spins = 0; __atomic_load_n(v, __ATOMIC_ACQUIRE) < value; spins++) {
+        if (spins < 4096)
+            __builtin_ia32_pause();
+        else
+            sched_yield();
+    }
+}
+
 static void token_body(const moe_call *c, int t, int nt, spin_barrier *b) {
     const int n_used = c->n_used, n_embd = c->n_embd, n_ff = c->n_ff;
-    const size_t h_bytes = act_bytes(c->down_type, n_ff);
+    const int hblock = block_of(c->down_type), chunks = n_ff / hblock, chunk_groups = hblock / GROUP;
+    const size_t h_bytes = act_bytes(c->down_type, n_ff), chunk_bytes = act_bytes(c->down_type, hblock);
     uint8_t *xq = c->scratch;
     uint8_t *hq = xq + aligned(act_bytes(c->up_type, n_embd));      /* n_used activation rows of n_ff */
     float *ug = (float *)(hq + aligned((size_t)n_used * h_bytes)); /* per slot: its up rows, then its gate rows */
     float *y = ug + (size_t)2 * n_used * n_ff;                     /* per slot: its down rows */
-    const uint8_t *up_gate[2] = {c->up, c->gate};
-    int64_t lo, hi;
-    if (t == 0) quantize_row(c->up_type, c->x, n_embd, xq);
-    sync_threads(b, nt);
-    thread_range((int64_t)n_used * 2 * (n_ff / GROUP), t, nt, &lo, &hi);
-    groups_of(c->up_type, lo, hi, n_ff / GROUP, 2, up_gate, c->ids, n_embd, xq, 0, ug);
-    sync_threads(b, nt);
-    for (int64_t s = t; s < n_used; s += nt) {
-        float *u = ug + s * 2 * n_ff;
-        const float *g = u + n_ff;
-        for (int i = 0; i < n_ff; i++) u[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-        quantize_row(c->down_type, u, n_ff, hq + s * h_bytes);
+    uint8_t *at = (uint8_t *)(y + (size_t)n_used * n_embd);
+    at = c->scratch + aligned((size_t)(at - c->scratch));
+    token_counters k;
+    k.next = (_Atomic int64_t *)at;
+    k.chunk_done = (_Atomic int *)(at + 64);
+    k.slot_ready = (_Atomic int *)((uint8_t *)k.chunk_done + aligned(sizeof(int) * (size_t)n_used * chunks));
+    k.rows_done = (_Atomic int *)((uint8_t *)k.slot_ready + aligned(sizeof(int) * (size_t)n_used));
+    if (t == 0) {
+        quantize_row(c->up_type, c->x, n_embd, xq);
+        memset(at, 0, token_counter_bytes(n_used, n_ff, n_embd, c->down_type));
     }
     sync_threads(b, nt);
-    thread_range((int64_t)n_used * (n_embd / GROUP), t, nt, &lo, &hi);
-    groups_of(c->down_type, lo, hi, n_embd / GROUP, 1, &c->down, c->ids, n_ff, hq, h_bytes, y);
-    sync_threads(b, nt);
-    thread_range(n_embd, t, nt, &lo, &hi);
-    for (int64_t i = lo; i < hi; i++) {
-        float s = 0.0f;
-        for (int j = 0; j < n_used; j++) s += c->weights[j] * y[(size_t)j * n_embd + i];
-        c->out[i] = s;
+    const int ff_groups = n_ff / GROUP, embd_groups = n_embd / GROUP;
+    const int ug_per = bundle_groups(c->up_type, n_embd, ff_groups, 2, n_used, nt);
+    const int down_per = bundle_groups(c->down_type, n_ff, embd_groups, 1, n_used, nt);
+    const int ug_bundles = (ff_groups + ug_per - 1) / ug_per, down_bundles = (embd_groups + down_per - 1) / down_per;
+    const int64_t first_down = (int64_t)n_used * 2 * ug_bundles, total = first_down + (int64_t)n_used * down_bundles;
+    const size_t ug_expert = group_bytes(c->up_type, n_embd) * ff_groups;
+    const size_t down_expert = group_bytes(c->down_type, n_ff) * embd_groups;
+    const uint8_t *up_gate[2] = {c->up, c->gate};
+    for (;;) {
+        const int64_t u = __atomic_fetch_add(k.next, 1, __ATOMIC_RELAXED);
+        if (u >= total) break;
+        if (u < first_down) { /* groups g0..g1 of matrix m (up, gate) of slot s */
+            const int s = (int)(u / (2 * ug_bundles)), m = (int)(u / ug_bundles % 2);
+            const int g0 = (int)(u % ug_bundles) * ug_per, g1 = g0 + ug_per < ff_groups ? g0 + ug_per : ff_groups;
+            const size_t per_group = group_bytes(c->up_type, n_embd);
+            const uint8_t *w = up_gate[m] + (size_t)c->ids[s] * ug_expert;
+            float *o = ug + ((size_t)2 * s + m) * n_ff;
+            for (int g = g0; g < g1; g++) {
+                float *og = o + (size_t)g * GROUP;
+                tile_of(c->up_type, w + (size_t)g * per_group, &xq, n_embd, &og, 1);
+            }
+            for (int ch = g0 / chunk_groups; ch * chunk_groups < g1; ch++) { /* the chunks these groups fall in */
+                const int lo = ch * chunk_groups > g0 ? ch * chunk_groups : g0;
+                const int hi = (ch + 1) * chunk_groups < g1 ? (ch + 1) * chunk_groups : g1;
+                if (__atomic_add_fetch(&k.chunk_done[s * chunks + ch], hi - lo, __ATOMIC_ACQ_REL) < 2 * chunk_groups)
+                    continue;
+                float *up = ug + (size_t)2 * s * n_ff + (size_t)ch * hblock; /* the chunk's last rows: h */
+                const float *gate = up + n_ff;
+                for (int i = 0; i < hblock; i++) up[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+                quantize_row(c->down_type, up, hblock, hq + s * h_bytes + ch * chunk_bytes);
+                __atomic_add_fetch(&k.slot_ready[s], 1, __ATOMIC_RELEASE);
+            }
+        } else { /* groups g0..g1 of slot s's down, then maybe those rows of out */
+            const int64_t d = u - first_down;
+            const int s = (int)(d / down_bundles), j = (int)(d % down_bundles);
+            const int g0 = j * down_per, g1 = g0 + down_per < embd_groups ? g0 + down_per : embd_groups;
+            const size_t per_group = group_bytes(c->down_type, n_ff);
+            const uint8_t *w = c->down + (size_t)c->ids[s] * down_expert, *h = hq + s * h_bytes;
+            wait_for(&k.slot_ready[s], chunks);
+            for (int g = g0; g < g1; g++) {
+                float *og = y + (size_t)s * n_embd + (size_t)g * GROUP;
+                tile_of(c->down_type, w + (size_t)g * per_group, &h, n_ff, &og, 1);
+            }
+            if (__atomic_add_fetch(&k.rows_done[j], 1, __ATOMIC_ACQ_REL) < n_used) continue;
+            for (int i = g0 * GROUP; i < g1 * GROUP; i++) {
+                float sum = 0.0f;
+                for (int q = 0; q < n_used; q++) sum += c->weights[q] * y[(size_t)q * n_embd + i];
+                c->out[i] = sum;
+            }
+        }
     }
 }
 
