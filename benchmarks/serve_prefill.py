@@ -1,11 +1,11 @@
 """What a long prompt arriving costs the streams already running on `ferry serve`, per u-batch size: the server
-prefills one u-batch of a new prompt per step between its decode steps (chunked prefill), so a larger -ub prefills
-the prompt sooner and holds the running streams up longer at each step.
+prefills -b tokens of a new prompt per step (default: one u-batch of -ub) between its decode steps (chunked prefill),
+so a larger -ub or -b prefills the prompt sooner and holds the running streams up longer at each step.
 
-Per -ub, one server in this process (-np 2): stream A generates (greedy) while prompt B (about --prompt-tokens
+Per -ub and -b, one server in this process (-np 2): stream A generates (greedy) while prompt B (about --prompt-tokens
 tokens) arrives; measured: B's time to its first token, A's longest gap between two tokens while B prefills, and A's
 median gap. Prints a table, writes JSON.
-  python benchmarks/serve_prefill.py [-m MODEL] [--ub 64,256,512,4096] [-t 2] [--prompt-tokens 2000]
+  python benchmarks/serve_prefill.py [-m MODEL] [--ub 64,256,512,4096] [--b 0,2048] [-t 2] [--prompt-tokens 2000]
 (no -m: the embedded Gemma 3 270M)
 """
 
@@ -69,28 +69,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model")
     ap.add_argument("--ub", default="64,256,512,4096", help="u-batch sizes, comma list")
+    ap.add_argument("--b", default="0", help="serve's -b per -ub (0: one u-batch a step), comma list")
     ap.add_argument("-t", "--threads", default="2")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--stream-tokens", type=int, default=400)
     ap.add_argument("--json", default="serve_prefill.json")
     a = ap.parse_args()
     rows = []
-    print("| -ub | B's prompt tokens | B's first token s | A's longest gap during B, ms | A's tokens during B | "
+    print("| -ub | -b | B's prompt tokens | B's first token s | A's longest gap during B, ms | A's tokens during B | "
           "A's median gap, ms |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for ub in (int(u) for u in a.ub.split(",")):
-        flags = (["-m", a.model] if a.model else []) + ["-np", "2", "-c", "8192", "-t", a.threads, "-ub", str(ub)]
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for ub, b in ((int(u), int(b)) for u in a.ub.split(",") for b in a.b.split(",")):
+        flags = (["-m", a.model] if a.model else []) + ["-np", "2", "-c", "8192", "-t", a.threads, "-ub", str(ub),
+                                                        "-b", str(b)]
         url, srv, thread = serve(flags)
         try:
-            row = {"ub": ub, **one(url, a.prompt_tokens, a.stream_tokens)}
+            row = {"ub": ub, "b": b, **one(url, a.prompt_tokens, a.stream_tokens)}
         finally:
             srv.should_exit = True
             thread.join(timeout=30)
         rows.append(row)
         gap = row["a_max_gap_ms_during_b"]
-        print(f"| {ub} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | "
+        print(f"| {ub} | {b} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | "
               f"{gap:.0f} | {row['a_tokens_during_b']} | {row['a_median_gap_ms']:.1f} |" if gap is not None else
-              f"| {ub} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | - | 0 | {row['a_median_gap_ms']:.1f} |",
+              f"| {ub} | {b} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | - | 0 | {row['a_median_gap_ms']:.1f} |",
               flush=True)
     with open(a.json, "w") as fh:
         json.dump(rows, fh, indent=1)

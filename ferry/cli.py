@@ -468,6 +468,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise FerryError(f"-np/--parallel must be at least 1, got {args.parallel}")
     if args.ubatch_size < 1:
         raise FerryError(f"-ub/--ubatch-size must be at least 1, got {args.ubatch_size}")
+    if args.batch_size < 0:
+        raise FerryError(f"-b/--batch-size must be 0 (one u-batch) or more, got {args.batch_size}")
 
 
 def build_server(args: argparse.Namespace):
@@ -491,7 +493,8 @@ def build_server(args: argparse.Namespace):
     seq_len = n_ctx // args.parallel
     engine = loaded.engine(cfg, n_ctx=seq_len * args.parallel)
     name = args.alias or loaded.file.path.name
-    return create_app(Scheduler(engine, tok, args.parallel, seq_len), tok, name, args.api_key, template)
+    return create_app(Scheduler(engine, tok, args.parallel, seq_len, args.batch_size), tok, name, args.api_key,
+                      template)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -737,6 +740,10 @@ def build_parser() -> argparse.ArgumentParser:
     _context_flags(p, ctx_help="context of all slots together", logical_batch=False)
     _gpu_flags(p)
     p.add_argument("-np", "--parallel", type=int, default=4, help="slots: requests generating at once")
+    p.add_argument("-b", "--batch-size", type=int, default=0,
+                   help="prompt tokens a step prefills at most, in u-batches of -ub, between the running slots' "
+                        "tokens (default 0: one u-batch; more: a prompt's first token sooner, longer gaps in the "
+                        "running streams)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")

@@ -32,6 +32,7 @@ def _one_line_error(r: subprocess.CompletedProcess, says: str) -> None:
     (["synth", "qwen3-moe-tiny", "-o", "{tmp}/x.gguf", "--layers", "-2"], "--layers must be 0"),
     (["synth", "qwen3-moe-tiny", "-o", "{tmp}/x.gguf", "--seed", "-1"], "--seed must be"),
     (["serve", "-m", "{tiny}", "-ub", "0"], "-ub/--ubatch-size must be at least 1"),
+    (["serve", "-m", "{tiny}", "-b", "-1"], "-b/--batch-size must be 0 (one u-batch) or more"),
     (["serve", "-m", "{tiny}", "--port", "99999"], "--port must be 0..65535"),
     (["run", "-m", "{tiny}", "hi", "-o", "out.txt"], "unrecognized arguments: -o"),  # not -ot
     (["run", "-m", "{tiny}", "hi", "-r"], "unrecognized arguments: -r"),  # not -rtr

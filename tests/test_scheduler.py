@@ -75,6 +75,29 @@ def test_a_long_prompt_is_prefilled_between_the_running_streams_decode_steps():
     loop.close()
 
 
+def test_dash_b_lets_a_step_prefill_several_u_batches_before_the_next_decode():
+    engine, loop = RecordingEngine(), asyncio.new_event_loop()
+    sched = Scheduler(engine, Tok(), 2, 256, n_batch=10)  # 10 tokens a step: u-batches of 4, 4 and 2
+    running = _request(loop, [1, 2, 3], 60)
+    sched.submit(running)
+    while not any(c[0] == "decode" for c in engine.calls):
+        time.sleep(0.001)
+    long = _request(loop, range(1, 26), 2)  # 25 tokens: steps of 10, 10 and 5
+    sched.submit(long)
+    assert _done(loop, long)[0] == "done" and _done(loop, running)[0] == "done"
+    calls = [c for c in engine.calls if c[0] == "decode" or c[1][0] == long.slot]
+    first = next(i for i, c in enumerate(calls) if c[0] == "prefill")
+    steps, step = [], []
+    for c in calls[first:]:
+        if c[0] == "prefill":
+            step.append((c[2], c[3]))
+        elif step:
+            steps.append(step)
+            step = []
+    assert steps == [[(0, 4), (4, 4), (8, 2)], [(10, 4), (14, 4), (18, 2)], [(20, 4), (24, 1)]]
+    loop.close()
+
+
 def test_the_prompt_cache_prefills_only_what_the_slot_does_not_hold():
     engine, loop = RecordingEngine(), asyncio.new_event_loop()
     sched = Scheduler(engine, Tok(), 2, 256)

@@ -1,8 +1,10 @@
-"""ferry serve through the official openai client: streamed and not, 16 clients at once, a disconnect mid-stream,
-any model name, llama-server's /tokenize and /detokenize, and bad requests (malformed JSON, too-long prompt, wrong key,
-n > 1) that get 4xx while the server serves on."""
+"""ferry serve through the official openai client and llama-server's own endpoints: streamed and not, 16 clients at
+once, a disconnect mid-stream, any model name, /tokenize and /detokenize, /completion, logprobs against the engine's
+own logits, max_tokens 0, the same answers at 1 or 2 slots and any -b / -ub, and bad requests (malformed JSON,
+too-long prompt, wrong key, n > 1) that get 4xx while the server serves on."""
 
 import concurrent.futures
+import json
 import time
 
 import httpx
@@ -188,3 +190,98 @@ def test_a_conversation_reuses_its_slots_cache_and_generates_the_same_tokens(mod
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+def _post(url, path, **body):
+    r = httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_logprobs_are_the_models_own_log_softmax_in_every_endpoints_shape(server, client, tiny):
+    """llama-server's /completion n_probs on a prompt of token ids: the first token's log probability and its top 3
+    are the log-softmax of the logits ferry's engine gives the same ids (computed here apart); greedy picks the top
+    one at every step. OpenAI's chat (logprobs, top_logprobs) and completions (logprobs: k) shapes carry the same."""
+    from ferry.runtime.engine import Engine
+    from ferry.runtime.loader import RunConfig, load
+    import torch
+
+    ids = [5, 17, 301, 42, 7, 99]
+    got = _post(server, "/completion", prompt=ids, n_predict=4, n_probs=3, temperature=0, return_tokens=True)
+    probs = got["completion_probabilities"]
+    assert len(probs) == got["tokens_predicted"] == 4 and [p["id"] for p in probs] == got["tokens"]
+    loaded = load(RunConfig(str(tiny), n_threads=1, quiet=True))
+    lp = torch.log_softmax(Engine(loaded.model, loaded.backend, n_ctx=64).decode(ids)[0].float(), -1)
+    top = torch.topk(lp, 3)
+    assert [t["id"] for t in probs[0]["top_logprobs"]] == top.indices.tolist()
+    assert [t["logprob"] for t in probs[0]["top_logprobs"]] == pytest.approx(top.values.tolist(), abs=1e-3)
+    for p in probs:  # greedy: each token is its step's likeliest, its log probability the top one's
+        tops = [t["logprob"] for t in p["top_logprobs"]]
+        assert p["id"] == p["top_logprobs"][0]["id"] and p["logprob"] == tops[0] and tops == sorted(tops, reverse=True)
+        assert bytes(p["bytes"]).decode("utf-8", "replace") == p["token"]
+    chat = _chat(client, "hello there", logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.token == c.top_logprobs[0].token and c.logprob <= 0 for c in content)
+    assert _chat(client, "hello there").choices[0].logprobs is None
+    text = client.completions.create(model="tiny.gguf", prompt="abc", temperature=0, max_tokens=4, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert all(max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    with pytest.raises(openai.BadRequestError, match="needs 'logprobs'"):
+        client.chat.completions.create(model="tiny.gguf", messages=[{"role": "user", "content": "hi"}], top_logprobs=2)
+
+
+def test_max_tokens_0_evaluates_the_prompt_into_the_cache_and_generates_nothing(server):
+    """llama-server's n_predict 0 (OpenAI's max_tokens 0): no token, finish "length"; the prompt is in a slot's
+    cache afterwards, so the same prompt again prefills only its last token."""
+    prompt = "a prompt evaluated into the cache and nothing else"
+    none = _post(server, "/v1/completions", prompt=prompt, max_tokens=0, temperature=0)
+    assert none["choices"][0]["text"] == "" and none["usage"]["completion_tokens"] == 0
+    assert none["choices"][0]["finish_reason"] == "length"
+    again = _post(server, "/v1/completions", prompt=prompt, max_tokens=2, temperature=0)
+    assert again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1
+    native = _post(server, "/completion", prompt=prompt + " too", n_predict=0)
+    assert native["content"] == "" and native["tokens_predicted"] == 0 and native["stop_type"] == "limit"
+
+
+def test_completion_streamed_equals_whole_and_stops_as_llama_server(server):
+    """/completion: streamed chunks of {content, tokens, stop} add up to the whole answer; n_predict ends it as
+    "limit", a stop string as "word" (the text ends before it, stopping_word says which), a string prompt and its
+    token ids answer alike."""
+    whole = _post(server, "/completion", prompt="once upon a time", n_predict=8, temperature=0, return_tokens=True)
+    assert whole["stop"] and whole["stop_type"] == "limit" and whole["tokens_predicted"] == 8
+    assert whole["stopping_word"] == "" and not whole["truncated"] and len(whole["tokens"]) == 8
+    with httpx.stream("POST", server + "/completion", json={"prompt": "once upon a time", "n_predict": 8,
+                                                            "temperature": 0, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert all(not c["stop"] for c in chunks[:-1]) and chunks[-1]["stop"]
+    assert "".join(c["content"] for c in chunks) == whole["content"]
+    assert [t for c in chunks[:-1] for t in c["tokens"]] == whole["tokens"]
+    ids = _post(server, "/tokenize", content="once upon a time", add_special=True)["tokens"]
+    assert _post(server, "/completion", prompt=ids, n_predict=8, temperature=0)["content"] == whole["content"]
+    text = whole["content"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = _post(server, "/completion", prompt="once upon a time", n_predict=8, temperature=0, stop=[stop])
+    assert cut["stop_type"] == "word" and cut["stopping_word"] == stop and cut["content"] == text[:text.find(stop)]
+    bad = httpx.post(server + "/completion", json={"prompt": [1, "x", 10**9]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_the_same_answers_with_one_slot_or_two_and_any_batch_sizes(server, tiny):
+    """Greedy answers do not depend on how many slots share the steps nor on the u-batch a prompt is prefilled in
+    (here 5 tokens: the prompts take several u-batches, interleaved with other slots' decode steps)."""
+    prompts = [f"prompt number {i} is a little longer than a u-batch of five tokens" for i in range(3)]
+    want = [_post(server, "/completion", prompt=p, n_predict=6, temperature=0, cache_prompt=False)["content"]
+            for p in prompts]
+    for flags in (["-np", "1", "-b", "5", "-ub", "5"], ["-np", "2", "-b", "16", "-ub", "5"]):
+        url, srv, thread = serve(["-m", str(tiny), "-c", "512", "-t", "1", *flags])
+        try:
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(lambda p: _post(url, "/completion", prompt=p, n_predict=6, temperature=0)
+                                    ["content"], prompts))
+            assert got == want, flags
+        finally:
+            srv.should_exit = True
+            thread.join(timeout=10)

@@ -1,7 +1,8 @@
 """`ferry serve`: an OpenAI-compatible HTTP server (FastAPI): /v1/chat/completions and /v1/completions with
-and without streaming (SSE), /v1/models, /health, /metrics, llama-server's `timings` in responses and its /tokenize
-and /detokenize, /apply-template, /props and /slots. One model is served under any `model` name a request gives, as llama-server does (clients send fixed
-ones). Bad requests get a 4xx with a JSON error; the server keeps serving."""
+and without streaming (SSE), with OpenAI's logprobs; /v1/models, /health, /metrics; llama-server's `timings` in
+responses and its own /completion (n_predict, n_probs, token prompts, stop_type), /tokenize, /detokenize,
+/apply-template, /props and /slots. One model is served under any `model` name a request gives, as llama-server
+does (clients send fixed ones). Bad requests get a 4xx with a JSON error; the server keeps serving."""
 
 from __future__ import annotations
 
@@ -99,12 +100,18 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
         return v
 
     def flag(body: dict, key: str, default: bool = False) -> bool:
-        v = body.get(key, default)
+        v = body.get(key)
+        if v is None:
+            return default
         if not isinstance(v, bool):
             raise BadRequest(400, f"'{key}' must be true or false, got {v!r}")
         return v
 
-    def make_request(body: dict, prompt: list[int], default_max: int) -> Request:
+    def make_request(body: dict, prompt: list[int], default_max: int, logprobs: int = -1,
+                     max_key: str = "max_tokens") -> Request:
+        """The scheduler's request for `prompt`: sampling, stop strings and the token limit from the body (the limit
+        under max_completion_tokens, else `max_key`; -1 none, 0 the prompt into the cache only); `logprobs`: as
+        Request's."""
         seq_len = scheduler.seq_len
         if len(prompt) + 1 >= seq_len:
             raise BadRequest(400, f"the prompt has {len(prompt)} tokens; a slot holds {seq_len} (-c / -np): "
@@ -123,34 +130,53 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
                                   "many times (with different seeds) for more")
         max_tokens = number(body, "max_completion_tokens", None, int, low=-1)
         if max_tokens is None:
-            max_tokens = number(body, "max_tokens", default_max, int, low=-1)
+            max_tokens = number(body, max_key, default_max, int, low=-1)
         loop = asyncio.get_running_loop()
         return Request(prompt, params, max_tokens, stop, loop, asyncio.Queue(),
-                       cache_prompt=flag(body, "cache_prompt", True))
+                       cache_prompt=flag(body, "cache_prompt", True), logprobs=logprobs)
+
+    def piece(token: int) -> dict:
+        text = tokenizer.decode([token])
+        return {"token": text, "bytes": list(text.encode("utf-8"))}
+
+    def logprobs_of(records: list[dict], kind: str):
+        """OpenAI's logprobs object for these tokens: chat's content list, completions' parallel lists."""
+        if not records or "logprob" not in records[0]:
+            return None
+        if kind == "chat":
+            return {"content": [{**piece(r["id"]), "logprob": r["logprob"],
+                                 "top_logprobs": [{**piece(i), "logprob": v} for i, v in r.get("top", [])]}
+                                for r in records], "refusal": None}
+        return {"tokens": [piece(r["id"])["token"] for r in records],
+                "token_logprobs": [r["logprob"] for r in records],
+                "top_logprobs": [{piece(i)["token"]: v for i, v in r.get("top", [])} for r in records],
+                "text_offset": [r["start"] for r in records]}
 
     async def respond(body: dict, r: Request, kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if kind == "chat" else "text_completion"
 
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+        def choice(text: str | None, finish: str | None, delta: bool, records: list[dict]) -> dict:
             if kind == "chat":
                 msg = ({"content": text} if text is not None else {}) if delta else {"role": "assistant", "content": text}
-                return {"index": 0, ("delta" if delta else "message"): msg, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": logprobs_of(records, kind),
+                        "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": logprobs_of(records, kind), "finish_reason": finish}
 
         scheduler.submit(r)
         if not body.get("stream"):
-            pieces = []
+            pieces, records = [], []
             try:
                 while True:
                     what, payload = await r.out.get()
                     if what == "text":
-                        pieces.append(payload)
+                        pieces.append(payload[0])
+                        records += payload[1]
                     elif what == "error":
                         return _error(500, payload, "server_error")
                     else:
                         return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                "choices": [choice("".join(pieces), payload["finish_reason"], False)],
+                                "choices": [choice("".join(pieces), payload["finish_reason"], False, records)],
                                 "usage": payload["usage"], "timings": payload["timings"]}
             finally:
                 r.cancelled.set()  # a client gone before the end frees its slot at the next step
@@ -166,13 +192,14 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
                     what, payload = await r.out.get()
                     if what == "text":
                         yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_name,
-                                    "choices": [choice(payload, None, True)]})
+                                    "choices": [choice(payload[0], None, True, payload[1])]})
                     elif what == "error":
                         yield _sse({"error": {"message": payload, "type": "server_error"}})
                         break
                     else:
                         yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_name,
-                                    "choices": [choice(None if kind == "chat" else "", payload["finish_reason"], True)],
+                                    "choices": [choice(None if kind == "chat" else "", payload["finish_reason"], True,
+                                                       [])],
                                     "usage": payload["usage"], "timings": payload["timings"]})
                         yield "data: [DONE]\n\n"
                         break
@@ -244,13 +271,110 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise BadRequest(400, "'prompt' must be a string")
-        return await respond(body, make_request(body, tokenizer.encode(prompt), default_max=16), "text")
+        logprobs = number(body, "logprobs", None, int, low=0, high=5)  # OpenAI's: the alternatives per token, 0-5
+        logprobs = -1 if logprobs is None else logprobs
+        return await respond(body, make_request(body, tokenizer.encode(prompt), 16, logprobs), "text")
 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
         body = await body_of(http)
         prompt = tokenizer.encode_chat(chat_prompt(body))
-        return await respond(body, make_request(body, prompt, default_max=-1), "chat")
+        top = number(body, "top_logprobs", None, int, low=0, high=20)
+        if top is not None and not flag(body, "logprobs"):
+            raise BadRequest(400, "'top_logprobs' needs 'logprobs': true")
+        logprobs = (top or 0) if flag(body, "logprobs") else -1
+        return await respond(body, make_request(body, prompt, -1, logprobs), "chat")
+
+    def completion_prompt(body: dict) -> list[int]:
+        """llama-server's /completion prompt: a string, or a list of token ids and strings (a string first gets the
+        BOS the model adds)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool)) for p in prompt):
+            raise BadRequest(400, "'prompt' must be a string or a list of token ids and strings (one prompt per "
+                                  "request)")
+        ids: list[int] = []
+        for i, p in enumerate(prompt):
+            ids += tokenizer.encode(p, add_bos=None if i == 0 else False) if isinstance(p, str) else [p]
+        bad = [i for i in ids if not 0 <= i < tokenizer.n_vocab]
+        if bad:
+            raise BadRequest(400, f"token ids {bad[:8]} are outside the vocabulary (0..{tokenizer.n_vocab - 1})")
+        if not ids:
+            raise BadRequest(400, "the prompt is empty")
+        return ids
+
+    @app.post("/completion")
+    async def completion(http: HttpRequest):
+        """llama-server's own completion endpoint: {prompt, n_predict, n_probs, stream, return_tokens, sampling, stop,
+        cache_prompt} -> {content, tokens, stop, stop_type, stopping_word, tokens_predicted, tokens_evaluated,
+        tokens_cached, truncated, timings, completion_probabilities}; streamed as SSE chunks of {content, tokens,
+        stop} with the totals in the last."""
+        body = await body_of(http)
+        prompt = completion_prompt(body)
+        n_probs = number(body, "n_probs", 0, int, low=0, high=100)
+        key = "n_predict" if "n_predict" in body else "max_tokens"
+        r = make_request(body, prompt, -1, n_probs if n_probs > 0 else -1, key)
+        want_tokens = flag(body, "return_tokens")
+
+        def probs(records: list[dict]) -> list[dict]:
+            return [{"id": rec["id"], **piece(rec["id"]), "logprob": rec["logprob"],
+                     "top_logprobs": [{"id": i, **piece(i), "logprob": v} for i, v in rec.get("top", [])]}
+                    for rec in records]
+
+        def final(payload: dict, content: str, records: list[dict], streamed: bool) -> dict:
+            out = {"content": content, "tokens": [rec["id"] for rec in records] if want_tokens and not streamed else [],
+                   "id_slot": r.slot, "stop": True, "model": model_name, "tokens_predicted":
+                   payload["usage"]["completion_tokens"], "tokens_evaluated": len(prompt),
+                   "tokens_cached": payload["timings"]["cache_n"], "generation_settings": {
+                       "n_ctx": scheduler.seq_len, "n_predict": r.max_tokens, "temperature": r.params.temp,
+                       "top_k": r.params.top_k, "top_p": r.params.top_p, "min_p": r.params.min_p,
+                       "seed": r.params.seed, "stop": r.stop, "n_probs": n_probs, "cache_prompt": r.cache_prompt},
+                   "prompt": tokenizer.decode(prompt), "stop_type": payload["stop_type"],
+                   "stopping_word": payload["stopping_word"], "truncated": payload["truncated"],
+                   "timings": payload["timings"]}
+            if n_probs and not streamed:
+                out["completion_probabilities"] = probs(records)
+            return out
+
+        scheduler.submit(r)
+        if not body.get("stream"):
+            pieces, records = [], []
+            try:
+                while True:
+                    what, payload = await r.out.get()
+                    if what == "text":
+                        pieces.append(payload[0])
+                        records += payload[1]
+                    elif what == "error":
+                        return _error(500, payload, "server_error")
+                    else:
+                        return final(payload, "".join(pieces), records, False)
+            finally:
+                r.cancelled.set()
+
+        async def events():
+            try:
+                while True:
+                    what, payload = await r.out.get()
+                    if what == "text":
+                        chunk = {"content": payload[0], "tokens": [rec["id"] for rec in payload[1]], "stop": False}
+                        if n_probs:
+                            chunk["completion_probabilities"] = probs(payload[1])
+                        yield _sse(chunk)
+                    elif what == "error":
+                        yield _sse({"error": {"message": payload, "type": "server_error"}})
+                        break
+                    else:
+                        yield _sse(final(payload, "", [], True))
+                        break
+            finally:
+                r.cancelled.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
 

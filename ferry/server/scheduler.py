@@ -5,15 +5,22 @@ u-batch of the earliest prompt not yet in, and decodes one token for every gener
 Prompt cache (llama-server's `cache_prompt`, on by default): each slot remembers the tokens its KV cache holds when
 its request ends; a new request goes to the free slot holding the longest common prefix with its prompt and prefills
 only the rest. A slot's attention reads its cache up to each token's position, so rows past the reused prefix are
-simply written over."""
+simply written over.
+
+Each generated token goes out with its text as a record (id, the text it ended, and with `logprobs` >= 0 its log
+probability and the `logprobs` likeliest tokens', from the softmax of the model's logits before any sampler, as
+llama-server's n_probs and OpenAI's logprobs report them); a token whose text a stop string cut is not sent."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from ferry.runtime.sampling import Sampler, SamplingParams
 from ferry.tokenizer import StreamDecoder
@@ -23,12 +30,13 @@ from ferry.tokenizer import StreamDecoder
 class Request:
     prompt: list[int]
     params: SamplingParams
-    max_tokens: int  # -1: until end of generation or the slot's context
+    max_tokens: int  # -1: until end of generation or the slot's context; 0: the prompt into the cache, nothing more
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue  # ("text", piece) ... then ("done", info) or ("error", message)
     cancelled: threading.Event = field(default_factory=threading.Event)
     cache_prompt: bool = True  # reuse a slot's cached prefix of the prompt
+    logprobs: int = -1  # >= 0: each token's log probability and that many alternatives'
     slot: int = -1
     n_cached: int = 0  # prompt tokens reused from the slot's cache (timings.cache_n)
     n_past: int = 0
@@ -36,6 +44,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already emitted
+    records: list[dict] = field(default_factory=list)  # generated tokens not yet emitted (Scheduler._record)
     t0: float = 0.0
     prompt_ms: float = 0.0
     t_gen: float = 0.0
@@ -44,8 +53,10 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, engine, tokenizer, n_slots: int, seq_len: int):
+    def __init__(self, engine, tokenizer, n_slots: int, seq_len: int, n_batch: int = 0):
+        """n_batch: the prompt tokens a step prefills at most (-b), in u-batches of the engine's; 0: one u-batch."""
         self.engine, self.tok, self.seq_len = engine, tokenizer, seq_len
+        self.step_tokens = max(n_batch, engine.n_ubatch)
         self.slots: list[Request | None] = [None] * n_slots
         self.held: list[list[int]] = [[] for _ in range(n_slots)]  # the tokens each slot's cache holds, in order
         self.pending: queue.Queue[Request] = queue.Queue()
@@ -92,7 +103,7 @@ class Scheduler:
                 continue
             for r, row in zip(active, logits):
                 r.n_past += 1
-                self._accept(r, r.sampler(row, r.prompt + r.generated))
+                self._accept(r, r.sampler(row, r.prompt + r.generated), row)
 
     def _admit(self, r: Request) -> None:
         """r into the free slot holding the longest prefix of its prompt; its prefill runs in the steps after."""
@@ -109,54 +120,81 @@ class Scheduler:
         r.decoder = StreamDecoder(self.tok)
 
     def _prefill(self, r: Request) -> None:
-        """The next u-batch of r's prompt into its slot's cache; after the last, its first token."""
-        i = r.n_past
-        chunk = r.prompt[i:i + self.engine.n_ubatch]
-        try:
-            logits = self.engine.decode_sequences(chunk, [r.slot] * len(chunk), list(range(i, i + len(chunk))),
-                                                  self.seq_len, all_logits=False)
-        except Exception as e:
-            self._emit(r, "error", str(e))
-            self._free(r)
-            return
-        r.n_past = i + len(chunk)
+        """The next step_tokens of r's prompt into its slot's cache, u-batch by u-batch; after the last, its first
+        token."""
+        end = min(len(r.prompt), r.n_past + self.step_tokens)
+        while r.n_past < end:
+            i = r.n_past
+            chunk = r.prompt[i:min(end, i + self.engine.n_ubatch)]
+            try:
+                logits = self.engine.decode_sequences(chunk, [r.slot] * len(chunk), list(range(i, i + len(chunk))),
+                                                      self.seq_len, all_logits=False)
+            except Exception as e:
+                self._emit(r, "error", str(e))
+                self._free(r)
+                return
+            r.n_past = i + len(chunk)
         if r.n_past < len(r.prompt):
             return
         r.prompt_ms = 1000 * (time.perf_counter() - r.t0)
         r.t_gen = time.perf_counter()
         self.prompt_tokens_total += len(r.prompt) - r.n_cached
-        self._accept(r, r.sampler(logits[-1], r.prompt))
+        if r.max_tokens == 0:  # llama-server's n_predict 0: the prompt evaluated into the cache, no token
+            return self._finish(r, "length")
+        self._accept(r, r.sampler(logits[-1], r.prompt), logits[-1])
 
-    def _accept(self, r: Request, token: int) -> None:
+    def _accept(self, r: Request, token: int, row: torch.Tensor) -> None:
         if r.cancelled.is_set():
             self._free(r)
             return
         if self.tok.is_eog(token):
-            return self._finish(r, "stop")
+            return self._finish(r, "stop", "eos")
         r.generated.append(token)
         r.last = token
         self.predicted_tokens_total += 1
+        start = len(r.text)
         r.text += r.decoder.add(token)
+        r.records.append(self._record(r, token, row, start))
         for s in r.stop:
             at = r.text.find(s, max(0, r.sent - len(s)))
             if at >= 0:
                 r.text = r.text[:at]
-                return self._finish(r, "stop")
+                return self._finish(r, "stop", "word", s)
         hold = max((len(s) - 1 for s in r.stop), default=0)  # a stop string may be starting: hold its length back
-        if len(r.text) - hold > r.sent:
-            self._emit(r, "text", r.text[r.sent:len(r.text) - hold])
-            r.sent = len(r.text) - hold
+        self._flush(r, len(r.text) - hold)
         if 0 <= r.max_tokens <= len(r.generated) or r.n_past + 1 >= self.seq_len:
             self._finish(r, "length")
 
-    def _finish(self, r: Request, reason: str) -> None:
-        if len(r.text) > r.sent:
-            self._emit(r, "text", r.text[r.sent:])
-            r.sent = len(r.text)
+    def _record(self, r: Request, token: int, row: torch.Tensor, start: int) -> dict:
+        """What goes out with a generated token: its id, where its text starts and ends in the completion, and with
+        r.logprobs >= 0 its log probability and the r.logprobs likeliest tokens' (id, logprob)."""
+        rec = {"id": token, "start": start, "end": len(r.text)}
+        if r.logprobs >= 0:
+            lp = torch.log_softmax(row.float(), -1)
+            rec["logprob"] = _finite(lp[token].item())
+            if r.logprobs:
+                top = torch.topk(lp, min(r.logprobs, lp.numel()))
+                rec["top"] = [(int(i), _finite(v)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+        return rec
+
+    def _flush(self, r: Request, upto: int) -> None:
+        """Emit the completion's text up to character `upto` with the records of the tokens whose text ends there."""
+        done = 0
+        while done < len(r.records) and r.records[done]["end"] <= upto:
+            done += 1
+        if upto > r.sent or done:
+            self._emit(r, "text", (r.text[r.sent:max(upto, r.sent)], r.records[:done]))
+            r.sent, r.records = max(upto, r.sent), r.records[done:]
+
+    def _finish(self, r: Request, reason: str, why: str = "limit", word: str = "") -> None:
+        """End r: `reason` as OpenAI's finish_reason, `why` as llama-server's stop_type (eos, limit, word) with the
+        stop string that ended it."""
+        self._flush(r, len(r.text))
         gen_ms = 1000 * (time.perf_counter() - r.t_gen)
         n, prompt_n = len(r.generated), len(r.prompt) - r.n_cached
         self._emit(r, "done", {
-            "finish_reason": reason,
+            "finish_reason": reason, "stop_type": why, "stopping_word": word,
+            "truncated": why == "limit" and r.n_past + 1 >= self.seq_len,
             "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": n, "total_tokens": len(r.prompt) + n},
             "timings": {"cache_n": r.n_cached, "prompt_n": prompt_n, "prompt_ms": r.prompt_ms,
                         "prompt_per_second": 1000 * prompt_n / r.prompt_ms if r.prompt_ms else 0.0,
@@ -170,6 +208,11 @@ class Scheduler:
             # prefill, the part that was in)
             self.held[r.slot] = (r.prompt + r.generated)[:r.n_past]
             self.slots[r.slot] = None
+
+
+def _finite(v: float) -> float:
+    """A log probability JSON can carry: -inf (a token the logits rule out) as the lowest float."""
+    return v if math.isfinite(v) else -3.4028234663852886e38
 
 
 def _common(a: list[int], b: list[int]) -> int:
