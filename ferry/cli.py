@@ -470,6 +470,8 @@ def _check_serve_args(args: argparse.Namespace) -> None:
         raise FerryError(f"-ub/--ubatch-size must be at least 1, got {args.ubatch_size}")
     if args.batch_size < 0:
         raise FerryError(f"-b/--batch-size must be 0 (one u-batch) or more, got {args.batch_size}")
+    if args.cache_ram < -1:
+        raise FerryError(f"--cache-ram must be MiB of 0 (off) or more, or -1 (no limit), got {args.cache_ram}")
 
 
 def build_server(args: argparse.Namespace):
@@ -493,8 +495,9 @@ def build_server(args: argparse.Namespace):
     seq_len = n_ctx // args.parallel
     engine = loaded.engine(cfg, n_ctx=seq_len * args.parallel)
     name = args.alias or loaded.file.path.name
-    return create_app(Scheduler(engine, tok, args.parallel, seq_len, args.batch_size), tok, name, args.api_key,
-                      template)
+    cache_ram = args.cache_ram * 2**20 if args.cache_ram > 0 else args.cache_ram
+    return create_app(Scheduler(engine, tok, args.parallel, seq_len, args.batch_size, cache_ram), tok, name,
+                      args.api_key, template)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -748,6 +751,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
     p.add_argument("-a", "--alias", help="model name in the API (default: the file name)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=8192,
+                   help="MiB of RAM for slots' cached prompts written over by other requests, copied back when a "
+                        "prompt shares more with one (default 8192 as llama-server; 0 off, -1 no limit)")
     p.add_argument("--chat-template", help="a built-in template by name, a Jinja file, or the template itself")
     p.set_defaults(func=cmd_serve)
 

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import torch
 
 from ferry.runtime.sampling import SamplingParams
@@ -120,4 +121,40 @@ def test_the_prompt_cache_prefills_only_what_the_slot_does_not_hold():
     sched.submit(third)
     _, info = _done(loop, third)
     assert info["timings"]["cache_n"] == 0 and info["timings"]["prompt_n"] == len(held) + 3
+    loop.close()
+
+
+class RowsKV:
+    """A KV cache of one float per position (its token), for the RAM prompt cache's copies."""
+
+    def __init__(self, n: int):
+        self.rows = np.zeros(n)
+
+    def copy_rows(self, start, n):
+        return [self.rows[start:start + n].copy()]
+
+    def put_rows(self, start, rows, n):
+        self.rows[start:start + n] = rows[0][:n]
+
+
+def test_the_ram_cache_keeps_the_most_recently_used_states_within_its_budget():
+    """One slot, four conversations in turn: each written over goes to RAM (8 bytes a position here); a budget of
+    two conversations' states drops the least recently used, and a state copied back holds the rows it left with."""
+    engine, loop = RecordingEngine(), asyncio.new_event_loop()
+    engine.kv = RowsKV(256)
+    sched = Scheduler(engine, Tok(), 1, 256, cache_ram=8 * 2 * 12)
+
+    def ask(prompt):
+        r = _request(loop, prompt, 2)
+        sched.submit(r)
+        return _done(loop, r)[1]["timings"]["cache_n"]
+
+    for c in (3, 4, 5, 6):
+        assert ask([c] * 10) == 0
+        engine.kv.rows[:10] = c  # what this conversation's prefill wrote
+    # each state: its 10 tokens and the first generated (the second was never fed); the first state dropped
+    assert [(t[0], len(t)) for t, _, _ in sched.saved] == [(4, 11), (5, 11)]
+    assert ask([4] * 10 + [9]) == 10 and engine.kv.rows[0] == 4  # copied back, its rows with it
+    assert [t[0] for t, _, _ in sched.saved] == [6, 4]  # 6's state kept, 5's dropped, 4's used last
+    assert ask([3] * 10 + [9]) == 0  # long gone
     loop.close()

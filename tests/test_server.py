@@ -285,3 +285,33 @@ def test_the_same_answers_with_one_slot_or_two_and_any_batch_sizes(server, tiny)
         finally:
             srv.should_exit = True
             thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("model,flags", [("tiny", []), ("tiny", ["-ctk", "q8_0", "-ctv", "q8_0"]),
+                                         ("tiny_mla", [])])
+def test_a_conversation_written_over_in_its_slot_comes_back_from_the_ram_cache(model, flags, request):
+    """One slot: turn 1 of conversation A, then B's prompt writes over the slot's cache; A's turn 2 finds A's tokens
+    in the RAM prompt cache (--cache-ram), copied back into the slot, and reuses exactly as many (timings.cache_n) and
+    generates exactly what it does where A's slot was never written over (two slots). With --cache-ram 0 nothing
+    comes back."""
+    path = str(request.getfixturevalue(model))
+    a = "conversation A begins with a question about ram caches"
+
+    def conversation(slots: str, cache_ram: str, other: bool) -> dict:
+        url, srv, thread = serve(["-m", path, "-np", slots, "-c", "1024", "-t", "1", "--cache-ram", cache_ram, *flags])
+        try:
+            def ask(prompt):
+                return _post(url, "/v1/completions", prompt=prompt, temperature=0, max_tokens=6)
+            first = ask(a)
+            if other:
+                ask("zebras: conversation B is about something else entirely")
+            return ask(a + first["choices"][0]["text"] + " next")
+        finally:
+            srv.should_exit = True
+            thread.join(timeout=10)
+
+    kept = conversation("2", "0", other=False)
+    back = conversation("1", "64", other=True)
+    assert back["timings"]["cache_n"] == kept["timings"]["cache_n"] > 8
+    assert back["choices"][0]["text"] == kept["choices"][0]["text"]
+    assert conversation("1", "0", other=True)["timings"]["cache_n"] <= 1  # B shares at most a first token with A

@@ -67,6 +67,20 @@ class KVCache:
         return cls(n_layer, n_ctx, layout.n_head_kv, layout.head_dim_k, layout.head_dim_v, type_k, type_v, device,
                    layout.v_in_k)
 
+    def copy_rows(self, start: int, n: int) -> list:
+        """Positions start..start + n - 1 of every layer (keys, then values), copied to host memory: what put_rows
+        writes back (the server's RAM prompt cache)."""
+        return [a[start:start + n].copy() if isinstance(a, np.ndarray) else a[start:start + n].to("cpu", copy=True)
+                for a in self.k + self.v]
+
+    def put_rows(self, start: int, rows: list, n: int) -> None:
+        """The first n positions of copy_rows' rows into positions start..start + n - 1."""
+        for a, r in zip(self.k + self.v, rows):
+            if isinstance(a, np.ndarray):
+                a[start:start + n] = r[:n]
+            else:
+                a[start:start + n].copy_(r[:n], non_blocking=False)
+
     def store(self, layer: int, start: int, k: torch.Tensor,
               v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (n, n_head_kv, dim) at `start` (v None: a cache whose values are in the keys); return all

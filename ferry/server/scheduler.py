@@ -5,7 +5,9 @@ u-batch of the earliest prompt not yet in, and decodes one token for every gener
 Prompt cache (llama-server's `cache_prompt`, on by default): each slot remembers the tokens its KV cache holds when
 its request ends; a new request goes to the free slot holding the longest common prefix with its prompt and prefills
 only the rest. A slot's attention reads its cache up to each token's position, so rows past the reused prefix are
-simply written over.
+simply written over. RAM prompt cache (llama-server's --cache-ram): before a slot's cached tokens are written over, they
+and their cache rows are copied to RAM (least recently used dropped beyond the budget); a request whose prompt shares
+more with such a copy than with any free slot gets it copied back into its slot first.
 
 Each generated token goes out with its text as a record (id, the text it ended, and with `logprobs` >= 0 its log
 probability and the `logprobs` likeliest tokens', from the softmax of the model's logits before any sampler, as
@@ -53,12 +55,16 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, engine, tokenizer, n_slots: int, seq_len: int, n_batch: int = 0):
-        """n_batch: the prompt tokens a step prefills at most (-b), in u-batches of the engine's; 0: one u-batch."""
+    def __init__(self, engine, tokenizer, n_slots: int, seq_len: int, n_batch: int = 0, cache_ram: int = 0):
+        """n_batch: the prompt tokens a step prefills at most (-b), in u-batches of the engine's; 0: one u-batch.
+        cache_ram: bytes of slot states the RAM prompt cache keeps (0: none, -1: no limit)."""
         self.engine, self.tok, self.seq_len = engine, tokenizer, seq_len
         self.step_tokens = max(n_batch, engine.n_ubatch)
+        self.cache_ram = cache_ram
+        self.saved: list[tuple[list[int], list, int]] = []  # RAM copies (tokens, cache rows, bytes), oldest use first
         self.slots: list[Request | None] = [None] * n_slots
         self.held: list[list[int]] = [[] for _ in range(n_slots)]  # the tokens each slot's cache holds, in order
+        self.used = [0.0] * n_slots  # when each slot last ended a request (0: never)
         self.pending: queue.Queue[Request] = queue.Queue()
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -111,13 +117,51 @@ class Scheduler:
             return
         free = [i for i, s in enumerate(self.slots) if s is None]
         shared = {i: _common(self.held[i], r.prompt) if r.cache_prompt else 0 for i in free}
-        r.slot = max(free, key=lambda i: (shared[i], -i))  # the longest cached prefix, else the first free slot
+        # the longest cached prefix, else the slot used longest ago (an empty one first): the least cache written over
+        r.slot = max(free, key=lambda i: (shared[i], -self.used[i], -i))
+        if self.cache_ram and r.cache_prompt:
+            shared[r.slot] = self._from_ram(r.slot, r.prompt, shared[r.slot])
         # at least the prompt's last token is prefilled: its logits give the first generated token
         r.n_cached = r.n_past = min(shared[r.slot], len(r.prompt) - 1)
         self.slots[r.slot] = r
         r.t0 = time.perf_counter()
         r.sampler = Sampler(r.params)
         r.decoder = StreamDecoder(self.tok)
+
+    def _from_ram(self, slot: int, prompt: list[int], shared: int) -> int:
+        """Keep the slot's state in RAM where the prompt shares less than half of it (a conversation's own next turn or
+        edit keeps most, and is not copied); where a RAM copy shares more of the prompt than the slot, copy that back
+        into the slot (set aside first, so that keeping the slot's state never drops it). The tokens of the prompt the
+        slot then holds."""
+        best = max(range(len(self.saved)), key=lambda j: _common(self.saved[j][0], prompt), default=None)
+        entry = self.saved.pop(best) if best is not None and _common(self.saved[best][0], prompt) > shared else None
+        if 2 * shared < len(self.held[slot]):  # the request keeps less than half of the slot's state: keep it all
+            self._to_ram(slot, self.held[slot])
+        if entry is None:
+            return shared
+        n = _common(entry[0], prompt)
+        self.engine.kv.put_rows(slot * self.seq_len, entry[1], n)
+        self.held[slot] = entry[0][:n]
+        self.saved.append(entry)  # used last
+        self._trim()
+        return n
+
+    def _to_ram(self, slot: int, held: list[int]) -> None:
+        """A copy of the slot's cached tokens in RAM, unless one already holds them all; copies they extend go."""
+        if any(_common(t, held) == len(held) for t, _, _ in self.saved):
+            return
+        rows = self.engine.kv.copy_rows(slot * self.seq_len, len(held))
+        nbytes = sum(r.nbytes for r in rows)
+        if 0 <= self.cache_ram < nbytes:
+            return
+        self.saved = [e for e in self.saved if _common(e[0], held) < len(e[0])]
+        self.saved.append((list(held), rows, nbytes))
+        self._trim()
+
+    def _trim(self) -> None:
+        """The least recently used copies dropped until the rest fit --cache-ram."""
+        while self.cache_ram >= 0 and sum(e[2] for e in self.saved) > self.cache_ram:
+            self.saved.pop(0)
 
     def _prefill(self, r: Request) -> None:
         """The next step_tokens of r's prompt into its slot's cache, u-batch by u-batch; after the last, its first
@@ -207,6 +251,7 @@ class Scheduler:
             # what the cache holds: positions 0..n_past - 1 (the last token sampled was never fed; a prompt cut in its
             # prefill, the part that was in)
             self.held[r.slot] = (r.prompt + r.generated)[:r.n_past]
+            self.used[r.slot] = time.perf_counter()
             self.slots[r.slot] = None
 
 
