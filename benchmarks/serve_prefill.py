@@ -1,10 +1,11 @@
 """What a long prompt arriving costs the streams already running on `ferry serve`, per u-batch size: the server
-prefills -b tokens of a new prompt per step (default: one u-batch of -ub) between its decode steps (chunked prefill),
-so a larger -ub or -b prefills the prompt sooner and holds the running streams up longer at each step.
+mixes a chunk of a new prompt into each decode step (chunked prefill): by default as many tokens as keep the running
+streams at 70% of their speed, with -b that many (a -b past what one forward holds beside the streams: whole u-batches
+apart, before the step), so a larger chunk prefills the prompt sooner and slows the running streams more.
 
 Per -ub and -b, one server in this process (-np 2): stream A generates (greedy) while prompt B (about --prompt-tokens
 tokens) arrives; measured: B's time to its first token, A's longest gap between two tokens while B prefills, and A's
-median gap. Prints a table, writes JSON.
+median gap, and A's tokens per second while B prefills over before. Prints a table, writes JSON.
   python benchmarks/serve_prefill.py [-m MODEL] [--ub 64,256,512,4096] [--b 0,2048] [-t 2] [--prompt-tokens 2000]
 (no -m: the embedded Gemma 3 270M)
 """
@@ -60,7 +61,12 @@ def one(url: str, prompt_tokens: int, n_stream: int) -> dict:
     a.join()
     gaps = [(y - x) * 1e3 for x, y in zip(arrivals, arrivals[1:])]
     during = [(y - x) * 1e3 for x, y in zip(arrivals, arrivals[1:]) if y > t0 and x < t1]
+    before = [t for t in arrivals if t < t0]
+    rate_before = (len(before) - 1) / (before[-1] - before[0])
+    inside = [t for t in arrivals if t0 <= t <= t1]
+    rate_during = len(inside) / (min(t1, arrivals[-1]) - t0) if inside else 0.0
     return {"b_prompt_tokens": b["usage"]["prompt_tokens"], "b_first_token_s": t1 - t0,
+            "a_speed_kept_during_b": rate_during / rate_before,
             "a_max_gap_ms_during_b": max(during) if during else None, "a_median_gap_ms": statistics.median(gaps),
             "a_tokens_during_b": len(during)}
 
@@ -77,8 +83,8 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     print("| -ub | -b | B's prompt tokens | B's first token s | A's longest gap during B, ms | A's tokens during B | "
-          "A's median gap, ms |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "A's median gap, ms | A's speed during B / before |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for ub, b in ((int(u), int(b)) for u in a.ub.split(",") for b in a.b.split(",")):
         flags = (["-m", a.model] if a.model else []) + ["-np", "2", "-c", "8192", "-t", a.threads, "-ub", str(ub),
                                                         "-b", str(b)]
@@ -91,8 +97,10 @@ def main() -> None:
         rows.append(row)
         gap = row["a_max_gap_ms_during_b"]
         print(f"| {ub} | {b} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | "
-              f"{gap:.0f} | {row['a_tokens_during_b']} | {row['a_median_gap_ms']:.1f} |" if gap is not None else
-              f"| {ub} | {b} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | - | 0 | {row['a_median_gap_ms']:.1f} |",
+              f"{gap:.0f} | {row['a_tokens_during_b']} | {row['a_median_gap_ms']:.1f} | "
+              f"{row['a_speed_kept_during_b']:.2f} |" if gap is not None else
+              f"| {ub} | {b} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | - | 0 | "
+              f"{row['a_median_gap_ms']:.1f} | 0 |",
               flush=True)
     with open(a.json, "w") as fh:
         json.dump(rows, fh, indent=1)

@@ -16,23 +16,27 @@ VOCAB = 50
 
 
 class RecordingEngine:
-    """decode_sequences as the engine's: logits rows (one per token, or the last with all_logits=False) whose argmax is
-    the next token id (position + 1, below VOCAB); every call recorded as (kind, slots, first position, tokens)."""
+    """decode_sequences as the engine's: logits rows (one per token, the last with all_logits=False, the last tail with
+    tail) whose argmax is the next token id (position + 1, below VOCAB); every call recorded as (kind, slots, first position, tokens)."""
 
     n_ubatch = 4
 
-    def __init__(self):
+    def __init__(self, step_s=0.002, token_s=0.0):
         self.calls: list[tuple] = []
+        self.positions: list[tuple] = []  # each call's positions
         self.lock = threading.Lock()
+        self.step_s, self.token_s = step_s, token_s  # what a call takes: step_s and token_s per token
 
-    def decode_sequences(self, tokens, slots, positions, seq_len, all_logits=True):
+    def decode_sequences(self, tokens, slots, positions, seq_len, all_logits=True, tail=0):
         with self.lock:
             kind = "prefill" if not all_logits else "decode"
             self.calls.append((kind, tuple(slots), positions[0], len(tokens)))
-        rows = torch.zeros(len(tokens) if all_logits else 1, VOCAB)
-        for i, p in enumerate(positions if all_logits else positions[-1:]):
+            self.positions.append(tuple(positions))
+        wanted = positions[-tail:] if tail else positions if all_logits else positions[-1:]
+        rows = torch.zeros(len(wanted), VOCAB)
+        for i, p in enumerate(wanted):
             rows[i, (p + 1) % (VOCAB - 1) + 1] = 1.0  # never 0, the end of generation
-        time.sleep(0.002)
+        time.sleep(self.step_s + self.token_s * len(tokens))
         return rows
 
 
@@ -57,22 +61,27 @@ def _done(loop, r, timeout=10.0):
     return loop.run_until_complete(wait())
 
 
-def test_a_long_prompt_is_prefilled_between_the_running_streams_decode_steps():
-    engine, loop = RecordingEngine(), asyncio.new_event_loop()
+def test_a_long_prompt_is_mixed_into_the_running_streams_steps_in_chunks_their_cost_allows():
+    """While a stream runs, the new prompt goes in as chunks mixed into the stream's steps (never a forward apart),
+    its tokens once each and in order; the chunk starts at one token and grows while a mixed step costs less than two
+    decode steps (here a step 4 ms and a token 0.5 ms: up to 13 tokens)."""
+    engine, loop = RecordingEngine(step_s=0.004, token_s=0.0005), asyncio.new_event_loop()
+    engine.n_ubatch = 16
     sched = Scheduler(engine, Tok(), 2, 256)
-    running = _request(loop, [1, 2, 3], 60)
+    running = _request(loop, [1, 2, 3], 80)
     sched.submit(running)
-    while not any(c[0] == "decode" for c in engine.calls):
+    while sum(c[0] == "decode" for c in engine.calls) < 5:
         time.sleep(0.001)
-    long = _request(loop, range(1, 31), 2)  # 30 tokens: 8 u-batches of 4
+    long = _request(loop, range(1, 41), 2)
     sched.submit(long)
     assert _done(loop, long)[0] == "done" and _done(loop, running)[0] == "done"
-    calls = engine.calls
-    chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[1][0] == long.slot]
-    assert [calls[i][3] for i in chunks] == [4] * 7 + [2] and [calls[i][2] for i in chunks] == list(range(0, 30, 4))
-    # between one chunk of the long prompt and the next, the running stream decoded a token
-    for a, b in zip(chunks, chunks[1:]):
-        assert any(c[0] == "decode" and running.slot in c[1] for c in calls[a + 1:b]), calls[a:b + 1]
+    mixed = [(c, p) for c, p in zip(engine.calls, engine.positions) if long.slot in c[1]]
+    assert all(c[0] == "decode" and running.slot in c[1] for c, p in mixed)  # never a prefill apart from it
+    fed = [pos for c, p in mixed for slot, pos in zip(c[1], p) if slot == long.slot]
+    assert fed[:40] == list(range(40))
+    chunks = [sum(slot == long.slot and pos < 40 for slot, pos in zip(c[1], p)) for c, p in mixed]
+    chunks = [k for k in chunks if k]  # the prompt's, not its tokens generated after
+    assert chunks[0] == 1 and chunks[:-1] == sorted(chunks[:-1]) and 6 <= max(chunks) <= 15, chunks
     loop.close()
 
 

@@ -18,6 +18,7 @@ class Batch:
     n_tokens: int
     kv: KVCache
     all_logits: bool = False
+    tail: int = 0  # > 0: the logits of the last `tail` rows (a server step's generating slots), whatever all_logits
     seq: torch.Tensor | None = None  # per token: its sequence (slot)
     pos: torch.Tensor | None = None  # per token: its position in that sequence
     seq_len: int = 0
@@ -30,7 +31,12 @@ class Batch:
         """One batch over the tokens of consecutive u-batches of one sequence (for the ops of a logical batch that
         run over all its rows at once, which read no position)."""
         return Batch(start=batches[0].start, n_tokens=sum(b.n_tokens for b in batches), kv=batches[0].kv,
-                     all_logits=batches[0].all_logits)
+                     all_logits=batches[0].all_logits, tail=batches[0].tail)
+
+    @property
+    def logit_rows(self) -> int:
+        """How many of the last rows get logits: tail, else every row or the last."""
+        return self.tail or (self.n_tokens if self.all_logits else 1)
 
     def spread_expert_ids(self, batches: list[Batch]) -> None:
         """This joined batch's routing, per MoE layer, handed back to the u-batches it joined (their rows)."""

@@ -145,16 +145,17 @@ class Engine:
 
     @torch.inference_mode()
     def decode_sequences(self, tokens: list[int], seqs: list[int], positions: list[int], seq_len: int,
-                         all_logits: bool = True) -> torch.Tensor:
+                         all_logits: bool = True, tail: int = 0) -> torch.Tensor:
         """One forward over tokens of several sequences (server slots): token i goes to sequence seqs[i] at
         positions[i], sequence s owning cache cells [s * seq_len, (s + 1) * seq_len). Logits of every token
-        (or of the last). The caller keeps each sequence's positions; n_past is not used."""
+        (or of the last; tail > 0: of the last tail). The caller keeps each sequence's positions; n_past is not
+        used."""
         if not tokens or len(tokens) > self.n_ubatch:
             raise ValueError(f"a multi-sequence batch holds 1..{self.n_ubatch} tokens, got {len(tokens)}")
         seq, pos = torch.tensor(seqs), torch.tensor(positions)
         if int(pos.max()) >= seq_len or int((seq * seq_len + pos).max()) >= self.n_ctx:
             raise FerryError("a sequence ran past its share of the context; raise -c or lower -np")
-        batch = Batch(start=0, n_tokens=len(tokens), kv=self.kv, all_logits=all_logits, seq=seq, pos=pos,
+        batch = Batch(start=0, n_tokens=len(tokens), kv=self.kv, all_logits=all_logits, tail=tail, seq=seq, pos=pos,
                       seq_len=seq_len)
         return self.runner.forward(self.model, torch.tensor(tokens, dtype=torch.int32), batch)
 

@@ -1,6 +1,12 @@
-"""The server's slots: one thread owns the engine; each step it admits waiting requests into free slots, prefills one
-u-batch of the earliest prompt not yet in, and decodes one token for every generating slot in one batched forward
-(chunked prefill: a long prompt never stops the streams already running).
+"""The server's slots: one thread owns the engine; each step it admits waiting requests into free slots and decodes one
+token for every generating slot in one batched forward, into which it mixes the next chunk of the earliest prompt not
+yet in (chunked prefill: a long prompt never stops the streams already running). Prompt tokens get PREFILL_SHARE of
+the decode steps' time: each decode step earns that share of its time as credit, each mixed step spends what it took
+beyond a decode step, and a chunk is mixed in only while the credit lasts. So running streams keep 1 / 1.4 = 71% of
+their speed while a prompt fills, whatever a mixed step's fixed costs. The chunk grows while a mixed step takes less
+than two decode steps and halves past 2.5 (few, larger chunks spread a mixed step's fixed cost; no stream waits more
+than about twice its usual gap). -b N mixes N prompt tokens into every step instead; with no stream running, a prompt is
+prefilled in whole u-batches (-b of them at most a step).
 
 Prompt cache (llama-server's `cache_prompt`, on by default): each slot remembers the tokens its KV cache holds when
 its request ends; a new request goes to the free slot holding the longest common prefix with its prompt and prefills
@@ -26,6 +32,9 @@ import torch
 
 from ferry.runtime.sampling import Sampler, SamplingParams
 from ferry.tokenizer import StreamDecoder
+
+PREFILL_SHARE = 0.4  # a mixed step's prompt tokens may cost this share of a decode step: streams keep 1 / 1.4 = 71%
+EMA = 0.3  # weight of the newest measurement in the step costs' running averages
 
 
 @dataclass
@@ -59,7 +68,11 @@ class Scheduler:
         """n_batch: the prompt tokens a step prefills at most (-b), in u-batches of the engine's; 0: one u-batch.
         cache_ram: bytes of slot states the RAM prompt cache keeps (0: none, -1: no limit)."""
         self.engine, self.tok, self.seq_len = engine, tokenizer, seq_len
+        self.n_batch = n_batch
         self.step_tokens = max(n_batch, engine.n_ubatch)
+        self.decode_s: float | None = None  # a decode-only step's seconds (running average)
+        self.chunk = 1  # prompt tokens a mixed step takes (without -b), adapted to the steps' times
+        self.credit = 0.0  # seconds of prompt work the decode steps have earned (PREFILL_SHARE of theirs)
         self.cache_ram = cache_ram
         self.saved: list[tuple[list[int], list, int]] = []  # RAM copies (tokens, cache rows, bytes), oldest use first
         self.slots: list[Request | None] = [None] * n_slots
@@ -91,25 +104,62 @@ class Scheduler:
                 self._admit(self.pending.get_nowait())
             for r in [r for r in self.slots if r is not None and r.cancelled.is_set()]:
                 self._free(r)
-            # a step: one u-batch of the earliest prompt still prefilling, then one token of every generating slot, so
-            # that a long prompt arriving delays the running streams by a u-batch per token, not by its whole prefill
+            # a step: one token of every generating slot, with a chunk of the earliest prompt still prefilling mixed
+            # in, so that a long prompt arriving slows the running streams by a bounded share, never stops them
             filling = [r for r in self.slots if r is not None and r.n_past < len(r.prompt)]
-            if filling:
-                self._prefill(min(filling, key=lambda r: r.t0))
             active = [r for r in self.slots if r is not None and r.n_past >= len(r.prompt)]
+            first = min(filling, key=lambda r: r.t0) if filling else None
+            k = 0
+            if first and (not active or self.n_batch > self.engine.n_ubatch - len(active)):
+                self._prefill(first)  # no stream to keep going, or -b more than a forward holds beside them
+                active = [r for r in self.slots if r is not None and r.n_past >= len(r.prompt)]
+            elif first and (self.n_batch or (self.credit >= 0 and self.decode_s is not None)):
+                k = self._chunk(first, len(active))
             if not active:
                 continue
+            # the prompt's chunk first, the generating slots' tokens last: logits for the last rows only (the chunk's
+            # last too where it ends the prompt)
+            i = first.n_past if k else 0
+            ends = bool(k) and i + k == len(first.prompt)
+            tokens = (first.prompt[i:i + k] if k else []) + [r.last for r in active]
+            seqs = [first.slot] * k + [r.slot for r in active] if k else [r.slot for r in active]
+            positions = list(range(i, i + k)) + [r.n_past for r in active]
+            t0 = time.perf_counter()
             try:
-                logits = self.engine.decode_sequences([r.last for r in active], [r.slot for r in active],
-                                                      [r.n_past for r in active], self.seq_len)
+                logits = self.engine.decode_sequences(tokens, seqs, positions, self.seq_len,
+                                                      tail=len(active) + ends)
             except Exception as e:  # a failed step fails its requests, never the server
-                for r in active:
+                for r in active + ([first] if k else []):
                     self._emit(r, "error", str(e))
                     self._free(r)
                 continue
-            for r, row in zip(active, logits):
+            self._measured(time.perf_counter() - t0, k)
+            for r, row in zip(active, logits[int(ends):]):
                 r.n_past += 1
                 self._accept(r, r.sampler(row, r.prompt + r.generated), row)
+            if k:
+                first.n_past += k
+                if ends:
+                    self._prompt_done(first, logits[0])
+
+    def _chunk(self, r: Request, n_active: int) -> int:
+        """The prompt tokens of r a step mixes in beside n_active generating slots': -b's, else the adapted chunk."""
+        return min(self.n_batch or self.chunk, self.engine.n_ubatch - n_active, len(r.prompt) - r.n_past)
+
+    def _measured(self, seconds: float, k: int) -> None:
+        """A step's time: a decode-only step's into its running average and, as PREFILL_SHARE of it, the credit
+        (at most two decode steps' worth kept); a mixed step's beyond a decode step out of the credit, and the chunk
+        grown or halved by it."""
+        if not k:
+            self.decode_s = seconds if self.decode_s is None else (1 - EMA) * self.decode_s + EMA * seconds
+            self.credit = min(self.credit + PREFILL_SHARE * seconds, 2 * PREFILL_SHARE * self.decode_s)
+        elif self.decode_s is not None:
+            extra = max(seconds - self.decode_s, 0.0)
+            self.credit -= extra
+            if extra < self.decode_s and k == self.chunk:
+                self.chunk += max(1, self.chunk // 2)
+            elif extra > 1.5 * self.decode_s:
+                self.chunk = max(1, min(self.chunk, k) // 2)
 
     def _admit(self, r: Request) -> None:
         """r into the free slot holding the longest prefix of its prompt; its prefill runs in the steps after."""
@@ -180,12 +230,16 @@ class Scheduler:
             r.n_past = i + len(chunk)
         if r.n_past < len(r.prompt):
             return
+        self._prompt_done(r, logits[-1])
+
+    def _prompt_done(self, r: Request, row: torch.Tensor) -> None:
+        """r's prompt is all in its slot's cache: its timings, then its first token from the last prompt row."""
         r.prompt_ms = 1000 * (time.perf_counter() - r.t0)
         r.t_gen = time.perf_counter()
         self.prompt_tokens_total += len(r.prompt) - r.n_cached
         if r.max_tokens == 0:  # llama-server's n_predict 0: the prompt evaluated into the cache, no token
             return self._finish(r, "length")
-        self._accept(r, r.sampler(logits[-1], r.prompt), logits[-1])
+        self._accept(r, r.sampler(row, r.prompt), row)
 
     def _accept(self, r: Request, token: int, row: torch.Tensor) -> None:
         if r.cancelled.is_set():

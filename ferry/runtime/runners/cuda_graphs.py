@@ -331,7 +331,7 @@ class CudaGraphRunner:
         return True
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        key = (id(model), id(batch.kv), batch.n_tokens, batch.all_logits, None)  # key[2]: the u-batch size
+        key = (id(model), id(batch.kv), batch.n_tokens, batch.logit_rows, None)  # key[2]: the u-batch size
         if not self._recorded(key, batch.n_tokens):
             return model.forward(self.placed_ops(model, batch, tokens))
         c = self._captured.get(key)
@@ -357,7 +357,7 @@ class CudaGraphRunner:
         u-batch's attention over the cache and the joined rows' experts in RAM run between graphs. Eagerly, the
         u-batches' launches bound the run at small u-batches (docs/performance.md, 2026-11-23 and 2026-11-24)."""
         sizes = tuple(b.n_tokens for b in batches)
-        key = (id(model), id(joined.kv), joined.n_tokens, joined.all_logits, sizes)
+        key = (id(model), id(joined.kv), joined.n_tokens, joined.logit_rows, sizes)
         if not self._recorded(key, max(sizes), prompt=True):
             return model.forward_layer_first([self.placed_ops(model, b, t) for t, b in zip(tokens, batches)],
                                              self.placed_ops(model, joined, torch.cat(tokens)))

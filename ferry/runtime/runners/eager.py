@@ -163,8 +163,8 @@ class TorchOps:
         return out if residual is None else self.add(residual, out)
 
     def output_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The rows whose logits are wanted: all of them, or the last token's."""
-        return x if self.batch.all_logits else x[-1:]
+        """The rows whose logits are wanted: the last Batch.logit_rows."""
+        return x[-self.batch.logit_rows:]
 
 
 class EagerRunner:

@@ -27,9 +27,9 @@ _MAX_GRAPHS = 16
 class GraphOps:
     """Builds one u-batch's forward: tensors are ggml nodes in ggml order ((n_embd, n_tokens), (d, heads, n))."""
 
-    def __init__(self, backend: CpuBackend, g: _Graph, n_tokens: int, kv: KVCache, all_logits: bool, n_kv: int):
+    def __init__(self, backend: CpuBackend, g: _Graph, n_tokens: int, kv: KVCache, logit_rows: int, n_kv: int):
         self.backend, self.g, self.c = backend, g, g.ctx
-        self.n, self.n_ctx, self.kv, self.all_logits = n_tokens, kv.n_ctx, kv, all_logits  # built for a full cache
+        self.n, self.n_ctx, self.kv, self.logit_rows = n_tokens, kv.n_ctx, kv, logit_rows  # built for a full cache
         self.n_kv = n_kv  # the cache length of the batch it is built for
         self.per_length = False  # whether nodes past the cache views have that length (cached_rows): then the
         # graph serves that length only
@@ -227,10 +227,10 @@ class GraphOps:
             t.nb[3] = t.nb[2] * t.ne[2]
 
     def output_rows(self, x):
-        if self.all_logits:
+        if self.logit_rows == self.n:
             return x
         nb1 = x.contents.nb[1]
-        return ggml.ggml_view_2d(self.c, x, x.contents.ne[0], 1, nb1, (self.n - 1) * nb1)
+        return ggml.ggml_view_2d(self.c, x, x.contents.ne[0], self.logit_rows, nb1, (self.n - self.logit_rows) * nb1)
 
 
 class GgmlGraphRunner:
@@ -241,11 +241,11 @@ class GgmlGraphRunner:
         self.graphs: dict[tuple, tuple[_Graph, GraphOps]] = {}
         self.per_length: set[tuple] = set()  # keys of graphs built for one cache length
 
-    def _build(self, model, n: int, kv: KVCache, all_logits: bool, n_kv: int) -> tuple[_Graph, GraphOps]:
+    def _build(self, model, n: int, kv: KVCache, logit_rows: int, n_kv: int) -> tuple[_Graph, GraphOps]:
         a = model.args
         n_nodes = (128 + 4 * max(a.n_expert_used, 1)) * a.n_layer + 256
         g = _Graph(self.backend, n, max_nodes=n_nodes)
-        ops = GraphOps(self.backend, g, n, kv, all_logits, n_kv)
+        ops = GraphOps(self.backend, g, n, kv, logit_rows, n_kv)
         logits = model.forward(ops)
         g.finish(logits, *ops.expert_ids)
         return g, ops
@@ -260,13 +260,13 @@ class GgmlGraphRunner:
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         n, kv, n_kv = batch.n_tokens, batch.kv, batch.n_kv
-        key = (n, batch.all_logits, id(kv))
+        key = (n, batch.logit_rows, id(kv))
         if key in self.per_length:  # a graph whose nodes have the cache length (MLA's expanded latents)
             key += (n_kv,)
         if key not in self.graphs:
             if len(self.graphs) >= _MAX_GRAPHS:
                 self.graphs.pop(next(iter(self.graphs)))
-            built = self._build(model, n, kv, batch.all_logits, n_kv)
+            built = self._build(model, n, kv, batch.logit_rows, n_kv)
             if built[1].per_length and len(key) == 3:
                 self.per_length.add(key)
                 key += (n_kv,)
@@ -276,7 +276,7 @@ class GgmlGraphRunner:
         positions = batch.positions.to(torch.int32).contiguous()
         masks = [torch.zeros(n, n_kv, dtype=torch.float16).masked_fill_(~batch.mask(window, n_kv), -math.inf)
                  for window in ops.masks]
-        logits = torch.empty(n if batch.all_logits else 1, model.args.n_vocab, dtype=torch.float32)
+        logits = torch.empty(batch.logit_rows, model.args.n_vocab, dtype=torch.float32)
         ids = torch.empty(len(ops.expert_ids), n, ops.n_used, dtype=torch.int32)
         cells = batch.cells.to(torch.int32).contiguous()
         g.run([tokens.to(torch.int32).contiguous(), positions, cells, *masks], logits, *ids)
