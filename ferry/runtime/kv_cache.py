@@ -79,7 +79,7 @@ class KVCache:
             if isinstance(a, np.ndarray):
                 a[start:start + n] = r[:n]
             else:
-                a[start:start + n].copy_(r[:n], non_blocking=False)
+                a[start:start + n].copy_(r[:n])
 
     def store(self, layer: int, start: int, k: torch.Tensor,
               v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

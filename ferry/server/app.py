@@ -152,6 +152,23 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
                 "top_logprobs": [{piece(i)["token"]: v for i, v in r.get("top", [])} for r in records],
                 "text_offset": [r["start"] for r in records]}
 
+    async def whole(r: Request) -> tuple[str, list[dict], dict]:
+        """A submitted request's whole answer: its text, its tokens' records and the last event's payload (a 500
+        where the step failed)."""
+        pieces, records = [], []
+        try:
+            while True:
+                what, payload = await r.out.get()
+                if what == "text":
+                    pieces.append(payload[0])
+                    records += payload[1]
+                elif what == "error":
+                    raise BadRequest(500, payload, "server_error")
+                else:
+                    return "".join(pieces), records, payload
+        finally:
+            r.cancelled.set()  # a client gone before the end frees its slot at the next step
+
     async def respond(body: dict, r: Request, kind: str):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -165,21 +182,10 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
 
         scheduler.submit(r)
         if not body.get("stream"):
-            pieces, records = [], []
-            try:
-                while True:
-                    what, payload = await r.out.get()
-                    if what == "text":
-                        pieces.append(payload[0])
-                        records += payload[1]
-                    elif what == "error":
-                        return _error(500, payload, "server_error")
-                    else:
-                        return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                "choices": [choice("".join(pieces), payload["finish_reason"], False, records)],
-                                "usage": payload["usage"], "timings": payload["timings"]}
-            finally:
-                r.cancelled.set()  # a client gone before the end frees its slot at the next step
+            text, records, payload = await whole(r)
+            return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                    "choices": [choice(text, payload["finish_reason"], False, records)],
+                    "usage": payload["usage"], "timings": payload["timings"]}
 
         async def events():
             chunk_obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -342,19 +348,8 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
 
         scheduler.submit(r)
         if not body.get("stream"):
-            pieces, records = [], []
-            try:
-                while True:
-                    what, payload = await r.out.get()
-                    if what == "text":
-                        pieces.append(payload[0])
-                        records += payload[1]
-                    elif what == "error":
-                        return _error(500, payload, "server_error")
-                    else:
-                        return final(payload, "".join(pieces), records, False)
-            finally:
-                r.cancelled.set()
+            text, records, payload = await whole(r)
+            return final(payload, text, records, False)
 
         async def events():
             try:
