@@ -169,8 +169,8 @@ class Scheduler:
         shared = {i: _common(self.held[i], r.prompt) if r.cache_prompt else 0 for i in free}
         # the longest cached prefix, else the slot used longest ago (an empty one first): the least cache written over
         r.slot = max(free, key=lambda i: (shared[i], -self.used[i], -i))
-        if self.cache_ram and r.cache_prompt:
-            shared[r.slot] = self._from_ram(r.slot, r.prompt, shared[r.slot])
+        if self.cache_ram:  # a request that reuses nothing (cache_prompt false) still keeps what it writes over
+            shared[r.slot] = self._from_ram(r.slot, r.prompt if r.cache_prompt else [], shared[r.slot])
         # at least the prompt's last token is prefilled: its logits give the first generated token
         r.n_cached = r.n_past = min(shared[r.slot], len(r.prompt) - 1)
         self.slots[r.slot] = r
