@@ -167,3 +167,22 @@ def test_the_ram_cache_keeps_the_most_recently_used_states_within_its_budget():
     assert [t[0] for t, _, _ in sched.saved] == [6, 4]  # 6's state kept, 5's dropped, 4's used last
     assert ask([3] * 10 + [9]) == 0  # long gone
     loop.close()
+
+
+def test_a_request_that_reuses_nothing_still_keeps_what_it_writes_over_in_ram():
+    """cache_prompt false: the request prefills its whole prompt, and the conversation it writes over in the one slot
+    comes back from RAM for that conversation's next turn."""
+    engine, loop = RecordingEngine(), asyncio.new_event_loop()
+    engine.kv = RowsKV(256)
+    sched = Scheduler(engine, Tok(), 1, 256, cache_ram=1 << 20)
+
+    def ask(prompt, **kw):
+        r = _request(loop, prompt, 2, **kw)
+        sched.submit(r)
+        return _done(loop, r)[1]["timings"]["cache_n"]
+
+    assert ask([3] * 10) == 0
+    assert ask([3] * 10, cache_prompt=False) == 0  # its own prompt, not reused
+    assert ask([4] * 10, cache_prompt=False) == 0
+    assert ask([3] * 10 + [9]) == 10  # back from RAM
+    loop.close()
