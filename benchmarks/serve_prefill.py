@@ -38,6 +38,27 @@ def serve(flags: list[str]):
     return f"http://127.0.0.1:{port}", srv, thread
 
 
+def ram_conversation(path, slots: str, cache_ram: str, other: bool, flags: list[str], threads: str = "1") -> dict:
+    """Turn 1 of conversation A on `ferry serve -m path` with `slots` slots, then (other) B's unrelated prompt, then
+    A's turn 2: its answer. The RAM prompt cache's scenario of tests/test_server.py and tests_gpu/test_server_gpu.py."""
+    a = "conversation A begins with a question about ram caches"
+    url, srv, thread = serve(["-m", str(path), "-np", slots, "-c", "1024", "-t", threads, "--cache-ram", cache_ram,
+                              *flags])
+    try:
+        def ask(prompt):
+            r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 6},
+                           timeout=120)
+            r.raise_for_status()
+            return r.json()
+        first = ask(a)
+        if other:
+            ask("zebras: conversation B is about something else entirely")
+        return ask(a + first["choices"][0]["text"] + " next")
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
 def one(url: str, prompt_tokens: int, n_stream: int) -> dict:
     arrivals: list[float] = []
 

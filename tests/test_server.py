@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.serve_prefill import serve
+from benchmarks.serve_prefill import ram_conversation, serve
 from ferry.cli import build_parser, build_server
 
 KEY = "secret-key"
@@ -294,27 +294,12 @@ def test_a_conversation_written_over_in_its_slot_comes_back_from_the_ram_cache(m
     in the RAM prompt cache (--cache-ram), copied back into the slot, and reuses exactly as many (timings.cache_n) and
     generates exactly what it does where A's slot was never written over (two slots). With --cache-ram 0 nothing
     comes back."""
-    path = str(request.getfixturevalue(model))
-    a = "conversation A begins with a question about ram caches"
-
-    def conversation(slots: str, cache_ram: str, other: bool) -> dict:
-        url, srv, thread = serve(["-m", path, "-np", slots, "-c", "1024", "-t", "1", "--cache-ram", cache_ram, *flags])
-        try:
-            def ask(prompt):
-                return _post(url, "/v1/completions", prompt=prompt, temperature=0, max_tokens=6)
-            first = ask(a)
-            if other:
-                ask("zebras: conversation B is about something else entirely")
-            return ask(a + first["choices"][0]["text"] + " next")
-        finally:
-            srv.should_exit = True
-            thread.join(timeout=10)
-
-    kept = conversation("2", "0", other=False)
-    back = conversation("1", "64", other=True)
+    path = request.getfixturevalue(model)
+    kept = ram_conversation(path, "2", "0", False, flags)
+    back = ram_conversation(path, "1", "64", True, flags)
     assert back["timings"]["cache_n"] == kept["timings"]["cache_n"] > 8
     assert back["choices"][0]["text"] == kept["choices"][0]["text"]
-    assert conversation("1", "0", other=True)["timings"]["cache_n"] <= 1  # B shares at most a first token with A
+    assert ram_conversation(path, "1", "0", True, flags)["timings"]["cache_n"] <= 1  # B shares at most a first token
 
 
 def test_thirty_two_clients_for_a_while_lose_and_corrupt_nothing(tiny):

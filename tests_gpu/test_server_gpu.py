@@ -4,7 +4,7 @@ as tests/test_server.py checks them on the CPU."""
 import pytest
 
 from benchmarks.serve_load import load
-from benchmarks.serve_prefill import serve
+from benchmarks.serve_prefill import ram_conversation, serve
 from ferry.cli import main
 
 PLACEMENTS = [["-ngl", "999"], ["-ngl", "999", "-ot", "exps=CPU"]]
@@ -21,25 +21,8 @@ def tiny(tmp_path_factory):
 def test_a_conversation_comes_back_from_the_ram_cache_as_from_its_slot(tiny, flags):
     """As tests/test_server.py's RAM cache test: a conversation written over in its one slot comes back from RAM and
     generates exactly what it generates in a slot never written over."""
-    import httpx
-
-    a = "conversation A begins with a question about ram caches"
-
-    def conversation(slots: str, other: bool) -> dict:
-        url, srv, thread = serve(["-m", str(tiny), "-np", slots, "-c", "1024", "-t", "4", "--cache-ram", "64", *flags])
-        try:
-            def ask(prompt):
-                return httpx.post(url + "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 6},
-                                  timeout=120).json()
-            first = ask(a)
-            if other:
-                ask("zebras: conversation B is about something else entirely")
-            return ask(a + first["choices"][0]["text"] + " next")
-        finally:
-            srv.should_exit = True
-            thread.join(timeout=10)
-
-    kept, back = conversation("2", other=False), conversation("1", other=True)
+    kept = ram_conversation(tiny, "2", "64", False, flags, threads="4")
+    back = ram_conversation(tiny, "1", "64", True, flags, threads="4")
     assert back["timings"]["cache_n"] == kept["timings"]["cache_n"] > 8
     assert back["choices"][0]["text"] == kept["choices"][0]["text"]
 
