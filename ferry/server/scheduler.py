@@ -65,8 +65,9 @@ class Request:
 
 class Scheduler:
     def __init__(self, engine, tokenizer, n_slots: int, seq_len: int, n_batch: int = 0, cache_ram: int = 0):
-        """n_batch: the prompt tokens a step prefills at most (-b), in u-batches of the engine's; 0: one u-batch.
-        cache_ram: bytes of slot states the RAM prompt cache keeps (0: none, -1: no limit)."""
+        """n_batch: -b, the prompt tokens mixed into every step (0: as the credit allows); with no slot generating, a
+        step prefills max(n_batch, u-batch) prompt tokens in u-batches. cache_ram: bytes of slot states the RAM prompt
+        cache keeps (0: none, -1: no limit)."""
         self.engine, self.tok, self.seq_len = engine, tokenizer, seq_len
         self.n_batch = n_batch
         self.step_tokens = max(n_batch, engine.n_ubatch)
@@ -119,10 +120,10 @@ class Scheduler:
                 continue
             # the prompt's chunk first, the generating slots' tokens last: logits for the last rows only (the chunk's
             # last too where it ends the prompt)
-            i = first.n_past if k else 0
+            i, slot = (first.n_past, first.slot) if k else (0, 0)
             ends = bool(k) and i + k == len(first.prompt)
             tokens = (first.prompt[i:i + k] if k else []) + [r.last for r in active]
-            seqs = [first.slot] * k + [r.slot for r in active] if k else [r.slot for r in active]
+            seqs = [slot] * k + [r.slot for r in active]
             positions = list(range(i, i + k)) + [r.n_past for r in active]
             t0 = time.perf_counter()
             try:
@@ -183,13 +184,14 @@ class Scheduler:
         edit keeps most, and is not copied); where a RAM copy shares more of the prompt than the slot, copy that back
         into the slot (set aside first, so that keeping the slot's state never drops it). The tokens of the prompt the
         slot then holds."""
-        best = max(range(len(self.saved)), key=lambda j: _common(self.saved[j][0], prompt), default=None)
-        entry = self.saved.pop(best) if best is not None and _common(self.saved[best][0], prompt) > shared else None
+        commons = [_common(tokens, prompt) for tokens, _, _ in self.saved]
+        best = max(range(len(commons)), key=commons.__getitem__, default=None)
+        n = commons[best] if best is not None else 0
+        entry = self.saved.pop(best) if n > shared else None
         if 2 * shared < len(self.held[slot]):  # the request keeps less than half of the slot's state: keep it all
             self._to_ram(slot, self.held[slot])
         if entry is None:
             return shared
-        n = _common(entry[0], prompt)
         self.engine.kv.put_rows(slot * self.seq_len, entry[1], n)
         self.held[slot] = entry[0][:n]
         self.saved.append(entry)  # used last
