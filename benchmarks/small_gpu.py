@@ -3,8 +3,12 @@ torch.empty), so that every engine sees the same smaller card; then, on each mod
 - ferry's default placement (no -ngl / -ot: the fit), the placement it chose printed as flags;
 - ferry by hand: `-ngl 999 -ot exps=CPU`, and the fit's number of layers' experts on the GPU taken as the first
   layers (llama.cpp's habit) or the last ones instead of spread;
-- llama.cpp's default fit (`llama-bench -ngl 999 -fitt 1024`), and any other engine's llama-bench given with
-  --anchor NAME=PATH[:EXTRA FLAGS] (ik_llama.cpp: its --n-cpu-moe sweep written as several anchors).
+- llama.cpp's default fit (`llama-bench -ngl 999 -fitt 1024`); with --ik-bench (or --ik-bench-from), ik_llama.cpp's
+  fit (`-ngl 999 --fit 1`) and its `--n-cpu-moe N` at N around the layers ferry's fit leaves in RAM (--ik-sweep: the
+  offsets from that count), the best of which is ik_llama.cpp's best by hand; any other engine's llama-bench given
+  with --anchor NAME=PATH[:EXTRA FLAGS].
+The forecast of `ferry plan --json` (predicted tg and pp at the fit, from the calibration) is recorded beside what
+ferry's default measured.
 With --routing-text FILE, ferry's default runs a second time after `ferry calibrate --routing -f FILE` has counted
 the model's routing ("ferry default, routing counted": the most used experts first, per expert), and the share of
 routed pairs each fit predicts on the GPU is recorded (`ferry plan --json`); the count is removed again afterwards.
@@ -68,11 +72,14 @@ def ferry_bench(path: Path, flags: list[str], threads: int, prompts: list[int], 
 
 
 def ferry_share(path: Path) -> dict:
-    """The fit's placement and the share of routed pairs it predicts on the GPU (`ferry plan --json`), here and now."""
+    """The fit's placement, the share of routed pairs it predicts on the GPU and its forecast tg and pp (`ferry plan
+    --json`), here and now."""
     r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(path), "--json"], capture_output=True,
                        text=True)
-    fit = json.loads(r.stdout).get("fit") or {} if r.returncode == 0 else {}
-    return {k: fit.get(k) for k in ("gpu_share", "gpu_share_basis", "experts_per_layer", "flags")}
+    plan = json.loads(r.stdout) if r.returncode == 0 else {}
+    fit = plan.get("fit") or {}
+    return {**{k: fit.get(k) for k in ("gpu_share", "gpu_share_basis", "experts_per_layer", "flags")},
+            "forecast": plan.get("forecast")}
 
 
 def count_routing(path: Path, text: Path, threads: int) -> Path | None:
@@ -120,6 +127,16 @@ def stretch(placement: str, n_layer: int, last: bool = False) -> list[str]:
             "-ot", "exps=CPU"]
 
 
+def ik_runs(placement: str, n_layer: int, sweep: str) -> dict[str, list[str]]:
+    """ik_llama.cpp's fit, and its --n-cpu-moe (the first N layers' experts in RAM) at the offsets `sweep` from the
+    layers ferry's fit leaves in RAM."""
+    runs = {"ik_llama.cpp fit": ["-ngl", "999", "--fit", "1"]}
+    in_ram = n_layer - len(fit_layers(placement)) if "exps=CPU" in placement else 0
+    for n in sorted({min(n_layer, max(0, in_ram + int(d))) for d in sweep.split(",")}):
+        runs[f"ik_llama.cpp --n-cpu-moe {n}"] = ["-ngl", "999", "--n-cpu-moe", str(n)]
+    return runs
+
+
 def block_count(path: Path) -> int:
     import gguf
 
@@ -135,6 +152,10 @@ def main() -> None:
     ap.add_argument("--llama-bench", help="a CUDA llama-bench (llama.cpp); its default fit is measured")
     ap.add_argument("--llama-bench-from", help="a file that will hold that path once a build finishes")
     ap.add_argument("--anchor", action="append", default=[], help="NAME=PATH[:FLAGS]: another llama-bench and flags")
+    ap.add_argument("--ik-bench", help="ik_llama.cpp's CUDA llama-bench: its fit and an --n-cpu-moe sweep")
+    ap.add_argument("--ik-bench-from", help="a file that will hold that path once a build finishes (waited for when "
+                    "first needed, after ferry's and llama.cpp's runs)")
+    ap.add_argument("--ik-sweep", default="-2,0,2", help="--n-cpu-moe offsets from the layers ferry's fit leaves in RAM")
     ap.add_argument("-t", "--threads", type=int, default=16)
     ap.add_argument("-p", default="512", help="prompt sizes, comma list")
     ap.add_argument("-n", type=int, default=128)
@@ -148,6 +169,7 @@ def main() -> None:
     exe = a.llama_bench or (llamacpp.wait_for_build(a.llama_bench_from) if a.llama_bench_from else None)
     if exe:
         anchors["llama.cpp fit"] = (exe, ["-ngl", "999", "-fitt", "1024"])
+    ik = a.ik_bench or a.ik_bench_from  # a path, or a file that will hold one (resolved when first needed)
     for spec in a.anchor:
         name, _, rest = spec.partition("=")
         path, _, flags = rest.partition(":")
@@ -177,6 +199,11 @@ def main() -> None:
                     res["runs"][name] = ferry_bench(model, flags, a.threads, prompts, a.n, a.r)
                 for name, (path, flags) in anchors.items():
                     res["runs"][name] = anchor_bench(path, flags, model, a.threads, prompts, a.n, a.r)
+                if ik and not a.ik_bench:
+                    ik = a.ik_bench = llamacpp.wait_for_build(ik)
+                if ik:
+                    for name, flags in ik_runs(placement, n_layer, a.ik_sweep).items():
+                        res["runs"][name] = anchor_bench(ik, flags, model, a.threads, prompts, a.n, a.r)
                 res["placement"] = placement
                 results.append(res)
                 a.out.write_text(json.dumps(results, indent=1))  # what is done survives a later failure
@@ -207,6 +234,12 @@ def table(results: list[dict], prompts: list[int], n_gen: int) -> None:
             if share.get("gpu_share") is not None:
                 print(f"{name}: {100 * share['gpu_share']:.1f}% of the routed pairs on the GPU predicted "
                       f"({share['gpu_share_basis']})")
+            fc, got = share.get("forecast"), runs.get(name, {})
+            if fc:
+                pp = got.get(f"pp{fc['n_ubatch']}", {}).get("avg_ts")
+                tg = got.get(f"tg{n_gen}", {}).get("avg_ts")
+                print(f"{name}: forecast tg {fc['tg_per_s']:.1f} t/s (measured {tg or 0:.1f}), "
+                      f"pp{fc['n_ubatch']} {fc['pp_per_s']:.0f} t/s (measured {pp or 0:.0f})")
 
 
 if __name__ == "__main__":

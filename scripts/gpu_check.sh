@@ -24,7 +24,8 @@
 #           SMALL_ROUTING=0 leaves out the second default, after counting routing
 #           SKEW=S adds the same preset written with `--routing-skew S`; every model's default runs again after
 #           `ferry calibrate --routing` counted it on the repository's docs (the per-expert fit); SKEW_ONLY=1: that
-#           model alone
+#           model alone; KM=1 adds the preset with Q4_K_M experts (llama.cpp's mix); with the ik stage (or its build from an earlier call), ik_llama.cpp's fit and --n-cpu-moe
+#           sweep too (waited for after ferry's and llama.cpp's runs)
 #   ik      start ik_llama.cpp's CUDA build (.whl/ik_llama.cpp-*.tar.gz, ../shared/anchors) in the background with setsid,
 #           into .build/ik; it outlives the call (about 13 minutes): a later call, while the machine is warm, uses it
 #   cpu     CPU only, GPU hidden: ferry against ik_llama.cpp -rtr 1 (benchmarks/cpu_vs_ik.py) on the big model at
@@ -141,10 +142,16 @@ if has small; then
         [ -f "$SKEWED" ] || python3 -m ferry synth "$PRESET" --routing-skew "$SKEW" -o "$SKEWED" -q
         MODELS+=(-m "$SKEWED")
     fi
+    if [ -n "${KM:-}" ]; then  # the same preset with llama.cpp's Q4_K_M mix of expert types
+        KMF=/tmp/$PRESET-q4km.gguf
+        [ -f "$KMF" ] || python3 -m ferry synth "$PRESET" --expert-type q4_k_m -o "$KMF" -q
+        MODELS+=(-m "$KMF")
+    fi
     cat README.md docs/*.md > /tmp/routing-all.txt; head -c 60000 /tmp/routing-all.txt > /tmp/routing.txt
     wait_build
     ROUTING="--routing-text /tmp/routing.txt"; [ "${SMALL_ROUTING:-1}" = 1 ] || ROUTING=""
-    python3 benchmarks/small_gpu.py $LB "${MODELS[@]}" --caps "${SMALL_CAPS:-12}" -t 16 $ROUTING \
+    IKB=""; if has ik || [ -f "$IK_PATH" ]; then IKB="--ik-bench-from $IK_PATH"; fi
+    python3 benchmarks/small_gpu.py $LB $IKB "${MODELS[@]}" --caps "${SMALL_CAPS:-12}" -t 16 $ROUTING \
         ${SMALL_ARGS:-} --out "$OUT/small_gpu.json" 2> "$OUT/small_gpu.log" | tee "$OUT/small_gpu.md"
 fi
 wait_build  # a build started for later calls finishes in this one (kept in .build/ while the machine is warm)

@@ -251,3 +251,48 @@ def test_plan_keeps_experts_the_gpu_cannot_read_or_expand_on_the_cpu(tmp_path):
     assert iq3["where"].startswith("GPU 0 /") and "IQ3_S, which no GPU kernel" in iq3["why"]
     assert rows["iq3_s"]["generation"]["cpu_bytes_per_token"] > 0
     assert rows["q4_k"]["ops"][0]["where"].endswith("/ CPU 0 of 16 hit")
+
+
+def test_plan_forecasts_tg_and_pp_from_the_calibrations_measured_parts(tiny, tmp_path):
+    """A token: DECODE_KERNELS_PER_LAYER small kernels a layer and the bytes the GPU reads, then the weights in RAM
+    (the generation floor) and a handshake per host step, serialized; a u-batch: the GPU's quantized FLOPs at the
+    grouped GEMM's rate and the RAM side as the policy places it. An older calibration gets no forecast, and says so."""
+    from ferry.offload.plan import DECODE_KERNELS_PER_LAYER
+
+    steps = {"graph_kernel_s": 4e-6, "gpu_gemv_bytes_per_s": 2.0e12, "handshake_s": 3e-5, "gpu_moe_flops": 1.0e14}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({**H100_LIKE, "gpu": {**H100_LIKE["gpu"], **steps}}))
+    f = GGUFFile(tiny)
+    a = ModelArgs.from_gguf(f)
+
+    def plan(*args):
+        r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(tiny), "--gpu-memory", "CUDA0=80GiB",
+                            "-ngl", "999", "--calibration", str(cal), *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    k_over_e = a.n_expert_used / a.n_expert
+    read = sum(t.nbytes * (k_over_e if "_exps" in t.name else 1.0) for t in f.tensors.values()
+               if len(t.ne) >= 2 and not t.name.startswith("token_embd"))
+    whole = json.loads(plan("--json"))
+    fc = whole["forecast"]
+    kernels_ms = 1e3 * a.n_layer * DECODE_KERNELS_PER_LAYER * steps["graph_kernel_s"]
+    assert fc["tg_ms"]["gpu"] == pytest.approx(kernels_ms + 1e3 * read / steps["gpu_gemv_bytes_per_s"])
+    assert fc["tg_ms"]["ram"] == 0 and fc["pp_ms"]["ram"] == 0
+    assert fc["tg_per_s"] == pytest.approx(1e3 / sum(fc["tg_ms"].values()))
+    assert fc["n_ubatch"] == 512 and fc["pp_per_s"] == pytest.approx(512e3 / sum(fc["pp_ms"].values()))
+    ram = json.loads(plan("-ot", "exps=CPU", "--json"))
+    g, fr = ram["generation"], ram["forecast"]
+    assert fr["tg_ms"]["ram"] == pytest.approx(1e3 * g["seconds_per_token"])
+    assert fr["host_steps"] >= a.n_layer and fr["tg_ms"]["handshakes"] == pytest.approx(
+        1e3 * fr["host_steps"] * steps["handshake_s"])
+    assert fr["tg_ms"]["gpu"] < fc["tg_ms"]["gpu"] and fr["pp_ms"]["ram"] > 0
+    assert fr["tg_per_s"] < fc["tg_per_s"]
+    half = json.loads(plan("-ot", "exps=CPU", "--gpu-experts", f"0:0-{a.n_expert // 2 - 1}", "--json"))["forecast"]
+    assert fr["tg_ms"]["ram"] > half["tg_ms"]["ram"] and fr["tg_ms"]["gpu"] < half["tg_ms"]["gpu"]
+    assert "forecast: tg" in plan("-ot", "exps=CPU", "-ub", "128") and json.loads(
+        plan("-ub", "128", "--json"))["forecast"]["n_ubatch"] == 128
+    cal.write_text(json.dumps(H100_LIKE))  # measured before the forecast's parts
+    old = plan("-ot", "exps=CPU")
+    assert "no forecast of tg and pp" in old and "run `ferry calibrate` again" in old
+    assert json.loads(plan("--json"))["forecast"] is None

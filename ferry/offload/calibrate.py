@@ -228,7 +228,76 @@ def measure_gpu(quick: bool = False) -> dict | None:
     one = torch.zeros(1, device=dev)
     launch_s = timed(lambda: [one.add_(1) for _ in range(200)]) / 200
     return {"h2d_bytes_per_s": size / h2d_s, "h2d_latency_s": lat_s, "gpu_bytes_per_s": size / d2d_s,
-            "gpu_flops": 2.0 * n ** 3 / mm_s, "launch_s": launch_s, "gpu_name": torch.cuda.get_device_name(0)}
+            "gpu_flops": 2.0 * n ** 3 / mm_s, "launch_s": launch_s, "gpu_name": torch.cuda.get_device_name(0),
+            **measure_steps(dev, timed)}
+
+
+STEP_FIELDS = ("graph_kernel_s", "gpu_gemv_bytes_per_s", "handshake_s", "gpu_moe_flops")  # 0 in older files
+
+
+def measure_steps(dev, timed) -> dict:
+    """What a step's forecast (`ferry plan`) is made of, through ferry's own GPU kernels: a small Q4_0 GEMV's time
+    inside a replayed CUDA graph (a decode step is hundreds of such small kernels: latency, not bandwidth), the
+    bytes/s of a Q4_0 GEMV over a weight beyond the L2, a host step's handshake inside a replayed graph (a hybrid
+    decode step waits at one per layer with work in RAM), and the grouped Q4_0 expert GEMM's FLOP/s at a prompt's
+    32 tokens per expert (Qwen3-30B-A3B's experts, 512 tokens)."""
+    from ferry.kernels.cuda import moe
+    from ferry.kernels.cuda.gemv import gemv
+    from ferry.kernels.cuda.layout import Split
+    from ferry.runtime.runners.cuda_graphs import Handshakes
+
+    def q4_0(*ne: int) -> Split:
+        n_blocks = int(np.prod(ne)) // 32
+        return Split(Q.Q4_0, ne, torch.randint(0, 256, (n_blocks, 16), dtype=torch.uint8, device=dev),
+                     torch.full((n_blocks,), 0.01, dtype=torch.float16, device=dev))
+
+    def graph_s(fn, count: int) -> float:
+        """One replay of `count` calls of fn captured as a CUDA graph, per call."""
+        fn()  # compiled before the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(count):
+                fn()
+        return timed(g.replay) / count
+
+    small = q4_0(2048, 512)
+    x = torch.randn(1, 2048, device=dev)
+    kernel_s = graph_s(lambda: gemv(small, x), 64)
+    big = q4_0(16384, 16384)  # 151 MB: beyond any GPU's L2
+    xb = torch.randn(1, 16384, device=dev)
+    gemv_s = timed(lambda: gemv(big, xb))
+    gemv_bytes = big.qs.numel() + 2 * big.d.numel()
+    hs = Handshakes.of(dev)
+    handshake_s = 0.0
+    if hs is not None:
+        count = 32
+        out = torch.zeros(count, 4, device=dev)
+        result = torch.ones(4).pin_memory()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for k in range(count):
+                hs.record(k, out[k], result)
+
+        def replay() -> None:
+            g.replay()
+            for k in range(count):
+                hs.serve(k, lambda: None)
+        handshake_s = _best(lambda: (replay(), torch.cuda.synchronize()), 5) / count
+    n_expert, n_used, d, ff, n_tokens = 128, 8, 2048, 768, 512
+    gate, up, down = q4_0(d, ff, n_expert), q4_0(d, ff, n_expert), q4_0(ff, d, n_expert)
+    ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(n_tokens)])
+    block = moe.moe_tile_rows(n_tokens * n_used, n_expert)
+    sched = moe.moe_tiles(ids, n_expert, block)
+    order = sched[0].to(torch.int32)
+    src = torch.div(order, n_used, rounding_mode="floor")
+    tokens = torch.randn(n_tokens, d, device=dev, dtype=torch.float16)
+    scale = torch.rand(n_tokens * n_used, device=dev)
+    moe_s = timed(lambda: moe.moe_mm(moe.moe_mm(tokens, gate, sched, torch.float16, block, up=up, rows_from=src),
+                                     down, sched, torch.float32, block, rows_to=order, row_scale=scale))
+    return {"graph_kernel_s": kernel_s, "gpu_gemv_bytes_per_s": gemv_bytes / gemv_s, "handshake_s": handshake_s,
+            "gpu_moe_flops": n_tokens * n_used * 3 * 2.0 * d * ff / moe_s}
 
 
 def calibrate(backend, quick: bool = False, on_step=None) -> dict:
@@ -262,6 +331,7 @@ def load(path: Path) -> Calibration | None:
         fields["cpu_moe"] = {q: tuple((float(c), float(s)) for c, s in t) for q, t in _tables(cpu.get("cpu_moe")).items()}
         fields["cpu_moe_token"] = {q: float(s) for q, s in (cpu.get("cpu_moe_token") or {}).items()}
         fields["launch_s"] = float(gpu.get("launch_s", 0.0))
+        fields.update({k: float(gpu[k]) for k in STEP_FIELDS if k in gpu})
     except FileNotFoundError:
         raise FerryError(f"{path}: no calibration; run `ferry calibrate`") from None
     except (ValueError, KeyError, TypeError) as e:
@@ -287,6 +357,11 @@ def table(result: dict) -> str:
                   f"| GPU device copy | {gpu['gpu_bytes_per_s'] / 1e9:.0f} GB/s |",
                   f"| GPU bf16 matmul | {gpu['gpu_flops'] / 1e12:.0f} TFLOP/s |",
                   f"| GPU kernel launch from Python | {gpu.get('launch_s', 0) * 1e6:.1f} us |"]
+        if "graph_kernel_s" in gpu:
+            lines += [f"| a small Q4_0 GEMV in a CUDA graph | {gpu['graph_kernel_s'] * 1e6:.2f} us |",
+                      f"| Q4_0 GEMV beyond the L2 | {gpu['gpu_gemv_bytes_per_s'] / 1e9:.0f} GB/s of weights |",
+                      f"| a host step's handshake in a CUDA graph | {gpu['handshake_s'] * 1e6:.1f} us |",
+                      f"| Q4_0 grouped expert GEMM, 32 tokens each | {gpu['gpu_moe_flops'] / 1e12:.0f} TFLOP/s |"]
     else:
         lines.append("| GPU | none visible: every op stays on the CPU |")
     return "\n".join(lines)

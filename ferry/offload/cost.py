@@ -31,6 +31,16 @@ class Calibration:
     # 0.55 on another machine, docs/performance.md 2026-11-23). Not calibrated: a copy and ggml alone overlap almost
     # fully (docs/decisions.md)
     overlap: float = 0.73
+    # what `ferry plan` forecasts a step from (calibrate.measure_steps; 0 where the calibration predates them)
+    graph_kernel_s: float = 0.0  # a small GEMV inside a replayed CUDA graph
+    gpu_gemv_bytes_per_s: float = 0.0  # a Q4_0 GEMV's weight reads beyond the L2
+    handshake_s: float = 0.0  # a host step's handshake inside a replayed graph, beyond the graph's own work
+    gpu_moe_flops: float = 0.0  # the grouped Q4_0 expert GEMM at 32 tokens per expert
+
+    @property
+    def forecasts(self) -> bool:
+        """Whether this calibration holds what a step's forecast needs."""
+        return self.graph_kernel_s > 0 and self.gpu_gemv_bytes_per_s > 0 and self.gpu_moe_flops > 0
 
     def cpu_expert_s(self, expert_bytes: float, tokens, flops_per_token: float, types: dict[str, float] | None = None,
                      token_kernel: bool = False):

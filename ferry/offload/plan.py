@@ -101,6 +101,72 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
             "expert_types": sorted(set().union(*expert_types))}
 
 
+# kernels a decode step runs per layer on the GPU (norms, the attention's projections, rope and cache store, the
+# attention and its combine, the router and its top-k, the experts' two GEMVs and their sum): a decode step at these
+# sizes is that many small kernels' latency more than its bytes (the 30B all on an H100: 2.8 ms a token for 1.7 GB)
+DECODE_KERNELS_PER_LAYER = 13
+
+
+def forecast(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration, policy: Policy,
+             layer_share: dict[int, float], n_ubatch: int, floor: dict | None) -> dict | None:
+    """The predicted tg (one token, at a short context) and pp (u-batches of n_ubatch tokens) of a placement on one
+    GPU, from the calibration's measured parts (measure_steps), each part kept: a decode step is the GPU's kernels
+    (DECODE_KERNELS_PER_LAYER small ones a layer, plus the bytes of the weights it reads), then, serialized with them,
+    the RAM side's work (generation_floor) and a handshake per layer with work in RAM; a u-batch is the GPU's
+    quantized matmuls at the grouped GEMM's rate and the attention at the bf16 rate, plus the RAM side's ops as the
+    policy places them (streamed or on the CPU). layer_share: per layer, the share of its routed pairs whose experts
+    are kept on the GPU beyond whole layers (--gpu-experts). None where the calibration lacks the parts."""
+    if not calib.forecasts:
+        return None
+    layers = layer_devices(args.n_layer, n_gpu_layers, ["CUDA0"])
+    k_over_e = args.n_expert_used / args.n_expert if args.n_expert else 0.0
+    gpu_bytes = gpu_qflops = 0.0  # per token
+    in_ram_embd = False
+    experts_by_layer: dict[int, list] = {}
+    for t in f.tensors.values():
+        if len(t.ne) < 2:
+            continue
+        on_gpu = place(t.name, args.n_layer, n_gpu_layers, overrides, layers) != "CPU"
+        if t.name.startswith("token_embd"):
+            in_ram_embd = in_ram_embd or not on_gpu  # a row looked up, not multiplied
+            continue
+        m = EXPERTS_RE.match(t.name)
+        share = 1.0 if on_gpu else layer_share.get(int(t.name.split(".")[1]), 0.0) if m else 0.0
+        per_token = k_over_e if m else 1.0
+        gpu_bytes += share * per_token * t.nbytes
+        gpu_qflops += share * per_token * 2.0 * t.ne[0] * t.ne[1] * (t.ne[2] if m and len(t.ne) > 2 else 1)
+        if m and not on_gpu:
+            experts_by_layer.setdefault(int(t.name.split(".")[1]), []).append(t)
+    host_steps = (floor["layers"] if floor else 0) + in_ram_embd
+    gpu_tg = args.n_layer * DECODE_KERNELS_PER_LAYER * calib.graph_kernel_s + gpu_bytes / calib.gpu_gemv_bytes_per_s
+    ram_tg = floor["seconds_per_token"] if floor else 0.0
+    tg_s = gpu_tg + ram_tg + host_steps * calib.handshake_s
+    n = n_ubatch
+    attn_flops = args.n_layer * 2.0 * n * n * args.n_head * (args.head_dim_k + args.head_dim_v) / 2  # causal
+    gpu_pp = n * gpu_qflops / calib.gpu_moe_flops + attn_flops / calib.gpu_flops
+    ram_pp = 0.0
+    for layer, mine in _in_ram_by_layer(f, args, n_gpu_layers, overrides).items():
+        for t in (t for t in mine if not EXPERTS_RE.match(t.name)):
+            d = dense_decision(t, n, calib, policy)
+            ram_pp += d.cpu_s if d.device == "CPU" else d.gpu_s
+        experts = experts_by_layer.get(layer, [])
+        if len(experts) == 3:
+            s, _ = _experts_split(experts, args, calib, policy, n)
+            ram_pp += s.predicted_s * (1.0 - layer_share.get(layer, 0.0))
+    pp_s = gpu_pp + ram_pp
+    return {"tg_per_s": 1.0 / tg_s, "pp_per_s": n / pp_s, "n_ubatch": n,
+            "tg_ms": {"gpu": 1e3 * gpu_tg, "ram": 1e3 * ram_tg, "handshakes": 1e3 * host_steps * calib.handshake_s},
+            "pp_ms": {"gpu": 1e3 * gpu_pp, "ram": 1e3 * ram_pp}, "host_steps": host_steps}
+
+
+def describe_forecast(fc: dict) -> str:
+    t, p = fc["tg_ms"], fc["pp_ms"]
+    return (f"forecast: tg {fc['tg_per_s']:.1f} t/s (a token: GPU {t['gpu']:.2f} ms, weights in RAM {t['ram']:.2f} ms, "
+            f"{fc['host_steps']} handshakes {t['handshakes']:.2f} ms), pp {fc['pp_per_s']:.0f} t/s at u-batches of "
+            f"{fc['n_ubatch']} (a u-batch: GPU {p['gpu']:.1f} ms, weights in RAM {p['ram']:.1f} ms); from this "
+            "machine's calibration, at a short context")
+
+
 def experts_kernel(layers: list[set[str]]) -> str:
     """Which kernel the CPU runs one token's routed experts with, given each MoE layer's expert quant types, and why
     (`ferry plan`): a file with Q8_0 experts in some layers runs those on ggml's beside its others on ferry's."""
@@ -174,7 +240,8 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
                        available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
                        cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident)
-    ops, ops_note, floor = _op_view(f, margs, cfg, ubatches, calibration, fitted) if kv_on_gpu else ([], "", None)
+    ops, ops_note, floor, fc = (_op_view(f, margs, cfg, ubatches, calibration, fitted) if kv_on_gpu
+                                else ([], "", None, None))
     fit_view = None if fitted is None else {
         "flags": fitted.flags(), "n_gpu_layers": fitted.n_gpu_layers, "override_tensor": list(fitted.override_tensor),
         "n_ctx": fitted.n_ctx, "expert_layers": list(fitted.expert_layers), "moe_layers": fitted.moe_layers,
@@ -185,7 +252,7 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
         print(json.dumps({"fits": plan.fits, "advice": plan.advice, "fit": fit_view,
                           "devices": [{**vars(d), "total": d.total, "over": d.over} for d in plan.devices],
                           "kv_bytes_per_token": per_token, "mla": mla, "ops": ops, "ops_note": ops_note,
-                          "generation": floor}, indent=1))
+                          "generation": floor, "forecast": fc}, indent=1))
     else:
         if fitted is not None:
             print("\n".join([fitted.describe(), *fitted.notes]))
@@ -212,29 +279,34 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
 
 
 def _op_view(f: GGUFFile, margs, cfg, ubatches: list[int] | None, calibration: str | None,
-             fitted=None) -> tuple[list[dict], str, dict | None]:
-    """Where the ops on weights left in RAM run per u-batch (plan's second table), from a calibration with a GPU, and
-    what those weights cost each generated token (generation_floor)."""
+             fitted=None) -> tuple[list[dict], str, dict | None, dict | None]:
+    """Where the ops on weights left in RAM run per u-batch (plan's second table), from a calibration with a GPU,
+    what those weights cost each generated token (generation_floor), and the placement's forecast tg and pp."""
     from ferry.offload import calibrate
 
     path = Path(calibration) if calibration else calibrate.default_path()
     if not path.exists():
         return [], (f"no calibration at {path}: run `ferry calibrate` on the GPU machine (or pass --calibration FILE) "
-                    "to see where each op runs"), None
+                    "to see where each op runs"), None, None
     calib = calibrate.load(path)
     if calib is None:
-        return [], f"{path} was measured without a GPU: nothing to offload to", None
+        return [], f"{path} was measured without a GPU: nothing to offload to", None, None
     policy = cfg.policy
     rows = op_plan(f, margs, cfg.n_gpu_layers, cfg.overrides, calib, policy, ubatches or [1, cfg.n_ubatch])
     shares = fitted.layer_share if fitted is not None else {
         layer: len(ids) / max(margs.n_expert, 1) for layer, ids in cfg.resident.items()}
     floor = generation_floor(f, margs, cfg.n_gpu_layers, cfg.overrides, calib, policy, shares)
+    fc = forecast(f, margs, cfg.n_gpu_layers, cfg.overrides, calib, policy, shares, cfg.n_ubatch, floor)
     note = ("auto predicts here; a run also times the plausible ways on its first u-batches of each size and keeps "
             "the fastest (--verbose prints them)") if rows and policy.mode == "auto" else ""
     if rows and cfg.layer_first and margs.n_expert:
         note += ("; " if note else "") + (f"layer first, a MoE layer's routed experts run once per logical batch: "
                                           f"up to -b {cfg.n_batch} tokens, not -ub")
-    if floor is not None:
-        for line in (describe_floor(floor), unmeasured(floor, calib)):
-            note += ("\n" if note and line else "") + line
-    return rows, note or ("" if rows else "every matmul weight is on the GPU: nothing to decide"), floor
+    lines = [describe_floor(floor), unmeasured(floor, calib)] if floor is not None else []
+    if not rows:
+        lines.insert(0, "every matmul weight is on the GPU: nothing to decide")
+    lines.append(describe_forecast(fc) if fc else "no forecast of tg and pp: the calibration predates the parts it "
+                 "is made of; run `ferry calibrate` again on this machine")
+    for line in lines:
+        note += ("\n" if note and line else "") + line
+    return rows, note, floor, fc
