@@ -3,7 +3,8 @@
 # ggml-python built on the carried llama.cpp tree's ggml, for the CPU results the GPU is checked against),
 # run the GPU tests (tests_gpu/: kernels against float64 references, the GPU forward against the CPU one) and
 # the GPU benchmarks, and print a short summary.
-#   carry .whl (gguf wheel, ggml-python sdist, llama.cpp-src.tar.gz); results in $OUT (default ./out)
+#   carry .whl (gguf wheel, ggml-python sdist, llama.cpp-src.tar.gz, serve/: the server's wheels); results in $OUT
+#   (default ./out)
 #   STAGES (default "tests bench"): any of
 #     tests   tests_gpu/ (kernels, model vs CPU)
 #     bench   ferry all-GPU on qwen3-moe-mid: pp512 and tg64, against the 16-thread CPU
@@ -39,6 +40,10 @@ python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl
 # the transformers ferry is tested with, where carried (the machine's 5.17 builds no tokenizer for some families)
 if ls .whl/transformers-*.whl > /dev/null 2>&1 && [ ! -d /tmp/site/transformers ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/transformers-*.whl .whl/tokenizers-*.whl
+fi
+# the server's (tests_gpu/test_server_gpu.py), where the machine lacks them: .whl/serve holds fastapi, uvicorn and theirs
+if [ -d .whl/serve ] && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+    python3 -m pip install -q --no-index --find-links .whl/serve --target /tmp/site fastapi uvicorn
 fi
 export FERRY_CACHE=$PWD/.build/ferry-cache
 has() { [[ " $STAGES " == *" $1 "* ]]; }
