@@ -243,11 +243,25 @@ def _ggml_only(name: str) -> bool:
     return name.endswith(".attn_kv_b.weight")
 
 
+def expanding_layers(tensors) -> frozenset[int]:
+    """The layers whose routed experts the GPU expands to bfloat16 when it streams them from RAM: any of a type its
+    quantized kernels do not read in place (a Q4_K_M file's K-quants; HybridBackend._expands). tensors: a file's
+    tensor records (name, qtype)."""
+    from ferry.kernels.capabilities import gpu_reads
+
+    types: dict[int, set] = {}
+    for t in tensors:
+        m = EXPERTS_RE.match(t.name)
+        if m:
+            types.setdefault(int(m.group(1)), set()).add(t.qtype)
+    return frozenset(layer for layer, qs in types.items() if not gpu_reads(qs))
+
+
 def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
                 available: dict[str, int], n_ctx: int, n_ubatch: int, kv_bytes_per_value: tuple[float, float] = (2, 2),
                 split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False,
                 cache: CacheLayout | None = None, n_batch: int = 0,
-                resident: dict[int, tuple[int, ...]] | None = None) -> MemoryPlan:
+                resident: dict[int, tuple[int, ...]] | None = None, expands: frozenset[int] = frozenset()) -> MemoryPlan:
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
@@ -256,7 +270,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     position (default: the model's keys and values; MLA's latent: Model.cache_layout). `n_batch`: the logical
     batch whose rows meet at each MoE layer when routed experts in RAM are taken layer first (0: not so), whose
     activations and expert buffers then add to the first GPU's. `resident`: experts of layers in RAM kept on the first
-    GPU too (--gpu-experts)."""
+    GPU too (--gpu-experts). `expands`: the layers whose routed experts the GPU expands to bfloat16 when it streams
+    them (expanding_layers): where one is in RAM, both staging sets hold a bfloat16 copy of a layer's experts too."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     tensors = as_loaded(tensors, args)
     needs: dict[str, DeviceNeed] = {}
@@ -294,6 +309,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
             if m and "_exps" in name and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU":
                 in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
         need(gpus[0]).compute += 3 * max(in_ram.values(), default=0)
+        if any(int(i) in expands for i in in_ram):  # two sets of a layer's gate, up and down in bfloat16
+            need(gpus[0]).compute += 2 * 3 * 2 * args.n_embd * args.n_ff_exp * args.n_expert
         if in_ram and n_batch:  # the batch's residual and normed rows per u-batch and joined; each pair's rows
             k = max(args.n_expert_used, 1)
             joined = 4 * n_batch * (4 * args.n_embd + k * (args.n_embd + args.n_ff_exp))
@@ -306,17 +323,17 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:
         plan.advice = _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch,
-                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch)
+                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch, expands)
     return plan
 
 
 def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split,
-            kv_on_gpu, cache, n_batch) -> str:
+            kv_on_gpu, cache, n_batch, expands) -> str:
     gpu_over = any(d.over for d in plan.devices if d.device != "CPU")
     if gpu_over:
         for ngl in range(min(n_gpu_layers, args.n_layer + 1) - 1, -1, -1):
             if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False,
-                           kv_on_gpu and ngl > 0, cache, n_batch).fits:
+                           kv_on_gpu and ngl > 0, cache, n_batch, expands=expands).fits:
                 return f"-ngl {ngl} fits; or keep the experts in RAM with -ot exps=CPU, or lower -c/--ctx-size"
         return ("no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size" + (", -b/--batch-size" if n_batch else "")
                 + " or use a smaller quant type")

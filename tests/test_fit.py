@@ -201,3 +201,37 @@ def test_plan_uses_the_routing_counted_for_the_file(qwen12, tmp_path, monkeypatc
                for part in fit_view["gpu_experts"].split(";"))
     assert main(["plan", "-m", str(qwen12), "--gpu-memory", "CUDA0=5GiB"]) == 0
     assert "routed experts on the GPU per MoE layer" in capsys.readouterr().out
+
+
+def test_experts_the_gpu_expands_count_their_bfloat16_staging_in_the_plan_and_the_fit(qwen12, tmp_path):
+    """A Q4_K_M file's experts stream expanded to bfloat16 (the GPU's quantized kernels read Q8_0 and Q4_0 alone):
+    both staging sets hold a layer's gate, up and down in bfloat16, 2.25 GiB at Qwen3-30B-A3B's shapes, which the
+    plan counts and the fit leaves room for (a 12 GiB fit of the 30B Q4_K_M ran out of memory without it)."""
+    from ferry.placement import expanding_layers, memory_plan, parse_overrides
+
+    km = tmp_path / "q12km.gguf"
+    assert main(["synth", "qwen3-30b-a3b", "--layers", "12", "--shape-only", "--expert-type", "q4_k_m",
+                 "-o", str(km), "-q"]) == 0
+    f, q4 = GGUFFile(km), GGUFFile(qwen12)
+    args = ModelArgs.from_gguf(f)
+    assert expanding_layers(f.tensors.values()) == frozenset(range(12))
+    assert expanding_layers(q4.tensors.values()) == frozenset()
+    tensors = {t.name: t.nbytes for t in f.tensors.values()}
+
+    def compute(expands, rules=("exps=CPU",)):
+        plan = memory_plan(tensors, args, 999, parse_overrides(list(rules)), ["CUDA0"], {}, 4096, 512,
+                           kv_on_gpu=True, expands=expands)
+        return next(d for d in plan.devices if d.device == "CUDA0").compute
+
+    floats = 2 * 3 * 2 * args.n_embd * args.n_ff_exp * args.n_expert
+    assert floats == 2304 * MIB
+    assert compute(frozenset(range(12))) - compute(frozenset()) == floats
+    assert compute(frozenset({0})) - compute(frozenset()) == floats  # one such layer in RAM is enough
+    # every expert on the GPU: nothing streams, nothing to expand
+    assert compute(frozenset(range(12)), ()) == compute(frozenset(), ())
+    room = 6
+    plain = _fit(km, room)
+    counted = _fit(km, room, expands=expanding_layers(f.tensors.values()))
+    assert len(counted.expert_layers) < len(plain.expert_layers)
+    gpu = next(d for d in counted.plan.devices if d.device == "CUDA0")
+    assert gpu.total <= room * GIB - FIT_TARGET_MIB * MIB and gpu.compute >= floats

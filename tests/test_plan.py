@@ -280,13 +280,19 @@ def test_plan_forecasts_tg_and_pp_from_the_calibrations_measured_parts(tiny, tmp
     assert fc["tg_ms"]["gpu"] == pytest.approx(kernels_ms + 1e3 * read / steps["gpu_gemv_bytes_per_s"])
     assert fc["tg_ms"]["ram"] == 0 and fc["pp_ms"]["ram"] == 0
     assert fc["tg_per_s"] == pytest.approx(1e3 / sum(fc["tg_ms"].values()))
-    assert fc["n_ubatch"] == 512 and fc["pp_per_s"] == pytest.approx(512e3 / sum(fc["pp_ms"].values()))
+    assert fc["pp_ms"]["copies"] == 0 and fc["n_ubatch"] == 512
+    assert fc["pp_per_s"] == pytest.approx(512e3 / (fc["pp_ms"]["gpu"] + fc["pp_ms"]["ram"]))
     ram = json.loads(plan("-ot", "exps=CPU", "--json"))
     g, fr = ram["generation"], ram["forecast"]
     assert fr["tg_ms"]["ram"] == pytest.approx(1e3 * g["seconds_per_token"])
     assert fr["host_steps"] >= a.n_layer and fr["tg_ms"]["handshakes"] == pytest.approx(
         1e3 * fr["host_steps"] * steps["handshake_s"])
     assert fr["tg_ms"]["gpu"] < fc["tg_ms"]["gpu"] and fr["pp_ms"]["ram"] > 0
+    # a u-batch streams its experts while the GPU computes: the longer of the two
+    assert fr["pp_per_s"] == pytest.approx(512e3 / max(fr["pp_ms"]["copies"], fr["pp_ms"]["gpu"] + fr["pp_ms"]["ram"]))
+    streamed = json.loads(plan("-ot", "exps=CPU", "--offload-policy", "all=on", "--json"))["forecast"]["pp_ms"]
+    cpu_only = json.loads(plan("-ot", "exps=CPU", "--offload-policy", "all=off", "--json"))["forecast"]["pp_ms"]
+    assert streamed["copies"] > 0 and cpu_only["copies"] == 0
     assert fr["tg_per_s"] < fc["tg_per_s"]
     half = json.loads(plan("-ot", "exps=CPU", "--gpu-experts", f"0:0-{a.n_expert // 2 - 1}", "--json"))["forecast"]
     assert fr["tg_ms"]["ram"] > half["tg_ms"]["ram"] and fr["tg_ms"]["gpu"] < half["tg_ms"]["gpu"]

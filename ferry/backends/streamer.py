@@ -66,7 +66,9 @@ class Streamer:
         self._unpacked: dict[int, torch.cuda.Event] = {}  # compact buffer -> the unpack that reads it last
         self._host: dict[int, torch.Tensor] = {}
         self._splits: dict[tuple, object] = {}  # (slot, role, qtype, ne) -> a Split with a slot per expert
-        self._floats: dict[tuple, torch.Tensor] = {}  # (slot, role, qtype, ne) -> bfloat16 room for every expert
+        self._floats: dict[tuple, torch.Tensor] = {}  # (slot, role, ne) -> bfloat16 room for every expert, whatever
+        # the type it expands (a Q4_K_M file's downs are Q4_K in some layers, Q6_K in others: one room, as
+        # memory_plan counts it)
         self._slot_of: dict[object, torch.Tensor] = {}  # slot -> Expanded.slot_of of the experts staged there
         self._raw: dict[tuple, torch.Tensor] = {}  # compact buffers copies land in (stream-ordered: shared by slots)
         self._rows: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}  # see _expert_rows
@@ -177,7 +179,7 @@ class Streamer:
                                                                             device=self.device)
                             slot_of.fill_(-1).index_copy_(0, ids, torch.arange(j, dtype=torch.int32,
                                                                                device=self.device))
-                        floats = self._floats_for(w, (slot, i, w.qtype, w.ne))[:j * w.ne[0] * w.ne[1]]
+                        floats = self._floats_for(w, (slot, i, w.ne))[:j * w.ne[0] * w.ne[1]]
                         staged = Expanded(floats.view(j, w.ne[1], w.ne[0]), slot_of)
                         dequantize(raw[:j * per], w.qtype, (w.ne[0], w.ne[1], j), torch.bfloat16, out=staged.w)
                     done = torch.cuda.Event()

@@ -37,7 +37,7 @@ def op_plan(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration,
             rows.append({"layer": layer, "op": "mul_mat", "tensor": t.name, "n_ubatch": n, "where": d.device,
                          "cpu_ms": 1e3 * d.cpu_s, "gpu_ms": 1e3 * d.gpu_s, "why": d.why})
         if len(experts) == 3:
-            s, hit = _experts_split(experts, args, calib, policy, n)
+            s, hit, _ = _experts_split(experts, args, calib, policy, n)
             where = (f"{s.halves} on the GPU, {s.cpu_half} on the CPU, of {hit} hit"
                      if s.halves else f"GPU {len(s.gpu)} / CPU {len(s.cpu)} of {hit} hit")
             rows.append({"layer": layer, "op": "mul_mat_id", "tensor": f"blk.{layer}.ffn_*_exps",
@@ -58,11 +58,12 @@ def _in_ram_by_layer(f: GGUFFile, args, n_gpu_layers: int, overrides) -> dict[in
 
 
 def _experts_split(experts: list, args, calib: Calibration, policy: Policy, n: int):
-    """(the policy's split of one MoE layer's experts for a u-batch of n tokens routed evenly, the experts hit)."""
+    """(the policy's split of one MoE layer's experts for a u-batch of n tokens routed evenly, the experts hit, the
+    layer's ExpertsWork)."""
     roles = {EXPERTS_RE.match(t.name).group(2): t for t in experts}
     work = ExpertsWork.of(roles["gate"], roles["up"], roles["down"], args.n_expert_used)
     counts, hit = work.even_counts(n)
-    return work.split(counts, calib, policy), hit
+    return work.split(counts, calib, policy), hit, work
 
 
 _HALF = {"gate": "up_gate", "up": "up_gate", "down": "down"}
@@ -90,7 +91,7 @@ def generation_floor(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Cal
             seconds += d.cpu_s if d.device == "CPU" else d.gpu_s
             cpu_bytes += t.nbytes if d.device == "CPU" else 0
         if len(experts) == 3:
-            s, _ = _experts_split(experts, args, calib, policy, 1)
+            s, _, _ = _experts_split(experts, args, calib, policy, 1)
             seconds += s.predicted_s * kept
             # the CPU's experts whole, or (halves apart) its half of every expert hit
             read = [t for t in experts if not s.halves or _HALF[EXPERTS_RE.match(t.name).group(2)] == s.cpu_half]
@@ -114,7 +115,8 @@ def forecast(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration
     (DECODE_KERNELS_PER_LAYER small ones a layer, plus the bytes of the weights it reads), then, serialized with them,
     the RAM side's work (generation_floor) and a handshake per layer with work in RAM; a u-batch is the GPU's
     quantized matmuls at the grouped GEMM's rate and the attention at the bf16 rate, plus the RAM side's ops as the
-    policy places them (streamed or on the CPU). layer_share: per layer, the share of its routed pairs whose experts
+    policy places them (on the CPU, or copied and run on the GPU), or its copies over PCIe where they take longer (they
+    overlap the compute: the hybrid copies a layer's experts while the GPU works before it). layer_share: per layer, the share of its routed pairs whose experts
     are kept on the GPU beyond whole layers (--gpu-experts). None where the calibration lacks the parts."""
     if not calib.forecasts:
         return None
@@ -144,27 +146,35 @@ def forecast(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration
     n = n_ubatch
     attn_flops = args.n_layer * 2.0 * n * n * args.n_head * (args.head_dim_k + args.head_dim_v) / 2  # causal
     gpu_pp = n * gpu_qflops / calib.gpu_moe_flops + attn_flops / calib.gpu_flops
-    ram_pp = 0.0
+    ram_pp = copies = 0.0  # the RAM side's compute (either side's), and its copies over PCIe
     for layer, mine in _in_ram_by_layer(f, args, n_gpu_layers, overrides).items():
         for t in (t for t in mine if not EXPERTS_RE.match(t.name)):
             d = dense_decision(t, n, calib, policy)
             ram_pp += d.cpu_s if d.device == "CPU" else d.gpu_s
         experts = experts_by_layer.get(layer, [])
         if len(experts) == 3:
-            s, _ = _experts_split(experts, args, calib, policy, n)
-            ram_pp += s.predicted_s * (1.0 - layer_share.get(layer, 0.0))
-    pp_s = gpu_pp + ram_pp
+            s, _, work = _experts_split(experts, args, calib, policy, n)
+            kept = 1.0 - layer_share.get(layer, 0.0)
+            # the policy's GPU side pays a copy's latency per expert; the streamer copies runs of them, one per tensor
+            on_gpu = max(s.gpu_s - len(s.gpu) * (calib.h2d_latency_s + work.expert_bytes / calib.h2d_bytes_per_s), 0.0)
+            copy = (3 * calib.h2d_latency_s + len(s.gpu) * work.expert_bytes / calib.h2d_bytes_per_s) if s.gpu else 0.0
+            ram_pp += kept * (on_gpu + s.cpu_s if s.halves else max(on_gpu, s.cpu_s))
+            copies += kept * copy
+    # the copies run on their own stream, each layer's while the GPU works on the layers before it (the hybrid
+    # prefetches the next layer in RAM): a u-batch takes the longer of all its copies and all the compute
+    pp_s = max(copies, gpu_pp + ram_pp)
     return {"tg_per_s": 1.0 / tg_s, "pp_per_s": n / pp_s, "n_ubatch": n,
             "tg_ms": {"gpu": 1e3 * gpu_tg, "ram": 1e3 * ram_tg, "handshakes": 1e3 * host_steps * calib.handshake_s},
-            "pp_ms": {"gpu": 1e3 * gpu_pp, "ram": 1e3 * ram_pp}, "host_steps": host_steps}
+            "pp_ms": {"gpu": 1e3 * gpu_pp, "ram": 1e3 * ram_pp, "copies": 1e3 * copies}, "host_steps": host_steps}
 
 
 def describe_forecast(fc: dict) -> str:
     t, p = fc["tg_ms"], fc["pp_ms"]
     return (f"forecast: tg {fc['tg_per_s']:.1f} t/s (a token: GPU {t['gpu']:.2f} ms, weights in RAM {t['ram']:.2f} ms, "
             f"{fc['host_steps']} handshakes {t['handshakes']:.2f} ms), pp {fc['pp_per_s']:.0f} t/s at u-batches of "
-            f"{fc['n_ubatch']} (a u-batch: GPU {p['gpu']:.1f} ms, weights in RAM {p['ram']:.1f} ms); from this "
-            "machine's calibration, at a short context")
+            f"{fc['n_ubatch']} (a u-batch: the longer of its compute, GPU {p['gpu']:.1f} ms and the weights in RAM "
+            f"{p['ram']:.1f} ms, and its copies {p['copies']:.1f} ms); from this machine's calibration, at a short "
+            "context")
 
 
 def experts_kernel(layers: list[set[str]]) -> str:
@@ -220,7 +230,8 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     from ferry.layers.cache import cache_layout, describe_cache, mla_mode
     from ferry.models.base import ModelArgs
     from ferry.offload.fit import gpu_room, placed
-    from ferry.placement import GIB, format_gpu_experts, host_memory, kv_bytes, memory_plan, tensor_split
+    from ferry.placement import (GIB, expanding_layers, format_gpu_experts, host_memory, kv_bytes, memory_plan,
+                                 tensor_split)
 
     f = GGUFFile(cfg.model_path)
     margs = ModelArgs.from_gguf(f)
@@ -239,7 +250,8 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else margs.n_ctx_train
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
                        available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
-                       cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident)
+                       cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
+                       expands=expanding_layers(f.tensors.values()))
     ops, ops_note, floor, fc = (_op_view(f, margs, cfg, ubatches, calibration, fitted) if kv_on_gpu
                                 else ([], "", None, None))
     fit_view = None if fitted is None else {

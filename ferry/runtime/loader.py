@@ -16,8 +16,8 @@ from ferry.gguf.file import GGUFFile
 from ferry.models.base import Model
 from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
 from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB, Fit, gpu_room, placed
-from ferry.placement import (EXPERTS_RE, Override, host_memory, kv_bytes, layer_devices, memory_plan,
-                             parse_gpu_experts, parse_gpu_memory, parse_overrides, place, tensor_split)
+from ferry.placement import (EXPERTS_RE, Override, expanding_layers, host_memory, kv_bytes, layer_devices,
+                             memory_plan, parse_gpu_experts, parse_gpu_memory, parse_overrides, place, tensor_split)
 from ferry.layers.cache import kv_type
 
 MAX_THREADS = 1024
@@ -264,7 +264,8 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
     plan = memory_plan(tensors, a, n_gpu_layers, overrides, ["CUDA0"], {"CUDA0": gpu_room(cfg.gpu_caps)["CUDA0"]},
                        _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), kv_on_gpu=True,
                        cache=model.cache_layout(),
-                       n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident)
+                       n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
+                       expands=expanding_layers(f.tensors.values()))
     if not plan.fits:
         raise FerryError(plan.error())
     gpu = CudaBackend("cuda:0", n_threads=cpu.n_threads)
