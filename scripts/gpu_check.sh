@@ -44,7 +44,8 @@ fi
 # the server's (tests_gpu/test_server_gpu.py), where the machine lacks them: .whl/serve holds fastapi, uvicorn and theirs
 if [ -d .whl/serve ] && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --find-links .whl/serve --target /tmp/site fastapi uvicorn \
-        starlette annotated-doc annotated-types anyio h11 typing-inspection click sniffio pydantic pydantic_core
+        starlette annotated-doc annotated-types anyio h11 typing-inspection click sniffio pydantic pydantic_core \
+        opentelemetry-api
 fi
 export FERRY_CACHE=$PWD/.build/ferry-cache
 has() { [[ " $STAGES " == *" $1 "* ]]; }
