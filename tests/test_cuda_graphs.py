@@ -11,7 +11,8 @@ import pytest
 
 from ferry.runtime.runners.cuda import DECODE_MAX
 from ferry.config import settings
-from ferry.runtime.runners.cuda_graphs import PROMPT_GRAPHS_KEPT, CudaGraphRunner, Handshakes, _Recorder
+from ferry.kernels.cuda.driver import Handshakes
+from ferry.runtime.runners.cuda_graphs import PROMPT_GRAPHS_KEPT, CudaGraphRunner, _Recorder
 
 PROMPT_GRAPH_MAX = settings().prompt_graph_max  # FERRY_PROMPT_GRAPH_MAX
 

@@ -244,7 +244,7 @@ def measure_steps(dev, timed) -> dict:
     from ferry.kernels.cuda import moe
     from ferry.kernels.cuda.gemv import gemv
     from ferry.kernels.cuda.layout import Split
-    from ferry.runtime.runners.cuda_graphs import Handshakes
+    from ferry.kernels.cuda.driver import Handshakes
 
     def q4_0(*ne: int) -> Split:
         n_blocks = int(np.prod(ne)) // 32
