@@ -21,16 +21,20 @@ if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU: run with TRITON_INTERPRET=1", allow_module_level=True)
 
 
-@pytest.mark.parametrize("cache,n_ctx", [("f16", 32), ("q8_0", 2048)])  # 2048: flash-decoding cuts the cache
-def test_gpu_decode_steps_match_the_cpu(tmp_path, cache, n_ctx):
+# 2048: flash-decoding cuts the cache; a Q4_K_M file (every matrix Q4_K, half the layers' expert downs Q6_K): the
+# K-quant GEMVs (kernels/cuda/kquant.py) in place of the fused split-layout ones
+@pytest.mark.parametrize("cache,n_ctx,kquants", [("f16", 32, False), ("q8_0", 2048, False), ("f16", 32, True)])
+def test_gpu_decode_steps_match_the_cpu(tmp_path, cache, n_ctx, kquants):
     path = tmp_path / "tiny.gguf"
-    assert main(["synth", "qwen3-moe-tiny", "-o", str(path), "-q"]) == 0
+    types = ["--expert-type", "q4_k_m", "--type", "q4_k"] if kquants else []
+    assert main(["synth", "qwen3-moe-tiny", "-o", str(path), "-q", *types]) == 0
     cpu, model = place(path, 2)
     tokens = np.random.default_rng(1).integers(0, model.args.n_vocab, 5).tolist()
     backend = CudaBackend(DEV)
     for group in model.fusable():
         backend.upload_fused(group)
-    assert backend.fused(model.fusable()[0]) is not None  # the decode path under test is the fused one
+    # the decode path under test is the fused one, or for K-quants the unfused one that reads their blocks
+    assert (backend.fused(model.fusable()[0]) is None) == kquants
     runs = []
     for b in (cpu, backend):
         e = Engine(model, b, n_ctx=n_ctx, type_k=cache, type_v=cache)

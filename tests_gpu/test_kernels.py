@@ -9,7 +9,8 @@ import torch
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from ferry.kernels.cuda import attention, gemv, layout, moe, norm_rope, route
+from ferry.gguf.synth import random_tensor
+from ferry.kernels.cuda import attention, gemv, kquant, layout, moe, norm_rope, route
 from ferry.quant import dequantize as reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,6 +91,67 @@ def test_moe_gemv_matches_float64(qtype, act, n, n_expert, n_used, n_embd, n_ff)
             h = f(g[e] @ x[t].double()) * (u[e] @ x[t].double())
             want[t] += weights[t, s].double() * (d[e] @ h)
     _close(got, want, 5e-5)
+
+
+def _kquant(rng, qtype, *shape):
+    """Random K-quant blocks (gguf-py quantizes no K-quant; every scale, min and quant random): (raw bytes on DEV,
+    float64 values they stand for)."""
+    ne = tuple(reversed(shape))
+    raw = np.ascontiguousarray(random_tensor(qtype, ne, 1.0, rng)).view(np.uint8).reshape(-1)
+    return torch.from_numpy(raw.copy()).to(DEV), torch.from_numpy(reference(raw, qtype, ne)).double()
+
+
+@pytest.mark.parametrize("qtype", list(kquant.KQUANT_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("n,rows,cols,config", [(1, 1, 256, (4, 4)), (1, 17, 768, (4, 4)), (3, 33, 512, (8, 2)),
+                                                (1, 40, 2048, (16, 8)), (5, 7, 1280, (1, 1))])
+def test_kquant_gemv_matches_float64(qtype, n, rows, cols, config):
+    rng = np.random.default_rng(rows + cols + n)
+    raw, w = _kquant(rng, qtype, rows, cols)
+    x = torch.from_numpy(rng.standard_normal((n, cols))).float()
+    _close(kquant.kgemv(raw, qtype, (cols, rows), x.to(DEV), *config), x.double() @ w.T)
+
+
+Q4_K_M, Q5_K_M = (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q6_K)
+# few programs under the interpreter (minutes of one core each otherwise); Qwen3-30B-A3B's expert shape on a GPU
+KQUANT_MOE = [(Q4_K_M, "silu", (1, 4, 2, 256, 512)), (Q5_K_M, "gelu", (3, 8, 3, 512, 256)),
+              ((Q.Q6_K, Q.Q6_K, Q.Q4_K), "silu", (2, 6, 4, 256, 256))]
+if DEV == "cuda":
+    KQUANT_MOE += [(t, act, (2, 128, 8, 2048, 768)) for t in (Q4_K_M, Q5_K_M) for act in ("silu", "gelu")]
+
+
+@pytest.mark.parametrize("types,act,shape", KQUANT_MOE, ids=lambda v: "-".join(q.name for q in v)
+                         if isinstance(v, tuple) and isinstance(v[0], Q) else str(v))
+def test_kquant_moe_gemv_matches_float64(types, act, shape):
+    """A Q4_K_M file's experts (gate and up Q4_K, down Q6_K), a Q5_K_M file's, and others: each pair's expert read
+    in place; an id of -1 (an expert kept elsewhere) adds nothing."""
+    n, n_expert, n_used, n_embd, n_ff = shape
+    rng = np.random.default_rng(n_expert * n_embd + n)
+    (graw, g), (uraw, u), (draw, d) = (_kquant(rng, q, n_expert, a, b) for q, (a, b) in
+                                       zip(types, ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff))))
+    x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
+    if n_used > 1:
+        ids[0, 1] = -1
+    weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
+    residual = torch.from_numpy(rng.standard_normal((n, n_embd))).float() if act == "gelu" else None
+    got = kquant.kmoe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), (graw, types[0], (n_embd, n_ff, n_expert)),
+                           (uraw, types[1], (n_embd, n_ff, n_expert)), (draw, types[2], (n_ff, n_embd, n_expert)),
+                           act, residual=None if residual is None else residual.to(DEV))
+    f = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
+    want = torch.zeros(n, n_embd, dtype=torch.float64) if residual is None else residual.double()
+    for t in range(n):
+        for s in range(n_used):
+            e = int(ids[t, s])
+            if e < 0:
+                continue
+            h = f(g[e] @ x[t].double()) * (u[e] @ x[t].double())
+            want[t] += weights[t, s].double() * (d[e] @ h)
+    _close(got, want, 5e-5)
+
+
+def test_kquant_reads_whole_blocks_of_its_types_only():
+    assert kquant.reads(Q.Q4_K, (2048, 8)) and kquant.reads(Q.Q6_K, (768, 8, 128))
+    assert not kquant.reads(Q.Q4_K, (2000, 8)) and not kquant.reads(Q.Q4_0, (2048, 8))
 
 
 @pytest.mark.parametrize("residual", [False, True])

@@ -1,5 +1,5 @@
 """GPU backend: weights live on the GPU in their GGUF encoding. Few tokens (generation): quantized GEMV kernels
-read the bytes directly (kernels/cuda/gemv.py, moe.py). Many tokens (prompts): the weight is expanded by the Triton
+read the bytes directly (kernels/cuda/gemv.py, moe.py; K-quants' GGUF blocks: kquant.py). Many tokens (prompts): the weight is expanded by the Triton
 dequantizer into a reused f16 scratch and multiplied by cuBLAS (float32 accumulation, as llama.cpp's cuBLAS path); a
 MoE layer sorts its (token, expert) pairs by expert and runs every expert in one grouped GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 weights in
 registers; torch._grouped_mm on bf16 copies for other types), without the host learning which experts were hit."""
@@ -163,6 +163,7 @@ class CudaBackend:
     def matmul(self, x: torch.Tensor, qtype, raw, ne: tuple[int, ...]) -> torch.Tensor:
         """linear() on a weight already on the GPU: its GGUF bytes or a Split (uploaded, or staged by the
         hybrid runtime)."""
+        from ferry.kernels.cuda import kquant
         from ferry.kernels.cuda.gemv import gemv, gemv_float
 
         if x.shape[0] <= GEMV_MAX:
@@ -170,6 +171,8 @@ class CudaBackend:
                 return gemv(raw, x)
             if qtype in (Q.F32, Q.F16) and len(ne) == 2:  # a router: read in place
                 return gemv_float(raw.view(_FLOAT[qtype]).view(ne[1], ne[0]), x)
+            if len(ne) == 2 and kquant.reads(qtype, ne):  # a K-quant's blocks read in place
+                return kquant.kgemv(raw, qtype, ne, x)
             return x.float() @ self._expand(qtype, raw, ne, torch.float32).T
         return _mm(x.to(torch.float16), self._expand(qtype, raw, ne, torch.float16).T)
 
@@ -194,6 +197,7 @@ class CudaBackend:
             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Router, top-k, each routed expert over its tokens, weighted sum (+ residual when given): ((n, n_embd)
         float32, ids (n, k))."""
+        from ferry.kernels.cuda import kquant
         from ferry.kernels.cuda.moe import moe_gemv
 
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
@@ -203,6 +207,9 @@ class CudaBackend:
         if strategy == "gemv" and gpu_reads(w.qtype for w in (gate, up, down)):
             return moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act,
                             residual=residual), ids
+        if strategy == "gemv" and all(kquant.reads(w.qtype, w.ne) for w in (gate, up, down)):
+            return kquant.kmoe_gemv(x, ids, weights, *((self.upload(w), w.qtype, w.ne) for w in (gate, up, down)),
+                                    act, residual=residual), ids
         if strategy == "loop":
             out = self._moe_loop(x, ids, weights, up, gate, down, act)
             return (out if residual is None else residual + out), ids

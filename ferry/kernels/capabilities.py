@@ -15,6 +15,8 @@ class Can:
     gpu_gemv: the GPU's quantized kernels (GEMV, expert GEMVs, the grouped MoE GEMM) read its blocks in place;
     gpu_expand: the GPU's dequantizer expands it (for cuBLAS, or to bfloat16 for torch's grouped GEMM);
     gpu_float: a float type the GPU's matmuls read as it is (a router, a float matrix) but its expert paths do not;
+    gpu_token: the GPU's few-token kernels alone (GEMV, expert GEMVs) read its GGUF blocks in place (kernels/cuda/
+    kquant.py); its prompts and streamed experts expand it;
     cpu_native: ferry's CPU expert kernel reads it: "repacked" (ggml's interleaved copy), "plain" (its GGUF layout),
     or "" (ggml runs it);
     cpu_linear: ferry's CPU matrix kernel reads it as a dense weight: as cpu_native, or "own" (its own interleaved copy,
@@ -23,6 +25,7 @@ class Can:
     gpu_gemv: bool = False
     gpu_expand: bool = False
     gpu_float: bool = False
+    gpu_token: bool = False
     cpu_native: str = ""
     cpu_linear: str = ""
 
@@ -38,9 +41,9 @@ _TABLE = {
     Q.Q5_1: Can(gpu_expand=True),
     Q.Q2_K: Can(gpu_expand=True),
     Q.Q3_K: Can(gpu_expand=True),
-    Q.Q4_K: Can(gpu_expand=True, cpu_native="repacked", cpu_linear="repacked"),
-    Q.Q5_K: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
-    Q.Q6_K: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
+    Q.Q4_K: Can(gpu_expand=True, gpu_token=True, cpu_native="repacked", cpu_linear="repacked"),
+    Q.Q5_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain", cpu_linear="plain"),
+    Q.Q6_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_XS: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_NL: Can(gpu_expand=True),
     Q.MXFP4: Can(gpu_expand=True),
@@ -59,6 +62,10 @@ def gpu_gemv_types() -> frozenset[Q]:
 
 def gpu_expand_types() -> frozenset[Q]:
     return frozenset(q for q, c in _TABLE.items() if c.gpu_expand)
+
+
+def gpu_token_types() -> frozenset[Q]:
+    return frozenset(q for q, c in _TABLE.items() if c.gpu_token)
 
 
 def cpu_native_types() -> frozenset[Q]:

@@ -1,0 +1,169 @@
+"""K-quant matrices (Q4_K, Q5_K, Q6_K: llama.cpp's Q4_K_M and Q5_K_M files) read in place for few tokens: the GEMV and
+the routed experts' GEMVs over their GGUF blocks as they sit on the GPU, no expansion. A 256-column block's
+quants are dotted with x per sub-block and scaled once per sub-block; Q4_K / Q5_K's minimum is the sub-block's sum of
+x times its scaled min. Without these a token expanded every K-quant weight it read to floats first (a whole layer's
+experts for the 8 it routes to)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from ferry.kernels.capabilities import can
+from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min
+from ferry.kernels.cuda.moe import _act, ACTS, sum_pairs
+
+KQUANT_KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}  # the types these kernels read
+
+
+@triton.jit
+def _kdot(w, row, rmask, x, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """Per row of `row` (BR,): 256-column block b of a K-quant matrix's rows (GGUF bytes, K columns a row) dotted
+    with x[b * 256:(b + 1) * 256]."""
+    base = (row.to(tl.int64) * (K // 256) + b)[:, None] * BLOCK_BYTES  # (BR, 1)
+    m = rmask[:, None]
+    i = tl.arange(0, 128)[None, :]  # a byte of the block's low quants
+    c0 = b * 256
+    if KIND < 2:
+        # Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles; Q5_K: 32 bytes of high bits
+        # before the nibbles. Byte i: chunk i // 32 of 64 values, its low nibble value (i // 32) * 64 + i % 32 (sub-block
+        # 2 * (i // 32)), its high nibble 32 further (sub-block 2 * (i // 32) + 1)
+        byte = tl.load(w + base + 16 + 32 * KIND + i, mask=m, other=0).to(tl.int32)
+        lo = byte & 0xF
+        hi = byte >> 4
+        chunk = i // 32
+        if KIND == 1:  # value l of chunk c: bit 2c (low) or 2c + 1 (high) of qh[l]
+            qh = tl.load(w + base + 16 + i % 32, mask=m, other=0).to(tl.int32)
+            lo += ((qh >> (2 * chunk)) & 1) << 4
+            hi += ((qh >> (2 * chunk + 1)) & 1) << 4
+        col = c0 + chunk * 64 + i % 32
+        xlo = tl.load(x + col)
+        xhi = tl.load(x + col + 32)
+        plo = tl.sum(tl.reshape(lo.to(tl.float32) * xlo, (lo.shape[0], 4, 32)), axis=2)  # (BR, 4): sub-blocks 0, 2, 4, 6
+        phi = tl.sum(tl.reshape(hi.to(tl.float32) * xhi, (lo.shape[0], 4, 32)), axis=2)  # sub-blocks 1, 3, 5, 7
+        slo = tl.sum(tl.reshape(xlo, (4, 32)), axis=1)[None, :]  # each sub-block's sum of x
+        shi = tl.sum(tl.reshape(xhi, (4, 32)), axis=1)[None, :]
+        j = 2 * tl.arange(0, 4)[None, :]
+        sc_e, mn_e = _k4_scale_min(w, base, j, m)
+        sc_o, mn_o = _k4_scale_min(w, base, j + 1, m)
+        d = _f16_at(w, base, m)
+        dmin = _f16_at(w, base + 2, m)
+        dot = tl.sum(sc_e.to(tl.float32) * plo + sc_o.to(tl.float32) * phi, axis=1)
+        mins = tl.sum(mn_e.to(tl.float32) * slo + mn_o.to(tl.float32) * shi, axis=1)
+        return tl.reshape(d, (lo.shape[0],)) * dot - tl.reshape(dmin, (lo.shape[0],)) * mins
+    else:
+        # Q6_K: ql (128 bytes), qh (64), 16 int8 scales, d. Byte i of ql: half n = i // 64 of 128 values, p = i % 64;
+        # its low nibble value 128n + p, its high one 128n + p + 64; their top two bits in qh[32n + p % 32] at
+        # shift 0 / 2 (p < 32 / p >= 32) and 4 / 6; a value's scale is scales[its column in the block // 16]
+        byte = tl.load(w + base + i, mask=m, other=0).to(tl.int32)
+        half = i // 64
+        p = i % 64
+        qh = tl.load(w + base + 128 + 32 * half + p % 32, mask=m, other=0).to(tl.int32)
+        shift = 2 * (p // 32)
+        lo = ((byte & 0xF) | (((qh >> shift) & 3) << 4)) - 32
+        hi = ((byte >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
+        col = c0 + 128 * half + p
+        plo = tl.sum(tl.reshape(lo.to(tl.float32) * tl.load(x + col), (lo.shape[0], 8, 16)), axis=2)  # (BR, 8)
+        phi = tl.sum(tl.reshape(hi.to(tl.float32) * tl.load(x + col + 64), (lo.shape[0], 8, 16)), axis=2)
+        g = tl.arange(0, 8)[None, :]  # group of 16 bytes: half g // 4, its scales 8 (g // 4) + g % 4 and + 4
+        s_lo = tl.load(w + base + 192 + g + 4 * (g // 4), mask=m, other=0).to(tl.int8, bitcast=True)
+        s_hi = tl.load(w + base + 196 + g + 4 * (g // 4), mask=m, other=0).to(tl.int8, bitcast=True)
+        d = _f16_at(w, base + 208, m)
+        dot = tl.sum(s_lo.to(tl.float32) * plo + s_hi.to(tl.float32) * phi, axis=1)
+        return tl.reshape(d, (lo.shape[0],)) * dot
+
+
+@triton.jit
+def _kgemv(w, x, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BR: tl.constexpr):
+    """y[t, r] = W[r, :] . x[t, :] for this program's rows; grid (row blocks, tokens)."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    t = tl.program_id(1).to(tl.int64)
+    rmask = r < rows
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    for b in range(0, K // 256):
+        acc += _kdot(w, r, rmask, x + t * K, b, K, KIND, BLOCK_BYTES)
+    tl.store(y + t * rows + r, acc, mask=rmask)
+
+
+@triton.jit
+def _kmoe_gate_up(gw, uw, x, ids, h, rows, K, n_used, GKIND: tl.constexpr, GBYTES: tl.constexpr,
+                  UKIND: tl.constexpr, UBYTES: tl.constexpr, ACT: tl.constexpr, BR: tl.constexpr):
+    """Pair p = (token p // n_used, expert ids[p]): h[p, r] = act(gate_e[r] . x) * (up_e[r] . x); an id of -1 (the
+    expert elsewhere) reads nothing and gives zeros."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    p = tl.program_id(1).to(tl.int64)
+    rmask = r < rows
+    e = tl.load(ids + p).to(tl.int64)
+    live = rmask & (e >= 0)
+    row = tl.maximum(e, 0) * rows + r
+    xt = x + (p // n_used) * K
+    g = tl.zeros((BR,), dtype=tl.float32)
+    u = tl.zeros((BR,), dtype=tl.float32)
+    for b in range(0, K // 256):
+        g += _kdot(gw, row, live, xt, b, K, GKIND, GBYTES)
+        u += _kdot(uw, row, live, xt, b, K, UKIND, UBYTES)
+    tl.store(h + p * rows + r, _act(g, ACT) * u, mask=rmask)
+
+
+@triton.jit
+def _kmoe_down(dw, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BR: tl.constexpr):
+    """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p]); an id of -1 gives zeros."""
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    p = tl.program_id(1).to(tl.int64)
+    rmask = r < rows
+    e = tl.load(ids + p).to(tl.int64)
+    live = rmask & (e >= 0)
+    row = tl.maximum(e, 0) * rows + r
+    acc = tl.zeros((BR,), dtype=tl.float32)
+    for b in range(0, K // 256):
+        acc += _kdot(dw, row, live, h + p * K, b, K, KIND, BLOCK_BYTES)
+    tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
+
+
+def reads(qtype: Q, ne: tuple[int, ...]) -> bool:
+    """Whether these kernels read a tensor of this type and shape (capabilities' gpu_token types, whole 256-column
+    blocks)."""
+    return can(qtype).gpu_token and ne[0] % 256 == 0
+
+
+def _args(qtype: Q) -> tuple[int, int]:
+    return KQUANT_KINDS[qtype], GGML_QUANT_SIZES[qtype][1]
+
+
+def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, rows_per_program: int = 4,
+          warps: int = 4) -> torch.Tensor:
+    """x (n, cols) times the (rows, cols) K-quant matrix (its GGUF bytes on the GPU) transposed: (n, rows) float32."""
+    cols, rows = ne[0], ne[1]
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
+    kind, size = _args(qtype)
+    _kgemv[(triton.cdiv(rows, rows_per_program), x.shape[0])](raw, x, y, rows, cols, KIND=kind, BLOCK_BYTES=size,
+                                                              BR=rows_per_program, num_warps=warps)
+    return y
+
+
+def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
+              residual: torch.Tensor | None = None, rows_per_program: int = 4, warps: int = 4) -> torch.Tensor:
+    """The routed experts of few tokens, their stacked tensors K-quants read in place: x (n, n_embd), ids / weights
+    (n, n_used) on the GPU; gate / up / down (GGUF bytes on the GPU, quant type, ne). Returns (n, n_embd) float32,
+    plus `residual` when given; each token's pairs summed in a fixed order."""
+    (gw, gq, gne), (uw, uq, _), (dw, dq, dne) = gate, up, down
+    n, n_used = ids.shape
+    n_embd, n_ff = gne[0], gne[1]
+    x = x.float().contiguous()
+    ids = ids.to(torch.int32).contiguous()
+    h = torch.empty(n * n_used, n_ff, dtype=torch.float32, device=x.device)
+    gk, gb = _args(gq)
+    uk, ub = _args(uq)
+    _kmoe_gate_up[(triton.cdiv(n_ff, rows_per_program), n * n_used)](
+        gw, uw, x, ids, h, n_ff, n_embd, n_used, GKIND=gk, GBYTES=gb, UKIND=uk, UBYTES=ub, ACT=ACTS[act],
+        BR=rows_per_program, num_warps=warps)
+    y = torch.empty(n * n_used, dne[1], dtype=torch.float32, device=x.device)
+    dk, db = _args(dq)
+    _kmoe_down[(triton.cdiv(dne[1], rows_per_program), n * n_used)](
+        dw, h, ids, weights.float().contiguous(), y, dne[1], dne[0], KIND=dk, BLOCK_BYTES=db, BR=rows_per_program,
+        num_warps=warps)
+    if n_used == 1 and residual is None:
+        return y
+    return sum_pairs(y, n_used, residual)
