@@ -133,6 +133,14 @@ def test_plan_shows_where_each_op_on_weights_in_ram_runs_per_u_batch_and_why(tin
     assert missing.returncode == 0 and "no calibration at" in missing.stdout
 
 
+def _plan_ok(tiny, cal, *args) -> str:
+    """`ferry plan` of the tiny model all on an 80 GiB GPU with the calibration `cal` (and args): its output."""
+    r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(tiny), "--gpu-memory", "CUDA0=80GiB",
+                        "-ngl", "999", "--calibration", str(cal), *args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def test_plan_states_what_the_weights_in_ram_cost_each_generated_token(tiny, tmp_path):
     """One token reads n_expert_used of each layer's experts where they lie: at the calibration's measured ggml rate
     for one token per expert, that time is a floor under generation, printed with its t/s bound."""
@@ -142,10 +150,7 @@ def test_plan_states_what_the_weights_in_ram_cost_each_generated_token(tiny, tmp
     a = ModelArgs.from_gguf(f)
 
     def plan(*args):
-        r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(tiny), "--gpu-memory", "CUDA0=80GiB",
-                            "-ngl", "999", "--calibration", str(cal), *args], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        return r.stdout
+        return _plan_ok(tiny, cal, *args)
 
     experts = sum(t.nbytes for t in f.tensors.values() if "_exps" in t.name)
     per_token = experts * a.n_expert_used / a.n_expert  # every layer's experts are in RAM
@@ -266,10 +271,7 @@ def test_plan_forecasts_tg_and_pp_from_the_calibrations_measured_parts(tiny, tmp
     a = ModelArgs.from_gguf(f)
 
     def plan(*args):
-        r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(tiny), "--gpu-memory", "CUDA0=80GiB",
-                            "-ngl", "999", "--calibration", str(cal), *args], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-        return r.stdout
+        return _plan_ok(tiny, cal, *args)
 
     k_over_e = a.n_expert_used / a.n_expert
     read = sum(t.nbytes * (k_over_e if "_exps" in t.name else 1.0) for t in f.tensors.values()

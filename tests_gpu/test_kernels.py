@@ -69,6 +69,20 @@ def test_split_layout_expands_to_the_reference(qtype, dtype):
     assert torch.equal(flat.rows(ids).floats(dtype).cpu(), w.view(21, 96)[ids.cpu()].to(dtype))
 
 
+def _experts_reference(x, ids, weights, g, u, d, act, residual):
+    """Each token's routed experts in float64: act(gate . x) * (up . x) through down, weighted, summed over its
+    slots (an id of -1 skipped), plus the residual when given."""
+    f = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
+    n, n_used = ids.shape
+    want = torch.zeros(n, d.shape[1], dtype=torch.float64) if residual is None else residual.double()
+    for t in range(n):
+        for s in range(n_used):
+            e = int(ids[t, s])
+            if e >= 0:
+                want[t] += weights[t, s].double() * (d[e] @ (f(g[e] @ x[t].double()) * (u[e] @ x[t].double())))
+    return want
+
+
 @pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (3, 8, 3, 96, 160), (2, 16, 8, 256, 64)])
@@ -83,14 +97,7 @@ def test_moe_gemv_matches_float64(qtype, act, n, n_expert, n_used, n_embd, n_ff)
     got = moe.moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), layout.Split.of(graw, qtype, (n_embd, n_ff, n_expert)),
                        layout.Split.of(uraw, qtype, (n_embd, n_ff, n_expert)), layout.Split.of(draw, qtype, (n_ff, n_embd, n_expert)),
                        act, residual=None if residual is None else residual.to(DEV))
-    f = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
-    want = torch.zeros(n, n_embd, dtype=torch.float64) if residual is None else residual.double()
-    for t in range(n):
-        for s in range(n_used):
-            e = int(ids[t, s])
-            h = f(g[e] @ x[t].double()) * (u[e] @ x[t].double())
-            want[t] += weights[t, s].double() * (d[e] @ h)
-    _close(got, want, 5e-5)
+    _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual), 5e-5)
 
 
 def _kquant(rng, qtype, *shape):
@@ -137,16 +144,7 @@ def test_kquant_moe_gemv_matches_float64(types, act, shape):
     got = kquant.kmoe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), (graw, types[0], (n_embd, n_ff, n_expert)),
                            (uraw, types[1], (n_embd, n_ff, n_expert)), (draw, types[2], (n_ff, n_embd, n_expert)),
                            act, residual=None if residual is None else residual.to(DEV))
-    f = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
-    want = torch.zeros(n, n_embd, dtype=torch.float64) if residual is None else residual.double()
-    for t in range(n):
-        for s in range(n_used):
-            e = int(ids[t, s])
-            if e < 0:
-                continue
-            h = f(g[e] @ x[t].double()) * (u[e] @ x[t].double())
-            want[t] += weights[t, s].double() * (d[e] @ h)
-    _close(got, want, 5e-5)
+    _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual), 5e-5)
 
 
 def test_kquant_reads_whole_blocks_of_its_types_only():

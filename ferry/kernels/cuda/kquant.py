@@ -12,7 +12,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.kernels.capabilities import can
 from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min
-from ferry.kernels.cuda.moe import _act, ACTS, sum_pairs
+from ferry.kernels.cuda.moe import _act, _pair_rows, ACTS, sum_pairs
 
 KQUANT_KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}  # the types these kernels read
 
@@ -94,9 +94,7 @@ def _kmoe_gate_up(gw, uw, x, ids, h, rows, K, n_used, GKIND: tl.constexpr, GBYTE
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
-    e = tl.load(ids + p).to(tl.int64)
-    live = rmask & (e >= 0)
-    row = tl.maximum(e, 0) * rows + r
+    row, live = _pair_rows(ids, p, r, rmask, rows)
     xt = x + (p // n_used) * K
     g = tl.zeros((BR,), dtype=tl.float32)
     u = tl.zeros((BR,), dtype=tl.float32)
@@ -112,9 +110,7 @@ def _kmoe_down(dw, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES:
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
-    e = tl.load(ids + p).to(tl.int64)
-    live = rmask & (e >= 0)
-    row = tl.maximum(e, 0) * rows + r
+    row, live = _pair_rows(ids, p, r, rmask, rows)
     acc = tl.zeros((BR,), dtype=tl.float32)
     for b in range(0, K // 256):
         acc += _kdot(dw, row, live, h + p * K, b, K, KIND, BLOCK_BYTES)

@@ -37,6 +37,14 @@ def _act(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _pair_rows(ids, p, r, rmask, rows):
+    """Pair p's rows r of its expert in a stacked tensor of `rows` rows an expert: (their row indices, which to read);
+    a pair whose id is -1 (its expert elsewhere) reads none (index 0)."""
+    e = tl.load(ids + p).to(tl.int64)
+    return tl.maximum(e, 0) * rows + r, rmask & (e >= 0)
+
+
+@triton.jit
 def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr, ACT: tl.constexpr,
                  BR: tl.constexpr, BK: tl.constexpr):
     """Pair p = (token p // n_used, its expert ids[p]): h[p, r] = act(gate_e[r] . x) * (up_e[r] . x); a pair whose
@@ -44,9 +52,7 @@ def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr,
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
-    e = tl.load(ids + p).to(tl.int64)
-    live = rmask & (e >= 0)
-    row = tl.maximum(e, 0) * rows + r
+    row, live = _pair_rows(ids, p, r, rmask, rows)
     xt = x + (p // n_used) * K
     g = tl.zeros((BR,), dtype=tl.float32)
     u = tl.zeros((BR,), dtype=tl.float32)
@@ -65,9 +71,7 @@ def _moe_down(dq, dd, h, ids, weights, y, rows, K, KIND: tl.constexpr, BR: tl.co
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
-    e = tl.load(ids + p).to(tl.int64)
-    live = rmask & (e >= 0)
-    row = tl.maximum(e, 0) * rows + r
+    row, live = _pair_rows(ids, p, r, rmask, rows)
     acc = tl.zeros((BR,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         acc += _qdot(dq, dd, row, live, h + p * K, k0, K, KIND, BK)
