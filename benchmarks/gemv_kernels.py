@@ -1,7 +1,9 @@
 """The token-generation kernels alone, for one token: the quantized GEMV at the dense shapes of the benchmark
 models (Q8_0) and the expert GEMVs (Q4_0, the router's n_expert_used experts), with their default configuration
-and a sweep of (rows per program, columns per step, warps) that chose it; the float32 router GEMV, attention over
-the cache (a sweep of cells per step and warps) and the router's top-k. Prints a table, writes JSON.
+and a sweep of (rows per program, columns per step, warps) that chose it; the same over K-quant blocks (`kquant`:
+Q4_K dense, Q4_K_M's experts, a sweep of rows per program and warps) beside what a token cost before those kernels
+(the weight expanded to floats, then a matmul); the float32 router GEMV, attention over the cache (a sweep of cells per
+step and warps) and the router's top-k. Prints a table, writes JSON.
   python benchmarks/gemv_kernels.py [--json out.json]
 """
 
@@ -13,7 +15,8 @@ import numpy as np
 import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
-from ferry.kernels.cuda import attention, gemv, layout, moe, route
+from ferry.gguf.synth import random_tensor
+from ferry.kernels.cuda import attention, dequant, gemv, kquant, layout, moe, route
 from ferry.quant import Q
 
 DENSE = {  # name: (cols, rows), Q8_0
@@ -25,6 +28,7 @@ EXPERTS = {"qwen3": (128, 8, 2048, 768), "v2-lite": (64, 6, 2048, 1408)}  # n_ex
 SWEEP = list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)))
 ATTENTION = {"qwen3": (32, 4, 128, 128), "v2-lite latent": (16, 1, 576, 512)}  # heads, kv heads, key and value size
 ATTENTION_SWEEP = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8)))
+KQUANT_SWEEP = list(itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)))  # rows per program, warps
 
 
 def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> layout.Split:
@@ -47,10 +51,47 @@ def _best(fn) -> tuple[tuple, float]:
     return min(times.items(), key=lambda kv: kv[1])
 
 
+def _kquant_bytes(qtype: Q, ne: tuple[int, ...], dev) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(random_tensor(qtype, ne, 1.0, np.random.default_rng(sum(ne))))
+                            .view(np.uint8).reshape(-1).copy()).to(dev)
+
+
+def _kquants(dev, report) -> None:
+    """Q4_K dense weights and Q4_K_M experts (gate and up Q4_K, down Q6_K) read in place, each against the weight
+    expanded then multiplied (a token's cost before kernels/cuda/kquant.py; for experts, the whole layer expanded)."""
+    def best(fn):
+        times = {cfg: do_bench(lambda: fn(*cfg)) for cfg in KQUANT_SWEEP}
+        return min(times.items(), key=lambda kv: kv[1])
+
+    for name, (cols, rows) in {"qwen3 attn_q": (2048, 4096), "qwen3 attn_output": (4096, 2048),
+                               "qwen3 output": (2048, 151936)}.items():
+        raw = _kquant_bytes(Q.Q4_K, (cols, rows), dev)
+        x = torch.randn(1, cols, device=dev)
+        expanded = do_bench(lambda: x @ dequant.dequantize(raw, Q.Q4_K, (cols, rows), torch.float32).T)
+        print(f"  {name} Q4_K expanded then matmul: {1e3 * expanded:.1f} us", flush=True)
+        report(f"{name} Q4_K", f"{rows}x{cols}", raw.numel(),
+               do_bench(lambda: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x)),
+               best(lambda br, w: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x, br, w)))
+    n_expert, n_used, n_embd, n_ff = EXPERTS["qwen3"]
+    tensors = tuple((_kquant_bytes(q, ne, dev), q, ne) for q, ne in ((Q.Q4_K, (n_embd, n_ff, n_expert)),
+                                                                      (Q.Q4_K, (n_embd, n_ff, n_expert)),
+                                                                      (Q.Q6_K, (n_ff, n_embd, n_expert))))
+    x = torch.randn(1, n_embd, device=dev)
+    ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
+    weights = torch.rand(1, n_used, device=dev)
+    nbytes = sum(t.numel() for t, _, _ in tensors) * n_used / n_expert
+    layer = do_bench(lambda: [dequant.dequantize(t, q, ne, torch.bfloat16) for t, q, ne in tensors])
+    print(f"  qwen3 Q4_K_M experts: expanding the layer alone {1e3 * layer:.1f} us", flush=True)
+    report("qwen3 experts Q4_K_M", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
+           do_bench(lambda: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu")),
+           best(lambda br, w: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu", rows_per_program=br, warps=w)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="gemv_kernels.json")
-    ap.add_argument("--only", default="gemv,experts,router,attention,route", help="which kernels, comma-separated")
+    ap.add_argument("--only", default="gemv,experts,kquant,router,attention,route",
+                    help="which kernels, comma-separated")
     a = ap.parse_args()
     only = set(a.only.split(","))
     dev = torch.device("cuda")
@@ -82,6 +123,8 @@ def main() -> None:
         report(f"{name} experts", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
                do_bench(lambda: moe.moe_gemv(x, ids, weights, gate, up, down, "silu")),
                _best(lambda cfg: moe.moe_gemv(x, ids, weights, gate, up, down, "silu", config=cfg)))
+    if "kquant" in only:
+        _kquants(dev, report)
     for name, (n_expert, n_used, n_embd, _) in EXPERTS.items() if "router" in only else ():  # the f32 router
         w = torch.randn(n_expert, n_embd, device=dev)
         x = torch.randn(1, n_embd, device=dev)
