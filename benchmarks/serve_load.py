@@ -9,7 +9,7 @@ prefilled again alone, moved its top log probabilities by 0.07 and its first tok
 docs/performance.md).
 Nothing lost, nothing corrupted. Reports requests completed, hung up, wrong and failed, tokens per second, and the server process's
 resident memory after a warm-up round and at the end. Prints a table, writes JSON.
-  python benchmarks/serve_load.py [-m MODEL] [--clients 32] [--seconds 60] [-np 4] [-t 2]
+  python benchmarks/serve_load.py [-m MODEL] [--clients 32] [--seconds 60] [-np 4] [-t 2] [--rss-every 30]
 (no -m: the embedded Gemma 3 270M)
 """
 
@@ -45,8 +45,10 @@ def prompts_of(n: int, seed: int) -> list[str]:
 TIE = 0.25  # log probability: two tokens this close are a near tie under another batch shape
 
 
-def load(url: str, clients: int, seconds: float, max_tokens: int = 8, n_prompts: int = 24, seed: int = 0) -> dict:
-    """The run described above against a server at url; returns its counts and memory."""
+def load(url: str, clients: int, seconds: float, max_tokens: int = 8, n_prompts: int = 24, seed: int = 0,
+         rss_every: float = 0.0) -> dict:
+    """The run described above against a server at url; returns its counts and memory (rss_every > 0: the resident
+    memory sampled that often too, as (seconds, MiB) pairs: whether it levels off)."""
     prompts = prompts_of(n_prompts, seed)
 
     def ask(prompt: str, n_probs: int = 0) -> dict:
@@ -111,7 +113,15 @@ def load(url: str, clients: int, seconds: float, max_tokens: int = 8, n_prompts:
                     counts["tokens"] += len(tokens) if kind == "completed" else 0
 
     t0 = time.perf_counter()
+    samples: list[tuple[float, float]] = []
+
+    def sample() -> None:
+        while time.perf_counter() < deadline:
+            samples.append((round(time.perf_counter() - t0, 1), round(rss_mib(), 1)))
+            time.sleep(rss_every)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    if rss_every > 0:
+        threads.append(threading.Thread(target=sample))
     for t in threads:
         t.start()
     for t in threads:
@@ -123,7 +133,7 @@ def load(url: str, clients: int, seconds: float, max_tokens: int = 8, n_prompts:
         time.sleep(0.05)
     return {**counts, "errors": errors[:10], "seconds": elapsed, "tokens_per_s": counts["tokens"] / elapsed,
             "slots_processing_after": httpx.get(url + "/health").json()["slots_processing"],
-            "rss_mib_start": rss_start, "rss_mib_end": rss_mib()}
+            "rss_mib_start": rss_start, "rss_mib_end": rss_mib(), "rss_mib_samples": samples}
 
 
 def main() -> None:
@@ -134,11 +144,14 @@ def main() -> None:
     ap.add_argument("-np", "--parallel", default="4")
     ap.add_argument("-t", "--threads", default="2")
     ap.add_argument("--json", default="serve_load.json")
+    ap.add_argument("--rss-every", type=float, default=0.0, help="seconds between samples of resident memory (0: none)")
+    ap.add_argument("--cache-ram", help="the server's RAM prompt cache, MiB (default: the server's)")
     a = ap.parse_args()
-    flags = (["-m", a.model] if a.model else []) + ["-np", a.parallel, "-c", "8192", "-t", a.threads]
+    flags = ((["-m", a.model] if a.model else []) + ["-np", a.parallel, "-c", "8192", "-t", a.threads]
+             + (["--cache-ram", a.cache_ram] if a.cache_ram else []))
     url, srv, thread = serve(flags)
     try:
-        r = load(url, a.clients, a.seconds)
+        r = load(url, a.clients, a.seconds, rss_every=a.rss_every)
     finally:
         srv.should_exit = True
         thread.join(timeout=30)
@@ -147,6 +160,8 @@ def main() -> None:
     print(f"| {a.clients} | {r['seconds']:.0f} | {r['completed']} ({r['ties']}) | {r['hung_up']} | {r['wrong']} | "
           f"{r['failed']} | "
           f"{r['tokens_per_s']:.1f} | {r['rss_mib_start']:.0f} -> {r['rss_mib_end']:.0f} |")
+    if r["rss_mib_samples"]:
+        print("RSS MiB over the run (seconds: MiB): " + ", ".join(f"{t:g}: {m:.0f}" for t, m in r["rss_mib_samples"]))
     for e in r["errors"]:
         print("error:", e)
     with open(a.json, "w") as fh:
