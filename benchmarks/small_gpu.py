@@ -155,7 +155,8 @@ def main() -> None:
     ap.add_argument("--ik-bench", help="ik_llama.cpp's CUDA llama-bench: its fit and an --n-cpu-moe sweep")
     ap.add_argument("--ik-bench-from", help="a file that will hold that path once a build finishes (waited for when "
                     "first needed, after ferry's and llama.cpp's runs)")
-    ap.add_argument("--ik-sweep", default="-2,0,2", help="--n-cpu-moe offsets from the layers ferry's fit leaves in RAM")
+    ap.add_argument("--ik-sweep", default="-2,0,2",
+                    help="--n-cpu-moe offsets from the layers ferry's fit leaves in RAM")
     ap.add_argument("-t", "--threads", type=int, default=16)
     ap.add_argument("-p", default="512", help="prompt sizes, comma list")
     ap.add_argument("-n", type=int, default=128)

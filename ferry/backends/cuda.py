@@ -1,8 +1,9 @@
 """GPU backend: weights live on the GPU in their GGUF encoding. Few tokens (generation): quantized GEMV kernels
-read the bytes directly (kernels/cuda/gemv.py, moe.py; K-quants' GGUF blocks: kquant.py). Many tokens (prompts): the weight is expanded by the Triton
-dequantizer into a reused f16 scratch and multiplied by cuBLAS (float32 accumulation, as llama.cpp's cuBLAS path); a
-MoE layer sorts its (token, expert) pairs by expert and runs every expert in one grouped GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 weights in
-registers; torch._grouped_mm on bf16 copies for other types), without the host learning which experts were hit."""
+read the bytes directly (kernels/cuda/gemv.py, moe.py; K-quants' GGUF blocks: kquant.py). Many tokens (prompts): the
+weight is expanded by the Triton dequantizer into a reused f16 scratch and multiplied by cuBLAS (float32 accumulation,
+as llama.cpp's cuBLAS path); a MoE layer sorts its (token, expert) pairs by expert and runs every expert in one grouped
+GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 weights in registers; torch._grouped_mm on bf16
+copies for other types), without the host learning which experts were hit."""
 
 from __future__ import annotations
 
