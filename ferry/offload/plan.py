@@ -124,7 +124,6 @@ def forecast(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration
     k_over_e = args.n_expert_used / args.n_expert if args.n_expert else 0.0
     gpu_bytes = gpu_qflops = 0.0  # per token
     in_ram_embd = False
-    experts_by_layer: dict[int, list] = {}
     for t in f.tensors.values():
         if len(t.ne) < 2:
             continue
@@ -137,8 +136,6 @@ def forecast(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration
         per_token = k_over_e if m else 1.0
         gpu_bytes += share * per_token * t.nbytes
         gpu_qflops += share * per_token * 2.0 * t.ne[0] * t.ne[1] * (t.ne[2] if m and len(t.ne) > 2 else 1)
-        if m and not on_gpu:
-            experts_by_layer.setdefault(int(t.name.split(".")[1]), []).append(t)
     host_steps = (floor["layers"] if floor else 0) + in_ram_embd
     gpu_tg = args.n_layer * DECODE_KERNELS_PER_LAYER * calib.graph_kernel_s + gpu_bytes / calib.gpu_gemv_bytes_per_s
     ram_tg = floor["seconds_per_token"] if floor else 0.0
@@ -148,10 +145,10 @@ def forecast(f: GGUFFile, args, n_gpu_layers: int, overrides, calib: Calibration
     gpu_pp = n * gpu_qflops / calib.gpu_moe_flops + attn_flops / calib.gpu_flops
     ram_pp = copies = 0.0  # the RAM side's compute (either side's), and its copies over PCIe
     for layer, mine in _in_ram_by_layer(f, args, n_gpu_layers, overrides).items():
-        for t in (t for t in mine if not EXPERTS_RE.match(t.name)):
+        experts = [t for t in mine if EXPERTS_RE.match(t.name)]
+        for t in (t for t in mine if t not in experts):
             d = dense_decision(t, n, calib, policy)
             ram_pp += d.cpu_s if d.device == "CPU" else d.gpu_s
-        experts = experts_by_layer.get(layer, [])
         if len(experts) == 3:
             s, _, work = _experts_split(experts, args, calib, policy, n)
             kept = 1.0 - layer_share.get(layer, 0.0)
