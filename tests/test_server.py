@@ -321,3 +321,28 @@ def test_thirty_two_clients_for_a_while_lose_and_corrupt_nothing(tiny):
         assert r["wrong"] == 0 and r["failed"] == 0, r["errors"]
         assert r["completed"] > 30 and r["hung_up"] > 3 and r["slots_processing_after"] == 0
     assert runs[2]["rss_mib_end"] - runs[1]["rss_mib_end"] < 50, [(r["rss_mib_start"], r["rss_mib_end"]) for r in runs]
+
+
+def test_a_fault_outside_the_forward_fails_its_request_and_the_server_goes_on(tiny, monkeypatch):
+    """A fault where no forward runs (here copying a slot's cache to the RAM prompt cache, as a new prompt takes the one
+    slot) answers the request in that slot with a 500 naming it; the next request is served as before. (Before, such a
+    fault ended the scheduler's thread and every later request waited for ever.)"""
+    from ferry.runtime.kv_cache import KVCache
+
+    url, srv, thread = serve(["-m", str(tiny), "-np", "1", "-c", "512", "-t", "1", "--cache-ram", "64"])
+
+    def ask(prompt: str) -> httpx.Response:
+        return httpx.post(url + "/completion", json={"prompt": prompt, "n_predict": 4, "temperature": 0}, timeout=60)
+
+    try:
+        first = ask("one two three four five six seven eight").json()["content"]
+        real = KVCache.copy_rows
+        monkeypatch.setattr(KVCache, "copy_rows", lambda *a: (_ for _ in ()).throw(RuntimeError("disk on fire")))
+        failed = ask("a prompt that shares nothing with the first one")
+        assert failed.status_code == 500 and "disk on fire" in failed.json()["error"]["message"]
+        monkeypatch.setattr(KVCache, "copy_rows", real)
+        again = ask("one two three four five six seven eight")
+        assert again.status_code == 200 and again.json()["content"] == first
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)

@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import math
 import queue
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -99,49 +101,61 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
-            if self.busy == 0:
-                self._admit(self.pending.get())  # nothing to do: wait for work
-            while self.busy < len(self.slots) and not self.pending.empty():
-                self._admit(self.pending.get_nowait())
-            for r in [r for r in self.slots if r is not None and r.cancelled.is_set()]:
-                self._free(r)
-            # a step: one token of every generating slot, with a chunk of the earliest prompt still prefilling mixed
-            # in, so that a long prompt arriving slows the running streams by a bounded share, never stops them
-            filling = [r for r in self.slots if r is not None and r.n_past < len(r.prompt)]
-            active = [r for r in self.slots if r is not None and r.n_past >= len(r.prompt)]
-            first = min(filling, key=lambda r: r.t0) if filling else None
-            k = 0
-            if first and (not active or self.n_batch > self.engine.n_ubatch - len(active)):
-                self._prefill(first)  # no stream to keep going, or -b more than a forward holds beside them
-                active = [r for r in self.slots if r is not None and r.n_past >= len(r.prompt)]
-            elif first and (self.n_batch or (self.credit >= 0 and self.decode_s is not None)):
-                k = self._chunk(first, len(active))
-            if not active:
-                continue
-            # the prompt's chunk first, the generating slots' tokens last: logits for the last rows only (the chunk's
-            # last too where it ends the prompt)
-            i, slot = (first.n_past, first.slot) if k else (0, 0)
-            ends = bool(k) and i + k == len(first.prompt)
-            tokens = (first.prompt[i:i + k] if k else []) + [r.last for r in active]
-            seqs = [slot] * k + [r.slot for r in active]
-            positions = list(range(i, i + k)) + [r.n_past for r in active]
-            t0 = time.perf_counter()
             try:
-                logits = self.engine.decode_sequences(tokens, seqs, positions, self.seq_len,
-                                                      tail=len(active) + ends)
-            except Exception as e:  # a failed step fails its requests, never the server
-                for r in active + ([first] if k else []):
-                    self._emit(r, "error", str(e))
+                if self.busy == 0:
+                    self._admit(self.pending.get())  # nothing to do: wait for work
+                self._step()
+            except Exception as e:  # a fault outside the forward (caught in _step) fails the requests in the slots
+                print(f"ferry serve: a step failed: {e!r}; its requests get the error, the server goes on",
+                      file=sys.stderr)
+                traceback.print_exc()
+                for r in [r for r in self.slots if r is not None]:
+                    self._emit(r, "error", f"the server failed this request: {e}")
                     self._free(r)
-                continue
-            self._measured(time.perf_counter() - t0, k)
-            for r, row in zip(active, logits[int(ends):]):
-                r.n_past += 1
-                self._accept(r, r.sampler(row, r.prompt + r.generated), row)
-            if k:
-                first.n_past += k
-                if ends:
-                    self._prompt_done(first, logits[0])
+
+    def _step(self) -> None:
+        """One step: admit what waits for a free slot, drop cancelled requests, then one forward (below)."""
+        while self.busy < len(self.slots) and not self.pending.empty():
+            self._admit(self.pending.get_nowait())
+        for r in [r for r in self.slots if r is not None and r.cancelled.is_set()]:
+            self._free(r)
+        # a step: one token of every generating slot, with a chunk of the earliest prompt still prefilling mixed
+        # in, so that a long prompt arriving slows the running streams by a bounded share, never stops them
+        filling = [r for r in self.slots if r is not None and r.n_past < len(r.prompt)]
+        active = [r for r in self.slots if r is not None and r.n_past >= len(r.prompt)]
+        first = min(filling, key=lambda r: r.t0) if filling else None
+        k = 0
+        if first and (not active or self.n_batch > self.engine.n_ubatch - len(active)):
+            self._prefill(first)  # no stream to keep going, or -b more than a forward holds beside them
+            active = [r for r in self.slots if r is not None and r.n_past >= len(r.prompt)]
+        elif first and (self.n_batch or (self.credit >= 0 and self.decode_s is not None)):
+            k = self._chunk(first, len(active))
+        if not active:
+            return
+        # the prompt's chunk first, the generating slots' tokens last: logits for the last rows only (the chunk's
+        # last too where it ends the prompt)
+        i, slot = (first.n_past, first.slot) if k else (0, 0)
+        ends = bool(k) and i + k == len(first.prompt)
+        tokens = (first.prompt[i:i + k] if k else []) + [r.last for r in active]
+        seqs = [slot] * k + [r.slot for r in active]
+        positions = list(range(i, i + k)) + [r.n_past for r in active]
+        t0 = time.perf_counter()
+        try:
+            logits = self.engine.decode_sequences(tokens, seqs, positions, self.seq_len,
+                                                  tail=len(active) + ends)
+        except Exception as e:  # a failed step fails its requests, never the server
+            for r in active + ([first] if k else []):
+                self._emit(r, "error", str(e))
+                self._free(r)
+            return
+        self._measured(time.perf_counter() - t0, k)
+        for r, row in zip(active, logits[int(ends):]):
+            r.n_past += 1
+            self._accept(r, r.sampler(row, r.prompt + r.generated), row)
+        if k:
+            first.n_past += k
+            if ends:
+                self._prompt_done(first, logits[0])
 
     def _chunk(self, r: Request, n_active: int) -> int:
         """The prompt tokens of r a step mixes in beside n_active generating slots': -b's, else the adapted chunk."""
@@ -170,11 +184,11 @@ class Scheduler:
         shared = {i: _common(self.held[i], r.prompt) if r.cache_prompt else 0 for i in free}
         # the longest cached prefix, else the slot used longest ago (an empty one first): the least cache written over
         r.slot = max(free, key=lambda i: (shared[i], -self.used[i], -i))
+        self.slots[r.slot] = r  # in its slot first: a fault from here on fails it (_run) rather than losing it
         if self.cache_ram:  # a request that reuses nothing (cache_prompt false) still keeps what it writes over
             shared[r.slot] = self._from_ram(r.slot, r.prompt if r.cache_prompt else [], shared[r.slot])
         # at least the prompt's last token is prefilled: its logits give the first generated token
         r.n_cached = r.n_past = min(shared[r.slot], len(r.prompt) - 1)
-        self.slots[r.slot] = r
         r.t0 = time.perf_counter()
         r.sampler = Sampler(r.params)
         r.decoder = StreamDecoder(self.tok)
