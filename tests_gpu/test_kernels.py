@@ -110,7 +110,8 @@ def _kquant(rng, qtype, *shape):
 
 @pytest.mark.parametrize("qtype", list(kquant.KQUANT_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,rows,cols,config", [(1, 1, 256, (4, 4)), (1, 17, 768, (4, 4)), (3, 33, 512, (8, 2)),
-                                                (1, 40, 2048, (16, 8)), (5, 7, 1280, (1, 1))])
+                                                (1, 40, 2048, (16, 8)), (5, 7, 1280, (1, 1)), (2, 19, 512, (8, 1)),
+                                                (1, 9, 768, (0, 1))])
 def test_kquant_gemv_matches_float64(qtype, n, rows, cols, config):
     rng = np.random.default_rng(rows + cols + n)
     raw, w = _kquant(rng, qtype, rows, cols)

@@ -127,10 +127,18 @@ def _args(qtype: Q) -> tuple[int, int]:
     return KQUANT_KINDS[qtype], GGML_QUANT_SIZES[qtype][1]
 
 
-def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, rows_per_program: int = 4,
-          warps: int = 4) -> torch.Tensor:
-    """x (n, cols) times the (rows, cols) K-quant matrix (its GGUF bytes on the GPU) transposed: (n, rows) float32."""
+# One warp a program reads fastest on the H100 (benchmarks/gemv_kernels.py --only kquant, docs/performance.md
+# 2026-11-25 session 31): a row a program for the attention's matrices (13.5 against 31.7 us with 4 rows and 4 warps
+# at 4096x2048), 8 for an output matrix's 151936 rows (141 against 839 us), 4 for the experts (46 against 100 us)
+BIG_ROWS = 65536
+
+
+def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, rows_per_program: int = 0,
+          warps: int = 1) -> torch.Tensor:
+    """x (n, cols) times the (rows, cols) K-quant matrix (its GGUF bytes on the GPU) transposed: (n, rows) float32.
+    rows_per_program 0: 8 for matrices of BIG_ROWS rows or more, else 1."""
     cols, rows = ne[0], ne[1]
+    rows_per_program = rows_per_program or (8 if rows >= BIG_ROWS else 1)
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
     kind, size = _args(qtype)
@@ -140,7 +148,7 @@ def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, row
 
 
 def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
-              residual: torch.Tensor | None = None, rows_per_program: int = 4, warps: int = 4) -> torch.Tensor:
+              residual: torch.Tensor | None = None, rows_per_program: int = 4, warps: int = 1) -> torch.Tensor:
     """The routed experts of few tokens, their stacked tensors K-quants read in place: x (n, n_embd), ids / weights
     (n, n_used) on the GPU; gate / up / down (GGUF bytes on the GPU, quant type, ne). Returns (n, n_embd) float32,
     plus `residual` when given; each token's pairs summed in a fixed order."""
