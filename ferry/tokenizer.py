@@ -18,7 +18,11 @@ from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 
 # token texts that end a turn in chat models; llama.cpp treats them as end-of-generation too
-EOG_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<|eom_id|>")
+EOG_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<|eom_id|>", "<|return|>",
+             "<|call|>")
+# gpt-oss's harmony format ends a message with <|end|> and the model's turn with <|return|> or <|call|>: with those two
+# in the vocabulary <|end|> ends no generation, as in llama.cpp (the final answer follows the reasoning's <|end|>)
+HARMONY_ENDS = ("<|return|>", "<|call|>")
 _KEYS = {
     "model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
     "token_type": "token_type", "merges": "merges", "bos_token_id": "bos_token_id",
@@ -67,6 +71,10 @@ PRE_SPLITS["kimi-k2"] = [  # Kimi K2's own (tiktoken) rule: runs of Han characte
     + r"|[^\r\n\p{L}\p{N}]?" + _NOT_HAN_UPPER + "+" + _NOT_HAN_LOWER + "*" + _ANY_CASE_CONTRACTIONS
     + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
 PRE_SPLITS["falcon"] = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"]
+PRE_SPLITS["gpt-4o"] = [  # o200k's (gpt-oss's tokenizer.json; llama.cpp spells its letter classes otherwise, same ids)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _ANY_CASE_CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _ANY_CASE_CONTRACTIONS
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
 # vocabularies whose pieces found whole in the vocabulary are taken whole, merges or not (llama.cpp: ignore_merges)
 IGNORE_MERGES = {"glm4", "glm5", "llama3", "llama-v3", "llama-bpe"}
 
@@ -145,9 +153,11 @@ class Tokenizer:
             self._special = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else re.compile("(?!)")
         self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", spm)) and self.bos_id is not None
         eog = {self.eos_id, f.get("tokenizer.ggml.eot_token_id"), f.get("tokenizer.ggml.eom_token_id")}
-        ids = self._tok.get_vocab()
+        ids = {t: self._own_id.get(i, i) for t, i in self._tok.get_vocab().items()}  # the file's ids
         eog |= {ids[t] for t in EOG_TEXTS if t in ids}
-        self.eog_ids = {i for i in eog if i is not None}
+        if all(t in ids for t in HARMONY_ENDS) and "<|end|>" in ids:
+            eog.discard(ids["<|end|>"])
+        self.eog_ids = {i for i in eog if i is not None and i < len(self.tokens)}  # ids the model can give
         self.chat_template: str | None = f.get("tokenizer.chat_template")
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:

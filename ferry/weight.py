@@ -28,6 +28,8 @@ class Weight:
     f32_copy: np.ndarray | None = field(default=None, repr=False)  # for a type no backend kernel reads
     repacked: object = field(default=None, repr=False)  # the CPU backend's interleaved copy (False: none exists)
     own_copy: np.ndarray | None = field(default=None, repr=False)  # ferry's CPU kernels' interleaved copy (Q8_0)
+    # an expert tensor's biases, added to each expert's product (gpt-oss): (n_expert, rows) float32
+    bias: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:

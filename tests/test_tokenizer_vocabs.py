@@ -1,6 +1,6 @@
 """ferry's tokenizer against llama.cpp's on llama.cpp's own vocabulary test files (models/ggml-vocab-*.gguf, the
 texts of .inp and llama.cpp's token ids of .out, from the llama-cpp-python sdist the converter tests use), and, for
-pre-tokenizers llama.cpp ships no test file for (DeepSeek-V3's, GLM-4.5's, Kimi K2's), on a vocabulary given that
+pre-tokenizers llama.cpp ships no test file for (DeepSeek-V3's, GLM-4.5's, Kimi K2's, gpt-oss's gpt-4o), on a vocabulary given that
 pre-tokenizer's name against ids llama.cpp gave (tests/fixtures/llamacpp_tokens/, written by
 benchmarks/llamacpp_tokens.py). A prompt tokenized otherwise than llama.cpp tokenizes it is another prompt."""
 
@@ -35,7 +35,7 @@ def test_every_text_tokenizes_as_llama_cpp_tokenizes_it(vocab, models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4", "kimi-k2"])
+@pytest.mark.parametrize("pre", ["deepseek-v3", "glm4", "kimi-k2", "gpt-4o"])
 def test_pre_tokenizers_without_a_test_file_cut_as_llama_cpp_cuts(pre, models, tmp_path):
     """Numbers, CJK, punctuation runs, whitespace and a special token written in the text."""
     ref = json.loads((LLAMACPP_TOKENS / f"{pre}.json").read_text(encoding="utf-8"))
@@ -52,3 +52,21 @@ def test_a_control_token_in_a_byte_level_vocabulary_keeps_its_own_id(models, tmp
     ids = tok.encode("<｜begin▁of▁sentence｜>Hi", add_bos=False)
     assert ids[0] == tok.tokens.index("<｜begin▁of▁sentence｜>") and len(ids) == 2
     assert tok.decode(ids) == "<｜begin▁of▁sentence｜>Hi"
+
+
+@pytest.mark.slow
+def test_harmony_ends_generation_at_return_or_call_not_at_end(models, tmp_path):
+    """gpt-oss's vocabulary: <|return|> and <|call|> end a generation; <|end|>, which ends the reasoning message
+    before the final one, does not (llama.cpp's rule). Without those two, <|end|> ends it (Phi-3's)."""
+    from tests.fixtures.vocab import with_tokens
+
+    harmony = with_tokens(models / "ggml-vocab-qwen2.gguf",
+                          {"<|im_start|>": "<|return|>", "<|im_end|>": "<|call|>", "<|endoftext|>": "<|end|>"},
+                          tmp_path / "harmony.gguf")
+    tok = Tokenizer(GGUFFile(with_pre(harmony, "gpt-4o", tmp_path / "harmony-gpt4o.gguf")))
+    ends = {tok.tokens[i] for i in tok.eog_ids}
+    assert ends == {"<|return|>", "<|call|>"}
+    assert tok.encode("<|call|>", add_bos=False) == [tok.tokens.index("<|call|>")]
+    only_end = Tokenizer(GGUFFile(with_tokens(models / "ggml-vocab-qwen2.gguf", {"<|endoftext|>": "<|end|>"},
+                                              tmp_path / "end.gguf")))
+    assert "<|end|>" in {only_end.tokens[i] for i in only_end.eog_ids}

@@ -15,6 +15,7 @@ import torch
 
 from ferry.config import settings
 from ferry.errors import FerryError
+from ferry.kernels.activations import SWIGLU_OAI
 from ferry.kernels.capabilities import can, cpu_native_experts, cpu_native_linear
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
@@ -29,7 +30,8 @@ _ALIGN = 64
 
 
 
-_GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split}  # act(gate) * up in one op
+_GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split,  # act(gate) * up in one op
+        "swiglu_oai": lambda c, g, u: ggml.ggml_swiglu_oai(c, g, u, *SWIGLU_OAI)}
 
 
 _ACT = {"silu": ggml.ggml_silu, "gelu": ggml.ggml_gelu}
@@ -232,6 +234,13 @@ class CpuBackend:
         n_expert = router.ne[1]
         x = ggml.ggml_reshape_3d(c, x, n_embd, 1, n)
         logits = ggml.ggml_mul_mat(c, self._weight_leaf(g, router), x)  # (n_expert, 1, n)
+        if routing is not None and routing.logit_bias is not None:
+            logits = ggml.ggml_add(c, logits, g.leaf(ggml.GGML_TYPE_F32, (n_expert,), routing.logit_bias.data_ptr()))
+        if routing is not None and routing.gating == "softmax_weight":  # the top logits, then a softmax over them
+            ids = ggml.ggml_top_k(c, ggml.ggml_reshape_2d(c, logits, n_expert, n), n_used)
+            chosen = ggml.ggml_get_rows(c, ggml.ggml_reshape_3d(c, logits, 1, n_expert, n), ids)  # (1, n_used, n)
+            weights = ggml.ggml_soft_max(c, ggml.ggml_reshape_2d(c, chosen, n_used, n))
+            return ids, ggml.ggml_reshape_3d(c, weights, 1, n_used, n)
         sigmoid = routing is not None and routing.gating == "sigmoid"
         probs = ggml.ggml_sigmoid(c, logits) if sigmoid else ggml.ggml_soft_max(c, logits)
         choice = probs
@@ -270,18 +279,25 @@ class CpuBackend:
     def up_gate_nodes(self, g: _Graph, x, ids, up: Weight, gate: Weight, act: str):
         """act(gate x) * up x of each selected expert, x (n_embd, 1 or n_used, n): (n_ff, n_used, n)."""
         c = g.ctx
-        u = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, up), x, ids)
-        gt = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, gate), x, ids)
-        if self.fused_moe:
+        u = self._experts_node(g, up, x, ids)
+        gt = self._experts_node(g, gate, x, ids)
+        if self.fused_moe or act not in _ACT:
             return _GLU[act](c, gt, u)
         return ggml.ggml_mul(c, _ACT[act](c, gt), u)
+
+    def _experts_node(self, g: _Graph, w: Weight, x, ids):
+        """Each selected expert of w times x (mul_mat_id), plus that expert's bias where w has biases."""
+        y = ggml.ggml_mul_mat_id(g.ctx, self._weight_leaf(g, w), x, ids)
+        if w.bias is None:
+            return y
+        return ggml.ggml_add_id(g.ctx, y, g.leaf(ggml.GGML_TYPE_F32, (w.ne[1], w.ne[2]), w.bias.data_ptr()), ids)
 
     def down_nodes(self, g: _Graph, h, ids, weights, down: Weight):
         """down h of each selected expert, h (n_ff, n_used, n): with weights (1, n_used, n), their weighted sum
         (n_embd, n); without, each slot's output (n_embd, n_used, n)."""
         c = g.ctx
         n_used, n = ids.contents.ne[0], ids.contents.ne[1]
-        experts = ggml.ggml_mul_mat_id(c, self._weight_leaf(g, down), h, ids)  # (n_embd, n_used, n)
+        experts = self._experts_node(g, down, h, ids)  # (n_embd, n_used, n)
         n_embd = experts.contents.ne[0]
         if weights is None:
             return experts

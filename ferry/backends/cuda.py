@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.weight import Weight
+from ferry.kernels.activations import GLU
 from ferry.kernels.capabilities import can, gpu_reads
 from ferry.quant import Q
 
-_ACT = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}
+_ACT = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}  # the kernels' (GLU: every one)
 _FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 GEMV_MAX = 8  # tokens up to which a matmul runs as quantized GEMV
 MOE_GEMV_MAX = 64  # (token, expert) pairs up to which the MoE runs as expert GEMVs
@@ -203,6 +204,8 @@ class CudaBackend:
 
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         strategy = self.moe_strategy
+        if act not in _ACT or any(w.bias is not None for w in (gate, up, down)):
+            strategy = "loop"  # gpt-oss's biases and clamped SwiGLU: only the per-expert loop adds them, for now
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
         if strategy == "gemv" and gpu_reads(w.qtype for w in (gate, up, down)):
@@ -403,12 +406,15 @@ class CudaBackend:
         for e in ids.unique().tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
             xe = xb[tok]
-            g = _mm(xe, expert(gate, e))
-            u = _mm(xe, expert(up, e))
-            h = (_ACT[act](g) * u).to(torch.float16)
-            y = _mm(h, expert(down, e))
+            g, u = self._biased(_mm(xe, expert(gate, e)), gate, e), self._biased(_mm(xe, expert(up, e)), up, e)
+            h = GLU[act](g, u).to(torch.float16)
+            y = self._biased(_mm(h, expert(down, e)), down, e)
             out.index_add_(0, tok, y * weights[tok, slot, None])
         return out
+
+    def _biased(self, y: torch.Tensor, w: Weight, e: int) -> torch.Tensor:
+        """y plus expert e's bias where the stacked tensor w has biases (gpt-oss)."""
+        return y if w.bias is None else y + self.vector(w.bias)[e]
 
 
 def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
@@ -416,6 +422,11 @@ def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None
     """The router's scores (softmax, or layers.ffn.Routing's sigmoid), the top n_used by score (+ the choice bias),
     their unbiased scores renormalised if norm_topk and scaled: (weights float32, ids int32). on_device: the
     backend's way of putting the bias where the logits are."""
+    if routing is not None and routing.logit_bias is not None:
+        logits = logits + on_device(routing.logit_bias)
+    if routing is not None and routing.gating == "softmax_weight":  # the top logits, then a softmax over them
+        top, ids = logits.topk(n_used, -1)
+        return torch.softmax(top, -1), ids.to(torch.int32)
     sigmoid = routing is not None and routing.gating == "sigmoid"
     probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, -1)
     choice = probs if routing is None or routing.bias is None else probs + on_device(routing.bias)
@@ -442,7 +453,7 @@ def gpu_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
     """top_k_route as one kernel (route) where routing is not group-limited, else op by op."""
     from ferry.kernels.cuda.route import route
 
-    if routing is not None and routing.grouped:
+    if routing is not None and (routing.grouped or routing.gating == "softmax_weight" or routing.logit_bias is not None):
         return top_k_route(logits, n_used, norm_topk, routing, on_device)
     sigmoid = routing is not None and routing.gating == "sigmoid"
     bias = None if routing is None or routing.bias is None else on_device(routing.bias)

@@ -22,7 +22,7 @@ from ferry.kernels.capabilities import can, gpu_reads
 from ferry.placement import EXPERTS_RE
 from ferry.offload.cost import Calibration
 from ferry.offload.policy import Explorer, Policy, experts_fixed_side
-from ferry.offload.work import SIDES, ExpertsWork, dense_decision
+from ferry.offload.work import SIDES, ExpertsWork, dense_decision, gpu_refuses
 from ferry.backends.streamer import Streamer
 
 
@@ -123,7 +123,8 @@ class HybridBackend:
         layers = [(d["gate"], d["up"], d["down"]) for _, d in sorted(by_layer.items()) if len(d) == 3]
         for layer, experts in sorted(self._resident_spec.items()):
             d = by_layer.get(layer, {})
-            if len(d) == 3 and experts:
+            # experts the GPU's kernels cannot run (gpt-oss's biases) stay in RAM alone
+            if len(d) == 3 and experts and not gpu_refuses((d["gate"], d["up"], d["down"])):
                 self._resident[id(d["gate"])] = self._keep(d["gate"], d["up"], d["down"], experts)
         for a, b in zip(layers, layers[1:]):
             self._next_experts[id(a[0])] = b

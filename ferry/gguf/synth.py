@@ -53,6 +53,9 @@ _SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
 }
 
 
+MXFP4_UNIT_STD = float(np.sqrt(np.mean(np.array([0, 1, 2, 3, 4, 6, 8, 12], np.float64) ** 2)))
+
+
 @dataclass(frozen=True)
 class Preset:
     arch: str
@@ -80,6 +83,7 @@ class Preset:
     expert_weights_scale: float = 1.0
     expert_weights_norm: bool = False
     n_rot: int = 0  # glm4moe: rope on the first n_rot values of each head (0: all)
+    sliding_window: int = 0  # gpt-oss: the even layers' window
 
 
 PRESETS = {
@@ -109,6 +113,14 @@ PRESETS = {
     "glm4moe-tiny": Preset("glm4moe", 4, 256, 4, 2, 64, 16, 4, 128, 512, 2048, n_ctx=4096, n_expert_shared=1,
                            n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True,
                            n_rot=32),
+    # gpt-oss-20b's and gpt-oss-120b's shapes (about 12 and 61 GB with MXFP4 experts, the rest Q8_0): biases, sinks,
+    # a window of 128 on even layers, YaRN 32 over 4096
+    "gpt-oss-20b": Preset("gpt-oss", 24, 2880, 64, 8, 64, 32, 4, 2880, 2880, 201088, n_ctx=131072, rope_base=150000.0,
+                          norm_eps=1e-5, sliding_window=128),
+    "gpt-oss-120b": Preset("gpt-oss", 36, 2880, 64, 8, 64, 128, 4, 2880, 2880, 201088, n_ctx=131072,
+                           rope_base=150000.0, norm_eps=1e-5, sliding_window=128),
+    "gpt-oss-tiny": Preset("gpt-oss", 4, 256, 4, 2, 64, 8, 2, 256, 256, 2048, n_ctx=4096, rope_base=150000.0,
+                           norm_eps=1e-5, sliding_window=8),
     "deepseek2-tiny": Preset("deepseek2", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
                              q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
                              n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True),
@@ -146,7 +158,11 @@ def random_tensor(qtype: GGMLQuantizationType, ne: tuple[int, ...], std: float, 
         if qtype == Q.F16:
             return values.astype(np.float16).view(np.uint8)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16: the top half of f32
-    if qtype not in _SCALE_FIELDS:  # no single scale field to set (IQ4_*, MXFP4, TQ2_0): quantize real values
+    if qtype == Q.MXFP4:  # random nibbles under one E8M0 exponent: ggml's values (twice e2m1's) have rms 5.85
+        blocks = np.frombuffer(rng.bytes(n // 32 * 17), dtype=np.uint8).reshape(-1, 17).copy()
+        blocks[:, 0] = np.uint8(np.clip(round(128 + np.log2(std / MXFP4_UNIT_STD)), 2, 254))
+        return blocks.reshape(-1)
+    if qtype not in _SCALE_FIELDS:  # no single scale field to set (IQ4_*, TQ2_0): quantize real values
         return quantize(rng.standard_normal((n // ne[0], ne[0]), dtype=np.float32) * np.float32(std), qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     blocks = np.frombuffer(rng.bytes(n // block * size), dtype=np.uint8).reshape(-1, size).copy()
@@ -221,6 +237,31 @@ def _glm_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, othe
              mat(b + "attn_output.weight", other_type, (q_dim, d), OUTPUT_PROJECTION_SCALE),
              named(ones(d), b + "post_attention_norm.weight")]
     return specs + _ffn(p, b, i, mat, experts, other_type, rng)
+
+
+def _gptoss_layer(p: Preset, b: str, mat, named, ones, experts: tuple, other_type, rng) -> list[TensorSpec]:
+    """One gpt-oss block: attention with biases (output's too) and sinks, then routed experts with biases (router's
+    too); the experts of the first of `experts`' types (MXFP4 in the real files)."""
+    d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+
+    def small(name: str, *ne: int, std: float = 0.02) -> TensorSpec:
+        n = int(np.prod(ne))
+        return TensorSpec(name, Q.F32, ne, lambda: (std * rng.standard_normal(n)).astype(np.float32))
+
+    return [named(ones(d), b + "attn_norm.weight"),
+            mat(b + "attn_q.weight", other_type, (d, q_dim)), small(b + "attn_q.bias", q_dim),
+            mat(b + "attn_k.weight", other_type, (d, kv_dim)), small(b + "attn_k.bias", kv_dim),
+            mat(b + "attn_v.weight", other_type, (d, kv_dim)), small(b + "attn_v.bias", kv_dim),
+            mat(b + "attn_output.weight", other_type, (q_dim, d), OUTPUT_PROJECTION_SCALE),
+            small(b + "attn_output.bias", d), small(b + "attn_sinks.weight", p.n_head, std=1.0),
+            named(ones(d), b + "post_attention_norm.weight"),
+            mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)), small(b + "ffn_gate_inp.bias", p.n_expert),
+            mat(b + "ffn_gate_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+            small(b + "ffn_gate_exps.bias", p.n_ff_exp, p.n_expert),
+            mat(b + "ffn_up_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+            small(b + "ffn_up_exps.bias", p.n_ff_exp, p.n_expert),
+            mat(b + "ffn_down_exps.weight", experts[0], (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
+            small(b + "ffn_down_exps.bias", d, p.n_expert)]
 
 
 def _ffn(p: Preset, b: str, i: int, mat, experts: tuple, other_type, rng) -> list[TensorSpec]:
@@ -304,6 +345,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
         "tokenizer.ggml.add_bos_token": False,
     }
     mla = a == "deepseek2"
+    if a == "gpt-oss":
+        metadata.update({f"{a}.attention.sliding_window": p.sliding_window, f"{a}.rope.scaling.type": "yarn",
+                         f"{a}.rope.scaling.factor": 32.0, f"{a}.rope.scaling.original_context_length": 4096})
     if a == "glm4moe":
         metadata.update({f"{a}.rope.dimension_count": p.n_rot or p.head_dim, f"{a}.nextn_predict_layers": 0,
                          f"{a}.expert_shared_count": p.n_expert_shared,
@@ -344,6 +388,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
             continue
         if a == "glm4moe":
             specs += _glm_layer(p, b, i, mat, named, ones, experts, other_type, rng)
+            continue
+        if a == "gpt-oss":
+            specs += _gptoss_layer(p, b, mat, named, ones, experts, other_type, rng)
             continue
         specs += [
             named(ones(d), b + "attn_norm.weight"),

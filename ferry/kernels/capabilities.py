@@ -114,6 +114,8 @@ def cpu_native_experts(up, gate, down, act: str, repacked=None) -> str:
     run asks its CPU backend; None: ggml repacks where cpu_repack says, as with -rtr, the default)."""
     if act != "silu":
         return f"its activation is {act}; the kernel is written for silu"
+    if any(getattr(t, "bias", None) is not None for t in (up, gate, down)):
+        return "the experts have biases; the kernel adds none"
     if gate.qtype != up.qtype:
         return "gate and up differ in type"
     kinds = {t.qtype: can(t.qtype).cpu_native for t in (up, down)}

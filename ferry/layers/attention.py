@@ -33,6 +33,8 @@ class Attention:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     window: int = 0
+    bo: torch.Tensor | None = None  # the output projection's bias (gpt-oss)
+    sinks: torch.Tensor | None = None  # (n_head,) each head's sink logit: in the softmax's denominator only (gpt-oss)
 
     def __call__(self, ops, x, norm: torch.Tensor | None = None, eps: float = 0.0):
         """The layer's output for x, or for RMSNorm(x) * norm when norm is given (the block's pre-norm, which a
@@ -40,7 +42,7 @@ class Attention:
         out = ops.fused_attention(self, x, norm, eps)
         if out is None:
             out = self.unfused(ops, x if norm is None else ops.rms_norm(x, norm, eps))
-        return ops.linear(out, self.wo)
+        return ops.linear(out, self.wo, self.bo)
 
     def unfused(self, ops, x):
         """The layer op by op, up to its output projection: (n, n_head * head_dim_v)."""
@@ -51,7 +53,28 @@ class Attention:
             q = ops.rms_norm(q, self.q_norm, self.norm_eps)
             k = ops.rms_norm(k, self.k_norm, self.norm_eps)
         q, k = ops.rope(q, self.rope), ops.rope(k, self.rope)
+        if self.sinks is not None:
+            return ops.attention(self.layer, q, k, v, self.scale, self.window, sinks=self.sinks)
         return ops.attention(self.layer, q, k, v, self.scale, self.window)
+
+
+def with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention with each head's sink logit in the softmax's denominator, as a plain attention over one more key:
+    q gets a column of ones, every key a zero there, and the extra key (first, never masked, its value zero) only
+    sinks / scale there, so that its score is the sink. q, keys, values (heads, n or n_kv, d), one key head per
+    query head; mask (n, n_kv) bool or additive -> the same four for scaled_dot_product_attention, the head size padded to
+    a multiple of 8 (its fast kernels' need)."""
+    heads, n, d = q.shape
+    pad = 8 - d % 8
+    q = torch.cat([q, q.new_ones(heads, n, 1), q.new_zeros(heads, n, pad - 1)], -1)
+    sink_key = keys.new_zeros(heads, 1, d + pad)
+    sink_key[:, 0, d] = sinks.to(keys.device, keys.dtype) / scale
+    keys = torch.cat([sink_key, torch.cat([keys, keys.new_zeros(heads, keys.shape[1], pad)], -1)], 1)
+    values = torch.cat([values.new_zeros(heads, 1, values.shape[2]), values], 1)
+    seen = mask.new_ones(mask.shape[0], 1) if mask.dtype == torch.bool else mask.new_zeros(mask.shape[0], 1)
+    mask = torch.cat([seen, mask], 1)
+    return q, keys, values, mask
 
 
 def expand_from(lora: int, nope: int, v: int) -> int:

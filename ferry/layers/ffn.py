@@ -24,15 +24,18 @@ class DenseFFN:
 @dataclass(frozen=True, eq=False)
 class Routing:
     """How a router's logits become expert weights when it is not a plain softmax (GLM-4.5, DeepSeek-V3): sigmoid
-    scores, experts chosen by score + bias (the correction bias), weights from the unbiased scores, scaled."""
+    scores, experts chosen by score + bias (the correction bias), weights from the unbiased scores, scaled; or
+    (gpt-oss, llama.cpp's SOFTMAX_WEIGHT) experts chosen by their logits, weights the softmax of the chosen
+    logits alone."""
 
-    gating: str = "softmax"  # or "sigmoid"
+    gating: str = "softmax"  # or "sigmoid", "softmax_weight"
     bias: torch.Tensor | None = None  # (n_expert,) float32, added for the choice only
     scale: float = 1.0  # routed_scaling_factor / expert_weights_scale
     # group-limited routing (DeepSeek-V2/V3, GLM): experts only from the n_group_used best of n_group groups, a
     # group scored by its best expert (softmax, DeepSeek-V2) or its two best summed (sigmoid, V3 and GLM)
     n_group: int = 1
     n_group_used: int = 1
+    logit_bias: torch.Tensor | None = None  # (n_expert,) float32, the router's own bias: added to its logits
 
     @property
     def grouped(self) -> bool:

@@ -19,7 +19,10 @@ from ferry.quant import dequantize
 from ferry.layers.cache import CacheLayout, cache_layout, mla_mode
 
 MAX_LAYERS = 4096
-YARN_ARCHS = ("deepseek2",)  # where YaRN is checked against transformers
+YARN_ARCHS = ("deepseek2", "gpt-oss")  # where YaRN is checked against transformers
+# gpt-oss: transformers' attention factor 1 + 0.1 ln(factor) on cos / sin, its correction range not rounded
+# (llama.cpp rounds it: docs/decisions.md, "gpt-oss's YaRN as transformers computes it")
+YARN_DEFAULTS = {"gpt-oss": dict(log_mul=0.1, truncate=False)}
 MAX_HEADS = 4096
 
 
@@ -55,7 +58,7 @@ class ModelArgs:
     n_nextn: int = 0  # multi-token-prediction blocks after the last layer: in the file, not run
     q_lora_rank: int = 0  # DeepSeek's latent attention: 0 = a plain q projection
     kv_lora_rank: int = 0
-    yarn: "Yarn | None" = None  # YaRN rope scaling (DeepSeek)
+    yarn: "Yarn | None" = None  # YaRN rope scaling (DeepSeek, gpt-oss)
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
@@ -125,7 +128,9 @@ class ModelArgs:
                              n_ctx_orig=key("rope.scaling.original_context_length", args.n_ctx_train),
                              beta_fast=key("rope.scaling.yarn_beta_fast", 32.0, float),
                              beta_slow=key("rope.scaling.yarn_beta_slow", 1.0, float),
-                             log_mul=key("rope.scaling.yarn_log_multiplier", 0.0, float))
+                             log_mul=key("rope.scaling.yarn_log_multiplier",
+                                         YARN_DEFAULTS.get(arch, {}).get("log_mul", 0.0), float),
+                             truncate=YARN_DEFAULTS.get(arch, {}).get("truncate", True))
         args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
         if f.get(f"{arch}.attention.key_length_mla") is not None:
             # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; the

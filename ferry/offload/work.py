@@ -20,7 +20,11 @@ def gpu_refuses(tensors, takes=lambda q: can(q).gpu_expand) -> str:
     """Why the GPU cannot take these weights from RAM ("" where it can): types no GPU kernel of theirs reads or
     expands (`takes`: the routed experts' kernels by default)."""
     kept = sorted({t.qtype.name for t in tensors if not takes(t.qtype)})
-    return f"{', '.join(kept)}, which no GPU kernel of ferry's reads or expands" if kept else ""
+    if kept:
+        return f"{', '.join(kept)}, which no GPU kernel of ferry's reads or expands"
+    if any(getattr(t, "bias", None) is not None for t in tensors):
+        return "biases (gpt-oss's), which ferry's streamed-expert kernels do not add yet"
+    return ""
 
 
 def dense_decision(tensor, n_tokens: int, calib: Calibration, policy: Policy) -> Decision:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from gguf.constants import GGMLQuantizationType as Q
 
+from ferry.layers.attention import with_sinks
 from ferry.layers.rope import Rope
 from ferry.offload.policy import Explorer
 from ferry.runtime.batch import Batch
@@ -99,7 +100,7 @@ class CudaOps(TorchOps):
 
         kv, n = self.batch.kv, x.shape[0]
         w = self.backend.fused((attn.wq, attn.wk, attn.wv))
-        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
+        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k or attn.sinks is not None
                 or any(b is not None for b in (attn.bq, attn.bk, attn.bv))
                 or any(t not in (Q.F16, Q.Q8_0) or (t == Q.Q8_0 and d % 32)
                        for t, d in ((kv.type_k, attn.head_dim_k), (kv.type_v, attn.head_dim_v)))):
@@ -157,10 +158,10 @@ class CudaOps(TorchOps):
                     0, self.cells, x.reshape(n, -1).to(TORCH_TYPES[qtype]))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
-                  window: int) -> torch.Tensor:
+                  window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         kv, n = self.batch.kv, q.shape[0]
         self._store(layer, k, v)
-        if n <= DECODE_MAX:
+        if n <= DECODE_MAX and sinks is None:  # (the decode kernel adds no sinks yet: gpt-oss's run as a prompt's)
             return self._decode_attention(layer, q, scale, window)
 
         def over_cache(q):  # a prompt: flash / memory-efficient attention over the cache as f16
@@ -170,7 +171,7 @@ class CudaOps(TorchOps):
                 values = keys[..., :kv.head_dim_v]
             else:
                 values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
-            return self._sdpa_f16(q, keys, values, scale, window)
+            return self._sdpa_f16(q, keys, values, scale, window, sinks)
 
         return self.cache_sized(over_cache, (q,), (n, q.shape[1] * kv.head_dim_v))
 
@@ -183,8 +184,9 @@ class CudaOps(TorchOps):
         return recorder.defer(fn, shape, self.tokens.device, inputs=inputs, shared="cache_sized")
 
     def _sdpa_f16(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                  window: int) -> torch.Tensor:
-        """q (n, heads, d) to keys and values (n_kv, heads_kv, d) of every attended cell, in f16: (n, heads * d_v)."""
+                  window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q (n, heads, d) to keys and values (n_kv, heads_kv, d) of every attended cell, in f16: (n, heads * d_v).
+        sinks: Attention.sinks (with_sinks' one more key, under the mask)."""
         n = q.shape[0]
         keys = keys.to(torch.float16)
         # (1, heads, tokens, dim): torch's flash and memory-efficient kernels take only 4-D inputs (3-D ones fall
@@ -196,6 +198,11 @@ class CudaOps(TorchOps):
             keys, values = keys.expand(-1, q.shape[1], -1, -1), values.expand(-1, q.shape[1], -1, -1)
         elif group > 1:
             keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        if sinks is not None:
+            mask = self._on(("mask", window), self.batch.mask(window), q.device)
+            q, keys, values, mask = with_sinks(q[0], keys[0], values[0], mask, self.backend.vector(sinks), scale)
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)
+            return out[0].transpose(0, 1).reshape(n, -1).float()
         if self.batch.seq is None and not window and self.batch.start == 0:  # causal from cell 0: flash
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
         elif self.batch.seq is None and not window:  # one sequence's next positions: causal to the cache's end, flash

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ferry.layers.attention import with_sinks
 from ferry.layers.norm import rms_norm
 from ferry.layers.rope import Rope
 from ferry.weight import Weight
@@ -116,20 +117,25 @@ class TorchOps:
         return rope(x, self._on(("cos", rope), cos, x.device), self._on(("sin", rope), sin, x.device))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
-                  window: int) -> torch.Tensor:
+                  window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store k, v in the cache (v None: a cache whose values are the first of each key row, MLA's latent),
-        attend q (n, n_head, d) to every cached position: (n, n_head * d_v)."""
+        attend q (n, n_head, d) to every cached position: (n, n_head * d_v). sinks: Attention.sinks."""
         if self.batch.seq is not None:
             raise NotImplementedError("batches of several sequences run through the ggml graph runner only")
         keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
-        return self._sdpa(q, keys, values, scale, window)
+        return self._sdpa(q, keys, values, scale, window, sinks)
 
-    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int):
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int,
+              sinks: torch.Tensor | None = None):
         n, n_head = q.shape[:2]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale,
-            enable_gqa=n_head != keys.shape[1])
+        mask = self._on(("mask", window), self.batch.mask(window), q.device)
+        q, keys, values = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+        if sinks is not None:
+            group = n_head // keys.shape[0]
+            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+            q, keys, values, mask = with_sinks(q, keys, values, mask, self.backend.vector(sinks), scale)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                             enable_gqa=n_head != keys.shape[0])
         return out.transpose(0, 1).reshape(n, -1)
 
     def cached_rows(self, layer: int, k: torch.Tensor) -> torch.Tensor:

@@ -131,6 +131,11 @@ class GraphOps:
         if y is None:
             return ggml.ggml_rope_ext(self.c, x, self.positions, None, rope.n_rot, mode, 0, rope.base,
                                       1.0 / rope.scale, 0.0, 1.0, 32.0, 1.0)
+        if not y.truncate:  # ggml floors and ceils the correction dimensions: the exact angles as frequency factors
+            ff = rope.base ** (-torch.arange(0, rope.n_rot, 2, dtype=torch.float64) / rope.n_rot) / rope.inv_freq()
+            self.g.keep.append(ff := ff.float().contiguous())
+            return ggml.ggml_rope_ext(self.c, x, self.positions, self.g.leaf(F32, (ff.numel(),), ff.data_ptr()),
+                                      rope.n_rot, mode, 0, rope.base, 1.0, 0.0, 1.0, 32.0, 1.0)
         # ggml scales cos/sin by 1 + 0.1 ln(factor) under YaRN; attn_factor cancels it (llama.cpp's deepseek2 does so)
         return ggml.ggml_rope_ext(self.c, x, self.positions, None, rope.n_rot, mode, y.n_ctx_orig, rope.base,
                                   1.0 / y.factor, 1.0, 1.0 / (1.0 + 0.1 * math.log(y.factor)), y.beta_fast, y.beta_slow)
@@ -158,8 +163,9 @@ class GraphOps:
         self.cache_views.append(view)
         return view
 
-    def attention(self, layer: int, q, k, v, scale: float, window: int):
-        """Store k and v (v None: a cache whose values are the first of each key row, MLA's latent) and attend."""
+    def attention(self, layer: int, q, k, v, scale: float, window: int, sinks: torch.Tensor | None = None):
+        """Store k and v (v None: a cache whose values are the first of each key row, MLA's latent) and attend;
+        `sinks` (n_head,): each head's sink logit, in the softmax's denominator only (gpt-oss)."""
         c, kv = self.c, self.kv
         keys = self._store(kv.k[layer], k, kv.head_dim_k, kv.type_k)
         if v is None:
@@ -168,14 +174,16 @@ class GraphOps:
             self.cache_views.append(values)
         else:
             values = self._store(kv.v[layer], v, kv.head_dim_v, kv.type_v)
-        return self._flash(q, keys, values, scale, self._mask(window))
+        return self._flash(q, keys, values, scale, self._mask(window), sinks)
 
-    def _flash(self, q, keys, values, scale: float, mask):
+    def _flash(self, q, keys, values, scale: float, mask, sinks: torch.Tensor | None = None):
         """q (d, heads, n) against keys and values (d, n_kv, heads): (d_v * heads, n)."""
         c = self.c
         q = ggml.ggml_permute(c, q, 0, 2, 1, 3)  # (d, n, heads)
         out = ggml.ggml_flash_attn_ext(c, q, keys, values, mask, scale, 0.0, 0.0)  # (d_v, heads, n)
         ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
+        if sinks is not None:
+            ggml.ggml_flash_attn_ext_add_sinks(out, self._vector(sinks))
         return ggml.ggml_reshape_2d(c, out, out.contents.ne[0] * out.contents.ne[1], self.n)
 
     def cached_rows(self, layer: int, k):
