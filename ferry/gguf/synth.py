@@ -42,6 +42,7 @@ def expert_types(expert_type: GGMLQuantizationType | str, i: int, n_layer: int) 
     return expert_type, expert_type
 _FILE_TYPES = {t: LlamaFileType[f"MOSTLY_{t.name}"] for t in Q if f"MOSTLY_{t.name}" in LlamaFileType.__members__}
 _FILE_TYPES[Q.F32] = LlamaFileType.ALL_F32
+_FILE_TYPES[Q.MXFP4] = LlamaFileType.MOSTLY_MXFP4_MOE  # gpt-oss's: MXFP4 experts, the rest other
 
 # byte offsets of the f16 scale `d` and of the f16 min/offset `dmin` (None: the type has none)
 _SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
