@@ -60,6 +60,8 @@ class CudaBackend:
     def prepare(self, weights: list[Weight], fused: list[tuple[Weight, ...]] = (),
                 progress: Callable[[int, int], None] | None = None) -> None:
         """Upload every weight (each fused group as one matrix where upload_fused can)."""
+        if not self._grouped and any(w.bias is not None for w in weights):
+            self.graph_safe = False  # biased experts: one matmul per expert hit, which the host must learn
         for group in fused:
             self.upload_fused(group)
         total, done = sum(w.nbytes for w in weights), 0
@@ -205,7 +207,9 @@ class CudaBackend:
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         strategy = self.moe_strategy
         if act not in _ACT or any(w.bias is not None for w in (gate, up, down)):
-            strategy = "loop"  # gpt-oss's biases and clamped SwiGLU: only the per-expert loop adds them, for now
+            # gpt-oss's biases and clamped SwiGLU: the kernels do not add them yet; the bf16 grouped GEMM does (one
+            # matmul per expert hit where torch has none: prepare() then records no graphs), or -moe loop's loop
+            strategy = "loop" if strategy == "loop" else "dense"
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
         if strategy == "gemv" and gpu_reads(w.qtype for w in (gate, up, down)):
@@ -376,10 +380,15 @@ class CudaBackend:
         order, _, ends = sort_pairs(ids, gate.ne[2])
         offs = ends.to(torch.int32)
         xs = x.to(torch.bfloat16)[order // k]  # (pairs, n_embd), grouped by expert
-        g = self._group_mm(xs, self._experts(gate, 1), offs)
-        u = self._group_mm(xs, self._experts(up, 1), offs)
-        h = (_ACT[act](g.float()) * u.float()).to(torch.bfloat16)
-        return order, self._group_mm(h, self._experts(down, 1), offs).float()
+        experts = ids.flatten()[order].long()  # each sorted pair's expert: the row of its bias (gpt-oss)
+
+        def biased(y: torch.Tensor, w: Weight) -> torch.Tensor:
+            return y.float() if w.bias is None else y.float() + self.vector(w.bias)[experts]
+
+        g = biased(self._group_mm(xs, self._experts(gate, 1), offs), gate)
+        u = biased(self._group_mm(xs, self._experts(up, 1), offs), up)
+        h = GLU[act](g, u).to(torch.bfloat16)
+        return order, biased(self._group_mm(h, self._experts(down, 1), offs), down)
 
     def _group_mm(self, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Rows of `a` grouped by expert (group e ends at offs[e]) times w[e].T: (rows, w.shape[1]) bf16."""
