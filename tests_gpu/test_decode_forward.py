@@ -94,21 +94,21 @@ def test_gpu_latent_attention_matches_the_cpu(tmp_path, mla):
 def test_gpu_gpt_oss_matches_the_cpu(tmp_path, moe):
     """gpt-oss (MXFP4 experts, the rest Q8_0) through the GPU executor: sinks (with_sinks' extra key), the output
     bias, the biased router's choice by logits, the experts' biases and clamped SwiGLU (CudaBackend's bf16 grouped
-    GEMM, or -moe loop's per-expert loop; MXFP4 expanded), past the window of 8 on the even layers; a prompt of 5,
-    then decode steps."""
+    GEMM, or -moe loop's per-expert loop; MXFP4 expanded), past the window of 8 on the even layers; a prompt longer
+    than a decode step (SDPA with the sinks as one more key), then decode steps (the decode kernel's sinks)."""
     path = tmp_path / "gpt-oss.gguf"
     assert main(["synth", "gpt-oss-tiny", "-o", str(path), "-q", "--expert-type", "mxfp4"]) == 0
     cpu, model = place(path, 2)
-    tokens = np.random.default_rng(3).integers(0, model.args.n_vocab, 14).tolist()
+    tokens = np.random.default_rng(3).integers(0, model.args.n_vocab, DECODE_MAX + 8).tolist()
     backend = CudaBackend(DEV, moe=moe)
     backend.prepare(model.weights(), model.fusable())
     runs = []
     for b in (cpu, backend):
         e = Engine(model, b, n_ctx=32, type_k="f16", type_v="f16")
         if b is backend:
-            e.runner = CudaGraphRunner(backend, graphs=False)
-        prompt = e.decode(tokens[:5], all_logits=True)
-        steps = [e.decode([t], all_logits=True) for t in tokens[5:]]
+            e.runner = CudaGraphRunner(backend, graphs=DEV != "cpu")  # recorded as a run records them
+        prompt = e.decode(tokens[:DECODE_MAX + 2], all_logits=True)
+        steps = [e.decode([t], all_logits=True) for t in tokens[DECODE_MAX + 2:]]
         runs.append(torch.cat([prompt] + steps).cpu())
     kl, top1 = kl_top1(*runs)
     print(f"GPU gpt-oss (-moe {moe}) vs CPU: KL max {kl.max():.2e}, top-1 {top1:.4f}")

@@ -313,6 +313,34 @@ def test_attention_decode_matches_float64(config, splits, ktype, vtype, n, heads
     _close(got, want.view(n, -1), 1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("n,heads,heads_kv,dk,window", [(1, 4, 2, 64, 0), (3, 8, 2, 64, 7), (2, 6, 6, 48, 0)])
+def test_attention_decode_adds_each_heads_sink(splits, n, heads, heads_kv, dk, window):
+    """gpt-oss's sinks: each head's logit in the softmax's denominator, no value; one part or four merged (the last
+    ones seeing no cell for most tokens)."""
+    rng = np.random.default_rng(heads * dk + n + window + splits)
+    cells = 100
+    kraw, k = _cache(rng, Q.F16, cells, heads_kv * dk)
+    vraw, v = _cache(rng, Q.F16, cells, heads_kv * dk)
+    q = torch.from_numpy(rng.standard_normal((n, heads, dk)))
+    sinks = torch.from_numpy(rng.standard_normal(heads) * 2)
+    pos = torch.from_numpy(rng.integers(0, 60, n))
+    base = torch.from_numpy(rng.integers(0, 40, n))
+    got = attention.attention_decode(q.float().to(DEV), kraw, vraw, False, False, pos.to(DEV), base.to(DEV), heads_kv,
+                                     dk, dk ** -0.5, window, (32, 4), n_cells=cells, splits=splits,
+                                     sinks=sinks.float().to(DEV))
+    want = torch.empty(n, heads, dk, dtype=torch.float64)
+    for t in range(n):
+        lo = max(0, int(pos[t]) - window + 1) if window else 0
+        cell = torch.arange(lo, int(pos[t]) + 1) + int(base[t])
+        for h in range(heads):
+            kvh = h // (heads // heads_kv)
+            scores = k[cell].view(-1, heads_kv, dk)[:, kvh] @ q[t, h] * dk ** -0.5
+            weights = torch.softmax(torch.cat([scores, sinks[h:h + 1]]), 0)[:-1]
+            want[t, h] = weights @ v[cell].view(-1, heads_kv, dk)[:, kvh]
+    _close(got, want.view(n, -1), 1e-5)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("chosen", [[0], [1, 2, 5], [0, 1, 2, 3, 4, 5, 6]], ids=str)
 def test_unpack_experts_fills_the_slots_split_of_makes(qtype, chosen):

@@ -81,12 +81,14 @@ def _cache_row(cache, cell, col, row_stride, mask, Q8: tl.constexpr):
 
 
 @triton.jit
-def _attn_decode(q, kc, vc, pos, base, out, part, n_heads, group, dk, dv, k_row, v_row, scale, window, chunk,
-                 K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PARTIAL: tl.constexpr):
+def _attn_decode(q, kc, vc, pos, base, out, part, sinks, n_heads, group, dk, dv, k_row, v_row, scale, window, chunk,
+                 K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PARTIAL: tl.constexpr,
+                 SINKS: tl.constexpr):
     """One query head of one token: softmax(q . k * scale) v over the cache cells base[t] + 0 .. pos[t] (the
-    last `window` of them when window > 0), online over blocks of BN cells. PARTIAL (flash-decoding): program s
-    of axis 2 takes only positions s * chunk .. (s + 1) * chunk - 1 (chunk a multiple of BN) and leaves its
-    unnormalised sum in out, its running max and denominator in part, for _attn_combine."""
+    last `window` of them when window > 0), online over blocks of BN cells; SINKS: the head's sink logit joins the
+    denominator (gpt-oss). PARTIAL (flash-decoding): program s of axis 2 takes only positions s * chunk .. (s + 1) *
+    chunk - 1 (chunk a multiple of BN) and leaves its unnormalised sum in out, its running max and denominator in
+    part, for _attn_combine (which adds the sink)."""
     h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     kvh = h // group
@@ -123,21 +125,34 @@ def _attn_decode(q, kc, vc, pos, base, out, part, n_heads, group, dk, dv, k_row,
         tl.store(part + at * 2, m_i)
         tl.store(part + at * 2 + 1, l_i)
     else:
+        if SINKS:
+            sink = tl.load(sinks + h)
+            m_all = tl.maximum(m_i, sink)
+            acc = acc * tl.exp(m_i - m_all)
+            l_i = l_i * tl.exp(m_i - m_all) + tl.exp(sink - m_all)
         tl.store(out + (t * n_heads + h) * dv + d, acc / l_i, mask=d < dv)
 
 
 @triton.jit
-def _attn_combine(acc, part, out, n_heads, splits, dv, SP: tl.constexpr, BD: tl.constexpr):
+def _attn_combine(acc, part, out, sinks, n_heads, splits, dv, SP: tl.constexpr, BD: tl.constexpr,
+                  SINKS: tl.constexpr):
     """One head of one token: its `splits` partial results from _attn_decode (PARTIAL) merged, each rescaled by
-    exp(its max - the overall max); a split that saw no cell has max -1e30 and weighs nothing."""
+    exp(its max - the overall max); a split that saw no cell has max -1e30 and weighs nothing. SINKS: the head's
+    sink logit joins the denominator."""
     h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, SP)
     d = tl.arange(0, BD)
     row = (t * n_heads + h) * splits + s
     m = tl.load(part + row * 2, mask=s < splits, other=-1e30)
-    scale = tl.where(s < splits, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    m_all = tl.max(m, axis=0)
+    if SINKS:
+        sink = tl.load(sinks + h)
+        m_all = tl.maximum(m_all, sink)
+    scale = tl.where(s < splits, tl.exp(m - m_all), 0.0)
     den = tl.sum(tl.load(part + row * 2 + 1, mask=s < splits, other=0.0) * scale, axis=0)
+    if SINKS:
+        den += tl.exp(sink - m_all)
     a = tl.load(acc + row[:, None] * dv + d[None, :], mask=(s < splits)[:, None] & (d < dv)[None, :], other=0.0)
     tl.store(out + (t * n_heads + h) * dv + d, tl.sum(a * scale[:, None], axis=0) / den, mask=d < dv)
 
@@ -190,10 +205,11 @@ def attention_splits(n_cells: int, programs: int, bn: int) -> int:
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_q8: bool, v_q8: bool,
                      pos: torch.Tensor, base: torch.Tensor, n_head_kv: int, dv: int, scale: float,
                      window: int, config: tuple[int, int] | None = None, n_cells: int = 0,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q (n, heads, dk) against cache rows (cells, bytes) of f16 or q8_0: (n, heads * dv) float32. config: (cells
     per step, warps). n_cells: the longest context a token may have (the cache's size; fixed for a recorded
-    graph): long ones are cut into `splits` parts (attention_splits) computed side by side, then merged."""
+    graph): long ones are cut into `splits` parts (attention_splits) computed side by side, then merged. sinks:
+    (heads,) float32 on the GPU, each head's sink logit in the softmax's denominator (gpt-oss)."""
     q = q.float().contiguous()
     n, heads, dk = q.shape
     width = triton.next_power_of_2(max(dk, dv))
@@ -211,12 +227,13 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     acc, part = (out, out) if splits == 1 else (
         torch.empty(n, heads, splits, dv, dtype=torch.float32, device=q.device),
         torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q.device))
-    _attn_decode[(heads, n, splits)](q, kc, vc, pos, base, acc, part, heads, heads // n_head_kv, dk, dv,
+    sink_ptr = q if sinks is None else sinks.float().contiguous()
+    _attn_decode[(heads, n, splits)](q, kc, vc, pos, base, acc, part, sink_ptr, heads, heads // n_head_kv, dk, dv,
                                      kc.shape[1], vc.shape[1], scale, window, chunk, K_Q8=k_q8, V_Q8=v_q8, BN=bn,
-                                     BD=width, PARTIAL=splits > 1, num_warps=warps)
+                                     BD=width, PARTIAL=splits > 1, SINKS=sinks is not None, num_warps=warps)
     if splits > 1:
-        _attn_combine[(heads, n)](acc, part, out, heads, splits, dv, SP=triton.next_power_of_2(splits),
-                                  BD=triton.next_power_of_2(dv))
+        _attn_combine[(heads, n)](acc, part, out, sink_ptr, heads, splits, dv, SP=triton.next_power_of_2(splits),
+                                  BD=triton.next_power_of_2(dv), SINKS=sinks is not None)
     return out.view(n, heads * dv)
 
 

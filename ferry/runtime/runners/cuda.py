@@ -100,7 +100,7 @@ class CudaOps(TorchOps):
 
         kv, n = self.batch.kv, x.shape[0]
         w = self.backend.fused((attn.wq, attn.wk, attn.wv))
-        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k or attn.sinks is not None
+        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
                 or any(b is not None for b in (attn.bq, attn.bk, attn.bv))
                 or any(t not in (Q.F16, Q.Q8_0) or (t == Q.Q8_0 and d % 32)
                        for t, d in ((kv.type_k, attn.head_dim_k), (kv.type_v, attn.head_dim_v)))):
@@ -113,9 +113,10 @@ class CudaOps(TorchOps):
         q = qkv_rope_store(y, *norms, attn.norm_eps, cos, sin, self.pos, self.cells,
                            kv.k[attn.layer], kv.v[attn.layer], k_q8, v_q8, attn.n_head, attn.n_head_kv,
                            attn.head_dim_k, attn.head_dim_v, attn.rope.n_rot, attn.rope.neox)
-        return self._decode_attention(attn.layer, q, attn.scale, attn.window)
+        return self._decode_attention(attn.layer, q, attn.scale, attn.window, attn.sinks)
 
-    def _decode_attention(self, layer: int, q: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    def _decode_attention(self, layer: int, q: torch.Tensor, scale: float, window: int,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q (n, heads, dk) of a decode-sized batch against the cache up to each token's position (the decode
         kernel, which reads f16 or q8_0 rows in place)."""
         from ferry.kernels.cuda.attention import attention_decode
@@ -124,7 +125,8 @@ class CudaOps(TorchOps):
         v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
         return attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
                                 kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
-                                kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx)
+                                kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx,
+                                sinks=None if sinks is None else self.backend.vector(sinks))
 
     def moe(self, x: torch.Tensor, router, up, gate, down, n_used: int, norm_topk: bool, act: str, routing=None,
             residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -161,8 +163,8 @@ class CudaOps(TorchOps):
                   window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         kv, n = self.batch.kv, q.shape[0]
         self._store(layer, k, v)
-        if n <= DECODE_MAX and sinks is None:  # (the decode kernel adds no sinks yet: gpt-oss's run as a prompt's)
-            return self._decode_attention(layer, q, scale, window)
+        if n <= DECODE_MAX:
+            return self._decode_attention(layer, q, scale, window, sinks)
 
         def over_cache(q):  # a prompt: flash / memory-efficient attention over the cache as f16
             n_kv = self.batch.n_kv
