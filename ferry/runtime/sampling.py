@@ -41,8 +41,10 @@ class Sampler:
         self.gen.manual_seed(self.seed)
 
     def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
-        """Pick the next token from one row of logits, given the tokens so far."""
-        logits = logits.float().clone()
+        """Pick the next token from one row of logits (on any device), given the tokens so far: sampled on the CPU,
+        where the generator is (a GPU row failed every sampled request of the GPU server: 'Expected a cuda device
+        type for generator'), so that a seed draws the same tokens from either."""
+        logits = logits.float().to("cpu", copy=True)
         p = self.p
         if p.repeat_penalty != 1.0 and p.repeat_last_n != 0 and history:
             recent = history[-p.repeat_last_n:] if p.repeat_last_n > 0 else history
