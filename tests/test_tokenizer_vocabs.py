@@ -1,8 +1,8 @@
 """ferry's tokenizer against llama.cpp's on llama.cpp's own vocabulary test files (models/ggml-vocab-*.gguf, the
 texts of .inp and llama.cpp's token ids of .out, from the llama-cpp-python sdist the converter tests use), and, for
-pre-tokenizers llama.cpp ships no test file for (DeepSeek-V3's, GLM-4.5's, Kimi K2's, gpt-oss's gpt-4o), on a vocabulary given that
-pre-tokenizer's name against ids llama.cpp gave (tests/fixtures/llamacpp_tokens/, written by
-benchmarks/llamacpp_tokens.py). A prompt tokenized otherwise than llama.cpp tokenizes it is another prompt."""
+pre-tokenizers llama.cpp ships no test file for (DeepSeek-V3's, GLM-4.5's, Kimi K2's, gpt-oss's gpt-4o), on a
+vocabulary given that pre-tokenizer's name against ids llama.cpp (ik_llama.cpp's llama-tokenize for gpt-4o) gave
+(tests/fixtures/llamacpp_tokens/, written by benchmarks/llamacpp_tokens.py). A prompt tokenized otherwise than llama.cpp tokenizes it is another prompt."""
 
 import json
 from pathlib import Path

@@ -459,10 +459,11 @@ def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None
 
 def gpu_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
               on_device=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_k_route as one kernel (route) where routing is not group-limited, else op by op."""
+    """top_k_route as one kernel (route) where routing is not group-limited nor gpt-oss's, else op by op."""
     from ferry.kernels.cuda.route import route
 
-    if routing is not None and (routing.grouped or routing.gating == "softmax_weight" or routing.logit_bias is not None):
+    if routing is not None and (routing.grouped or routing.gating == "softmax_weight"
+                                or routing.logit_bias is not None):
         return top_k_route(logits, n_used, norm_topk, routing, on_device)
     sigmoid = routing is not None and routing.gating == "sigmoid"
     bias = None if routing is None or routing.bias is None else on_device(routing.bias)

@@ -63,8 +63,8 @@ def with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     """Attention with each head's sink logit in the softmax's denominator, as a plain attention over one more key:
     q gets a column of ones, every key a zero there, and the extra key (first, never masked, its value zero) only
     sinks / scale there, so that its score is the sink. q, keys, values (heads, n or n_kv, d), one key head per
-    query head; mask (n, n_kv) bool or additive -> the same four for scaled_dot_product_attention, the head size padded to
-    a multiple of 8 (its fast kernels' need)."""
+    query head; mask (n, n_kv) bool or additive -> the same four for scaled_dot_product_attention, the head size
+    padded to a multiple of 8 (its fast kernels' need)."""
     heads, n, d = q.shape
     pad = 8 - d % 8
     q = torch.cat([q, q.new_ones(heads, n, 1), q.new_zeros(heads, n, pad - 1)], -1)
