@@ -303,10 +303,12 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     # memory pool is a second set of their activations beside the eager one
     replayed = n_ubatch <= settings().prompt_graph_max
     if kv_on_gpu:
-        in_ram: dict[str, int] = {}
+        in_ram: dict[str, int] = {}  # the routed experts in RAM the GPU streams, per layer
         for name, size in tensors.items():
             m = _LAYER_RE.match(name)
-            if m and "_exps" in name and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU":
+            # experts with biases (gpt-oss's) are never streamed (offload/work.gpu_refuses): they stage nothing
+            if (m and name.endswith("_exps.weight") and f"blk.{m.group(1)}.ffn_down_exps.bias" not in tensors
+                    and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU"):
                 in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
         need(gpus[0]).compute += 3 * max(in_ram.values(), default=0)
         if any(int(i) in expands for i in in_ram):  # two sets of a layer's gate, up and down in bfloat16

@@ -235,3 +235,31 @@ def test_experts_the_gpu_expands_count_their_bfloat16_staging_in_the_plan_and_th
     assert len(counted.expert_layers) < len(plain.expert_layers)
     gpu = next(d for d in counted.plan.devices if d.device == "CUDA0")
     assert gpu.total <= room * GIB - FIT_TARGET_MIB * MIB and gpu.compute >= floats
+
+
+def test_experts_the_gpu_never_streams_stage_nothing_in_the_plan(tmp_path):
+    """gpt-oss's experts have biases, which the GPU's streamed-expert kernels do not add: with them in RAM the CPU
+    runs them, so the plan keeps no staging buffers on the GPU for them (4.4 GiB at gpt-oss-20b's shapes: three layers'
+    MXFP4 experts and two bfloat16 sets)."""
+    from ferry.placement import expanding_layers, memory_plan, parse_overrides
+
+    path = tmp_path / "gpt-oss.gguf"
+    assert main(["synth", "gpt-oss-20b", "--layers", "4", "--shape-only", "--expert-type", "mxfp4", "-o", str(path),
+                 "-q"]) == 0
+    f = GGUFFile(path)
+    args = ModelArgs.from_gguf(f)
+    tensors = {t.name: t.nbytes for t in f.tensors.values()}
+    expands = expanding_layers(f.tensors.values())
+    assert expands == frozenset(range(4))  # MXFP4: expanded, were they streamed
+
+    def compute(tensors, rules):
+        plan = memory_plan(tensors, args, 999, parse_overrides(list(rules)), ["CUDA0"], {}, 4096, 512,
+                           kv_on_gpu=True, expands=expands)
+        return next(d for d in plan.devices if d.device == "CUDA0").compute
+
+    assert compute(tensors, ["exps=CPU"]) == compute(tensors, [])
+    unbiased = {n: b for n, b in tensors.items() if not n.endswith("_exps.bias")}
+    staged = compute(unbiased, ["exps=CPU"]) - compute(unbiased, [])
+    layer = sum(tensors[f"blk.0.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))
+    assert staged == 3 * layer + 2 * 3 * 2 * args.n_embd * args.n_ff_exp * args.n_expert
+    assert staged > 4 * GIB
