@@ -127,9 +127,9 @@ def _args(qtype: Q) -> tuple[int, int]:
     return KQUANT_KINDS[qtype], GGML_QUANT_SIZES[qtype][1]
 
 
-# One warp a program reads fastest on the H100 (benchmarks/gemv_kernels.py --only kquant, docs/performance.md
-# 2026-11-25 session 31): a row a program for the attention's matrices (13.5 against 31.7 us with 4 rows and 4 warps
-# at 4096x2048), 8 for an output matrix's 151936 rows (141 against 839 us), 4 for the experts (46 against 100 us)
+# One warp a program reads fastest on the H100 (benchmarks/gemv_kernels.py --only kquant; docs/performance.md, "K-quant
+# GEMVs tuned"): a row a program for the attention's matrices (13.5 against 31.7 us with 4 rows and 4 warps at
+# 4096x2048), 8 for an output matrix's 151936 rows (141 against 839 us), 4 for the experts (46 against 100 us)
 BIG_ROWS = 65536
 
 
