@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 1500
+TIMEOUT_S = 2400  # the child took 21.5 minutes in CI on the dev VM (docs/performance.md): to be trimmed
 CHILD = pytest.StashKey[tuple]()  # the running child and its log (start()), set by tests/conftest.py
 
 
