@@ -381,14 +381,10 @@ class CudaBackend:
         offs = ends.to(torch.int32)
         xs = x.to(torch.bfloat16)[order // k]  # (pairs, n_embd), grouped by expert
         experts = ids.flatten()[order].long()  # each sorted pair's expert: the row of its bias (gpt-oss)
-
-        def biased(y: torch.Tensor, w: Weight) -> torch.Tensor:
-            return y.float() if w.bias is None else y.float() + self.vector(w.bias)[experts]
-
-        g = biased(self._group_mm(xs, self._experts(gate, 1), offs), gate)
-        u = biased(self._group_mm(xs, self._experts(up, 1), offs), up)
+        g = self._biased(self._group_mm(xs, self._experts(gate, 1), offs).float(), gate, experts)
+        u = self._biased(self._group_mm(xs, self._experts(up, 1), offs).float(), up, experts)
         h = GLU[act](g, u).to(torch.bfloat16)
-        return order, biased(self._group_mm(h, self._experts(down, 1), offs), down)
+        return order, self._biased(self._group_mm(h, self._experts(down, 1), offs).float(), down, experts)
 
     def _group_mm(self, a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Rows of `a` grouped by expert (group e ends at offs[e]) times w[e].T: (rows, w.shape[1]) bf16."""
@@ -421,8 +417,8 @@ class CudaBackend:
             out.index_add_(0, tok, y * weights[tok, slot, None])
         return out
 
-    def _biased(self, y: torch.Tensor, w: Weight, e: int) -> torch.Tensor:
-        """y plus expert e's bias where the stacked tensor w has biases (gpt-oss)."""
+    def _biased(self, y: torch.Tensor, w: Weight, e) -> torch.Tensor:
+        """y plus expert e's bias (e: an expert, or each row's) where the stacked tensor w has biases (gpt-oss)."""
         return y if w.bias is None else y + self.vector(w.bias)[e]
 
 

@@ -53,9 +53,7 @@ class Attention:
             q = ops.rms_norm(q, self.q_norm, self.norm_eps)
             k = ops.rms_norm(k, self.k_norm, self.norm_eps)
         q, k = ops.rope(q, self.rope), ops.rope(k, self.rope)
-        if self.sinks is not None:
-            return ops.attention(self.layer, q, k, v, self.scale, self.window, sinks=self.sinks)
-        return ops.attention(self.layer, q, k, v, self.scale, self.window)
+        return ops.attention(self.layer, q, k, v, self.scale, self.window, sinks=self.sinks)
 
 
 def with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
