@@ -24,7 +24,8 @@ DENSE = {  # name: (cols, rows), Q8_0
     "qwen3 output": (2048, 151936), "v2-lite attn_q": (2048, 3072), "v2-lite attn_kv_a": (2048, 576),
     "v2-lite shexp gate": (2048, 2816), "v2-lite shexp down": (2816, 2048),
 }
-EXPERTS = {"qwen3": (128, 8, 2048, 768), "v2-lite": (64, 6, 2048, 1408)}  # n_expert, used, n_embd, n_ff
+EXPERTS = {"qwen3": (128, 8, 2048, 768), "v2-lite": (64, 6, 2048, 1408),  # n_expert, used, n_embd, n_ff
+           "gpt-oss": (32, 4, 2880, 2880)}
 SWEEP = list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)))
 ATTENTION = {"qwen3": (32, 4, 128, 128), "v2-lite latent": (16, 1, 576, 512)}  # heads, kv heads, key and value size
 ATTENTION_SWEEP = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8)))
@@ -72,19 +73,24 @@ def _kquants(dev, report) -> None:
         report(f"{name} Q4_K", f"{rows}x{cols}", raw.numel(),
                do_bench(lambda: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x)),
                best(lambda br, w: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x, br, w)))
-    n_expert, n_used, n_embd, n_ff = EXPERTS["qwen3"]
-    tensors = tuple((_kquant_bytes(q, ne, dev), q, ne) for q, ne in ((Q.Q4_K, (n_embd, n_ff, n_expert)),
-                                                                      (Q.Q4_K, (n_embd, n_ff, n_expert)),
-                                                                      (Q.Q6_K, (n_ff, n_embd, n_expert))))
-    x = torch.randn(1, n_embd, device=dev)
-    ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
-    weights = torch.rand(1, n_used, device=dev)
-    nbytes = sum(t.numel() for t, _, _ in tensors) * n_used / n_expert
-    layer = do_bench(lambda: [dequant.dequantize(t, q, ne, torch.bfloat16) for t, q, ne in tensors])
-    print(f"  qwen3 Q4_K_M experts: expanding the layer alone {1e3 * layer:.1f} us", flush=True)
-    report("qwen3 experts Q4_K_M", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
-           do_bench(lambda: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu")),
-           best(lambda br, w: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu", rows_per_program=br, warps=w)))
+    for model, types, act in (("qwen3", (Q.Q4_K, Q.Q4_K, Q.Q6_K), "silu"), ("gpt-oss", (Q.MXFP4,) * 3, "swiglu_oai")):
+        n_expert, n_used, n_embd, n_ff = EXPERTS[model]
+        tensors = tuple((_kquant_bytes(q, ne, dev), q, ne) for q, ne in zip(types, ((n_embd, n_ff, n_expert),
+                                                                                 (n_embd, n_ff, n_expert),
+                                                                                 (n_ff, n_embd, n_expert))))
+        biases = tuple(torch.randn(n_expert, rows, device=dev) for rows in (n_ff, n_ff, n_embd)) \
+            if model == "gpt-oss" else None  # gpt-oss's experts have them
+        x = torch.randn(1, n_embd, device=dev)
+        ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
+        weights = torch.rand(1, n_used, device=dev)
+        nbytes = sum(t.numel() for t, _, _ in tensors) * n_used / n_expert
+        layer = do_bench(lambda: [dequant.dequantize(t, q, ne, torch.bfloat16) for t, q, ne in tensors])
+        mix = "Q4_K_M" if model == "qwen3" else "MXFP4"
+        print(f"  {model} {mix} experts: expanding the layer alone {1e3 * layer:.1f} us", flush=True)
+        report(f"{model} experts {mix}", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
+               do_bench(lambda: kquant.kmoe_gemv(x, ids, weights, *tensors, act, biases=biases)),
+               best(lambda br, w: kquant.kmoe_gemv(x, ids, weights, *tensors, act, rows_per_program=br, warps=w,
+                                                   biases=biases)))
 
 
 def main() -> None:

@@ -21,11 +21,11 @@ MACHINE = Calibration(h2d_bytes_per_s=50e9, h2d_latency_s=2e-5, cpu_bytes_per_s=
 
 def test_the_gpu_columns_are_what_the_gpu_kernels_read():
     from ferry.kernels.cuda.dequant import SUPPORTED
-    from ferry.kernels.cuda.kquant import KQUANT_KINDS
+    from ferry.kernels.cuda.kquant import KINDS
     from ferry.kernels.cuda.layout import GEMV_KINDS
 
     assert caps.gpu_gemv_types() == set(GEMV_KINDS)
-    assert caps.gpu_token_types() == set(KQUANT_KINDS)
+    assert caps.gpu_token_types() == set(KINDS)
     assert caps.gpu_expand_types() == set(SUPPORTED)
     assert {q for q in Q if caps.can(q).gpu_float} == {Q.F32, Q.F16, Q.BF16}
     assert caps.gpu_dense(Q.F16) and caps.gpu_dense(Q.Q4_K) and not caps.gpu_dense(Q.IQ2_XXS)

@@ -10,6 +10,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.gguf.synth import random_tensor
+from ferry.kernels.activations import GLU
 from ferry.kernels.cuda import attention, gemv, kquant, layout, moe, norm_rope, route
 from ferry.quant import dequantize as reference
 
@@ -69,17 +70,22 @@ def test_split_layout_expands_to_the_reference(qtype, dtype):
     assert torch.equal(flat.rows(ids).floats(dtype).cpu(), w.view(21, 96)[ids.cpu()].to(dtype))
 
 
-def _experts_reference(x, ids, weights, g, u, d, act, residual):
-    """Each token's routed experts in float64: act(gate . x) * (up . x) through down, weighted, summed over its
-    slots (an id of -1 skipped), plus the residual when given."""
-    f = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
+def _experts_reference(x, ids, weights, g, u, d, act, residual, biases=None):
+    """Each token's routed experts in float64: glu(gate . x, up . x) (each + its expert's bias where biases =
+    (gate's, up's, down's) are given) through down, weighted, summed over its slots (an id of -1 skipped), plus the
+    residual when given."""
+    glu = GLU[act]
+    gb, ub, db = biases if biases is not None else (torch.zeros(g.shape[:2]), torch.zeros(u.shape[:2]),
+                                                    torch.zeros(d.shape[:2]))
     n, n_used = ids.shape
     want = torch.zeros(n, d.shape[1], dtype=torch.float64) if residual is None else residual.double()
     for t in range(n):
         for s in range(n_used):
             e = int(ids[t, s])
             if e >= 0:
-                want[t] += weights[t, s].double() * (d[e] @ (f(g[e] @ x[t].double()) * (u[e] @ x[t].double())))
+                xt = x[t].double()
+                h = glu(g[e] @ xt + gb[e].double(), u[e] @ xt + ub[e].double())
+                want[t] += weights[t, s].double() * (d[e] @ h + db[e].double())
     return want
 
 
@@ -108,7 +114,7 @@ def _kquant(rng, qtype, *shape):
     return torch.from_numpy(raw.copy()).to(DEV), torch.from_numpy(reference(raw, qtype, ne)).double()
 
 
-@pytest.mark.parametrize("qtype", list(kquant.KQUANT_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(kquant.KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,rows,cols,config", [(1, 1, 256, (4, 4)), (1, 17, 768, (4, 4)), (3, 33, 512, (8, 2)),
                                                 (1, 40, 2048, (16, 8)), (5, 7, 1280, (1, 1)), (2, 19, 512, (8, 1)),
                                                 (1, 9, 768, (0, 1))])
@@ -148,8 +154,51 @@ def test_kquant_moe_gemv_matches_float64(types, act, shape):
     _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual), 5e-5)
 
 
+@pytest.mark.parametrize("n,rows,cols,config", [(1, 3, 32, (1, 1)), (2, 17, 96, (4, 1)), (1, 9, 2880, (0, 1)),
+                                                (3, 5, 544, (8, 2))])
+def test_mxfp4_gemv_matches_float64_at_any_whole_block_width(n, rows, cols, config):
+    """gpt-oss's widths (2880) are no multiple of a 256-column step: the last step reads the blocks left."""
+    rng = np.random.default_rng(rows + cols + n)
+    raw, w = _kquant(rng, Q.MXFP4, rows, cols)
+    x = torch.from_numpy(rng.standard_normal((n, cols))).float()
+    _close(kquant.kgemv(raw, Q.MXFP4, (cols, rows), x.to(DEV), *config), x.double() @ w.T)
+
+
+MXFP4_MOE = [(1, 4, 2, 96, 160), (3, 6, 4, 160, 64)]
+if DEV == "cuda":
+    MXFP4_MOE += [(2, 32, 4, 2880, 2880)]  # gpt-oss-20b's
+
+
+@pytest.mark.parametrize("biased", [True, False])
+@pytest.mark.parametrize("shape", MXFP4_MOE, ids=str)
+def test_mxfp4_moe_gemv_with_biases_matches_float64(shape, biased):
+    """gpt-oss's experts: MXFP4 read in place, each expert's biases added, the clamped SwiGLU; an id of -1 adds
+    nothing."""
+    n, n_expert, n_used, n_embd, n_ff = shape
+    rng = np.random.default_rng(n_expert * n_embd + n)
+    (graw, g), (uraw, u), (draw, d) = (_kquant(rng, Q.MXFP4, n_expert, a, b) for a, b in
+                                       ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff)))
+    biases = tuple(torch.from_numpy(rng.standard_normal((n_expert, rows)) * 2).float()
+                   for rows in (n_ff, n_ff, n_embd)) if biased else None
+    x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
+    ids[0, 1] = -1
+    weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
+    got = kquant.kmoe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), (graw, Q.MXFP4, (n_embd, n_ff, n_expert)),
+                           (uraw, Q.MXFP4, (n_embd, n_ff, n_expert)), (draw, Q.MXFP4, (n_ff, n_embd, n_expert)),
+                           "swiglu_oai", biases=None if biases is None else tuple(b.to(DEV) for b in biases))
+    want = _experts_reference(x, ids, weights, g, u, d, "swiglu_oai", None, biases)
+    _close(got, want, 5e-5)
+    live = ids[ids >= 0]
+    pre = torch.stack([g[live] @ x[0].double(), u[live] @ x[0].double()])  # the first token's, before biases
+    if biased:
+        pre = pre + torch.stack([biases[0][live], biases[1][live]]).double()
+    assert (pre.abs() > 7).any() and (pre.abs() < 7).any()  # the clamps bite, and not everywhere
+
+
 def test_kquant_reads_whole_blocks_of_its_types_only():
     assert kquant.reads(Q.Q4_K, (2048, 8)) and kquant.reads(Q.Q6_K, (768, 8, 128))
+    assert kquant.reads(Q.MXFP4, (2880, 8, 32)) and not kquant.reads(Q.MXFP4, (2890, 8))
     assert not kquant.reads(Q.Q4_K, (2000, 8)) and not kquant.reads(Q.Q4_0, (2048, 8))
 
 

@@ -206,18 +206,19 @@ class CudaBackend:
 
         weights, ids = self.route(x, router, n_used, norm_topk, routing)
         strategy = self.moe_strategy
-        if act not in _ACT or any(w.bias is not None for w in (gate, up, down)):
-            # gpt-oss's biases and clamped SwiGLU: the kernels do not add them yet; the bf16 grouped GEMM does (one
-            # matmul per expert hit where torch has none: prepare() then records no graphs), or -moe loop's loop
-            strategy = "loop" if strategy == "loop" else "dense"
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
+        biases = [w.bias for w in (gate, up, down) if w.bias is not None]
+        if strategy == "gemv" and len(biases) in (0, 3) and all(kquant.reads(w.qtype, w.ne) for w in (gate, up, down)):
+            return kquant.kmoe_gemv(x, ids, weights, *((self.upload(w), w.qtype, w.ne) for w in (gate, up, down)),
+                                    act, residual=residual, biases=tuple(map(self.vector, biases)) or None), ids
+        if act not in _ACT or biases:
+            # gpt-oss's biases and clamped SwiGLU beyond the GEMVs above: the bf16 grouped GEMM adds them (one matmul
+            # per expert hit where torch has none: prepare() then records no graphs), or -moe loop's loop
+            strategy = "loop" if strategy == "loop" else "dense"
         if strategy == "gemv" and gpu_reads(w.qtype for w in (gate, up, down)):
             return moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act,
                             residual=residual), ids
-        if strategy == "gemv" and all(kquant.reads(w.qtype, w.ne) for w in (gate, up, down)):
-            return kquant.kmoe_gemv(x, ids, weights, *((self.upload(w), w.qtype, w.ne) for w in (gate, up, down)),
-                                    act, residual=residual), ids
         if strategy == "loop":
             out = self._moe_loop(x, ids, weights, up, gate, down, act)
             return (out if residual is None else residual + out), ids

@@ -1,8 +1,9 @@
-"""K-quant matrices (Q4_K, Q5_K, Q6_K: llama.cpp's Q4_K_M and Q5_K_M files) read in place for few tokens: the GEMV and
-the routed experts' GEMVs over their GGUF blocks as they sit on the GPU, no expansion. A 256-column block's
-quants are dotted with x per sub-block and scaled once per sub-block; Q4_K / Q5_K's minimum is the sub-block's sum of
-x times its scaled min. Without these a token expanded every K-quant weight it read to floats first (a whole layer's
-experts for the 8 it routes to)."""
+"""K-quant matrices (Q4_K, Q5_K, Q6_K: llama.cpp's Q4_K_M and Q5_K_M files) and MXFP4 ones (gpt-oss's experts) read
+in place for few tokens: the GEMV and the routed experts' GEMVs (with gpt-oss's expert biases and clamped SwiGLU)
+over their GGUF blocks as they sit on the GPU, no expansion. A 256-column step's quants are dotted with x per
+sub-block (MXFP4: per 32-value block) and scaled once per sub-block; Q4_K / Q5_K's minimum is the sub-block's sum of
+x times its scaled min. Without these a token expanded every such weight it read to floats first (a whole layer's
+experts for the few it routes to)."""
 from __future__ import annotations
 
 import torch
@@ -12,15 +13,47 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.kernels.capabilities import can
 from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min
-from ferry.kernels.cuda.moe import _act, _pair_rows, ACTS, sum_pairs
+from ferry.kernels.cuda.moe import _glu, _pair_rows, GLUS, sum_pairs
 
-KQUANT_KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}  # the types these kernels read
+KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2, Q.MXFP4: 3}  # the types these kernels read, 256 columns a loop step
+
+
+@triton.jit
+def _e2m1(q):
+    """A 4-bit e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as twice its value, as ggml's MXFP4 table holds it:
+    0, 1, 2, 3, 4, 6, 8, 12 and their negatives."""
+    c = q & 7
+    e = c >> 1
+    mag = tl.where(e == 0, c & 1, (2 + (c & 1)) << tl.maximum(e - 1, 0))
+    return tl.where(q >= 8, -mag, mag).to(tl.float32)
+
+
+@triton.jit
+def _mxdot(w, row, rmask, x, b, K):
+    """Per row of `row` (BR,): the 8 MXFP4 blocks of columns b * 256 .. b * 256 + 255 (those past K masked) dotted
+    with x there. A block: an E8M0 exponent byte, then 16 bytes of nibbles, the low ones its first 16 values."""
+    nb = K // 32
+    i = tl.arange(0, 128)[None, :]  # byte i % 16 of block i // 16 of the step
+    blk = b * 8 + i // 16
+    live = blk < nb
+    rows = row.to(tl.int64)[:, None] * (nb * 17)
+    byte = tl.load(w + rows + blk * 17 + 1 + i % 16, mask=rmask[:, None] & live, other=0).to(tl.int32)
+    col = blk * 32 + i % 16
+    xlo = tl.load(x + col, mask=live, other=0.0)
+    xhi = tl.load(x + col + 16, mask=live, other=0.0)
+    v = _e2m1(byte & 0xF) * xlo + _e2m1(byte >> 4) * xhi
+    p = tl.sum(tl.reshape(v, (byte.shape[0], 8, 16)), axis=2)  # (BR, 8)
+    j = b * 8 + tl.arange(0, 8)[None, :]
+    e = tl.load(w + rows + j * 17, mask=rmask[:, None] & (j < nb), other=0).to(tl.float32)
+    return tl.sum(tl.exp2(e - 128.0) * p, axis=1)  # 2^(e - 127), halved for the doubled values
 
 
 @triton.jit
 def _kdot(w, row, rmask, x, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
-    """Per row of `row` (BR,): 256-column block b of a K-quant matrix's rows (GGUF bytes, K columns a row) dotted
-    with x[b * 256:(b + 1) * 256]."""
+    """Per row of `row` (BR,): 256-column step b of a K-quant or MXFP4 matrix's rows (GGUF bytes, K columns a row)
+    dotted with x[b * 256:(b + 1) * 256]."""
+    if KIND == 3:
+        return _mxdot(w, row, rmask, x, b, K)
     base = (row.to(tl.int64) * (K // 256) + b)[:, None] * BLOCK_BYTES  # (BR, 1)
     m = rmask[:, None]
     i = tl.arange(0, 128)[None, :]  # a byte of the block's low quants
@@ -81,16 +114,17 @@ def _kgemv(w, x, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BR: 
     t = tl.program_id(1).to(tl.int64)
     rmask = r < rows
     acc = tl.zeros((BR,), dtype=tl.float32)
-    for b in range(0, K // 256):
+    for b in range(0, (K + 255) // 256):
         acc += _kdot(w, r, rmask, x + t * K, b, K, KIND, BLOCK_BYTES)
     tl.store(y + t * rows + r, acc, mask=rmask)
 
 
 @triton.jit
-def _kmoe_gate_up(gw, uw, x, ids, h, rows, K, n_used, GKIND: tl.constexpr, GBYTES: tl.constexpr,
-                  UKIND: tl.constexpr, UBYTES: tl.constexpr, ACT: tl.constexpr, BR: tl.constexpr):
-    """Pair p = (token p // n_used, expert ids[p]): h[p, r] = act(gate_e[r] . x) * (up_e[r] . x); an id of -1 (the
-    expert elsewhere) reads nothing and gives zeros."""
+def _kmoe_gate_up(gw, uw, gbias, ubias, x, ids, h, rows, K, n_used, GKIND: tl.constexpr, GBYTES: tl.constexpr,
+                  UKIND: tl.constexpr, UBYTES: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr,
+                  BR: tl.constexpr):
+    """Pair p = (token p // n_used, expert ids[p]): h[p, r] = glu(gate_e[r] . x (+ its bias), up_e[r] . x (+ its
+    bias)); an id of -1 (the expert elsewhere) reads nothing and gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
@@ -98,47 +132,53 @@ def _kmoe_gate_up(gw, uw, x, ids, h, rows, K, n_used, GKIND: tl.constexpr, GBYTE
     xt = x + (p // n_used) * K
     g = tl.zeros((BR,), dtype=tl.float32)
     u = tl.zeros((BR,), dtype=tl.float32)
-    for b in range(0, K // 256):
+    for b in range(0, (K + 255) // 256):
         g += _kdot(gw, row, live, xt, b, K, GKIND, GBYTES)
         u += _kdot(uw, row, live, xt, b, K, UKIND, UBYTES)
-    tl.store(h + p * rows + r, _act(g, ACT) * u, mask=rmask)
+    if BIAS:
+        g += tl.load(gbias + row, mask=live, other=0.0)
+        u += tl.load(ubias + row, mask=live, other=0.0)
+    tl.store(h + p * rows + r, _glu(g, u, ACT), mask=rmask)
 
 
 @triton.jit
-def _kmoe_down(dw, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BR: tl.constexpr):
-    """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p]); an id of -1 gives zeros."""
+def _kmoe_down(dw, dbias, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+               BIAS: tl.constexpr, BR: tl.constexpr):
+    """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p] (+ its bias)); an id of -1 gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
     row, live = _pair_rows(ids, p, r, rmask, rows)
     acc = tl.zeros((BR,), dtype=tl.float32)
-    for b in range(0, K // 256):
+    for b in range(0, (K + 255) // 256):
         acc += _kdot(dw, row, live, h + p * K, b, K, KIND, BLOCK_BYTES)
+    if BIAS:
+        acc += tl.load(dbias + row, mask=live, other=0.0)
     tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
 
 
 def reads(qtype: Q, ne: tuple[int, ...]) -> bool:
-    """Whether these kernels read a tensor of this type and shape (capabilities' gpu_token types, whole 256-column
-    blocks)."""
-    return can(qtype).gpu_token and ne[0] % 256 == 0
+    """Whether these kernels read a tensor of this type and shape (capabilities' gpu_token types, whole blocks)."""
+    return can(qtype).gpu_token and ne[0] % GGML_QUANT_SIZES[qtype][0] == 0
 
 
 def _args(qtype: Q) -> tuple[int, int]:
-    return KQUANT_KINDS[qtype], GGML_QUANT_SIZES[qtype][1]
+    return KINDS[qtype], GGML_QUANT_SIZES[qtype][1]
 
 
 # One warp a program reads fastest on the H100 (benchmarks/gemv_kernels.py --only kquant; docs/performance.md, "K-quant
 # GEMVs tuned"): a row a program for the attention's matrices (13.5 against 31.7 us with 4 rows and 4 warps at
-# 4096x2048), 8 for an output matrix's 151936 rows (141 against 839 us), 4 for the experts (46 against 100 us)
-BIG_ROWS = 65536
+# 4096x2048), 8 for an output matrix's 151936 rows (141 against 839 us), 4 for the experts (46 against 100 us). The
+# defaults below are read at each call (the GPU tests under the interpreter widen them: fewer programs to step through)
+ROWS, BIG_ROWS, ROWS_BIG, MOE_ROWS = 1, 65536, 8, 4
 
 
 def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, rows_per_program: int = 0,
           warps: int = 1) -> torch.Tensor:
     """x (n, cols) times the (rows, cols) K-quant matrix (its GGUF bytes on the GPU) transposed: (n, rows) float32.
-    rows_per_program 0: 8 for matrices of BIG_ROWS rows or more, else 1."""
+    rows_per_program 0: ROWS_BIG for matrices of BIG_ROWS rows or more, else ROWS."""
     cols, rows = ne[0], ne[1]
-    rows_per_program = rows_per_program or (8 if rows >= BIG_ROWS else 1)
+    rows_per_program = rows_per_program or (ROWS_BIG if rows >= BIG_ROWS else ROWS)
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
     kind, size = _args(qtype)
@@ -148,10 +188,13 @@ def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, row
 
 
 def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
-              residual: torch.Tensor | None = None, rows_per_program: int = 4, warps: int = 1) -> torch.Tensor:
-    """The routed experts of few tokens, their stacked tensors K-quants read in place: x (n, n_embd), ids / weights
-    (n, n_used) on the GPU; gate / up / down (GGUF bytes on the GPU, quant type, ne). Returns (n, n_embd) float32,
-    plus `residual` when given; each token's pairs summed in a fixed order."""
+              residual: torch.Tensor | None = None, rows_per_program: int = 0, warps: int = 1,
+              biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The routed experts of few tokens, their stacked tensors read in place: x (n, n_embd), ids / weights
+    (n, n_used) on the GPU; gate / up / down (GGUF bytes on the GPU, quant type, ne); act a name of moe.GLUS;
+    biases: gate's, up's and down's (n_expert, rows) float32 on the GPU (gpt-oss). Returns (n, n_embd) float32,
+    plus `residual` when given; each token's pairs summed in a fixed order. rows_per_program 0: MOE_ROWS."""
+    rows_per_program = rows_per_program or MOE_ROWS
     (gw, gq, gne), (uw, uq, _), (dw, dq, dne) = gate, up, down
     n, n_used = ids.shape
     n_embd, n_ff = gne[0], gne[1]
@@ -160,14 +203,15 @@ def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, u
     h = torch.empty(n * n_used, n_ff, dtype=torch.float32, device=x.device)
     gk, gb = _args(gq)
     uk, ub = _args(uq)
+    gbias, ubias, dbias = (b.float().contiguous() for b in biases) if biases is not None else (x, x, x)
     _kmoe_gate_up[(triton.cdiv(n_ff, rows_per_program), n * n_used)](
-        gw, uw, x, ids, h, n_ff, n_embd, n_used, GKIND=gk, GBYTES=gb, UKIND=uk, UBYTES=ub, ACT=ACTS[act],
-        BR=rows_per_program, num_warps=warps)
+        gw, uw, gbias, ubias, x, ids, h, n_ff, n_embd, n_used, GKIND=gk, GBYTES=gb, UKIND=uk, UBYTES=ub,
+        ACT=GLUS[act], BIAS=biases is not None, BR=rows_per_program, num_warps=warps)
     y = torch.empty(n * n_used, dne[1], dtype=torch.float32, device=x.device)
     dk, db = _args(dq)
     _kmoe_down[(triton.cdiv(dne[1], rows_per_program), n * n_used)](
-        dw, h, ids, weights.float().contiguous(), y, dne[1], dne[0], KIND=dk, BLOCK_BYTES=db, BR=rows_per_program,
-        num_warps=warps)
+        dw, dbias, h, ids, weights.float().contiguous(), y, dne[1], dne[0], KIND=dk, BLOCK_BYTES=db,
+        BIAS=biases is not None, BR=rows_per_program, num_warps=warps)
     if n_used == 1 and residual is None:
         return y
     return sum_pairs(y, n_used, residual)

@@ -9,7 +9,11 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES
 
+from ferry.kernels.activations import SWIGLU_OAI
 from ferry.kernels.cuda.layout import GEMV_KINDS, Split, _qdot
+
+_OAI_ALPHA: tl.constexpr = tl.constexpr(SWIGLU_OAI[0])
+_OAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLU_OAI[1])
 
 
 @triton.jit
@@ -34,6 +38,17 @@ def _act(g, ACT: tl.constexpr):
     else:  # gelu, tanh form (ggml's)
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         return 0.5 * g * (1.0 + (2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0))
+
+
+@triton.jit
+def _glu(g, u, ACT: tl.constexpr):
+    """The gated activation of GLUS' number ACT: act(g) * u, or gpt-oss's clamped SwiGLU (kernels/activations.py)."""
+    if ACT == 2:
+        g = tl.minimum(g, _OAI_LIMIT)
+        u = tl.minimum(tl.maximum(u, -_OAI_LIMIT), _OAI_LIMIT)
+        return g / (1.0 + tl.exp(-_OAI_ALPHA * g)) * (u + 1.0)
+    else:
+        return _act(g, ACT) * u
 
 
 @triton.jit
@@ -172,6 +187,7 @@ def unpack_experts(raw: torch.Tensor, ids: torch.Tensor, split: "Split") -> None
 
 
 ACTS = {"silu": 0, "gelu": 1}
+GLUS = {**ACTS, "swiglu_oai": 2}  # the gated activations of the kernels that take _glu (kquant.py's)
 
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Split, up: Split, down: Split,
