@@ -271,7 +271,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     batch whose rows meet at each MoE layer when routed experts in RAM are taken layer first (0: not so), whose
     activations and expert buffers then add to the first GPU's. `resident`: experts of layers in RAM kept on the first
     GPU too (--gpu-experts). `expands`: the layers whose routed experts the GPU expands to bfloat16 when it streams
-    them (expanding_layers): where one is in RAM, both staging sets hold a bfloat16 copy of a layer's experts too."""
+    them (expanding_layers): where one is in RAM, both staging sets hold a bfloat16 copy of a layer's experts too;
+    where one is on a GPU, its prompts expand a projection at a time there."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     tensors = as_loaded(tensors, args)
     needs: dict[str, DeviceNeed] = {}
@@ -292,6 +293,12 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
             need(device).weights += size
     if resident:
         need(gpus[0]).weights += resident_bytes(tensors, resident, args.n_expert)
+    # a prompt through a GPU's experts that its grouped GEMM does not read (expands; biases: gpt-oss's) expands one
+    # projection of the layer's experts at a time to bfloat16, in one scratch buffer a device
+    for device in {place(f"blk.{i}.ffn_down_exps.weight", args.n_layer, n_gpu_layers, overrides, layers)
+                   for i in range(args.n_layer) if f"blk.{i}.ffn_down_exps.weight" in tensors
+                   and (i in expands or f"blk.{i}.ffn_down_exps.bias" in tensors)} - {"CPU"}:
+        need(device).compute += 2 * args.n_embd * args.n_ff_exp * args.n_expert
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
     per_layer = int(n_ctx * cache.bytes_per_position(kb, vb))

@@ -257,7 +257,8 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
 
             plan = memory_plan(tensors, a, n_gpu_layers, [], gpus,
                                {g: torch.cuda.mem_get_info(i)[0] for i, g in enumerate(gpus)}, _n_ctx(model, cfg),
-                               cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split=split, cache=model.cache_layout())
+                               cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split=split, cache=model.cache_layout(),
+                               expands=expanding_layers(f.tensors.values()))
             if not plan.fits:
                 raise FerryError(plan.error())
             return MultiGpuBackend(device_map(f, model, n_gpu_layers, [], layers), layers, n_threads=cpu.n_threads)
