@@ -30,6 +30,7 @@ SWEEP = list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 
 ATTENTION = {"qwen3": (32, 4, 128, 128), "v2-lite latent": (16, 1, 576, 512)}  # heads, kv heads, key and value size
 ATTENTION_SWEEP = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8)))
 KQUANT_SWEEP = list(itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)))  # rows per program, warps
+MX_SWEEP = list(itertools.product((1, 2, 4, 8), (1, 2, 4), (256, 512, 1024)))  # and MXFP4's columns a step
 
 
 def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> layout.Split:
@@ -60,8 +61,8 @@ def _kquant_bytes(qtype: Q, ne: tuple[int, ...], dev) -> torch.Tensor:
 def _kquants(dev, report) -> None:
     """Q4_K dense weights and Q4_K_M experts (gate and up Q4_K, down Q6_K) read in place, each against the weight
     expanded then multiplied (a token's cost before kernels/cuda/kquant.py; for experts, the whole layer expanded)."""
-    def best(fn):
-        times = {cfg: do_bench(lambda: fn(*cfg)) for cfg in KQUANT_SWEEP}
+    def best(fn, sweep=KQUANT_SWEEP):
+        times = {cfg: do_bench(lambda: fn(*cfg)) for cfg in sweep}
         return min(times.items(), key=lambda kv: kv[1])
 
     for name, (cols, rows) in {"qwen3 attn_q": (2048, 4096), "qwen3 attn_output": (4096, 2048),
@@ -89,8 +90,9 @@ def _kquants(dev, report) -> None:
         print(f"  {model} {mix} experts: expanding the layer alone {1e3 * layer:.1f} us", flush=True)
         report(f"{model} experts {mix}", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
                do_bench(lambda: kquant.kmoe_gemv(x, ids, weights, *tensors, act, biases=biases)),
-               best(lambda br, w: kquant.kmoe_gemv(x, ids, weights, *tensors, act, rows_per_program=br, warps=w,
-                                                   biases=biases)))
+               best(lambda br, w, s=0: kquant.kmoe_gemv(x, ids, weights, *tensors, act, rows_per_program=br,
+                                                        warps=w, biases=biases, step=s),
+                    MX_SWEEP if model == "gpt-oss" else KQUANT_SWEEP))
 
 
 def main() -> None:

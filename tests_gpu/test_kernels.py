@@ -154,8 +154,8 @@ def test_kquant_moe_gemv_matches_float64(types, act, shape):
     _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual), 5e-5)
 
 
-@pytest.mark.parametrize("n,rows,cols,config", [(1, 3, 32, (1, 1)), (2, 17, 96, (4, 1)), (1, 9, 2880, (0, 1)),
-                                                (3, 5, 544, (8, 2))])
+@pytest.mark.parametrize("n,rows,cols,config", [(1, 3, 32, (1, 1, 256)), (2, 17, 96, (4, 1, 0)),
+                                                (1, 9, 2880, (0, 1, 1024)), (3, 5, 544, (8, 2, 64))])
 def test_mxfp4_gemv_matches_float64_at_any_whole_block_width(n, rows, cols, config):
     """gpt-oss's widths (2880) are no multiple of a 256-column step: the last step reads the blocks left."""
     rng = np.random.default_rng(rows + cols + n)
@@ -164,14 +164,14 @@ def test_mxfp4_gemv_matches_float64_at_any_whole_block_width(n, rows, cols, conf
     _close(kquant.kgemv(raw, Q.MXFP4, (cols, rows), x.to(DEV), *config), x.double() @ w.T)
 
 
-MXFP4_MOE = [(1, 4, 2, 96, 160), (3, 6, 4, 160, 64)]
+MXFP4_MOE = [((1, 4, 2, 96, 160), 0), ((3, 6, 4, 160, 64), 128)]
 if DEV == "cuda":
-    MXFP4_MOE += [(2, 32, 4, 2880, 2880)]  # gpt-oss-20b's
+    MXFP4_MOE += [((2, 32, 4, 2880, 2880), s) for s in (256, 512, 1024)]  # gpt-oss-20b's
 
 
 @pytest.mark.parametrize("biased", [True, False])
-@pytest.mark.parametrize("shape", MXFP4_MOE, ids=str)
-def test_mxfp4_moe_gemv_with_biases_matches_float64(shape, biased):
+@pytest.mark.parametrize("shape,step", MXFP4_MOE, ids=str)
+def test_mxfp4_moe_gemv_with_biases_matches_float64(shape, step, biased):
     """gpt-oss's experts: MXFP4 read in place, each expert's biases added, the clamped SwiGLU; an id of -1 adds
     nothing."""
     n, n_expert, n_used, n_embd, n_ff = shape
@@ -186,7 +186,8 @@ def test_mxfp4_moe_gemv_with_biases_matches_float64(shape, biased):
     weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
     got = kquant.kmoe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), (graw, Q.MXFP4, (n_embd, n_ff, n_expert)),
                            (uraw, Q.MXFP4, (n_embd, n_ff, n_expert)), (draw, Q.MXFP4, (n_ff, n_embd, n_expert)),
-                           "swiglu_oai", biases=None if biases is None else tuple(b.to(DEV) for b in biases))
+                           "swiglu_oai", biases=None if biases is None else tuple(b.to(DEV) for b in biases),
+                           step=step)
     want = _experts_reference(x, ids, weights, g, u, d, "swiglu_oai", None, biases)
     _close(got, want, 5e-5)
     live = ids[ids >= 0]
