@@ -16,6 +16,7 @@ from ferry import __version__
 from ferry.config import settings
 from ferry.errors import FerryError
 from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB
+from ferry.server.reasoning import FORMATS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -497,7 +498,7 @@ def build_server(args: argparse.Namespace):
     name = args.alias or loaded.file.path.name
     cache_ram = args.cache_ram * 2**20 if args.cache_ram > 0 else args.cache_ram
     return create_app(Scheduler(engine, tok, args.parallel, seq_len, args.batch_size, cache_ram), tok, name,
-                      args.api_key, template)
+                      args.api_key, template, args.reasoning_format)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -750,6 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    p.add_argument("--reasoning-format", choices=FORMATS, default="auto",
+                   help="auto / deepseek: a chat answer's reasoning (<think> ... </think>, gpt-oss's analysis channel) "
+                        "in reasoning_content; none: left in content (default auto; a request's reasoning_format "
+                        "overrides it)")
     p.add_argument("-a", "--alias", help="model name in the API (default: the file name)")
     p.add_argument("-cram", "--cache-ram", type=int, default=8192,
                    help="MiB of RAM for slots' cached prompts written over by other requests, copied back when a "

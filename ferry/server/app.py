@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from ferry.runtime.sampling import SamplingParams
+from ferry.server.reasoning import FORMATS, Splitter, kind_of
 from ferry.server.scheduler import Request, Scheduler
 from ferry.tokenizer import BUILTIN_TEMPLATES, TemplateError, render_chat
 
@@ -34,12 +35,14 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", code:
 
 
 def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | None = None,
-               template: str | None = None) -> FastAPI:
+               template: str | None = None, reasoning_format: str = "auto") -> FastAPI:
     """`template`: the chat template's Jinja source (tokenizer.chat_template: the file's, --chat-template's or its
-    family's); the file's own, else ChatML, when None."""
+    family's); the file's own, else ChatML, when None. reasoning_format: "auto" splits a chat answer's reasoning into
+    reasoning_content where the template's format has one (server/reasoning.py), "none" leaves it in content."""
     app = FastAPI(title="ferry")
     app.state.slot_tokens = scheduler.seq_len
     template = template or tokenizer.chat_template or BUILTIN_TEMPLATES["chatml"]
+    thinks = kind_of(template)  # the reasoning format of the template's answers, if any
     created = int(time.time())
     bos, eos = tokenizer.special_texts()
 
@@ -169,13 +172,27 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
         finally:
             r.cancelled.set()  # a client gone before the end frees its slot at the next step
 
-    async def respond(body: dict, r: Request, kind: str):
+    def splitter(body: dict, prompt: str) -> Splitter | None:
+        """The chat answer's reasoning splitter, unless the template has no reasoning format or the server or the
+        request says "none"."""
+        wanted = body.get("reasoning_format", reasoning_format)
+        if wanted not in FORMATS:
+            raise BadRequest(400, f"'reasoning_format' must be one of {', '.join(FORMATS)}")
+        return Splitter(thinks, prompt) if thinks and wanted != "none" else None
+
+    async def respond(body: dict, r: Request, kind: str, split: Splitter | None = None):
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if kind == "chat" else "text_completion"
 
-        def choice(text: str | None, finish: str | None, delta: bool, records: list[dict]) -> dict:
+        def choice(text: str | None, finish: str | None, delta: bool, records: list[dict],
+                   reasoning: str = "") -> dict:
             if kind == "chat":
-                msg = ({"content": text} if text is not None else {}) if delta else {"role": "assistant", "content": text}
+                if delta:  # a piece of reasoning alone carries no content
+                    msg = {"content": text} if text or (text is not None and not reasoning) else {}
+                else:
+                    msg = {"role": "assistant", "content": text}
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
                 return {"index": 0, ("delta" if delta else "message"): msg, "logprobs": logprobs_of(records, kind),
                         "finish_reason": finish}
             return {"index": 0, "text": text or "", "logprobs": logprobs_of(records, kind), "finish_reason": finish}
@@ -183,8 +200,12 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
         scheduler.submit(r)
         if not body.get("stream"):
             text, records, payload = await whole(r)
+            reasoning = ""
+            if split is not None:
+                parts = [split.push(text), split.finish()]
+                reasoning, text = ("".join(p[i] for p in parts).rstrip() for i in (0, 1))
             return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                    "choices": [choice(text, payload["finish_reason"], False, records)],
+                    "choices": [choice(text, payload["finish_reason"], False, records, reasoning)],
                     "usage": payload["usage"], "timings": payload["timings"]}
 
         async def events():
@@ -197,12 +218,20 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
                 while True:
                     what, payload = await r.out.get()
                     if what == "text":
-                        yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_name,
-                                    "choices": [choice(payload[0], None, True, payload[1])]})
+                        reasoning, text = split.push(payload[0]) if split is not None else ("", payload[0])
+                        if text or reasoning or payload[1]:  # held back (a marker's start, or one): nothing to send
+                            yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()),
+                                        "model": model_name,
+                                        "choices": [choice(text, None, True, payload[1], reasoning)]})
                     elif what == "error":
                         yield _sse({"error": {"message": payload, "type": "server_error"}})
                         break
                     else:
+                        if split is not None:  # what was held back, as it stands
+                            reasoning, text = split.finish()
+                            if text or reasoning:
+                                yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()),
+                                            "model": model_name, "choices": [choice(text, None, True, [], reasoning)]})
                         yield _sse({"id": rid, "object": chunk_obj, "created": int(time.time()), "model": model_name,
                                     "choices": [choice(None if kind == "chat" else "", payload["finish_reason"], True,
                                                        [])],
@@ -284,12 +313,13 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
     @app.post("/v1/chat/completions")
     async def chat(http: HttpRequest):
         body = await body_of(http)
-        prompt = tokenizer.encode_chat(chat_prompt(body))
+        text = chat_prompt(body)
+        split = splitter(body, text)
         top = number(body, "top_logprobs", None, int, low=0, high=20)
         if top is not None and not flag(body, "logprobs"):
             raise BadRequest(400, "'top_logprobs' needs 'logprobs': true")
         logprobs = (top or 0) if flag(body, "logprobs") else -1
-        return await respond(body, make_request(body, prompt, -1, logprobs), "chat")
+        return await respond(body, make_request(body, tokenizer.encode_chat(text), -1, logprobs), "chat", split)
 
     def completion_prompt(body: dict) -> list[int]:
         """llama-server's /completion prompt: a string, or a list of token ids and strings (a string first gets the
