@@ -333,6 +333,26 @@ def _cache(rng, qtype, cells, width):
     return torch.from_numpy(raw.copy()).to(DEV), torch.from_numpy(reference(raw.reshape(-1), Q.Q8_0, (width, cells))).double()
 
 
+def _attention_reference(q, k, v, pos, base, heads_kv, window, sinks=None):
+    """Each token's attention in float64 over its cells base + (pos - window + 1 or 0) .. base + pos of the float
+    caches k (cells, heads_kv * dk) and v; sinks: each head's logit added to the softmax's denominator, no value.
+    (n, heads * dv)."""
+    n, heads, dk = q.shape
+    dv = v.shape[1] // heads_kv
+    want = torch.empty(n, heads, dv, dtype=torch.float64)
+    for t in range(n):
+        lo = max(0, int(pos[t]) - window + 1) if window else 0
+        cell = torch.arange(lo, int(pos[t]) + 1) + int(base[t])
+        for h in range(heads):
+            kvh = h // (heads // heads_kv)
+            scores = k[cell].view(-1, heads_kv, dk)[:, kvh] @ q[t, h] * dk ** -0.5
+            if sinks is not None:
+                scores = torch.cat([scores, sinks[h:h + 1]])
+            weights = torch.softmax(scores, 0)[:len(cell)]
+            want[t, h] = weights @ v[cell].view(-1, heads_kv, dv)[:, kvh]
+    return want.view(n, -1)
+
+
 @pytest.mark.parametrize("config,splits", [(None, None), ((32, 4), None), ((128, 8), None), ((32, 4), 4),
                                            (None, 2)], ids=str)
 @pytest.mark.parametrize("ktype,vtype", [(Q.F16, Q.F16), (Q.Q8_0, Q.Q8_0), (Q.Q8_0, Q.F16)], ids=str)
@@ -351,16 +371,7 @@ def test_attention_decode_matches_float64(config, splits, ktype, vtype, n, heads
     base = torch.from_numpy(rng.integers(0, 40, n))
     got = attention.attention_decode(q.float().to(DEV), kraw, vraw, ktype == Q.Q8_0, vtype == Q.Q8_0, pos.to(DEV),
                                      base.to(DEV), heads_kv, dv, dk ** -0.5, window, config, n_cells=cells, splits=splits)
-    want = torch.empty(n, heads, dv, dtype=torch.float64)
-    for t in range(n):
-        lo = max(0, int(pos[t]) - window + 1) if window else 0
-        cell = torch.arange(lo, int(pos[t]) + 1) + int(base[t])
-        for h in range(heads):
-            kvh = h // (heads // heads_kv)
-            kk = k[cell].view(-1, heads_kv, dk)[:, kvh]
-            vv = v[cell].view(-1, heads_kv, dv)[:, kvh]
-            want[t, h] = torch.softmax(kk @ q[t, h] * dk ** -0.5, 0) @ vv
-    _close(got, want.view(n, -1), 1e-5)
+    _close(got, _attention_reference(q, k, v, pos, base, heads_kv, window), 1e-5)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -379,16 +390,7 @@ def test_attention_decode_adds_each_heads_sink(splits, n, heads, heads_kv, dk, w
     got = attention.attention_decode(q.float().to(DEV), kraw, vraw, False, False, pos.to(DEV), base.to(DEV), heads_kv,
                                      dk, dk ** -0.5, window, (32, 4), n_cells=cells, splits=splits,
                                      sinks=sinks.float().to(DEV))
-    want = torch.empty(n, heads, dk, dtype=torch.float64)
-    for t in range(n):
-        lo = max(0, int(pos[t]) - window + 1) if window else 0
-        cell = torch.arange(lo, int(pos[t]) + 1) + int(base[t])
-        for h in range(heads):
-            kvh = h // (heads // heads_kv)
-            scores = k[cell].view(-1, heads_kv, dk)[:, kvh] @ q[t, h] * dk ** -0.5
-            weights = torch.softmax(torch.cat([scores, sinks[h:h + 1]]), 0)[:-1]
-            want[t, h] = weights @ v[cell].view(-1, heads_kv, dk)[:, kvh]
-    _close(got, want.view(n, -1), 1e-5)
+    _close(got, _attention_reference(q, k, v, pos, base, heads_kv, window, sinks), 1e-5)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)

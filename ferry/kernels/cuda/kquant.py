@@ -15,7 +15,7 @@ from ferry.kernels.capabilities import can
 from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min
 from ferry.kernels.cuda.moe import _glu, _pair_rows, GLUS, sum_pairs
 
-KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2, Q.MXFP4: 3}  # the types these kernels read, 256 columns a loop step
+KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2, Q.MXFP4: 3}  # the types these kernels read
 
 
 @triton.jit
