@@ -34,12 +34,15 @@ MX_SWEEP = list(itertools.product((1, 2, 4, 8), (1, 2, 4), (256, 512, 1024)))  #
 
 
 def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> layout.Split:
-    """Random blocks of qtype: quants uniform, scales around 0.01."""
+    """Random blocks of qtype: quants uniform, scales around 0.01 (MXFP4: exponents 2^-8 .. 2^-6)."""
     rng = np.random.default_rng(sum(ne))
     n_blocks = int(np.prod(n_blocks_shape))
     width = 32 if qtype == Q.Q8_0 else 16
     qs = torch.from_numpy(rng.integers(0, 256, (n_blocks, width), dtype=np.uint8)).to(dev)
-    d = torch.from_numpy((rng.uniform(0.5, 1.5, n_blocks) * 0.01).astype(np.float16)).to(dev)
+    if qtype == Q.MXFP4:
+        d = torch.from_numpy(rng.integers(119, 122, n_blocks, dtype=np.uint8)).to(dev)
+    else:
+        d = torch.from_numpy((rng.uniform(0.5, 1.5, n_blocks) * 0.01).astype(np.float16)).to(dev)
     return layout.Split(qtype, ne, qs.view(torch.int8) if qtype == Q.Q8_0 else qs, d)
 
 
@@ -121,16 +124,21 @@ def main() -> None:
         report(name, f"{rows}x{cols}", rows * cols * 34 / 32, do_bench(lambda: gemv.gemv(w, x)),
                _best(lambda cfg: gemv.gemv(w, x, cfg)))
     for name, (n_expert, n_used, n_embd, n_ff) in EXPERTS.items() if "experts" in only else ():
-        gate = _split(Q.Q4_0, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
-        up = _split(Q.Q4_0, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
-        down = _split(Q.Q4_0, (n_expert, n_embd, n_ff // 32), (n_ff, n_embd, n_expert), dev)
-        x = torch.randn(1, n_embd, device=dev)
-        ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
-        weights = torch.rand(1, n_used, device=dev)
-        nbytes = n_used * 3 * n_embd * n_ff * 18 / 32
-        report(f"{name} experts", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
-               do_bench(lambda: moe.moe_gemv(x, ids, weights, gate, up, down, "silu")),
-               _best(lambda cfg: moe.moe_gemv(x, ids, weights, gate, up, down, "silu", config=cfg)))
+        # Q4_0; gpt-oss's MXFP4 too (its exponent bytes split from its nibbles), with its biases and clamped SwiGLU
+        for qtype in (Q.Q4_0, Q.MXFP4) if name == "gpt-oss" else (Q.Q4_0,):
+            gate = _split(qtype, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
+            up = _split(qtype, (n_expert, n_ff, n_embd // 32), (n_embd, n_ff, n_expert), dev)
+            down = _split(qtype, (n_expert, n_embd, n_ff // 32), (n_ff, n_embd, n_expert), dev)
+            act, biases = "silu", None
+            if qtype == Q.MXFP4:
+                act, biases = "swiglu_oai", tuple(torch.randn(n_expert, r, device=dev) for r in (n_ff, n_ff, n_embd))
+            x = torch.randn(1, n_embd, device=dev)
+            ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
+            weights = torch.rand(1, n_used, device=dev)
+            nbytes = n_used * 3 * n_embd * n_ff * (18 if qtype == Q.Q4_0 else 17) / 32
+            report(f"{name} experts {qtype.name}", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
+                   do_bench(lambda: moe.moe_gemv(x, ids, weights, gate, up, down, act, biases=biases)),
+                   _best(lambda cfg: moe.moe_gemv(x, ids, weights, gate, up, down, act, config=cfg, biases=biases)))
     if "kquant" in only:
         _kquants(dev, report)
     for name, (n_expert, n_used, n_embd, _) in EXPERTS.items() if "router" in only else ():  # the f32 router

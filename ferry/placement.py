@@ -293,11 +293,11 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
             need(device).weights += size
     if resident:
         need(gpus[0]).weights += resident_bytes(tensors, resident, args.n_expert)
-    # a prompt through a GPU's experts that its grouped GEMM does not read (expands; biases: gpt-oss's) expands one
-    # projection of the layer's experts at a time to bfloat16, in one scratch buffer a device
+    # a prompt through a GPU's experts that its grouped GEMM does not read (expands) expands one projection of the
+    # layer's experts at a time to bfloat16, in one scratch buffer a device
     for device in {place(f"blk.{i}.ffn_down_exps.weight", args.n_layer, n_gpu_layers, overrides, layers)
-                   for i in range(args.n_layer) if f"blk.{i}.ffn_down_exps.weight" in tensors
-                   and (i in expands or f"blk.{i}.ffn_down_exps.bias" in tensors)} - {"CPU"}:
+                   for i in range(args.n_layer)
+                   if f"blk.{i}.ffn_down_exps.weight" in tensors and i in expands} - {"CPU"}:
         need(device).compute += 2 * args.n_embd * args.n_ff_exp * args.n_expert
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
@@ -313,8 +313,9 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
         in_ram: dict[str, int] = {}  # the routed experts in RAM the GPU streams, per layer
         for name, size in tensors.items():
             m = _LAYER_RE.match(name)
-            # experts with biases (gpt-oss's) are never streamed (offload/work.gpu_refuses): they stage nothing
-            if (m and name.endswith("_exps.weight") and f"blk.{m.group(1)}.ffn_down_exps.bias" not in tensors
+            # biased experts the GPU would expand are never streamed (offload/work.gpu_refuses): they stage nothing
+            if (m and name.endswith("_exps.weight") and not (int(m.group(1)) in expands and
+                                                              f"blk.{m.group(1)}.ffn_down_exps.bias" in tensors)
                     and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU"):
                 in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
         need(gpus[0]).compute += 3 * max(in_ram.values(), default=0)

@@ -90,12 +90,13 @@ def test_gpu_latent_attention_matches_the_cpu(tmp_path, mla):
 
 
 # the interpreter takes two minutes a strategy: the default's alone there (the loop measured KL 9.5e-6 too)
-@pytest.mark.parametrize("moe", ["auto"] if DEV == "cpu" else ["auto", "loop"])
+@pytest.mark.parametrize("moe", ["auto"] if DEV == "cpu" else ["auto", "dense", "loop"])
 def test_gpu_gpt_oss_matches_the_cpu(tmp_path, moe):
     """gpt-oss (MXFP4 experts, the rest Q8_0) through the GPU executor: sinks (with_sinks' extra key), the output
-    bias, the biased router's choice by logits, the experts' biases and clamped SwiGLU (CudaBackend's bf16 grouped
-    GEMM, or -moe loop's per-expert loop; MXFP4 expanded), past the window of 8 on the even layers; a prompt longer
-    than a decode step (SDPA with the sinks as one more key), then decode steps (the decode kernel's sinks)."""
+    bias, the biased router's choice by logits, the experts' biases and clamped SwiGLU (CudaBackend's expert GEMVs
+    and grouped GEMM on MXFP4 split, biases added in the kernels; -moe dense's bf16 copies and torch's grouped GEMM;
+    -moe loop's per-expert loop), past the window of 8 on the even layers; a prompt longer than a decode step (SDPA
+    with the sinks as one more key), then decode steps (the decode kernel's sinks)."""
     path = tmp_path / "gpt-oss.gguf"
     assert main(["synth", "gpt-oss-tiny", "-o", str(path), "-q", "--expert-type", "mxfp4"]) == 0
     cpu, model = place(path, 2)

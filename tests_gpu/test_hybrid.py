@@ -436,3 +436,44 @@ def test_resident_experts_flag_mistakes_are_one_line(mid):
                         (EXPS | dict(gpu_experts="500:1"), "no routed experts")):
         with pytest.raises(FerryError, match=says):
             place(path, 1, **flags)
+
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory):
+    """gpt-oss-tiny (MXFP4 experts with biases, the clamped SwiGLU, sinks, a window of 8): its CPU logits over a
+    120-token prompt."""
+    from ferry.cli import main
+
+    path = tmp_path_factory.mktemp("g") / "gpt-oss.gguf"
+    assert main(["synth", "gpt-oss-tiny", "--expert-type", "mxfp4", "-o", str(path), "-q"]) == 0
+    cpu, model = place(path, 8)
+    tokens = list(range(11, 131))
+    return path, tokens, Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
+
+
+@pytest.mark.parametrize("policy,resident", [("all=on", False), ("balanced", False), ("all=off", True),
+                                             ("all=on", True)])
+@pytest.mark.parametrize("ubatch", [100, 5])
+def test_gpt_oss_experts_streamed_and_resident_match_the_cpu(gptoss, policy, resident, ubatch):
+    """gpt-oss's experts in RAM: streamed to the GPU and read there in place (MXFP4 split, each expert's biases
+    added in the kernels), split with the CPU, or some kept on the GPU (--gpu-experts, their biases' rows with
+    them); prompts, then generation through recorded steps."""
+    from ferry.placement import format_gpu_experts
+
+    path, tokens, want = gptoss
+    _, probe = place(path, 1)
+    flags = EXPS | dict(offload_policy="auto" if policy == "balanced" else policy)
+    if resident:
+        flags["gpu_experts"] = format_gpu_experts(_resident_spec(probe.args.n_layer, probe.args.n_expert))
+    backend, model = _hybrid(path, flags, BALANCED if policy == "balanced" else None)
+    assert bool(backend._resident) == resident
+    n = 100 if ubatch > 8 else 40
+    e = Engine(model, backend, n_ctx=512, n_batch=100, n_ubatch=ubatch)
+    got = e.decode(tokens[:n], all_logits=True)
+    _check(want[:n], got, f"gpt-oss -ot exps=CPU {policy}{' resident' if resident else ''} ub {ubatch}")
+    where = {r.device for r in backend.stats.records if r.op == "mul_mat_id"}
+    if policy == "all=on":
+        assert backend.streamer.bytes_copied > 0 and all(d.endswith("/ CPU 0") for d in where), where
+    backend.stats.keep = False
+    steps = torch.cat([e.decode([t]) for t in tokens[n:n + 12]])
+    _check(want[n:n + 12], steps, f"gpt-oss decode {policy}{' resident' if resident else ''}")

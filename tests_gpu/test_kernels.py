@@ -62,7 +62,7 @@ def test_split_layout_expands_to_the_reference(qtype, dtype):
     rng = np.random.default_rng(5)
     raw, w = _quantized(rng, qtype, 3, 7, 96)
     s = layout.Split.of(raw, qtype, (96, 7, 3))
-    assert s.qs.numel() + 2 * s.d.numel() == raw.numel()  # the same bytes, rearranged
+    assert s.qs.numel() + s.d.element_size() * s.d.numel() == raw.numel()  # the same bytes, rearranged
     assert torch.equal(s.floats(dtype).cpu(), w.to(dtype))
     assert torch.equal(s.expert(2).floats(dtype).cpu(), w[2].to(dtype))
     flat = layout.Split.of(raw, qtype, (96, 21))
@@ -89,21 +89,60 @@ def _experts_reference(x, ids, weights, g, u, d, act, residual, biases=None):
     return want
 
 
+def _biases(rng, n_expert, n_embd, n_ff):
+    """Random expert biases as gpt-oss has them: gate's, up's (n_expert, n_ff) and down's (n_expert, n_embd)."""
+    return tuple(torch.from_numpy(rng.standard_normal((n_expert, rows)) * 2).float() for rows in (n_ff, n_ff, n_embd))
+
+
+def _on(t):
+    return None if t is None else tuple(v.to(DEV) for v in t) if isinstance(t, tuple) else t.to(DEV)
+
+
 @pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
-@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
 @pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (3, 8, 3, 96, 160), (2, 16, 8, 256, 64)])
 def test_moe_gemv_matches_float64(qtype, act, n, n_expert, n_used, n_embd, n_ff):
+    """The expert GEMVs; gpt-oss's clamped SwiGLU with each expert's biases (an id of -1 adds nothing)."""
     rng = np.random.default_rng(n_expert * n_embd + n)
     (graw, g), (uraw, u), (draw, d) = (_quantized(rng, qtype, n_expert, a, b) for a, b in
                                        ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff)))
     x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
+    biases = _biases(rng, n_expert, n_embd, n_ff) if act == "swiglu_oai" else None
+    if biases is not None:
+        ids[0, 0] = -1  # a pair whose expert is elsewhere: no bias either
     weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
     residual = torch.from_numpy(rng.standard_normal((n, n_embd))).float() if act == "gelu" else None
     got = moe.moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), layout.Split.of(graw, qtype, (n_embd, n_ff, n_expert)),
                        layout.Split.of(uraw, qtype, (n_embd, n_ff, n_expert)), layout.Split.of(draw, qtype, (n_ff, n_embd, n_expert)),
-                       act, residual=None if residual is None else residual.to(DEV))
-    _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual), 5e-5)
+                       act, residual=_on(residual), biases=_on(biases))
+    _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual, biases), 5e-5)
+
+
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (5, 8, 4, 96, 160), (37, 8, 3, 160, 64),
+                                                           (70, 6, 2, 96, 288)])
+def test_expert_pairs_add_gpt_oss_biases(qtype, n, n_expert, n_used, n_embd, n_ff):
+    """CudaBackend.expert_pairs with gpt-oss's biases and clamped SwiGLU, as the hybrid runtime's streamed experts
+    and a GPU layer's prompts take them: the expert GEMVs for few pairs, the grouped GEMM (bias added in the
+    kernel, before the activation) for more; each pair's weighted output in pair order."""
+    from ferry.backends.cuda import CudaBackend
+
+    rng = np.random.default_rng(n * n_ff + n_used + 7)
+    (raw_g, g), (raw_u, u) = (_quantized(rng, qtype, n_expert, n_ff, n_embd) for _ in range(2))
+    raw_d, d = _quantized(rng, qtype, n_expert, n_embd, n_ff)
+    biases = _biases(rng, n_expert, n_embd, n_ff)
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
+    x = torch.from_numpy(rng.standard_normal((n, n_embd)) * 0.5).float()
+    weights = torch.from_numpy(rng.uniform(0.1, 1.0, (n, n_used))).float()
+    split = lambda raw, ne: layout.Split.of(raw, qtype, ne)  # noqa: E731
+    got = CudaBackend(DEV).expert_pairs(x.to(DEV), ids.to(DEV), split(raw_g, (n_embd, n_ff, n_expert)),
+                                        split(raw_u, (n_embd, n_ff, n_expert)), split(raw_d, (n_ff, n_embd, n_expert)),
+                                        "swiglu_oai", weights=weights.to(DEV), biases=_on(biases))
+    want = torch.stack([_experts_reference(x[p // n_used:p // n_used + 1], ids.flatten()[p].view(1, 1),
+                                           weights.flatten()[p].view(1, 1), g, u, d, "swiglu_oai", None, biases)[0]
+                        for p in range(n * n_used)])
+    _close(got, want, 5e-5 if n * n_used <= 64 else 3e-3)  # the grouped GEMM: f16 activations and weights
 
 
 def _kquant(rng, qtype, *shape):
@@ -393,7 +432,7 @@ def test_attention_decode_adds_each_heads_sink(splits, n, heads, heads_kv, dk, w
     _close(got, _attention_reference(q, k, v, pos, base, heads_kv, window, sinks), 1e-5)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("chosen", [[0], [1, 2, 5], [0, 1, 2, 3, 4, 5, 6]], ids=str)
 def test_unpack_experts_fills_the_slots_split_of_makes(qtype, chosen):
     """The streamer copies chosen experts' GGUF bytes one after another, then unpack_experts spreads them to their
@@ -409,9 +448,9 @@ def test_unpack_experts_fills_the_slots_split_of_makes(qtype, chosen):
     for e in range(n_expert):
         g, f = got.expert(e), full.expert(e)
         if e in chosen:
-            assert torch.equal(g.qs, f.qs) and torch.equal(g.d.view(torch.int16), f.d.view(torch.int16))
+            assert torch.equal(g.qs, f.qs) and torch.equal(g.d.view(torch.uint8), f.d.view(torch.uint8))
         else:
-            assert not g.qs.any() and not g.d.view(torch.int16).any()
+            assert not g.qs.any() and not g.d.view(torch.uint8).any()
 
 
 def test_attention_splits_fill_the_gpu_only_for_long_caches():
@@ -529,17 +568,15 @@ def test_resident_experts_give_only_their_pairs(qtype, n, n_expert, n_used, n_em
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
     x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
     weights = torch.from_numpy(rng.uniform(0.1, 1.0, (n, n_used))).float()
+    act = "swiglu_oai" if qtype == Q.MXFP4 else "silu"  # gpt-oss's: its biases too, only the kept experts' rows
+    biases = _biases(rng, n_expert, n_embd, n_ff) if act == "swiglu_oai" else None
     got = CudaBackend(DEV).resident_experts(x.to(DEV), slot_of[ids].to(DEV), weights.to(DEV),
                                             resident(raw_g, (n_embd, n_ff)), resident(raw_u, (n_embd, n_ff)),
-                                            resident(raw_d, (n_ff, n_embd)), "silu")
-    want = torch.zeros(n, n_embd, dtype=torch.float64)
-    for t in range(n):
-        for s in range(n_used):
-            e = int(ids[t, s])
-            if e in kept:
-                h = torch.nn.functional.silu(g[e] @ x[t].double()) * (u[e] @ x[t].double())
-                want[t] += weights[t, s].double() * (d[e] @ h)
-    _close(got, want, 5e-5 if n * n_used <= 64 else 3e-3)  # the grouped GEMM: f16 activations
+                                            resident(raw_d, (n_ff, n_embd)), act,
+                                            None if biases is None else tuple(b[idx].to(DEV) for b in biases))
+    gone = torch.where(slot_of[ids] >= 0, ids, -1)
+    _close(got, _experts_reference(x, gone, weights, g, u, d, act, None, biases),
+           5e-5 if n * n_used <= 64 else 3e-3)  # the grouped GEMM: f16 activations
 
 
 @pytest.mark.parametrize("n_expert", [1, 7, 128, 256, 300, 40000])  # keys of uint8, int16 and int32

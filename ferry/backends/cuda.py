@@ -2,8 +2,8 @@
 read the bytes directly (kernels/cuda/gemv.py, moe.py; K-quants' GGUF blocks: kquant.py). Many tokens (prompts): the
 weight is expanded by the Triton dequantizer into a reused f16 scratch and multiplied by cuBLAS (float32 accumulation,
 as llama.cpp's cuBLAS path); a MoE layer sorts its (token, expert) pairs by expert and runs every expert in one grouped
-GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 weights in registers; torch._grouped_mm on bf16
-copies for other types), without the host learning which experts were hit."""
+GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 / MXFP4 weights in registers; torch._grouped_mm on
+bf16 copies for other types), without the host learning which experts were hit."""
 
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ class CudaBackend:
     def prepare(self, weights: list[Weight], fused: list[tuple[Weight, ...]] = (),
                 progress: Callable[[int, int], None] | None = None) -> None:
         """Upload every weight (each fused group as one matrix where upload_fused can)."""
-        if not self._grouped and any(w.bias is not None for w in weights):
-            self.graph_safe = False  # biased experts: one matmul per expert hit, which the host must learn
+        if not self._grouped and any(w.bias is not None and len(w.ne) == 3 and not can(w.qtype).gpu_gemv
+                                     for w in weights):
+            self.graph_safe = False  # biased experts expanded: one matmul per expert hit, which the host must learn
         for group in fused:
             self.upload_fused(group)
         total, done = sum(w.nbytes for w in weights), 0
@@ -87,7 +88,7 @@ class CudaBackend:
         pass  # the GPU's memory goes with the backend
 
     def upload(self, w: Weight):
-        """The weight on the GPU (once): Q8_0 / Q4_0 split into quants and scales (Split), other types
+        """The weight on the GPU (once): Q8_0 / Q4_0 / MXFP4 split into quants and scales (Split), other types
         as their GGUF bytes."""
         from ferry.kernels.cuda.layout import Split
 
@@ -208,39 +209,46 @@ class CudaBackend:
         strategy = self.moe_strategy
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
-        biases = [w.bias for w in (gate, up, down) if w.bias is not None]
-        if strategy == "gemv" and len(biases) in (0, 3) and all(kquant.reads(w.qtype, w.ne) for w in (gate, up, down)):
-            return kquant.kmoe_gemv(x, ids, weights, *((self.upload(w), w.qtype, w.ne) for w in (gate, up, down)),
-                                    act, residual=residual, biases=tuple(map(self.vector, biases)) or None), ids
-        if act not in _ACT or biases:
-            # gpt-oss's biases and clamped SwiGLU beyond the GEMVs above: the bf16 grouped GEMM adds them (one matmul
-            # per expert hit where torch has none: prepare() then records no graphs), or -moe loop's loop
-            strategy = "loop" if strategy == "loop" else "dense"
-        if strategy == "gemv" and gpu_reads(w.qtype for w in (gate, up, down)):
-            return moe_gemv(x, ids, weights, self.upload(gate), self.upload(up), self.upload(down), act,
-                            residual=residual), ids
+        parts = (gate, up, down)
+        biases = self.expert_biases(*parts)
+        # the quantized kernels add all three biases (gpt-oss's) or none; the bf16 grouped GEMM and the loop any
+        whole = biases is not None or all(w.bias is None for w in parts)
+        if strategy == "gemv" and whole:
+            if gpu_reads(w.qtype for w in parts):
+                return moe_gemv(x, ids, weights, *map(self.upload, parts), act, residual=residual, biases=biases), ids
+            if all(kquant.reads(w.qtype, w.ne) for w in parts):
+                return kquant.kmoe_gemv(x, ids, weights, *((self.upload(w), w.qtype, w.ne) for w in parts), act,
+                                        residual=residual, biases=biases), ids
         if strategy == "loop":
             out = self._moe_loop(x, ids, weights, up, gate, down, act)
             return (out if residual is None else residual + out), ids
         # 'dense': every expert expanded to bf16, then torch's grouped GEMM, whatever the type
-        return self._moe_grouped(x, ids, weights, up, gate, down, act, dense=strategy == "dense",
-                                 residual=residual), ids
+        return self._moe_grouped(x, ids, weights, up, gate, down, act, dense=strategy == "dense" or not whole,
+                                 residual=residual, biases=biases), ids
+
+    def expert_biases(self, gate: Weight, up: Weight, down: Weight):
+        """gate's, up's and down's biases (n_expert, rows) float32 on the GPU where all three have them (gpt-oss),
+        else None."""
+        if any(w.bias is None for w in (gate, up, down)):
+            return None
+        return tuple(self.vector(w.bias) for w in (gate, up, down))
 
     def _experts(self, w: Weight, slot: int) -> torch.Tensor:
         """Every expert of a stacked tensor as bf16 (n_expert, rows, cols), in scratch `slot`."""
         return self._expand(w.qtype, self.upload(w), w.ne, torch.bfloat16, slot)
 
     def _moe_grouped(self, x, ids, weights, up: Weight, gate: Weight, down: Weight, act: str,
-                     dense: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                     dense: bool = False, residual: torch.Tensor | None = None, biases=None) -> torch.Tensor:
         """Pairs sorted by expert, every expert's rows in one grouped GEMM launch per projection (the schedule
-        computed on the GPU), each token's experts summed in a fixed order (+ residual when given). Q8_0 / Q4_0
-        experts: the Triton kernel that expands weights in registers, the sum one pass with the residual; other
-        types: bf16 copies and torch's grouped GEMM."""
+        computed on the GPU), each token's experts summed in a fixed order (+ residual when given). Q8_0 / Q4_0 /
+        MXFP4 experts: the Triton kernel that expands weights in registers (adding `biases`, expert_biases'), the sum
+        one pass with the residual; other types: bf16 copies and torch's grouped GEMM (adding each weight's bias)."""
         from ferry.kernels.cuda.moe import sum_pairs
 
         n, k = ids.shape
         if not dense and gpu_reads(w.qtype for w in (gate, up, down)):
-            y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act, weights=weights)
+            y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act, weights=weights,
+                                  biases=biases)
             return sum_pairs(y, k, residual)
         order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
         y = torch.empty_like(y_sorted)
@@ -262,50 +270,55 @@ class CudaBackend:
         return block, sched, sched[0].to(torch.int32)
 
     def expert_pairs(self, x: torch.Tensor, ids: torch.Tensor, gate, up, down, act: str,
-                     wait_down: torch.cuda.Event | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+                     wait_down: torch.cuda.Event | None = None, weights: torch.Tensor | None = None,
+                     biases: tuple | None = None) -> torch.Tensor:
         """Each (token, slot) pair's expert output, times its router weight when `weights` (n, k) is given,
         (n * k, n_embd) float32 in pair order: x (n, n_embd), ids (n, k) on the GPU; gate / up / down stacked Splits
-        (uploaded or staged; only the experts in ids are read), or staged Expanded ones. Expert GEMVs for few pairs,
-        else the grouped GEMM (reading each pair's token row in place and writing its output in pair order);
-        Expanded experts: torch's grouped GEMM in bfloat16. wait_down: an event the down projection waits for (its
-        weights still being copied by the hybrid runtime)."""
+        (uploaded or staged; only the experts in ids are read), or staged Expanded ones; biases: expert_biases'
+        (indexed by the ids), or None. Expert GEMVs for few pairs, else the grouped GEMM (reading each pair's token
+        row in place and writing its output in pair order); Expanded experts: torch's grouped GEMM in bfloat16.
+        wait_down: an event the down projection waits for (its weights still being copied by the hybrid runtime)."""
         from ferry.kernels.cuda.moe import moe_gemv, moe_mm
         from ferry.backends.streamer import Expanded
 
         n, k = ids.shape
+        gb, ub, db = biases if biases is not None else (None, None, None)
         pair_weights = None if weights is None else weights.float().reshape(-1).contiguous()
         if isinstance(gate, Expanded):
-            order, offs, h = self._expanded_up_gate(x, ids, gate, up, act)
+            order, offs, h = self._expanded_up_gate(x, ids, gate, up, act, biases)
             if wait_down is not None:
                 torch.cuda.current_stream(x.device).wait_event(wait_down)
             y = torch.empty(n * k, down.w.shape[1], dtype=torch.float32, device=x.device)
-            y[order] = self._group_mm(h, down.w, offs).float()
+            y_sorted = self._group_mm(h, down.w, offs).float()
+            y[order] = y_sorted if db is None else y_sorted + db[ids.flatten()[order].long()]
             return y if pair_weights is None else y.mul_(pair_weights[:, None])
         if self._gemv_pairs(n * k):
             if pair_weights is None:
                 pair_weights = torch.ones(n * k, dtype=torch.float32, device=x.device)
             xs = x.float()[torch.arange(n, device=x.device).repeat_interleave(k)] if k > 1 else x
-            return moe_gemv(xs, ids.reshape(-1, 1), pair_weights.view(-1, 1), gate, up, down, act, wait_down)
+            return moe_gemv(xs, ids.reshape(-1, 1), pair_weights.view(-1, 1), gate, up, down, act, wait_down,
+                            biases=biases)
         block, sched, order = self._schedule(ids, gate.ne[2])
         h = moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
-                   rows_from=torch.div(order, k, rounding_mode="floor"))
+                   rows_from=torch.div(order, k, rounding_mode="floor"), bias=gb, up_bias=ub)
         if wait_down is not None:
             torch.cuda.current_stream(x.device).wait_event(wait_down)
-        return moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights)
+        return moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights, bias=db)
 
     def resident_experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
-                         ) -> torch.Tensor:
+                         biases: tuple | None = None) -> torch.Tensor:
         """The pairs of a layer whose experts are kept on the GPU beside the rest in RAM (the hybrid runtime's resident
         experts): slots (n, k) int32 on the GPU, each pair's place among the resident experts, -1 where its expert is
-        elsewhere; gate / up / down Splits holding only the resident experts. Each token's weighted sum over its
-        resident pairs, (n, n_embd) float32, without the host learning which pairs those are (a recorded step's
-        graph holds it). Expert GEMVs that skip the -1 pairs for few pairs; else the grouped GEMM with those pairs
-        sorted last and their tiles left out."""
+        elsewhere; gate / up / down Splits holding only the resident experts (biases: theirs, in that order, or
+        None). Each token's weighted sum over its resident pairs, (n, n_embd) float32, without the host learning
+        which pairs those are (a recorded step's graph holds it). Expert GEMVs that skip the -1 pairs for few pairs;
+        else the grouped GEMM with those pairs sorted last and their tiles left out."""
         from ferry.kernels.cuda.moe import moe_gemv, moe_mm, moe_tile_rows, moe_tiles, sum_pairs
 
         n, k = slots.shape
         if self._gemv_pairs(n * k):
-            return moe_gemv(x, slots, weights, gate, up, down, act)
+            return moe_gemv(x, slots, weights, gate, up, down, act, biases=biases)
+        gb, ub, db = biases if biases is not None else (None, None, None)
         n_res = gate.ne[2]
         keys = torch.where(slots < 0, n_res, slots)
         block = moe_tile_rows(n * k, n_res + 1)
@@ -313,17 +326,18 @@ class CudaBackend:
         sched = (order, torch.where(tile_expert == n_res, -1, tile_expert), tile_row, tile_end)
         order = order.to(torch.int32)
         h = moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
-                   rows_from=torch.div(order, k, rounding_mode="floor"))
+                   rows_from=torch.div(order, k, rounding_mode="floor"), bias=gb, up_bias=ub)
         y = torch.zeros(n * k, down.ne[1], dtype=torch.float32, device=x.device)
         moe_mm(h, down, sched, torch.float32, block, rows_to=order,
-               row_scale=weights.float().reshape(-1).contiguous(), out=y)
+               row_scale=weights.float().reshape(-1).contiguous(), out=y, bias=db)
         return sum_pairs(y, k)
 
     def pair_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str) -> torch.Tensor:
         """act(gate . x) * (up . x) of each (token, slot) pair, (n * k, n_ff) in pair order (float32 for few pairs,
         float16 for many): the experts' first half when the second runs on the CPU (the hybrid runtime, moe_up_gate
-        and moe_down set apart). x (n, n_embd), ids (n, k) on the GPU; gate / up stacked Splits. Expert GEMVs for
-        few pairs (one launch), else the grouped GEMM, whose schedule is two dozen small torch ops."""
+        and moe_down set apart; never for biased experts). x (n, n_embd), ids (n, k) on the GPU; gate / up stacked
+        Splits. Expert GEMVs for few pairs (one launch), else the grouped GEMM, whose schedule is two dozen small
+        torch ops."""
         from ferry.kernels.cuda.moe import moe_gate_up_gemv, moe_mm
         from ferry.backends.streamer import Expanded
 
@@ -340,8 +354,9 @@ class CudaBackend:
                       rows_from=torch.div(order, k, rounding_mode="floor"), rows_to=order)
 
     def pair_down(self, h: torch.Tensor, ids: torch.Tensor, down, weights: torch.Tensor) -> torch.Tensor:
-        """The experts' second half when the first ran on the CPU: h (n * k, n_ff) in pair order, ids / weights
-        (n, k) on the GPU, down a stacked Split -> each token's weighted sum of its slots, (n, n_embd) float32."""
+        """The experts' second half when the first ran on the CPU (never for biased experts): h (n * k, n_ff) in
+        pair order, ids / weights (n, k) on the GPU, down a stacked Split -> each token's weighted sum of its
+        slots, (n, n_embd) float32."""
         from ferry.kernels.cuda.moe import moe_down_gemv, moe_mm
         from ferry.backends.streamer import Expanded
 
@@ -367,12 +382,16 @@ class CudaBackend:
         order, _, ends = sort_pairs(staged.slot_of[ids.long()], staged.w.shape[0])
         return order, ends.to(torch.int32)
 
-    def _expanded_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str):
-        """act(gate x) * up x of each pair on Expanded experts: (order, group ends, h in that order, bfloat16)."""
+    def _expanded_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str, biases: tuple | None = None):
+        """glu(gate x (+ its bias), up x (+ its bias)) of each pair on Expanded experts: (order, group ends, h in that
+        order, bfloat16)."""
         order, offs = self._expanded_order(ids, gate)
         xs = x.to(torch.bfloat16)[torch.div(order, ids.shape[1], rounding_mode="floor")]
-        g, u = self._group_mm(xs, gate.w, offs), self._group_mm(xs, up.w, offs)
-        return order, offs, (_ACT[act](g.float()) * u.float()).to(torch.bfloat16)
+        g, u = self._group_mm(xs, gate.w, offs).float(), self._group_mm(xs, up.w, offs).float()
+        if biases is not None:
+            experts = ids.flatten()[order].long()
+            g, u = g + biases[0][experts], u + biases[1][experts]
+        return order, offs, GLU[act](g, u).to(torch.bfloat16)
 
     def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
         from ferry.kernels.cuda.moe import sort_pairs

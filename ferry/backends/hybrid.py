@@ -22,7 +22,7 @@ from ferry.kernels.capabilities import can, gpu_reads
 from ferry.placement import EXPERTS_RE
 from ferry.offload.cost import Calibration
 from ferry.offload.policy import Explorer, Policy, experts_fixed_side
-from ferry.offload.work import SIDES, ExpertsWork, dense_decision, gpu_refuses
+from ferry.offload.work import SIDES, ExpertsWork, dense_decision
 from ferry.backends.streamer import Streamer
 
 
@@ -53,13 +53,15 @@ class HybridStats:
 @dataclass
 class Resident:
     """A MoE layer's experts kept on the GPU beside the rest in RAM: slot_of (n_expert,) int32 on the GPU, each
-    expert's place among them (-1: in RAM); gate / up / down Splits of those experts alone."""
+    expert's place among them (-1: in RAM); gate / up / down Splits of those experts alone; biases: theirs (gpt-oss),
+    in that order, or None."""
 
     slot_of: torch.Tensor
     gate: object
     up: object
     down: object
     experts: tuple[int, ...]
+    biases: tuple | None = None
 
 
 SMALL_MOE = 64  # tokens up to which a MoE host step's inputs and output travel through pinned buffers
@@ -123,8 +125,8 @@ class HybridBackend:
         layers = [(d["gate"], d["up"], d["down"]) for _, d in sorted(by_layer.items()) if len(d) == 3]
         for layer, experts in sorted(self._resident_spec.items()):
             d = by_layer.get(layer, {})
-            # experts the GPU's kernels cannot run (gpt-oss's biases) stay in RAM alone
-            if len(d) == 3 and experts and not gpu_refuses((d["gate"], d["up"], d["down"])):
+            # experts the GPU's quantized kernels do not read stay in RAM alone
+            if len(d) == 3 and experts and gpu_reads(d[k].qtype for k in ("gate", "up", "down")):
                 self._resident[id(d["gate"])] = self._keep(d["gate"], d["up"], d["down"], experts)
         for a, b in zip(layers, layers[1:]):
             self._next_experts[id(a[0])] = b
@@ -149,7 +151,10 @@ class HybridBackend:
             splits.append(Split.of(raw.view(-1), w.qtype, (w.ne[0], w.ne[1], len(experts))))
         slot_of = torch.full((gate.ne[2],), -1, dtype=torch.int32)
         slot_of[idx] = torch.arange(len(experts), dtype=torch.int32)
-        return Resident(slot_of.to(self.device), *splits, tuple(experts))
+        biases = self.gpu.expert_biases(gate, up, down)
+        if biases is not None:
+            biases = tuple(b[idx.to(self.device)].contiguous() for b in biases)
+        return Resident(slot_of.to(self.device), *splits, tuple(experts), biases)
 
     @property
     def n_threads(self) -> int:
@@ -257,7 +262,7 @@ class HybridBackend:
         res = self._resident.get(id(gate))
         if res is not None:  # the resident experts' pairs on the GPU, queued before the host step that runs the rest
             slots = res.slot_of[routed.long()]
-            kept = self.gpu.resident_experts(x, slots, weights, res.gate, res.up, res.down, act)
+            kept = self.gpu.resident_experts(x, slots, weights, res.gate, res.up, res.down, act, res.biases)
             ids = torch.where(slots >= 0, -1, routed.to(torch.int32))  # -1: a pair the rest leaves out
         host = self._to_host(x, ids, weights)  # inside the step's CUDA graph when one is recorded
         if self.recorder is not None:
@@ -411,6 +416,9 @@ class HybridBackend:
         if split.halves and id(gate) in self._resident:  # halves apart read every slot of a pair: not with resident
             split = replace(work.split(counts, self.calib, SIDES["cpu"]),
                             why="moe_up_gate and moe_down apart: not beside resident experts, the CPU's")
+        if split.halves and gate.bias is not None:  # ggml's halves add no biases
+            split = replace(work.split(counts, self.calib, SIDES["cpu"]),
+                            why="moe_up_gate and moe_down apart: not for biased experts, the CPU's")
         if split.halves:
             out = self._halves_moe(x, x_host, ids, ids_host, weights, weights_host, split, up, gate, down, act,
                                    parts)
@@ -488,7 +496,8 @@ class HybridBackend:
             xs, es = x[hot_d // k], ids.flatten()[hot_d].view(-1, 1)
         else:
             xs, es = x, ids
-        y_gpu = self.gpu.expert_pairs(xs, es, g, u, dn, act, wait_down=down_done)
+        y_gpu = self.gpu.expert_pairs(xs, es, g, u, dn, act, wait_down=down_done,
+                                      biases=self.gpu.expert_biases(gate, up, down))
         self.streamer.release(("moe", self._slot))
         if not gather:
             out = (y_gpu.view(n, k, -1) * weights[..., None]).sum(1)

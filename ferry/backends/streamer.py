@@ -4,8 +4,8 @@ events the compute stream waits on, so copies overlap compute.
 
 A stacked expert tensor is staged into a buffer with a slot for every expert: only the experts a u-batch routes
 to are copied (runs of neighbours as one copy), into a compact buffer, then spread to their slots in the split
-Q8_0 / Q4_0 layout the GPU kernels read (layout.Split), by a kernel on a third stream: on the copy stream it made
-every later copy wait until the compute stream's kernels left it room to run. Experts of the other types (K-quants,
+Q8_0 / Q4_0 / MXFP4 layout the GPU kernels read (layout.Split), by a kernel on a third stream: on the copy stream it
+made every later copy wait until the compute stream's kernels left it room to run. Experts of the other types (K-quants,
 IQ4_XS, ...: those ggml-style files hold most) are expanded there to bfloat16 instead, the copied experts in order
 (Expanded), for torch's grouped GEMM. Two sets of slots alternate between MoE layers, so one layer's copies can run
 while the previous layer still computes."""
@@ -135,8 +135,8 @@ class Streamer:
         per tensor, (a Split with those experts' slots filled, or with `expand` an Expanded, the event after which
         they are there). Host time matters here (generation stages a few experts per layer): one cudaMemcpyAsync per
         run of neighbouring experts from precomputed addresses, and one kernel per tensor that spreads the blocks to
-        their slots (or expands them). expand: for a layer with any expert tensor of a type other than Q8_0 / Q4_0,
-        so that all three reach the GPU alike."""
+        their slots (or expands them). expand: for a layer with any expert tensor of a type other than Q8_0 / Q4_0 /
+        MXFP4, so that all three reach the GPU alike."""
         from ferry.kernels.cuda.dequant import dequantize
         from ferry.kernels.cuda.moe import unpack_experts
 
@@ -242,5 +242,5 @@ class Streamer:
     def staging_bytes(self) -> int:
         """GPU bytes held for staging so far."""
         return sum(t.numel() for t in self._raw.values()) + sum(
-            s.qs.numel() * s.qs.element_size() + 2 * s.d.numel() for s in self._splits.values()) + sum(
+            s.qs.numel() * s.qs.element_size() + s.d.numel() * s.d.element_size() for s in self._splits.values()) + sum(
             2 * t.numel() for t in self._floats.values())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ferry.kernels.capabilities import can, cpu_native_experts, gpu_dense
+from ferry.kernels.capabilities import can, cpu_native_experts, gpu_dense, gpu_reads
 from ferry.offload.cost import Calibration, experts_hit, type_shares
 from ferry.offload.policy import Decision, ExpertSplit, Policy, decide, split_experts
 from ferry.quant import bytes_per_weight
@@ -18,12 +18,14 @@ SIDES = {"gpu": ALL_ON, "cpu": ALL_OFF}  # a way that moves every expert hit to 
 
 def gpu_refuses(tensors, takes=lambda q: can(q).gpu_expand) -> str:
     """Why the GPU cannot take these weights from RAM ("" where it can): types no GPU kernel of theirs reads or
-    expands (`takes`: the routed experts' kernels by default)."""
+    expands (`takes`: the routed experts' kernels by default), or biases on experts it would expand (gpt-oss's
+    experts are MXFP4, which it reads)."""
     kept = sorted({t.qtype.name for t in tensors if not takes(t.qtype)})
     if kept:
         return f"{', '.join(kept)}, which no GPU kernel of ferry's reads or expands"
-    if any(getattr(t, "bias", None) is not None for t in tensors):
-        return "biases (gpt-oss's), which ferry's streamed-expert kernels do not add yet"
+    if any(getattr(t, "bias", None) is not None for t in tensors) and not gpu_reads(t.qtype for t in tensors):
+        types = ", ".join(sorted({t.qtype.name for t in tensors}))
+        return f"biases on {types} experts, which ferry's GPU kernels add only on the types they read in place"
     return ""
 
 

@@ -1,5 +1,6 @@
-"""Quantized GEMV for few tokens (token generation): a split Q8_0 / Q4_0 matrix times float rows, optionally with the
-RMSNorm of the input taken inside; per-head float GEMVs (MLA's latent projections) and a float router's GEMV."""
+"""Quantized GEMV for few tokens (token generation): a split Q8_0 / Q4_0 / MXFP4 matrix times float rows, optionally
+with the RMSNorm of the input taken inside; per-head float GEMVs (MLA's latent projections) and a float router's
+GEMV."""
 from __future__ import annotations
 
 import torch

@@ -13,19 +13,10 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.kernels.capabilities import can
 from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min
+from ferry.kernels.cuda.layout import _e2m1
 from ferry.kernels.cuda.moe import _glu, _pair_rows, GLUS, sum_pairs
 
 KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2, Q.MXFP4: 3}  # the types these kernels read
-
-
-@triton.jit
-def _e2m1(q):
-    """A 4-bit e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as twice its value, as ggml's MXFP4 table holds it:
-    0, 1, 2, 3, 4, 6, 8, 12 and their negatives."""
-    c = q & 7
-    e = c >> 1
-    mag = tl.where(e == 0, c & 1, (2 + (c & 1)) << tl.maximum(e - 1, 0))
-    return tl.where(q >= 8, -mag, mag).to(tl.float32)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
-"""Q8_0 / Q4_0 tensors on the GPU in the split layout the generation and MoE kernels read: each block's quants and
-its f16 scale in two arrays (the same bytes as the GGUF blocks, apart for aligned vector loads), and the dot product
-of such rows with floats that those kernels share."""
+"""Q8_0 / Q4_0 / MXFP4 tensors on the GPU in the split layout the generation and MoE kernels read: each block's quants
+and its scale (Q8_0 / Q4_0: an f16; MXFP4: an E8M0 exponent byte) in two arrays (the same bytes as the GGUF blocks,
+apart for aligned vector loads), and the dot product of such rows with floats that those kernels share."""
 
 from __future__ import annotations
 
@@ -12,14 +12,44 @@ import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 
-GEMV_KINDS = {Q.Q8_0: 0, Q.Q4_0: 1}  # types the quantized GEMV kernels read; others are expanded for cuBLAS
+GEMV_KINDS = {Q.Q8_0: 0, Q.Q4_0: 1, Q.MXFP4: 2}  # types the quantized GEMV kernels read; others are expanded for cuBLAS
+SCALE_BYTES = {Q.Q8_0: 2, Q.Q4_0: 2, Q.MXFP4: 1}  # the bytes of a block's scale, which its quants follow
+
+
+@triton.jit
+def _e2m1(q):
+    """A 4-bit e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as twice its value, as ggml's MXFP4 table holds it:
+    0, 1, 2, 3, 4, 6, 8, 12 and their negatives."""
+    c = q & 7
+    e = c >> 1
+    mag = tl.where(e == 0, c & 1, (2 + (c & 1)) << tl.maximum(e - 1, 0))
+    return tl.where(q >= 8, -mag, mag).to(tl.float32)
+
+
+@triton.jit
+def _nibbles(byte, KIND: tl.constexpr):
+    """A byte's two values as float32, (low nibble, high nibble): Q4_0's nibble - 8, or MXFP4's doubled e2m1 value."""
+    if KIND == 2:
+        return _e2m1(byte & 0xF), _e2m1(byte >> 4)
+    else:
+        return ((byte & 0xF) - 8).to(tl.float32), ((byte >> 4) - 8).to(tl.float32)
+
+
+@triton.jit
+def _scale(d, KIND: tl.constexpr):
+    """A block's scale as float32: the f16 d, or for MXFP4 2^(e - 127) halved (the values are doubled), built from its
+    bits (exact; an exponent byte of 0, 2^-128, reads as 0)."""
+    if KIND == 2:
+        return (d.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 0.5
+    else:
+        return d.to(tl.float32)
 
 
 @triton.jit
 def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr, g=None, NORM: tl.constexpr = False):
-    """Per row: the dot product of columns k0 .. k0 + BK of rows `row` (BR,) of a split Q8_0 / Q4_0 matrix with
-    the matching floats of x. Split layout: the quants of each row contiguous (Q8_0: K int8; Q4_0: K / 2 bytes,
-    byte j of a block holding value j in its low nibble and value j + 16 in its high one), the f16 scales of
+    """Per row: the dot product of columns k0 .. k0 + BK of rows `row` (BR,) of a split Q8_0 / Q4_0 / MXFP4 matrix
+    with the matching floats of x. Split layout: the quants of each row contiguous (Q8_0: K int8; Q4_0, MXFP4: K / 2
+    bytes, byte j of a block holding value j in its low nibble and value j + 16 in its high one), the scales of
     each row contiguous (K / 32): every load is a plain aligned vector load. NORM: x times the norm weight g."""
     NB: tl.constexpr = BK // 32
     rr = row.to(tl.int64)[:, None]
@@ -42,45 +72,50 @@ def _qdot(qs, d, row, rmask, x, k0, K, KIND: tl.constexpr, BK: tl.constexpr, g=N
         if NORM:
             xlo = xlo * tl.load(g + col, mask=cm, other=0.0)
             xhi = xhi * tl.load(g + col + 16, mask=cm, other=0.0)
-        prod = ((byte & 0xF) - 8).to(tl.float32) * xlo[None, :] + ((byte >> 4) - 8).to(tl.float32) * xhi[None, :]
+        lo, hi = _nibbles(byte, KIND)
+        prod = lo * xlo[None, :] + hi * xhi[None, :]
         part = tl.sum(tl.reshape(prod, (prod.shape[0], NB, 16)), axis=2)
     b = k0 // 32 + tl.arange(0, NB)
-    dv = tl.load(d + rr * (K // 32) + b[None, :], mask=rmask[:, None] & (b < K // 32)[None, :], other=0.0)
-    return tl.sum(part * dv.to(tl.float32), axis=1)
+    dv = tl.load(d + rr * (K // 32) + b[None, :], mask=rmask[:, None] & (b < K // 32)[None, :], other=0)
+    return tl.sum(part * _scale(dv, KIND), axis=1)
 
 
 @triton.jit
 def _split_floats(qs, d, out, n_blocks, KIND: tl.constexpr, BLOCKS: tl.constexpr):
-    """out[b * 32 + j] = d[b] * q[b, j] for BLOCKS blocks per program: the exact product (an int8 or nibble times
-    an f16 is exact in float32) rounded once to out's type."""
+    """out[b * 32 + j] = d[b] * q[b, j] for BLOCKS blocks per program: the exact product (an int8, nibble or e2m1
+    value times an f16 or a power of two is exact in float32) rounded once to out's type."""
     b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     live = (b < n_blocks)[:, None]
     j = tl.arange(0, 32)[None, :]
-    s = tl.load(d + b, mask=b < n_blocks, other=0.0).to(tl.float32)[:, None]
+    s = _scale(tl.load(d + b, mask=b < n_blocks, other=0), KIND)[:, None]
     if KIND == 0:
         q = tl.load(qs + b[:, None] * 32 + j, mask=live, other=0).to(tl.float32)
     else:  # a byte's low nibble is column j of the block, its high nibble column j + 16
         byte = tl.load(qs + b[:, None] * 16 + j % 16, mask=live, other=0).to(tl.int32)
-        q = (tl.where(j < 16, byte & 0xF, byte >> 4) - 8).to(tl.float32)
+        lo, hi = _nibbles(byte, KIND)
+        q = tl.where(j < 16, lo, hi)
     tl.store(out + b[:, None] * 32 + j, q * s, mask=live)
 
 
 @dataclass
 class Split:
-    """A Q8_0 / Q4_0 tensor on the GPU as two arrays: each block's quants (32 int8, or 16 bytes of nibbles) and
-    its f16 scale, in block order. The same bytes as the GGUF blocks, laid out for aligned vector loads."""
+    """A Q8_0 / Q4_0 / MXFP4 tensor on the GPU as two arrays: each block's quants (32 int8, or 16 bytes of
+    nibbles) and its scale (an f16, or MXFP4's exponent byte), in block order. The same bytes as the GGUF blocks,
+    laid out for aligned vector loads."""
 
     qtype: Q
     ne: tuple[int, ...]
     qs: torch.Tensor  # (n_blocks, 32) int8 or (n_blocks, 16) uint8
-    d: torch.Tensor  # (n_blocks,) float16
+    d: torch.Tensor  # (n_blocks,) float16, or uint8 exponents (MXFP4)
 
     @classmethod
     def of(cls, raw: torch.Tensor, qtype: Q, ne: tuple[int, ...]) -> "Split":
+        head = SCALE_BYTES[qtype]
         blocks = raw.view(-1, GGML_QUANT_SIZES[qtype][1])
-        qs = blocks[:, 2:].contiguous()
+        qs = blocks[:, head:].contiguous()
+        d = blocks[:, :head].contiguous()
         return cls(qtype, tuple(ne), qs.view(torch.int8) if qtype == Q.Q8_0 else qs,
-                   blocks[:, :2].contiguous().view(torch.float16).view(-1))
+                   (d.view(torch.float16) if head == 2 else d).view(-1))
 
     def rows(self, ids: torch.Tensor) -> "Split":
         """Rows `ids` of a 2-D tensor."""

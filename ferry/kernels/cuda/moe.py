@@ -10,7 +10,7 @@ import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES
 
 from ferry.kernels.activations import SWIGLU_OAI
-from ferry.kernels.cuda.layout import GEMV_KINDS, Split, _qdot
+from ferry.kernels.cuda.layout import GEMV_KINDS, SCALE_BYTES, Split, _nibbles, _qdot, _scale
 
 _OAI_ALPHA: tl.constexpr = tl.constexpr(SWIGLU_OAI[0])
 _OAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLU_OAI[1])
@@ -60,10 +60,11 @@ def _pair_rows(ids, p, r, rmask, rows):
 
 
 @triton.jit
-def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr, ACT: tl.constexpr,
-                 BR: tl.constexpr, BK: tl.constexpr):
-    """Pair p = (token p // n_used, its expert ids[p]): h[p, r] = act(gate_e[r] . x) * (up_e[r] . x); a pair whose
-    id is -1 (its expert elsewhere: the hybrid runtime's resident experts) reads no weights and gives zeros."""
+def _moe_gate_up(gq, gd, uq, ud, gbias, ubias, x, ids, h, rows, K, n_used, KIND: tl.constexpr, ACT: tl.constexpr,
+                 BIAS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """Pair p = (token p // n_used, its expert ids[p]): h[p, r] = glu(gate_e[r] . x (+ its bias), up_e[r] . x (+ its
+    bias)); a pair whose id is -1 (its expert elsewhere: the hybrid runtime's resident experts) reads no weights
+    and gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
@@ -74,13 +75,17 @@ def _moe_gate_up(gq, gd, uq, ud, x, ids, h, rows, K, n_used, KIND: tl.constexpr,
     for k0 in range(0, K, BK):
         g += _qdot(gq, gd, row, live, xt, k0, K, KIND, BK)
         u += _qdot(uq, ud, row, live, xt, k0, K, KIND, BK)
-    tl.store(h + p * rows + r, _act(g, ACT) * u, mask=rmask)
+    if BIAS:
+        g += tl.load(gbias + row, mask=live, other=0.0)
+        u += tl.load(ubias + row, mask=live, other=0.0)
+    tl.store(h + p * rows + r, _glu(g, u, ACT), mask=rmask)
 
 
 @triton.jit
-def _moe_down(dq, dd, h, ids, weights, y, rows, K, KIND: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-    """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p]); the caller sums each token's pairs in a fixed order
-    (no atomics: the same inputs give the same bits). One program per pair and row block: summing a token's
+def _moe_down(dq, dd, dbias, h, ids, weights, y, rows, K, KIND: tl.constexpr, BIAS: tl.constexpr, BR: tl.constexpr,
+              BK: tl.constexpr):
+    """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p] (+ its bias)); the caller sums each token's pairs in a fixed
+    order (no atomics: the same inputs give the same bits). One program per pair and row block: summing a token's
     pairs in this kernel leaves too few programs (37.5-41.8 against 32.4 us for Qwen3's experts on an H100). A pair
     whose id is -1 reads no weights and gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -90,38 +95,40 @@ def _moe_down(dq, dd, h, ids, weights, y, rows, K, KIND: tl.constexpr, BR: tl.co
     acc = tl.zeros((BR,), dtype=tl.float32)
     for k0 in range(0, K, BK):
         acc += _qdot(dq, dd, row, live, h + p * K, k0, K, KIND, BK)
+    if BIAS:
+        acc += tl.load(dbias + row, mask=live, other=0.0)
     tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
 
 
 @triton.jit
 def _block_halves(qs, d, wrow, nmask, b, K, KIND: tl.constexpr):
-    """32-block b of the rows wrow (BN, 1) of a split Q8_0 / Q4_0 matrix, scaled to f16 as two (BN, 16) halves:
-    its first 16 columns and its last 16 (for Q4_0, each byte's low and high nibble: every byte read once, no
-    register shuffle). Rows past the matrix, or a block past K, read as zeros."""
+    """32-block b of the rows wrow (BN, 1) of a split Q8_0 / Q4_0 / MXFP4 matrix, scaled to f16 as two (BN, 16)
+    halves: its first 16 columns and its last 16 (for Q4_0 and MXFP4, each byte's low and high nibble: every byte
+    read once, no register shuffle). Rows past the matrix, or a block past K, read as zeros."""
     j = tl.arange(0, 16)
     live = nmask[:, None] & (b < K // 32)
-    s = tl.load(d + wrow * (K // 32) + b, mask=live, other=0.0).to(tl.float32)  # (BN, 1)
+    s = _scale(tl.load(d + wrow * (K // 32) + b, mask=live, other=0), KIND)  # (BN, 1)
     if KIND == 0:
         at = qs + wrow * K + b * 32 + j[None, :]
         lo = tl.load(at, mask=live, other=0).to(tl.float32)
         hi = tl.load(at + 16, mask=live, other=0).to(tl.float32)
     else:
         byte = tl.load(qs + wrow * (K // 2) + b * 16 + j[None, :], mask=live, other=0).to(tl.int32)
-        lo = ((byte & 0xF) - 8).to(tl.float32)
-        hi = ((byte >> 4) - 8).to(tl.float32)
+        lo, hi = _nibbles(byte, KIND)
     return (lo * s).to(tl.float16), (hi * s).to(tl.float16)
 
 
 @triton.jit
-def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K, KIND: tl.constexpr,
-            GATED: tl.constexpr, ACT: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
-            SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _moe_mm(x, qs, d, uqs, ud, bias, ubias, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K,
+            KIND: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr, GATHER: tl.constexpr,
+            SCATTER: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Grouped GEMM over rows sorted by expert: tile i covers sorted rows tile_row[i] .. tile_end[i] (all of
     expert tile_expert[i], -1: no work); row r's output is x[r] . W_e[n] with W_e (split Q8_0 / Q4_0) expanded to
     f16 block by block in registers, f32 accumulation (tensor cores); BK columns (BK / 32 blocks) per loop step.
     GATED: W is the gate and (uqs, ud) the up projection of the same expert, and the output act(x . gate) *
-    (x . up), one read of x for both. GATHER: row r reads x[src[r]]; SCATTER: it writes y[dst[r]]; SCALE: times
-    scale[dst[r]] (the router's weight of that pair)."""
+    (x . up), one read of x for both. BIAS: each output plus its expert's bias (bias (n_expert, N); gated, ubias the
+    up projection's), before the activation. GATHER: row r reads x[src[r]]; SCATTER: it writes y[dst[r]]; SCALE:
+    times scale[dst[r]] (the router's weight of that pair)."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert + tile)
     if e >= 0:
@@ -149,8 +156,13 @@ def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, src, dst, sca
                     u_lo, u_hi = _block_halves(uqs, ud, wrow, nmask, b, K, KIND)
                     acc_up = tl.dot(a_lo, tl.trans(u_lo), acc_up)
                     acc_up = tl.dot(a_hi, tl.trans(u_hi), acc_up)
+        if BIAS:
+            at = e.to(tl.int64) * N + n
+            acc += tl.load(bias + at, mask=nmask, other=0.0)[None, :]
+            if GATED:
+                acc_up += tl.load(ubias + at, mask=nmask, other=0.0)[None, :]
         if GATED:
-            acc = _act(acc, ACT) * acc_up
+            acc = _glu(acc, acc_up, ACT)
         y_rows = tl.load(dst + rows, mask=rmask, other=0) if SCATTER else rows
         if SCALE:
             acc = acc * tl.load(scale + y_rows, mask=rmask, other=0.0)[:, None]
@@ -159,8 +171,9 @@ def _moe_mm(x, qs, d, uqs, ud, y, tile_expert, tile_row, tile_end, src, dst, sca
 
 
 @triton.jit
-def _unpack_experts(raw, ids, d, qs, per_expert, BLOCK: tl.constexpr, PAYLOAD: tl.constexpr, BB: tl.constexpr):
-    """Staged expert j (its GGUF blocks, compact in raw) into expert ids[j]'s slot of a Split: each block's two
+def _unpack_experts(raw, ids, d, qs, per_expert, BLOCK: tl.constexpr, HEAD: tl.constexpr, PAYLOAD: tl.constexpr,
+                    BB: tl.constexpr):
+    """Staged expert j (its GGUF blocks, compact in raw) into expert ids[j]'s slot of a Split: each block's HEAD
     scale bytes to d, its other PAYLOAD bytes to qs (all as bytes)."""
     j = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BB + tl.arange(0, BB)
@@ -168,38 +181,39 @@ def _unpack_experts(raw, ids, d, qs, per_expert, BLOCK: tl.constexpr, PAYLOAD: t
     e = tl.load(ids + j).to(tl.int64)
     src = raw + (j * per_expert + b) * BLOCK
     dst = e * per_expert + b
-    for i in tl.static_range(2):
-        tl.store(d + dst * 2 + i, tl.load(src + i, mask=live), mask=live)
+    for i in tl.static_range(HEAD):
+        tl.store(d + dst * HEAD + i, tl.load(src + i, mask=live), mask=live)
     k = tl.arange(0, PAYLOAD)
-    tl.store(qs + dst[:, None] * PAYLOAD + k[None, :], tl.load(src[:, None] + 2 + k[None, :], mask=live[:, None]),
+    tl.store(qs + dst[:, None] * PAYLOAD + k[None, :], tl.load(src[:, None] + HEAD + k[None, :], mask=live[:, None]),
              mask=live[:, None])
 
 
 def unpack_experts(raw: torch.Tensor, ids: torch.Tensor, split: "Split") -> None:
-    """raw: the GGUF bytes of len(ids) experts of a stacked Q8_0 / Q4_0 tensor, one after another; ids (on the GPU):
-    which expert each is. Fills those experts' slots of `split` in one launch (the layout Split.of makes)."""
+    """raw: the GGUF bytes of len(ids) experts of a stacked Q8_0 / Q4_0 / MXFP4 tensor, one after another; ids (on the
+    GPU): which expert each is. Fills those experts' slots of `split` in one launch (the layout Split.of makes)."""
     per_expert = split.d.numel() // split.ne[2]
-    block = GGML_QUANT_SIZES[split.qtype][1]
+    block, head = GGML_QUANT_SIZES[split.qtype][1], SCALE_BYTES[split.qtype]
     bb = 256
     _unpack_experts[(ids.numel(), triton.cdiv(per_expert, bb))](raw, ids, split.d.view(torch.uint8),
                                                                  split.qs.view(torch.uint8), per_expert,
-                                                                 BLOCK=block, PAYLOAD=block - 2, BB=bb)
+                                                                 BLOCK=block, HEAD=head, PAYLOAD=block - head, BB=bb)
 
 
-ACTS = {"silu": 0, "gelu": 1}
-GLUS = {**ACTS, "swiglu_oai": 2}  # the gated activations of the kernels that take _glu (kquant.py's)
+GLUS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}  # the gated activations of the expert kernels (_glu)
 
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Split, up: Split, down: Split,
              act: str, wait_down: torch.cuda.Event | None = None, residual: torch.Tensor | None = None,
-             config: tuple[int, int, int] | None = None) -> torch.Tensor:
+             config: tuple[int, int, int] | None = None, biases: tuple | None = None) -> torch.Tensor:
     """The routed experts of few tokens: x (n, n_embd), ids / weights (n, n_used) on the GPU; gate/up/down the
-    stacked expert tensors. Returns (n, n_embd) float32, plus `residual` (n, n_embd) when given. config: (rows per
+    stacked expert tensors; act a name of GLUS; biases: gate's, up's and down's (n_expert, rows) float32 on the GPU
+    (gpt-oss), or None. Returns (n, n_embd) float32, plus `residual` (n, n_embd) when given. config: (rows per
     program, columns per step, warps)."""
-    h = moe_gate_up_gemv(x, ids, gate, up, act, config)
+    gb, ub, db = biases if biases is not None else (None, None, None)
+    h = moe_gate_up_gemv(x, ids, gate, up, act, config, (gb, ub) if biases is not None else None)
     if wait_down is not None:  # the down projection's weights are still being copied
         torch.cuda.current_stream(x.device).wait_event(wait_down)
-    return moe_down_gemv(h, ids, weights, down, residual, config)
+    return moe_down_gemv(h, ids, weights, down, residual, config, db)
 
 
 def _moe_gemv_config(n_ff: int, pairs: int) -> tuple[int, int, int]:
@@ -208,33 +222,37 @@ def _moe_gemv_config(n_ff: int, pairs: int) -> tuple[int, int, int]:
 
 
 def moe_gate_up_gemv(x: torch.Tensor, ids: torch.Tensor, gate: Split, up: Split, act: str,
-                     config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The experts' first half for few tokens: act(gate . x) * (up . x) of each (token, slot) pair, (n * n_used,
-    n_ff) float32 in pair order."""
+                     config: tuple[int, int, int] | None = None, biases: tuple | None = None) -> torch.Tensor:
+    """The experts' first half for few tokens: glu(gate . x (+ its bias), up . x (+ its bias)) of each (token, slot)
+    pair, (n * n_used, n_ff) float32 in pair order; biases: (gate's, up's) or None."""
     n, n_used = ids.shape
     n_embd, n_ff = gate.ne[0], gate.ne[1]
     br, bk, warps = config or _moe_gemv_config(n_ff, n * n_used)
     x = x.float().contiguous()
     ids = ids.to(torch.int32).contiguous()
     h = torch.empty(n * n_used, n_ff, dtype=torch.float32, device=x.device)
-    _moe_gate_up[(triton.cdiv(n_ff, br), n * n_used)](gate.qs, gate.d, up.qs, up.d, x, ids, h, n_ff, n_embd, n_used,
-                                                       KIND=GEMV_KINDS[gate.qtype], ACT=ACTS[act], BR=br, BK=bk,
-                                                       num_warps=warps)
+    gb, ub = (b.float().contiguous() for b in biases) if biases is not None else (x, x)
+    _moe_gate_up[(triton.cdiv(n_ff, br), n * n_used)](gate.qs, gate.d, up.qs, up.d, gb, ub, x, ids, h, n_ff, n_embd,
+                                                       n_used, KIND=GEMV_KINDS[gate.qtype], ACT=GLUS[act],
+                                                       BIAS=biases is not None, BR=br, BK=bk, num_warps=warps)
     return h
 
 
 def moe_down_gemv(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: Split,
-                  residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' second half for few tokens: h (n * n_used, n_ff) in pair order -> each token's router-weighted
-    sum of down . h over its slots, (n, n_embd) float32 (plus `residual` when given)."""
+    sum of down . h (+ its bias) over its slots, (n, n_embd) float32 (plus `residual` when given)."""
     n, n_used = ids.shape
     n_ff, n_embd = down.ne[0], down.ne[1]
     br, bk, warps = config or _moe_gemv_config(n_ff, n * n_used)
     ids = ids.to(torch.int32).contiguous()
     y = torch.empty(n * n_used, n_embd, dtype=torch.float32, device=h.device)
-    _moe_down[(triton.cdiv(n_embd, br), n * n_used)](down.qs, down.d, h.float().contiguous(), ids,
-                                                      weights.float().contiguous(), y, n_embd, n_ff,
-                                                      KIND=GEMV_KINDS[down.qtype], BR=br, BK=bk, num_warps=warps)
+    h = h.float().contiguous()
+    _moe_down[(triton.cdiv(n_embd, br), n * n_used)](down.qs, down.d, bias.float().contiguous() if bias is not None
+                                                      else h, h, ids, weights.float().contiguous(), y, n_embd, n_ff,
+                                                      KIND=GEMV_KINDS[down.qtype], BIAS=bias is not None, BR=br,
+                                                      BK=bk, num_warps=warps)
     if n_used == 1 and residual is None:
         return y
     return sum_pairs(y, n_used, residual)
@@ -299,11 +317,13 @@ MOE_MM_CONFIGS = {(16, True): (64, 64, 4, 3), (16, False): (64, 64, 4, 3),
 def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int, up: Split | None = None, act: str = "silu",
            rows_from: torch.Tensor | None = None, rows_to: torch.Tensor | None = None,
            row_scale: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+           up_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Sorted row r (sched's order) times its expert's (rows, cols) matrix transposed: xs (pairs, cols) f16, row
     r of it being xs[rows_from[r]] when given, else xs[r]; with `up`, act(xs . w) * (xs . up) (w the gate). The
     result (pairs, rows) holds row r at rows_to[r] when given (times row_scale[rows_to[r]] when given), else at r.
-    config: (BN, BK, warps, stages), else MOE_MM_CONFIGS' choice. out: where to write it (rows no tile covers keep
+    bias (n_expert, rows) float32, and up_bias with `up`: added to each expert's outputs (gpt-oss), act a name of
+    GLUS. config: (BN, BK, warps, stages), else MOE_MM_CONFIGS' choice. out: where to write it (rows no tile covers keep
     what it held), else a new tensor."""
     cols, rows, _ = w.ne
     _, tile_expert, tile_row, tile_end = sched
@@ -312,10 +332,13 @@ def moe_mm(xs: torch.Tensor, w: Split, sched, out_dtype, block: int, up: Split |
                                                 dtype=out_dtype, device=xs.device)
     bn, bk, warps, stages = config or MOE_MM_CONFIGS[block, up is not None]
     other = up if up is not None else w
+    bias = bias.float().contiguous() if bias is not None else None
+    up_bias = up_bias.float().contiguous() if up_bias is not None else bias
     _moe_mm[(tile_expert.numel(), triton.cdiv(rows, bn))](
-        xs, w.qs, w.d, other.qs, other.d, y, tile_expert, tile_row, tile_end, pairs,
-        rows_to if rows_to is not None else pairs, row_scale if row_scale is not None else y, rows, cols,
-        KIND=GEMV_KINDS[w.qtype], GATED=up is not None, ACT=ACTS[act], GATHER=rows_from is not None,
+        xs, w.qs, w.d, other.qs, other.d, bias if bias is not None else y, up_bias if up_bias is not None else y, y,
+        tile_expert, tile_row, tile_end, pairs, rows_to if rows_to is not None else pairs,
+        row_scale if row_scale is not None else y, rows, cols, KIND=GEMV_KINDS[w.qtype], GATED=up is not None,
+        ACT=GLUS[act], BIAS=bias is not None, GATHER=rows_from is not None,
         SCATTER=rows_to is not None, SCALE=row_scale is not None, BM=block, BN=bn, BK=bk, num_warps=warps,
         num_stages=stages)
     return y
