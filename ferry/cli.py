@@ -434,7 +434,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
         text = Path(args.file).read_text(encoding="utf-8", errors="replace")
     except OSError as e:
         raise FerryError(f"-f {args.file}: {e.strerror}") from None
-    cfg = _run_config(args, fit_ctx=args.ctx_size)  # the chunk size: the fit may not shrink it
+    cfg = _run_config(args, fit_ctx=args.ctx_size, all_logits=True)  # the chunk size: the fit may not shrink it
     loaded = load(cfg)
     tok = Tokenizer(loaded.file)
     tokens = tok.encode(text)
@@ -485,7 +485,7 @@ def build_server(args: argparse.Namespace):
     _check_serve_args(args)
     # a prompt is prefilled u-batch by u-batch; a decode step takes one token of every slot
     cfg = _run_config(args, n_batch=max(args.ubatch_size, args.parallel), n_ubatch=max(args.ubatch_size, args.parallel),
-                      quiet=True)
+                      quiet=True, n_seq=args.parallel)
     loaded = load(cfg)
     n_ctx = loaded.config.n_ctx or loaded.model.args.n_ctx_train  # -c 0: the model's
     if n_ctx < 2 * args.parallel:

@@ -261,7 +261,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
                 available: dict[str, int], n_ctx: int, n_ubatch: int, kv_bytes_per_value: tuple[float, float] = (2, 2),
                 split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False,
                 cache: CacheLayout | None = None, n_batch: int = 0,
-                resident: dict[int, tuple[int, ...]] | None = None, expands: frozenset[int] = frozenset()) -> MemoryPlan:
+                resident: dict[int, tuple[int, ...]] | None = None, expands: frozenset[int] = frozenset(),
+                n_logits: int | None = None) -> MemoryPlan:
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
@@ -272,7 +273,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     activations and expert buffers then add to the first GPU's. `resident`: experts of layers in RAM kept on the first
     GPU too (--gpu-experts). `expands`: the layers whose routed experts the GPU expands to bfloat16 when it streams
     them (expanding_layers): where one is in RAM, both staging sets hold a bfloat16 copy of a layer's experts too;
-    where one is on a GPU, its prompts expand a projection at a time there."""
+    where one is on a GPU, its prompts expand a projection at a time there. `n_logits`: the rows of logits a u-batch
+    computes (RunConfig.logit_rows; None: all n_ubatch, as perplexity's)."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     tensors = as_loaded(tensors, args)
     needs: dict[str, DeviceNeed] = {}
@@ -329,21 +331,22 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     activations = 4 * n_ubatch * (4 * args.n_embd + 3 * width)
     for d in {place(f"blk.{i}.ffn_up.weight", args.n_layer, n_gpu_layers, overrides, layers) for i in range(args.n_layer)}:
         need(d).compute += activations * (2 if d != "CPU" and replayed else 1)
-    need(place("output.weight", args.n_layer, n_gpu_layers, overrides, layers)).compute += 4 * n_ubatch * args.n_vocab
+    rows = n_ubatch if n_logits is None else n_logits
+    need(place("output.weight", args.n_layer, n_gpu_layers, overrides, layers)).compute += 4 * rows * args.n_vocab
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:
         plan.advice = _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch,
-                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch, expands)
+                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch, expands, n_logits)
     return plan
 
 
 def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split,
-            kv_on_gpu, cache, n_batch, expands) -> str:
+            kv_on_gpu, cache, n_batch, expands, n_logits) -> str:
     gpu_over = any(d.over for d in plan.devices if d.device != "CPU")
     if gpu_over:
         for ngl in range(min(n_gpu_layers, args.n_layer + 1) - 1, -1, -1):
             if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False,
-                           kv_on_gpu and ngl > 0, cache, n_batch, expands=expands).fits:
+                           kv_on_gpu and ngl > 0, cache, n_batch, expands=expands, n_logits=n_logits).fits:
                 return f"-ngl {ngl} fits; or keep the experts in RAM with -ot exps=CPU, or lower -c/--ctx-size"
         return ("no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size" + (", -b/--batch-size" if n_batch else "")
                 + " or use a smaller quant type")

@@ -67,6 +67,26 @@ def test_the_gpu_compute_estimate_counts_the_prompt_graphs_pool_up_to_their_larg
     assert eager - recorded == 4 * PROMPT_GRAPH_MAX * a.n_vocab
 
 
+def test_the_plan_counts_the_logits_a_u_batch_computes(tiny):
+    """A prompt's u-batch computes the logits of each sequence's last position (run, bench, the server's slots), every
+    position's only for perplexity: the plan counts those rows, so a big vocabulary's u-batch leaves the GPU room for
+    weights (gpt-oss's 201088 entries at -ub 512: 393 MiB)."""
+    from ferry.runtime.loader import RunConfig
+
+    f = GGUFFile(tiny)
+    sizes, a = {t.name: t.nbytes for t in f.tensors.values()}, ModelArgs.from_gguf(f)
+
+    def gpu_compute(n_logits) -> int:
+        plan = memory_plan(sizes, a, 999, [], ["CUDA0"], {}, 256, 512, n_logits=n_logits)
+        return next(d for d in plan.devices if d.device == "CUDA0").compute
+
+    assert gpu_compute(None) - gpu_compute(1) == 4 * 511 * a.n_vocab
+    assert gpu_compute(512) == gpu_compute(None) and gpu_compute(4) - gpu_compute(1) == 4 * 3 * a.n_vocab
+    assert RunConfig(tiny).logit_rows == 1 and RunConfig(tiny, all_logits=True).logit_rows == 512
+    assert RunConfig(tiny, n_seq=4, n_ubatch=512).logit_rows == 4 and RunConfig(tiny, n_seq=8, n_ubatch=4,
+                                                                                 n_batch=4).logit_rows == 4
+
+
 def test_the_plan_counts_every_byte_and_advises_an_ngl_that_fits(tiny):
     f = GGUFFile(tiny)
     whole = _plan(tiny, 999, {})

@@ -64,11 +64,18 @@ class RunConfig:
     fit_ctx: int = FIT_CTX  # --fit-ctx: the fit shrinks -c down to this, no lower
     gpu_memory: tuple[str, ...] = ()  # --gpu-memory CUDA0=12GiB: plan and fit for these sizes (at most what is free)
     quiet: bool = False  # no progress bars, no notes on stderr
+    all_logits: bool = False  # a u-batch's logits at every position (ppl), not only each sequence's last
+    n_seq: int = 1  # sequences decoded at once (the server's slots)
     settings: Settings = field(default_factory=current_settings)
     overrides: list[Override] = field(init=False, repr=False)  # -ot, parsed
     policy: Policy = field(init=False, repr=False)  # --offload-policy, parsed
     gpu_caps: dict[str, int] = field(init=False, repr=False)  # --gpu-memory, parsed
     resident: dict[int, tuple[int, ...]] = field(init=False, repr=False)  # --gpu-experts, parsed
+
+    @property
+    def logit_rows(self) -> int:
+        """The most rows of logits one u-batch computes (what the memory plan counts for them)."""
+        return self.n_ubatch if self.all_logits else min(self.n_ubatch, self.n_seq)
 
     def __post_init__(self):
         for flag, v in (("-t/--threads", self.n_threads), ("-tb/--threads-batch", self.n_threads_batch)):
@@ -211,8 +218,7 @@ def _check_host_memory(f, model, cfg: RunConfig) -> None:
         return
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, model.args, 0, [], ["CUDA0"],
                        {"CPU": available}, _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v),
-                       advise=False,
-                       cache=model.cache_layout())
+                       advise=False, cache=model.cache_layout(), n_logits=cfg.logit_rows)
     cpu = next(d for d in plan.devices if d.device == "CPU")
     if cpu.kv_cache + cpu.compute > available:
         raise FerryError(f"the KV cache for -c {_n_ctx(model, cfg)} ({cpu.kv_cache / 2**30:.2f} GiB) and the compute "
@@ -258,7 +264,7 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
             plan = memory_plan(tensors, a, n_gpu_layers, [], gpus,
                                {g: torch.cuda.mem_get_info(i)[0] for i, g in enumerate(gpus)}, _n_ctx(model, cfg),
                                cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split=split, cache=model.cache_layout(),
-                               expands=expanding_layers(f.tensors.values()))
+                               expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows)
             if not plan.fits:
                 raise FerryError(plan.error())
             return MultiGpuBackend(device_map(f, model, n_gpu_layers, [], layers), layers, n_threads=cpu.n_threads)
@@ -266,7 +272,7 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
                        _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), kv_on_gpu=True,
                        cache=model.cache_layout(),
                        n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
-                       expands=expanding_layers(f.tensors.values()))
+                       expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows)
     if not plan.fits:
         raise FerryError(plan.error())
     gpu = CudaBackend("cuda:0", n_threads=cpu.n_threads)
