@@ -1,6 +1,7 @@
 """The token-generation kernels alone, for one token: the quantized GEMV at the dense shapes of the benchmark
-models (Q8_0) and the expert GEMVs (Q4_0, the router's n_expert_used experts), with their default configuration
-and a sweep of (rows per program, columns per step, warps) that chose it; the same over K-quant blocks (`kquant`:
+models (Q8_0) and the expert GEMVs (Q4_0, the router's n_expert_used experts; gpt-oss's also MXFP4 with its biases),
+with their default configuration and a sweep of (rows per program, columns per step, warps) that chose it; the same
+over K-quant blocks (`kquant`:
 Q4_K dense, Q4_K_M's experts, a sweep of rows per program and warps) beside what a token cost before those kernels
 (the weight expanded to floats, then a matmul); the float32 router GEMV, attention over the cache (a sweep of cells per
 step and warps) and the router's top-k. Prints a table, writes JSON.
@@ -30,7 +31,6 @@ SWEEP = list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 
 ATTENTION = {"qwen3": (32, 4, 128, 128), "v2-lite latent": (16, 1, 576, 512)}  # heads, kv heads, key and value size
 ATTENTION_SWEEP = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8)))
 KQUANT_SWEEP = list(itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)))  # rows per program, warps
-MX_SWEEP = list(itertools.product((1, 2, 4, 8), (1, 2, 4), (256, 512, 1024)))  # and MXFP4's columns a step
 
 
 def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> layout.Split:
@@ -77,25 +77,20 @@ def _kquants(dev, report) -> None:
         report(f"{name} Q4_K", f"{rows}x{cols}", raw.numel(),
                do_bench(lambda: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x)),
                best(lambda br, w: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x, br, w)))
-    for model, types, act in (("qwen3", (Q.Q4_K, Q.Q4_K, Q.Q6_K), "silu"), ("gpt-oss", (Q.MXFP4,) * 3, "swiglu_oai")):
-        n_expert, n_used, n_embd, n_ff = EXPERTS[model]
-        tensors = tuple((_kquant_bytes(q, ne, dev), q, ne) for q, ne in zip(types, ((n_embd, n_ff, n_expert),
-                                                                                 (n_embd, n_ff, n_expert),
-                                                                                 (n_ff, n_embd, n_expert))))
-        biases = tuple(torch.randn(n_expert, rows, device=dev) for rows in (n_ff, n_ff, n_embd)) \
-            if model == "gpt-oss" else None  # gpt-oss's experts have them
-        x = torch.randn(1, n_embd, device=dev)
-        ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
-        weights = torch.rand(1, n_used, device=dev)
-        nbytes = sum(t.numel() for t, _, _ in tensors) * n_used / n_expert
-        layer = do_bench(lambda: [dequant.dequantize(t, q, ne, torch.bfloat16) for t, q, ne in tensors])
-        mix = "Q4_K_M" if model == "qwen3" else "MXFP4"
-        print(f"  {model} {mix} experts: expanding the layer alone {1e3 * layer:.1f} us", flush=True)
-        report(f"{model} experts {mix}", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
-               do_bench(lambda: kquant.kmoe_gemv(x, ids, weights, *tensors, act, biases=biases)),
-               best(lambda br, w, s=0: kquant.kmoe_gemv(x, ids, weights, *tensors, act, rows_per_program=br,
-                                                        warps=w, biases=biases, step=s),
-                    MX_SWEEP if model == "gpt-oss" else KQUANT_SWEEP))
+    n_expert, n_used, n_embd, n_ff = EXPERTS["qwen3"]
+    tensors = tuple((_kquant_bytes(q, ne, dev), q, ne) for q, ne in zip((Q.Q4_K, Q.Q4_K, Q.Q6_K),
+                                                                         ((n_embd, n_ff, n_expert),
+                                                                          (n_embd, n_ff, n_expert),
+                                                                          (n_ff, n_embd, n_expert))))
+    x = torch.randn(1, n_embd, device=dev)
+    ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
+    weights = torch.rand(1, n_used, device=dev)
+    nbytes = sum(t.numel() for t, _, _ in tensors) * n_used / n_expert
+    layer = do_bench(lambda: [dequant.dequantize(t, q, ne, torch.bfloat16) for t, q, ne in tensors])
+    print(f"  qwen3 Q4_K_M experts: expanding the layer alone {1e3 * layer:.1f} us", flush=True)
+    report("qwen3 experts Q4_K_M", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
+           do_bench(lambda: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu")),
+           best(lambda br, w: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu", rows_per_program=br, warps=w)))
 
 
 def main() -> None:

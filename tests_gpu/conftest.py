@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels on the CPU: Triton 3.6'
 
     _interpreter._patch_lang_tensor = _numpy2_index
 
-    # the interpreter steps through every program in Python: the few-token K-quant / MXFP4 kernels' defaults (a row or
+    # the interpreter steps through every program in Python: the few-token K-quant kernels' defaults (a row or
     # four a program) made the decode tests' runs minutes long; wider programs compute the same (test_kernels.py
     # tests each configuration on its own)
     from ferry.kernels.cuda import kquant as _kquant

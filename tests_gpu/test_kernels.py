@@ -167,7 +167,7 @@ def test_kquant_gemv_matches_float64(qtype, n, rows, cols, config):
 Q4_K_M, Q5_K_M = (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q6_K)
 # few programs under the interpreter (minutes of one core each otherwise); Qwen3-30B-A3B's expert shape on a GPU
 KQUANT_MOE = [(Q4_K_M, "silu", (1, 4, 2, 256, 512)), (Q5_K_M, "gelu", (3, 8, 3, 512, 256)),
-              ((Q.Q6_K, Q.Q6_K, Q.Q4_K), "silu", (2, 6, 4, 256, 256))]
+              ((Q.Q6_K, Q.Q6_K, Q.Q4_K), "silu", (2, 6, 4, 256, 256)), (Q4_K_M, "swiglu_oai", (2, 4, 2, 256, 256))]
 if DEV == "cuda":
     KQUANT_MOE += [(t, act, (2, 128, 8, 2048, 768)) for t in (Q4_K_M, Q5_K_M) for act in ("silu", "gelu")]
 
@@ -176,7 +176,8 @@ if DEV == "cuda":
                          if isinstance(v, tuple) and isinstance(v[0], Q) else str(v))
 def test_kquant_moe_gemv_matches_float64(types, act, shape):
     """A Q4_K_M file's experts (gate and up Q4_K, down Q6_K), a Q5_K_M file's, and others: each pair's expert read
-    in place; an id of -1 (an expert kept elsewhere) adds nothing."""
+    in place; an id of -1 (an expert kept elsewhere) adds nothing; with gpt-oss's clamped SwiGLU, each expert's
+    biases."""
     n, n_expert, n_used, n_embd, n_ff = shape
     rng = np.random.default_rng(n_expert * n_embd + n)
     (graw, g), (uraw, u), (draw, d) = (_kquant(rng, q, n_expert, a, b) for q, (a, b) in
@@ -187,46 +188,36 @@ def test_kquant_moe_gemv_matches_float64(types, act, shape):
         ids[0, 1] = -1
     weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
     residual = torch.from_numpy(rng.standard_normal((n, n_embd))).float() if act == "gelu" else None
+    biases = _biases(rng, n_expert, n_embd, n_ff) if act == "swiglu_oai" else None
     got = kquant.kmoe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), (graw, types[0], (n_embd, n_ff, n_expert)),
                            (uraw, types[1], (n_embd, n_ff, n_expert)), (draw, types[2], (n_ff, n_embd, n_expert)),
-                           act, residual=None if residual is None else residual.to(DEV))
-    _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual), 5e-5)
+                           act, residual=_on(residual), biases=_on(biases))
+    _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual, biases), 5e-5)
 
 
-@pytest.mark.parametrize("n,rows,cols,config", [(1, 3, 32, (1, 1, 256)), (2, 17, 96, (4, 1, 0)),
-                                                (1, 9, 2880, (0, 1, 1024)), (3, 5, 544, (8, 2, 64))])
-def test_mxfp4_gemv_matches_float64_at_any_whole_block_width(n, rows, cols, config):
-    """gpt-oss's widths (2880) are no multiple of a 256-column step: the last step reads the blocks left."""
-    rng = np.random.default_rng(rows + cols + n)
-    raw, w = _kquant(rng, Q.MXFP4, rows, cols)
-    x = torch.from_numpy(rng.standard_normal((n, cols))).float()
-    _close(kquant.kgemv(raw, Q.MXFP4, (cols, rows), x.to(DEV), *config), x.double() @ w.T)
-
-
-MXFP4_MOE = [((1, 4, 2, 96, 160), 0), ((3, 6, 4, 160, 64), 128)]
+MXFP4_MOE = [((1, 4, 2, 96, 160), None), ((3, 6, 4, 160, 64), (2, 1024, 2))]
 if DEV == "cuda":
-    MXFP4_MOE += [((2, 32, 4, 2880, 2880), s) for s in (256, 512, 1024)]  # gpt-oss-20b's
+    MXFP4_MOE += [((2, 32, 4, 2880, 2880), c) for c in (None, (2, 1024, 2), (8, 256, 4))]  # gpt-oss-20b's
 
 
 @pytest.mark.parametrize("biased", [True, False])
-@pytest.mark.parametrize("shape,step", MXFP4_MOE, ids=str)
-def test_mxfp4_moe_gemv_with_biases_matches_float64(shape, step, biased):
-    """gpt-oss's experts: MXFP4 read in place, each expert's biases added, the clamped SwiGLU; an id of -1 adds
-    nothing."""
+@pytest.mark.parametrize("shape,config", MXFP4_MOE, ids=str)
+def test_mxfp4_moe_gemv_with_biases_matches_float64(shape, config, biased):
+    """gpt-oss's experts: MXFP4 split (gpt-oss's width of 2880 on a GPU: no power of two of blocks), each expert's
+    biases added, the clamped SwiGLU; an id of -1 adds nothing."""
     n, n_expert, n_used, n_embd, n_ff = shape
     rng = np.random.default_rng(n_expert * n_embd + n)
-    (graw, g), (uraw, u), (draw, d) = (_kquant(rng, Q.MXFP4, n_expert, a, b) for a, b in
+    (graw, g), (uraw, u), (draw, d) = (_quantized(rng, Q.MXFP4, n_expert, a, b) for a, b in
                                        ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff)))
-    biases = tuple(torch.from_numpy(rng.standard_normal((n_expert, rows)) * 2).float()
-                   for rows in (n_ff, n_ff, n_embd)) if biased else None
+    biases = _biases(rng, n_expert, n_embd, n_ff) if biased else None
     x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
     ids[0, 1] = -1
     weights = torch.from_numpy(rng.uniform(0, 1, (n, n_used))).float()
-    got = kquant.kmoe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), (graw, Q.MXFP4, (n_embd, n_ff, n_expert)),
-                           (uraw, Q.MXFP4, (n_embd, n_ff, n_expert)), (draw, Q.MXFP4, (n_ff, n_embd, n_expert)),
-                           "swiglu_oai", biases=None if biases is None else tuple(b.to(DEV) for b in biases),
-                           step=step)
+    split = lambda raw, ne: layout.Split.of(raw, Q.MXFP4, ne)  # noqa: E731
+    got = moe.moe_gemv(x.to(DEV), ids.to(DEV), weights.to(DEV), split(graw, (n_embd, n_ff, n_expert)),
+                       split(uraw, (n_embd, n_ff, n_expert)), split(draw, (n_ff, n_embd, n_expert)), "swiglu_oai",
+                       config=config, biases=_on(biases))
     want = _experts_reference(x, ids, weights, g, u, d, "swiglu_oai", None, biases)
     _close(got, want, 5e-5)
     live = ids[ids >= 0]
@@ -238,7 +229,7 @@ def test_mxfp4_moe_gemv_with_biases_matches_float64(shape, step, biased):
 
 def test_kquant_reads_whole_blocks_of_its_types_only():
     assert kquant.reads(Q.Q4_K, (2048, 8)) and kquant.reads(Q.Q6_K, (768, 8, 128))
-    assert kquant.reads(Q.MXFP4, (2880, 8, 32)) and not kquant.reads(Q.MXFP4, (2890, 8))
+    assert not kquant.reads(Q.MXFP4, (2880, 8, 32))  # read in layout.Split instead
     assert not kquant.reads(Q.Q4_K, (2000, 8)) and not kquant.reads(Q.Q4_0, (2048, 8))
 
 

@@ -46,7 +46,7 @@ _TABLE = {
     Q.Q6_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_XS: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_NL: Can(gpu_expand=True),
-    Q.MXFP4: Can(gpu_gemv=True, gpu_expand=True, gpu_token=True),
+    Q.MXFP4: Can(gpu_gemv=True, gpu_expand=True),
 }
 _NONE = Can()
 

@@ -1,9 +1,9 @@
-"""K-quant matrices (Q4_K, Q5_K, Q6_K: llama.cpp's Q4_K_M and Q5_K_M files) and MXFP4 ones (gpt-oss's experts) read
-in place for few tokens: the GEMV and the routed experts' GEMVs (with gpt-oss's expert biases and clamped SwiGLU)
-over their GGUF blocks as they sit on the GPU, no expansion. A 256-column step's quants are dotted with x per
-sub-block (MXFP4: per 32-value block) and scaled once per sub-block; Q4_K / Q5_K's minimum is the sub-block's sum of
-x times its scaled min. Without these a token expanded every such weight it read to floats first (a whole layer's
-experts for the few it routes to)."""
+"""K-quant matrices (Q4_K, Q5_K, Q6_K: llama.cpp's Q4_K_M and Q5_K_M files) read in place for few tokens: the GEMV
+and the routed experts' GEMVs (expert biases and every gated activation of moe.GLUS too) over their GGUF blocks as
+they sit on the GPU, no expansion. A block's (256 columns') quants are dotted with x per sub-block and scaled once
+per sub-block; Q4_K / Q5_K's minimum is the sub-block's sum of x times its scaled min. Without these a token
+expanded every such weight it read to floats first (a whole layer's experts for the few it routes to). (MXFP4 is
+read in layout.Split, as Q4_0.)"""
 from __future__ import annotations
 
 import torch
@@ -13,38 +13,15 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.kernels.capabilities import can
 from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min
-from ferry.kernels.cuda.layout import _e2m1
 from ferry.kernels.cuda.moe import _glu, _pair_rows, GLUS, sum_pairs
 
-KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2, Q.MXFP4: 3}  # the types these kernels read
+KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}  # the types these kernels read
 
 
 @triton.jit
-def _mxdot(w, row, rmask, x, b, K, NBS: tl.constexpr):
-    """Per row of `row` (BR,): the NBS MXFP4 blocks of step b (columns b * 32 NBS on; those past K masked) dotted
-    with x there. A block: an E8M0 exponent byte, then 16 bytes of nibbles, the low ones its first 16 values."""
-    nb = K // 32
-    i = tl.arange(0, NBS * 16)[None, :]  # byte i % 16 of block i // 16 of the step
-    blk = b * NBS + i // 16
-    live = blk < nb
-    rows = row.to(tl.int64)[:, None] * (nb * 17)
-    byte = tl.load(w + rows + blk * 17 + 1 + i % 16, mask=rmask[:, None] & live, other=0).to(tl.int32)
-    col = blk * 32 + i % 16
-    xlo = tl.load(x + col, mask=live, other=0.0)
-    xhi = tl.load(x + col + 16, mask=live, other=0.0)
-    v = _e2m1(byte & 0xF) * xlo + _e2m1(byte >> 4) * xhi
-    p = tl.sum(tl.reshape(v, (byte.shape[0], NBS, 16)), axis=2)  # (BR, NBS)
-    j = b * NBS + tl.arange(0, NBS)[None, :]
-    e = tl.load(w + rows + j * 17, mask=rmask[:, None] & (j < nb), other=0).to(tl.float32)
-    return tl.sum(tl.exp2(e - 128.0) * p, axis=1)  # 2^(e - 127), halved for the doubled values
-
-
-@triton.jit
-def _kdot(w, row, rmask, x, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, STEP: tl.constexpr):
-    """Per row of `row` (BR,): STEP-column step b of a K-quant or MXFP4 matrix's rows (GGUF bytes, K columns a row)
-    dotted with x there (K-quants: STEP 256, a block)."""
-    if KIND == 3:
-        return _mxdot(w, row, rmask, x, b, K, STEP // 32)
+def _kdot(w, row, rmask, x, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """Per row of `row` (BR,): block b (256 columns) of a K-quant matrix's rows (GGUF bytes, K columns a row) dotted
+    with x there."""
     base = (row.to(tl.int64) * (K // 256) + b)[:, None] * BLOCK_BYTES  # (BR, 1)
     m = rmask[:, None]
     i = tl.arange(0, 128)[None, :]  # a byte of the block's low quants
@@ -99,21 +76,21 @@ def _kdot(w, row, rmask, x, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr,
 
 
 @triton.jit
-def _kgemv(w, x, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BR: tl.constexpr, STEP: tl.constexpr):
+def _kgemv(w, x, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BR: tl.constexpr):
     """y[t, r] = W[r, :] . x[t, :] for this program's rows; grid (row blocks, tokens)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     t = tl.program_id(1).to(tl.int64)
     rmask = r < rows
     acc = tl.zeros((BR,), dtype=tl.float32)
-    for b in range(0, (K + STEP - 1) // STEP):
-        acc += _kdot(w, r, rmask, x + t * K, b, K, KIND, BLOCK_BYTES, STEP)
+    for b in range(0, K // 256):
+        acc += _kdot(w, r, rmask, x + t * K, b, K, KIND, BLOCK_BYTES)
     tl.store(y + t * rows + r, acc, mask=rmask)
 
 
 @triton.jit
 def _kmoe_gate_up(gw, uw, gbias, ubias, x, ids, h, rows, K, n_used, GKIND: tl.constexpr, GBYTES: tl.constexpr,
                   UKIND: tl.constexpr, UBYTES: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr,
-                  BR: tl.constexpr, STEP: tl.constexpr):
+                  BR: tl.constexpr):
     """Pair p = (token p // n_used, expert ids[p]): h[p, r] = glu(gate_e[r] . x (+ its bias), up_e[r] . x (+ its
     bias)); an id of -1 (the expert elsewhere) reads nothing and gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -123,9 +100,9 @@ def _kmoe_gate_up(gw, uw, gbias, ubias, x, ids, h, rows, K, n_used, GKIND: tl.co
     xt = x + (p // n_used) * K
     g = tl.zeros((BR,), dtype=tl.float32)
     u = tl.zeros((BR,), dtype=tl.float32)
-    for b in range(0, (K + STEP - 1) // STEP):
-        g += _kdot(gw, row, live, xt, b, K, GKIND, GBYTES, STEP)
-        u += _kdot(uw, row, live, xt, b, K, UKIND, UBYTES, STEP)
+    for b in range(0, K // 256):
+        g += _kdot(gw, row, live, xt, b, K, GKIND, GBYTES)
+        u += _kdot(uw, row, live, xt, b, K, UKIND, UBYTES)
     if BIAS:
         g += tl.load(gbias + row, mask=live, other=0.0)
         u += tl.load(ubias + row, mask=live, other=0.0)
@@ -134,15 +111,15 @@ def _kmoe_gate_up(gw, uw, gbias, ubias, x, ids, h, rows, K, n_used, GKIND: tl.co
 
 @triton.jit
 def _kmoe_down(dw, dbias, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr,
-               BIAS: tl.constexpr, BR: tl.constexpr, STEP: tl.constexpr):
+               BIAS: tl.constexpr, BR: tl.constexpr):
     """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p] (+ its bias)); an id of -1 gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     p = tl.program_id(1).to(tl.int64)
     rmask = r < rows
     row, live = _pair_rows(ids, p, r, rmask, rows)
     acc = tl.zeros((BR,), dtype=tl.float32)
-    for b in range(0, (K + STEP - 1) // STEP):
-        acc += _kdot(dw, row, live, h + p * K, b, K, KIND, BLOCK_BYTES, STEP)
+    for b in range(0, K // 256):
+        acc += _kdot(dw, row, live, h + p * K, b, K, KIND, BLOCK_BYTES)
     if BIAS:
         acc += tl.load(dbias + row, mask=live, other=0.0)
     tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
@@ -162,41 +139,31 @@ def _args(qtype: Q) -> tuple[int, int]:
 # 4096x2048), 8 for an output matrix's 151936 rows (141 against 839 us), 4 for the experts (46 against 100 us). The
 # defaults below are read at each call (the GPU tests under the interpreter widen them: fewer programs to step through)
 ROWS, BIG_ROWS, ROWS_BIG, MOE_ROWS = 1, 65536, 8, 4
-MX_STEP = 256  # columns an MXFP4 loop step: in gpt-oss-20b 182 t/s at 256, 180 at 512, 167 at 1024 (H100); K-quants 256
-
-
-def _step(*qtypes: Q, step: int = 0) -> int:
-    """The loop step of a kernel reading these types: `step` (or MX_STEP) where all are MXFP4, else 256."""
-    return (step or MX_STEP) if all(q == Q.MXFP4 for q in qtypes) else 256
 
 
 def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, rows_per_program: int = 0,
-          warps: int = 1, step: int = 0) -> torch.Tensor:
-    """x (n, cols) times the (rows, cols) K-quant or MXFP4 matrix (its GGUF bytes on the GPU) transposed: (n, rows)
-    float32. rows_per_program 0: ROWS_BIG for matrices of BIG_ROWS rows or more, else ROWS; step: MXFP4's columns
-    a loop step (a multiple of 32, a power of two; 0: MX_STEP)."""
+          warps: int = 1) -> torch.Tensor:
+    """x (n, cols) times the (rows, cols) K-quant matrix (its GGUF bytes on the GPU) transposed: (n, rows)
+    float32. rows_per_program 0: ROWS_BIG for matrices of BIG_ROWS rows or more, else ROWS."""
     cols, rows = ne[0], ne[1]
     rows_per_program = rows_per_program or (ROWS_BIG if rows >= BIG_ROWS else ROWS)
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
     kind, size = _args(qtype)
     _kgemv[(triton.cdiv(rows, rows_per_program), x.shape[0])](raw, x, y, rows, cols, KIND=kind, BLOCK_BYTES=size,
-                                                              BR=rows_per_program, STEP=_step(qtype, step=step),
-                                                              num_warps=warps)
+                                                              BR=rows_per_program, num_warps=warps)
     return y
 
 
 def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
               residual: torch.Tensor | None = None, rows_per_program: int = 0, warps: int = 1,
-              biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, step: int = 0) -> torch.Tensor:
+              biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The routed experts of few tokens, their stacked tensors read in place: x (n, n_embd), ids / weights
     (n, n_used) on the GPU; gate / up / down (GGUF bytes on the GPU, quant type, ne); act a name of moe.GLUS;
-    biases: gate's, up's and down's (n_expert, rows) float32 on the GPU (gpt-oss). Returns (n, n_embd) float32,
-    plus `residual` when given; each token's pairs summed in a fixed order. rows_per_program 0: MOE_ROWS; step: as
-    kgemv's."""
+    biases: gate's, up's and down's (n_expert, rows) float32 on the GPU, or None. Returns (n, n_embd) float32, plus
+    `residual` when given; each token's pairs summed in a fixed order. rows_per_program 0: MOE_ROWS."""
     rows_per_program = rows_per_program or MOE_ROWS
     (gw, gq, gne), (uw, uq, _), (dw, dq, dne) = gate, up, down
-    step = _step(gq, uq, dq, step=step)
     n, n_used = ids.shape
     n_embd, n_ff = gne[0], gne[1]
     x = x.float().contiguous()
@@ -207,12 +174,12 @@ def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, u
     gbias, ubias, dbias = (b.float().contiguous() for b in biases) if biases is not None else (x, x, x)
     _kmoe_gate_up[(triton.cdiv(n_ff, rows_per_program), n * n_used)](
         gw, uw, gbias, ubias, x, ids, h, n_ff, n_embd, n_used, GKIND=gk, GBYTES=gb, UKIND=uk, UBYTES=ub,
-        ACT=GLUS[act], BIAS=biases is not None, BR=rows_per_program, STEP=step, num_warps=warps)
+        ACT=GLUS[act], BIAS=biases is not None, BR=rows_per_program, num_warps=warps)
     y = torch.empty(n * n_used, dne[1], dtype=torch.float32, device=x.device)
     dk, db = _args(dq)
     _kmoe_down[(triton.cdiv(dne[1], rows_per_program), n * n_used)](
         dw, dbias, h, ids, weights.float().contiguous(), y, dne[1], dne[0], KIND=dk, BLOCK_BYTES=db,
-        BIAS=biases is not None, BR=rows_per_program, STEP=step, num_warps=warps)
+        BIAS=biases is not None, BR=rows_per_program, num_warps=warps)
     if n_used == 1 and residual is None:
         return y
     return sum_pairs(y, n_used, residual)

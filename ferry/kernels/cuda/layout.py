@@ -17,20 +17,11 @@ SCALE_BYTES = {Q.Q8_0: 2, Q.Q4_0: 2, Q.MXFP4: 1}  # the bytes of a block's scale
 
 
 @triton.jit
-def _e2m1(q):
-    """A 4-bit e2m1 code (sign, 2 exponent bits, 1 mantissa bit) as twice its value, as ggml's MXFP4 table holds it:
-    0, 1, 2, 3, 4, 6, 8, 12 and their negatives."""
-    c = q & 7
-    e = c >> 1
-    mag = tl.where(e == 0, c & 1, (2 + (c & 1)) << tl.maximum(e - 1, 0))
-    return tl.where(q >= 8, -mag, mag).to(tl.float32)
-
-
-@triton.jit
 def _fp4(q):
     """A 4-bit e2m1 code (q's low nibble: sign, 2 exponent bits, 1 mantissa bit) as float32 2^-14 times its value:
     its bits placed as an f16's (sign, the low exponent bits, the top mantissa bit; code 1, 0.5, an f16 subnormal),
-    converted exactly. Half the integer work of _e2m1 (the split kernels are bound by it, not by memory)."""
+    converted exactly. Half the integer work of a table's arithmetic (ggml's doubled values: the expert GEMVs were
+    bound by it, not by memory)."""
     bits = ((q & 8) << 12) | ((q & 7) << 9)
     return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
