@@ -1,8 +1,10 @@
 """The grouped MoE GEMM alone, on random Q4_0 experts with uniform random routing, at the expert shapes of the
 benchmark models: one MoE layer's gate, up and down projections per u-batch (gate and up fused in one launch)
 with the default tile configuration (kernels.MOE_MM_CONFIGS), and a sweep of the configurations per tile height
-that chose those defaults. Prints a table, writes JSON.
-  python benchmarks/moe_kernels.py [-ub 32,128,512,2048] [--json out.json] [--no-sweep]
+that chose those defaults. --kquant: the same on a Q4_K_M file's experts (gate and up Q4_K, down Q6_K) through
+kquant.kmoe_mm (KMOE_MM_CONFIGS, its sweep), beside the way it replaced (each projection expanded to bfloat16, then
+torch's grouped GEMM). Prints a table, writes JSON.
+  python benchmarks/moe_kernels.py [-ub 32,128,512,2048] [--json out.json] [--no-sweep] [--kquant]
 """
 
 import argparse
@@ -21,6 +23,7 @@ SHAPES = {  # name: (n_expert, n_expert_used, n_embd, n_ff)
     "deepseek-v2-lite": (64, 6, 2048, 1408),
 }
 SWEEP = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (3, 4)))  # BN, BK, warps, stages
+KSWEEP = list(itertools.product((32, 64, 128), (4, 8), (1, 2, 3)))  # BN, warps, stages
 
 
 def _experts(n_expert: int, rows: int, cols: int, dev) -> layout.Split:
@@ -37,8 +40,11 @@ def main() -> None:
     ap.add_argument("-ub", default="32,128,512,2048")
     ap.add_argument("--json", default="moe_kernels.json")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--kquant", action="store_true")
     a = ap.parse_args()
     dev = torch.device("cuda")
+    if a.kquant:
+        return kquant_main(a, dev)
     results = []
     print("| model | u-batch | tile rows | experts hit | default ms | best ms | best gate+up / down (BN, BK, warps, "
           "stages) | weights GB/s (default) | TFLOP/s (default) |")
@@ -86,6 +92,90 @@ def main() -> None:
                   f"| {row['weights_gbps']:.0f} | {row['tflops']:.1f} |", flush=True)
     with open(a.json, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(), "results": results}, fh, indent=1)
+
+
+def _kexperts(qtype, n_expert: int, rows: int, cols: int, dev):
+    """Random K-quant blocks (every scale, min and quant random), as kquant.kmoe_mm takes them."""
+    from ferry.gguf.synth import random_tensor
+
+    ne = (cols, rows, n_expert)
+    raw = np.ascontiguousarray(random_tensor(qtype, ne, 1.0, np.random.default_rng(rows * cols))).view(np.uint8)
+    return torch.from_numpy(raw.reshape(-1).copy()).to(dev), qtype, ne
+
+
+def _timed(run, configs) -> dict:
+    """Each configuration's time, leaving out those that need more shared memory than the GPU has."""
+    from triton.runtime.errors import OutOfResources
+
+    times = {}
+    for cfg in configs:
+        try:
+            times[cfg] = do_bench(lambda: run(cfg))
+        except OutOfResources:
+            pass
+    return times
+
+
+def kquant_main(a, dev) -> None:
+    from ferry.backends.cuda import CudaBackend
+    from ferry.kernels.cuda import kquant
+    from ferry.kernels.cuda.dequant import dequantize
+
+    backend = CudaBackend("cuda:0")
+    results = []
+    print("| model | u-batch | tile rows | expanded + torch grouped ms | kmoe_mm default ms | best ms | best gate+up / "
+          "down (BN, warps, stages) | speedup (default) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    for name, (n_expert, n_used, n_embd, n_ff) in SHAPES.items():
+        gate, up = (_kexperts(Q.Q4_K, n_expert, n_ff, n_embd, dev) for _ in range(2))
+        down = _kexperts(Q.Q6_K, n_expert, n_embd, n_ff, dev)
+        scratch = torch.empty(n_expert * n_ff * n_embd, dtype=torch.bfloat16, device=dev)
+        for ub in [int(u) for u in a.ub.split(",")]:
+            ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(ub)]).to(torch.int32)
+            block = moe.moe_tile_rows(ub * n_used, n_expert)
+            sched = moe.moe_tiles(ids, n_expert, block)
+            tokens = torch.randn(ub, n_embd, device=dev, dtype=torch.float16)
+            h = torch.randn(ub * n_used, n_ff, device=dev, dtype=torch.float16)
+            order = sched[0].to(torch.int32)
+            src = torch.div(order, n_used, rounding_mode="floor")
+            pair_weights = torch.rand(ub * n_used, device=dev)
+
+            def gate_up(cfg=None):
+                return kquant.kmoe_mm(tokens, gate, sched, torch.float16, block, up=up, rows_from=src, config=cfg)
+
+            def down_proj(hh, cfg=None):
+                return kquant.kmoe_mm(hh, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights,
+                                      config=cfg)
+
+            def expanded():  # the way before: each projection expanded to bfloat16 in one scratch, torch's grouped GEMM
+                order_e, _, ends = moe.sort_pairs(ids, n_expert)
+                xs = tokens.to(torch.bfloat16)[torch.div(order_e, n_used, rounding_mode="floor")]
+                offs = ends.to(torch.int32)
+                outs = []
+                for raw, q, ne in (gate, up):
+                    w = dequantize(raw, q, ne, torch.bfloat16, out=scratch.view(n_expert, n_ff, n_embd))
+                    outs.append(backend._group_mm(xs, w, offs))
+                hh = (torch.nn.functional.silu(outs[0].float()) * outs[1].float()).to(torch.bfloat16)
+                w = dequantize(down[0], Q.Q6_K, down[2], torch.bfloat16, out=scratch.view(n_expert, n_embd, n_ff))
+                return backend._group_mm(hh, w, offs)
+
+            t_old = do_bench(expanded)
+            t_default = do_bench(lambda: down_proj(gate_up()))
+            best_gu = best_down = (None, None)
+            t_best = None
+            if not a.no_sweep:
+                gu = _timed(lambda cfg: gate_up(cfg), KSWEEP)
+                dn = _timed(lambda cfg: down_proj(h, cfg), KSWEEP)
+                best_gu, best_down = min(gu.items(), key=lambda kv: kv[1]), min(dn.items(), key=lambda kv: kv[1])
+                t_best = best_gu[1] + best_down[1]
+            row = {"model": name, "ubatch": ub, "tile_rows": block, "expanded_ms": t_old, "default_ms": t_default,
+                   "best_ms": t_best, "best_gate_up": best_gu[0], "best_down": best_down[0]}
+            results.append(row)
+            best = "" if t_best is None else f"{t_best:.3f}"
+            print(f"| {name} | {ub} | {block} | {t_old:.3f} | {t_default:.3f} | {best} | {best_gu[0]} / "
+                  f"{best_down[0]} | {t_old / t_default:.2f} |", flush=True)
+    with open(a.json, "w") as fh:
+        json.dump({"device": torch.cuda.get_device_name(), "kquant": True, "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -244,17 +244,29 @@ def _ggml_only(name: str) -> bool:
 
 
 def expanding_layers(tensors) -> frozenset[int]:
-    """The layers whose routed experts the GPU expands to bfloat16 when it streams them from RAM: any of a type its
-    quantized kernels do not read in place (a Q4_K_M file's K-quants; HybridBackend._expands). tensors: a file's
-    tensor records (name, qtype)."""
+    """The layers whose routed experts the GPU's split kernels do not read, which stream as copied (streamer.Compact):
+    any of such a type (a Q4_K_M file's K-quants; HybridBackend._expands). tensors: a file's tensor records (name,
+    qtype)."""
     from ferry.kernels.capabilities import gpu_reads
 
+    return frozenset(layer for layer, qs in _expert_types(tensors).items() if not gpu_reads(qs))
+
+
+def expanded_layers(tensors) -> frozenset[int]:
+    """The layers whose routed experts no quantized kernel of the GPU reads (IQ4_XS, Q3_K...: not the split kernels',
+    not kquant.py's), which its prompts expand to bfloat16 a projection at a time."""
+    from ferry.kernels.capabilities import gpu_holds
+
+    return frozenset(layer for layer, qs in _expert_types(tensors).items() if not gpu_holds(qs))
+
+
+def _expert_types(tensors) -> dict[int, set]:
     types: dict[int, set] = {}
     for t in tensors:
         m = EXPERTS_RE.match(t.name)
         if m:
             types.setdefault(int(m.group(1)), set()).add(t.qtype)
-    return frozenset(layer for layer, qs in types.items() if not gpu_reads(qs))
+    return types
 
 
 def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: list[Override], gpus: list[str],
@@ -262,18 +274,20 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
                 split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False,
                 cache: CacheLayout | None = None, n_batch: int = 0,
                 resident: dict[int, tuple[int, ...]] | None = None, expands: frozenset[int] = frozenset(),
-                n_logits: int | None = None) -> MemoryPlan:
+                n_logits: int | None = None, expanded: frozenset[int] | None = None) -> MemoryPlan:
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
     GPU, the staging buffers for routed experts left in RAM (three layers' worth: two sets of slots and the
-    buffer copies land in). `available`: free bytes per device (CPU: RAM). `cache`: what the KV cache holds per
-    position (default: the model's keys and values; MLA's latent: Model.cache_layout). `n_batch`: the logical
+    buffer copies land in; two sets of three of the largest expert tensors where the experts stay as copied).
+    `available`: free bytes per device (CPU: RAM). `cache`: what the KV cache holds per position (default: the
+    model's keys and values; MLA's latent: Model.cache_layout). `n_batch`: the logical
     batch whose rows meet at each MoE layer when routed experts in RAM are taken layer first (0: not so), whose
     activations and expert buffers then add to the first GPU's. `resident`: experts of layers in RAM kept on the first
-    GPU too (--gpu-experts). `expands`: the layers whose routed experts the GPU expands to bfloat16 when it streams
-    them (expanding_layers): where one is in RAM, both staging sets hold a bfloat16 copy of a layer's experts too;
-    where one is on a GPU, its prompts expand a projection at a time there. `n_logits`: the rows of logits a u-batch
+    GPU too (--gpu-experts). `expands`: the layers whose routed experts the GPU's split kernels do not read
+    (expanding_layers): streamed, they stay as copied in two staging sets of their own. `expanded`: those of them no
+    quantized kernel reads (expanded_layers; None: all of `expands`), whose prompts, on a GPU, in RAM or kept there,
+    expand a projection at a time in one bfloat16 scratch a device. `n_logits`: the rows of logits a u-batch
     computes (RunConfig.logit_rows; None: all n_ubatch, as perplexity's)."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     tensors = as_loaded(tensors, args)
@@ -295,12 +309,24 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
             need(device).weights += size
     if resident:
         need(gpus[0]).weights += resident_bytes(tensors, resident, args.n_expert)
-    # a prompt through a GPU's experts that its grouped GEMM does not read (expands) expands one projection of the
-    # layer's experts at a time to bfloat16, in one scratch buffer a device
-    for device in {place(f"blk.{i}.ffn_down_exps.weight", args.n_layer, n_gpu_layers, overrides, layers)
-                   for i in range(args.n_layer)
-                   if f"blk.{i}.ffn_down_exps.weight" in tensors and i in expands} - {"CPU"}:
-        need(device).compute += 2 * args.n_embd * args.n_ff_exp * args.n_expert
+    # a prompt through a GPU's experts that no grouped GEMM of its reads (expanded) expands one projection of the
+    # layer's experts at a time to bfloat16, in one scratch buffer a device (the first GPU's serves the experts it
+    # streams or keeps of such layers in RAM too)
+    scratch = 2 * args.n_embd * args.n_ff_exp * args.n_expert
+    expanded = expands if expanded is None else expanded
+    expanding = set()
+    for i in sorted(expanded):
+        name = f"blk.{i}.ffn_down_exps.weight"
+        if name in tensors:
+            device = place(name, args.n_layer, n_gpu_layers, overrides, layers)
+            if device != "CPU":
+                expanding.add(device)
+            elif kv_on_gpu and f"blk.{i}.ffn_down_exps.bias" not in tensors:  # biased ones stay with the CPU (work.py)
+                expanding.add(gpus[0])
+    if any(i in expanded for i in (resident or {})):
+        expanding.add(gpus[0])
+    for device in expanding:
+        need(device).compute += scratch
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
     per_layer = int(n_ctx * cache.bytes_per_position(kb, vb))
@@ -313,6 +339,7 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     replayed = n_ubatch <= settings().prompt_graph_max
     if kv_on_gpu:
         in_ram: dict[str, int] = {}  # the routed experts in RAM the GPU streams, per layer
+        largest = 0  # the largest stacked expert tensor in RAM
         for name, size in tensors.items():
             m = _LAYER_RE.match(name)
             # biased experts the GPU would expand are never streamed (offload/work.gpu_refuses): they stage nothing
@@ -320,9 +347,12 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
                                                               f"blk.{m.group(1)}.ffn_down_exps.bias" in tensors)
                     and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU"):
                 in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
-        need(gpus[0]).compute += 3 * max(in_ram.values(), default=0)
-        if any(int(i) in expands for i in in_ram):  # two sets of a layer's gate, up and down in bfloat16
-            need(gpus[0]).compute += 2 * 3 * 2 * args.n_embd * args.n_ff_exp * args.n_expert
+                largest = max(largest, size)
+        # the streamer's buffers: for experts spread to a Split's slots, the compact buffer copies land in and two
+        # sets of slots; for experts left as copied (streamer.Compact), two sets of three buffers of the largest
+        need(gpus[0]).compute += 3 * max((v for i, v in in_ram.items() if int(i) not in expands), default=0)
+        if any(int(i) in expands for i in in_ram):
+            need(gpus[0]).compute += 2 * 3 * largest
         if in_ram and n_batch:  # the batch's residual and normed rows per u-batch and joined; each pair's rows
             k = max(args.n_expert_used, 1)
             joined = 4 * n_batch * (4 * args.n_embd + k * (args.n_embd + args.n_ff_exp))
@@ -336,17 +366,18 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:
         plan.advice = _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch,
-                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch, expands, n_logits)
+                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch, expands, n_logits, expanded)
     return plan
 
 
 def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split,
-            kv_on_gpu, cache, n_batch, expands, n_logits) -> str:
+            kv_on_gpu, cache, n_batch, expands, n_logits, expanded) -> str:
     gpu_over = any(d.over for d in plan.devices if d.device != "CPU")
     if gpu_over:
         for ngl in range(min(n_gpu_layers, args.n_layer + 1) - 1, -1, -1):
             if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False,
-                           kv_on_gpu and ngl > 0, cache, n_batch, expands=expands, n_logits=n_logits).fits:
+                           kv_on_gpu and ngl > 0, cache, n_batch, expands=expands, n_logits=n_logits,
+                           expanded=expanded).fits:
                 return f"-ngl {ngl} fits; or keep the experts in RAM with -ot exps=CPU, or lower -c/--ctx-size"
         return ("no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size" + (", -b/--batch-size" if n_batch else "")
                 + " or use a smaller quant type")

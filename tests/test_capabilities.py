@@ -31,6 +31,9 @@ def test_the_gpu_columns_are_what_the_gpu_kernels_read():
     assert caps.gpu_dense(Q.F16) and caps.gpu_dense(Q.Q4_K) and not caps.gpu_dense(Q.IQ2_XXS)
     assert not caps.can(Q.F16).gpu_expand and caps.can(Q.Q4_K).gpu_expand  # float experts stay on the CPU
     assert caps.gpu_reads([Q.Q4_0, Q.Q8_0]) and not caps.gpu_reads([Q.Q4_0, Q.Q4_K])
+    # some of a layer's experts kept on the GPU: types the split kernels read, or kquant.py's, not a mix, not IQ4_XS
+    assert caps.gpu_holds([Q.MXFP4]) and caps.gpu_holds([Q.Q4_K, Q.Q6_K]) and caps.gpu_holds([Q.Q5_K])
+    assert not caps.gpu_holds([Q.Q4_0, Q.Q4_K]) and not caps.gpu_holds([Q.IQ4_XS]) and not caps.gpu_holds([Q.F16])
 
 
 def _layer(rng, up_type, down_type=None, n_expert=4, n_embd=256, n_ff=256):

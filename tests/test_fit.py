@@ -203,11 +203,13 @@ def test_plan_uses_the_routing_counted_for_the_file(qwen12, tmp_path, monkeypatc
     assert "routed experts on the GPU per MoE layer" in capsys.readouterr().out
 
 
-def test_experts_the_gpu_expands_count_their_bfloat16_staging_in_the_plan_and_the_fit(qwen12, tmp_path):
-    """A Q4_K_M file's experts stream expanded to bfloat16 (the GPU's quantized kernels read Q8_0 and Q4_0 alone):
-    both staging sets hold a layer's gate, up and down in bfloat16, 2.25 GiB at Qwen3-30B-A3B's shapes, which the
-    plan counts and the fit leaves room for (a 12 GiB fit of the 30B Q4_K_M ran out of memory without it)."""
-    from ferry.placement import expanding_layers, memory_plan, parse_overrides
+def test_experts_the_split_kernels_do_not_read_stage_as_copied_and_count_one_scratch(qwen12, tmp_path):
+    """A Q4_K_M file's experts (the split kernels read Q8_0, Q4_0 and MXFP4 alone) stream as copied: two staging sets
+    of three buffers of the largest expert tensor, which the plan counts and the fit leaves room for (before, both sets
+    held a layer's experts in bfloat16 too: 2.25 GiB at Qwen3-30B-A3B's shapes). kquant.py's grouped GEMM reads them
+    in place; experts of a type no kernel reads (IQ4_XS: `expanded`) add one bfloat16 scratch of a projection that
+    prompts expand into, shared with the GPU's own such experts and the ones it keeps."""
+    from ferry.placement import expanded_layers, expanding_layers, memory_plan, parse_overrides
 
     km = tmp_path / "q12km.gguf"
     assert main(["synth", "qwen3-30b-a3b", "--layers", "12", "--shape-only", "--expert-type", "q4_k_m",
@@ -215,26 +217,42 @@ def test_experts_the_gpu_expands_count_their_bfloat16_staging_in_the_plan_and_th
     f, q4 = GGUFFile(km), GGUFFile(qwen12)
     args = ModelArgs.from_gguf(f)
     assert expanding_layers(f.tensors.values()) == frozenset(range(12))
-    assert expanding_layers(q4.tensors.values()) == frozenset()
+    assert expanded_layers(f.tensors.values()) == frozenset()
+    assert expanding_layers(q4.tensors.values()) == frozenset() == expanded_layers(q4.tensors.values())
     tensors = {t.name: t.nbytes for t in f.tensors.values()}
+    layer = {i: sum(t.nbytes for t in f.tensors.values() if t.name.startswith(f"blk.{i}.") and "_exps." in t.name)
+             for i in range(12)}
+    largest = max(t.nbytes for t in f.tensors.values() if "_exps." in t.name)
+    assert largest > min(t.nbytes for t in f.tensors.values() if "_exps." in t.name)  # Q6_K downs beside Q4_K ones
 
-    def compute(expands, rules=("exps=CPU",)):
+    def compute(expands, rules=("exps=CPU",), resident=None, expanded=None):
         plan = memory_plan(tensors, args, 999, parse_overrides(list(rules)), ["CUDA0"], {}, 4096, 512,
-                           kv_on_gpu=True, expands=expands)
+                           kv_on_gpu=True, expands=expands, resident=resident, expanded=expanded)
         return next(d for d in plan.devices if d.device == "CUDA0").compute
 
-    floats = 2 * 3 * 2 * args.n_embd * args.n_ff_exp * args.n_expert
-    assert floats == 2304 * MIB
-    assert compute(frozenset(range(12))) - compute(frozenset()) == floats
-    assert compute(frozenset({0})) - compute(frozenset()) == floats  # one such layer in RAM is enough
-    # every expert on the GPU: nothing streams; a prompt expands one projection of a layer at a time
-    assert compute(frozenset(range(12)), ()) - compute(frozenset(), ()) == floats // 6
+    every, none = frozenset(range(12)), frozenset()
+    assert compute(every, expanded=none) - compute(none) == 6 * largest - 3 * max(layer.values())
+    assert compute(every, (), expanded=none) == compute(none, ())  # on the GPU: read in place, nothing expanded
+    scratch = 2 * args.n_embd * args.n_ff_exp * args.n_expert
+    assert scratch == 384 * MIB
+    assert compute(every) - compute(none) == 6 * largest + scratch - 3 * max(layer.values())
+    # one such layer in RAM: its own sets and the scratch beside the others' three layers
+    assert compute(frozenset({0})) - compute(none) == (
+        6 * largest + scratch + 3 * max(v for i, v in layer.items() if i) - 3 * max(layer.values()))
+    assert compute(every) < compute(none) + 1.5 * 2 ** 30
+    # every expert on the GPU: nothing streams; a prompt expands one projection of a layer at a time, in one scratch
+    assert compute(every, ()) - compute(none, ()) == scratch
+    # layers 0-5 on the GPU, some of 6's kept there: one scratch for all
+    half = (r"blk\.[0-5]\.ffn_.*_exps=CUDA0", "exps=CPU")
+    assert compute(every, half, {6: (1, 2)}) - compute(none, half, {6: (1, 2)}) == (
+        6 * largest + scratch - 3 * max(v for i, v in layer.items() if i > 5))
     room = 6
-    plain = _fit(km, room)
-    counted = _fit(km, room, expands=expanding_layers(f.tensors.values()))
-    assert len(counted.expert_layers) < len(plain.expert_layers)
+    plain = _fit(km, room, per_expert=True)
+    counted = _fit(km, room, per_expert=True, expands=expanding_layers(f.tensors.values()))
+    placed = [(len(x.expert_layers), sum(map(len, x.resident.values()))) for x in (counted, plain)]
+    assert placed[0] < placed[1] and placed[0][0] >= 5, placed  # a few experts fewer, not layers
     gpu = next(d for d in counted.plan.devices if d.device == "CUDA0")
-    assert gpu.total <= room * GIB - FIT_TARGET_MIB * MIB and gpu.compute >= floats
+    assert gpu.total <= room * GIB - FIT_TARGET_MIB * MIB and gpu.compute >= 6 * largest + scratch
 
 
 def test_gpt_oss_experts_stream_in_place_and_biased_expanded_ones_stage_nothing(tmp_path):

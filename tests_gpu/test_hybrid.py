@@ -299,10 +299,10 @@ def kmix(tmp_path_factory):
 
 @pytest.mark.parametrize("policy", ["all=on", "balanced", "moe_up_gate=on,moe_down=off", "moe_up_gate=off,moe_down=on"])
 @pytest.mark.parametrize("ubatch", [300, 64, 5])
-def test_k_quant_experts_streamed_and_expanded_on_the_gpu_match_the_cpu(kmix, policy, ubatch):
-    """A Q4_K_M file's experts copied to the GPU and expanded there to bfloat16 (streamer.Expanded; torch's grouped
-    GEMM), all of them, split with the CPU, or one half of each: prompts in one and several u-batches, then
-    generation through recorded steps."""
+def test_k_quant_experts_streamed_to_the_gpu_match_the_cpu(kmix, policy, ubatch):
+    """A Q4_K_M file's experts copied to the GPU as their blocks (streamer.Compact: read in place for few pairs,
+    expanded a projection at a time to bfloat16 for torch's grouped GEMM for many), all of them, split with the CPU,
+    or one half of each: prompts in one and several u-batches, then generation through recorded steps."""
     path, tokens, want = kmix
     backend, model = _hybrid(path, EXPS | dict(offload_policy="auto" if policy == "balanced" else policy),
                              BALANCED if policy == "balanced" else None)
@@ -322,6 +322,48 @@ def test_k_quant_experts_streamed_and_expanded_on_the_gpu_match_the_cpu(kmix, po
         backend.stats.keep = False
         steps = torch.cat([e.decode([t]) for t in tokens[n:n + 20]])
         _check(want[n:n + 20], steps, f"Q4_K_M decode -ot exps=CPU {policy}")
+
+
+@pytest.mark.parametrize("ubatch", [280, 40, 5])
+def test_k_quant_experts_on_the_gpu_match_the_cpu(kmix, ubatch):
+    """A Q4_K_M file all on the GPU: its experts read in their blocks by kquant.py's grouped GEMM (prompt u-batches of
+    280 and 40) and expert GEMVs (5, and generation through recorded steps)."""
+    from ferry.backends.cuda import CudaBackend
+
+    path, tokens, want = kmix
+    backend, model = place(path, 8, n_gpu_layers=999, n_ctx=512)
+    assert isinstance(backend, CudaBackend)
+    e = Engine(model, backend, n_ctx=512, n_ubatch=ubatch)
+    _check(want[:280], e.decode(tokens[:280], all_logits=True), f"Q4_K_M on the GPU ub {ubatch}")
+    steps = torch.cat([e.decode([t]) for t in tokens[280:292]])
+    _check(want[280:292], steps, "Q4_K_M on the GPU, decode")
+
+
+@pytest.mark.parametrize("policy", ["all=off", "all=on", "balanced"])
+@pytest.mark.parametrize("ubatch", [300, 5])
+def test_k_quant_experts_kept_on_the_gpu_beside_the_rest_match_the_cpu(kmix, policy, ubatch):
+    """--gpu-experts on a Q4_K_M file: some of each layer's experts kept on the GPU as their blocks (layout.Blocks);
+    the other pairs go as the policy says; prompts, then generation through recorded steps (the kept experts' GEMVs
+    inside the graph)."""
+    from ferry.kernels.cuda.layout import Blocks
+    from ferry.placement import format_gpu_experts
+
+    path, tokens, want = kmix
+    _, probe = place(path, 1)
+    spec = _resident_spec(probe.args.n_layer, probe.args.n_expert)
+    backend, model = _hybrid(path, EXPS | dict(offload_policy="auto" if policy == "balanced" else policy,
+                                               gpu_experts=format_gpu_experts(spec)),
+                             BALANCED if policy == "balanced" else None)
+    assert len(backend._resident) == len(spec)
+    assert all(isinstance(r.down, Blocks) for r in backend._resident.values())
+    n = 280 if ubatch > 8 else 60
+    e = Engine(model, backend, n_ctx=512, n_batch=300, n_ubatch=ubatch)
+    _check(want[:n], e.decode(tokens[:n], all_logits=True), f"Q4_K_M --gpu-experts {policy} ub {ubatch}")
+    if policy == "all=on":
+        assert backend.streamer.bytes_copied > 0
+    backend.stats.keep = False
+    steps = torch.cat([e.decode([t]) for t in tokens[n:n + 12]])
+    _check(want[n:n + 12], steps, f"Q4_K_M decode --gpu-experts {policy}")
 
 
 def test_a_host_step_that_fails_lets_the_waiting_graph_go(mid):

@@ -510,6 +510,44 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     assert (covered == 1).all()  # each sorted row in exactly one tile
 
 
+KMM = [(Q.Q4_K, Q.Q4_K, (1, 4, 2, 64, 256, 16)), (Q.Q6_K, Q.Q4_K, (37, 8, 3, 96, 512, 16)),
+       (Q.Q5_K, Q.Q5_K, (50, 16, 4, 130, 256, 32)), (Q.Q4_K, Q.Q6_K, (129, 6, 2, 64, 768, 64)),
+       (Q.Q6_K, Q.Q6_K, (300, 4, 2, 64, 256, 128))]
+
+
+@pytest.mark.parametrize("qtype,utype,shape", KMM, ids=lambda v: v.name if isinstance(v, Q) else str(v))
+def test_kquant_grouped_moe_mm_matches_float64(qtype, utype, shape):
+    """kquant.kmoe_mm, the grouped GEMM on K-quant experts in their GGUF blocks: every pair's row times its expert's
+    matrix through the GPU-built tile schedule (odd token counts, an idle expert); gated with an up projection of
+    another K-quant type; rows read and written through indices, times the router's weight."""
+    n, n_expert, n_used, rows, cols, block = shape
+    act = "silu" if n % 2 else "gelu"
+    rng = np.random.default_rng(n * rows + cols)
+    raw, w = _kquant(rng, qtype, n_expert, rows, cols)
+    raw_up, w_up = _kquant(rng, utype, n_expert, rows, cols)
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert - 1)[:n_used]) for _ in range(n)])  # one idle expert
+    sched = moe.moe_tiles(ids.to(DEV), n_expert, block)
+    order = sched[0].cpu()
+    flat = ids.flatten()[order]
+    x = torch.from_numpy(rng.standard_normal((n * n_used, cols))).half()
+    ne = (cols, rows, n_expert)
+    got = kquant.kmoe_mm(x[order].to(DEV), (raw, qtype, ne), sched, torch.float32, block)
+    want = torch.stack([w[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
+    _close(got, want, 2e-3)  # f16 weights (one rounding each), float32 accumulation
+    gated = kquant.kmoe_mm(x[order].to(DEV), (raw, qtype, ne), sched, torch.float32, block, up=(raw_up, utype, ne),
+                           act=act)
+    up_rows = torch.stack([w_up[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
+    _close(gated, GLU[act](want, up_rows), 2e-3)
+    tokens = torch.from_numpy(rng.standard_normal((n, cols))).half()
+    scale = torch.from_numpy(rng.uniform(0.1, 1.0, n * n_used)).float()
+    placed = kquant.kmoe_mm(tokens.to(DEV), (raw, qtype, ne), sched, torch.float32, block,
+                            rows_from=(order // n_used).to(torch.int32).to(DEV),
+                            rows_to=order.to(torch.int32).to(DEV), row_scale=scale.to(DEV))
+    by_pair = torch.stack([w[int(ids.flatten()[p])] @ tokens[p // n_used].double() * scale[p].double()
+                           for p in range(n * n_used)])
+    _close(placed, by_pair, 2e-3)
+
+
 @pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
 @pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (37, 8, 3, 160, 64)])
 def test_the_gpu_halves_of_the_experts_match_float64(qtype, n, n_expert, n_used, n_embd, n_ff):
@@ -568,6 +606,83 @@ def test_resident_experts_give_only_their_pairs(qtype, n, n_expert, n_used, n_em
     gone = torch.where(slot_of[ids] >= 0, ids, -1)
     _close(got, _experts_reference(x, gone, weights, g, u, d, act, None, biases),
            5e-5 if n * n_used <= 64 else 3e-3)  # the grouped GEMM: f16 activations
+
+
+HELD = [(Q4_K_M, (1, 8, 4, 256, 512, (1, 6))), (Q4_K_M, (29, 8, 3, 256, 256, (2, 5, 6))),
+        ((Q.IQ4_XS,) * 3, (2, 6, 2, 256, 256, (0, 4))), (Q4_K_M, (1, 4, 2, 256, 256, ()))]
+
+
+@pytest.mark.parametrize("types,shape", HELD, ids=str)
+def test_held_blocks_give_only_their_pairs(types, shape):
+    """CudaBackend.resident_experts on layout.Blocks (some experts of a type the split kernels do not read, in their
+    GGUF blocks): each token's weighted sum over its pairs on those experts, the others skipped: kquant.py's expert
+    GEMVs on the blocks for few pairs of K-quants, else each projection expanded to bfloat16 and the grouped GEMM
+    over the pairs sorted by place (29 tokens of 3; IQ4_XS, which the GEMVs do not read, at 4 pairs too)."""
+    from ferry.backends.cuda import CudaBackend
+
+    n, n_expert, n_used, n_embd, n_ff, kept = shape
+    rng = np.random.default_rng(n * n_expert + len(kept))
+    (raw_g, g), (raw_u, u), (raw_d, d) = (_kquant(rng, q, n_expert, a, b) for q, (a, b) in
+                                          zip(types, ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff))))
+    idx = torch.tensor(kept, dtype=torch.long)
+
+    def held(raw, q, ne):
+        return layout.Blocks(q, (*ne, len(kept)), raw.view(n_expert, -1)[idx.to(DEV)].reshape(-1))
+    slot_of = torch.full((n_expert,), -1, dtype=torch.int32)
+    slot_of[idx] = torch.arange(len(kept), dtype=torch.int32)
+    ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
+    x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
+    weights = torch.from_numpy(rng.uniform(0.1, 1.0, (n, n_used))).float()
+    got = CudaBackend(DEV).resident_experts(x.to(DEV), slot_of[ids].to(DEV), weights.to(DEV),
+                                            held(raw_g, types[0], (n_embd, n_ff)),
+                                            held(raw_u, types[1], (n_embd, n_ff)),
+                                            held(raw_d, types[2], (n_ff, n_embd)), "silu")
+    gone = torch.where(slot_of[ids] >= 0, ids, -1)
+    gemv = n * n_used <= 64 and types != (Q.IQ4_XS,) * 3
+    _close(got, _experts_reference(x, gone, weights, g, u, d, "silu", None), 5e-5 if gemv else 2e-2)
+
+
+@pytest.mark.parametrize("n,n_used", [(2, 2), (37, 3)])
+def test_staged_compact_experts_match_float64(n, n_used):
+    """Experts staged as copied (streamer.Compact: the copied experts' blocks in order, each expert's place): the
+    streamed pairs of CudaBackend.expert_pairs (expert GEMVs on the blocks for few pairs, the grouped GEMM on bfloat16
+    expansions for many) and the halves pair_up_gate / pair_down."""
+    from ferry.backends.cuda import CudaBackend
+    from ferry.backends.streamer import Compact
+
+    n_expert, n_embd, n_ff = 9, 256, 512
+    rng = np.random.default_rng(n + n_used)
+    (raw_g, g), (raw_u, u), (raw_d, d) = (_kquant(rng, q, n_expert, a, b) for q, (a, b) in
+                                          zip(Q4_K_M, ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff))))
+    ids = torch.stack([torch.from_numpy(rng.permutation([0, 2, 3, 7, 8])[:n_used]) for _ in range(n)])
+    copied = torch.tensor([0, 2, 3, 7, 8])  # the experts hit, in the order copied
+    slot_of = torch.full((n_expert,), -1, dtype=torch.int32)
+    slot_of[copied] = torch.arange(len(copied), dtype=torch.int32)
+
+    def staged(raw, q, ne):
+        return Compact(layout.Blocks(q, (*ne, len(copied)), raw.view(n_expert, -1)[copied.to(DEV)].reshape(-1)),
+                       slot_of.to(DEV))
+    cg, cu, cd = (staged(r, q, ne) for r, q, ne in zip((raw_g, raw_u, raw_d), Q4_K_M,
+                                                       ((n_embd, n_ff), (n_embd, n_ff), (n_ff, n_embd))))
+    x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
+    weights = torch.from_numpy(rng.uniform(0.1, 1.0, (n, n_used))).float()
+    backend = CudaBackend(DEV)
+    y = backend.expert_pairs(x.to(DEV), ids.to(DEV), cg, cu, cd, "silu", weights=weights.to(DEV))
+    tol = 5e-5 if n * n_used <= 64 else 2e-2  # bfloat16 weights and activations for many pairs
+    for p in range(n * n_used):
+        one = torch.tensor([[int(ids.flatten()[p])]])
+        want = _experts_reference(x[p // n_used:p // n_used + 1], one, weights.flatten()[p:p + 1].view(1, 1), g, u, d,
+                                  "silu", None)
+        _close(y[p:p + 1], want, tol)
+    h = backend.pair_up_gate(x.to(DEV), ids.to(DEV), cg, cu, "silu")
+    pairs = [(p // n_used, int(ids.flatten()[p])) for p in range(n * n_used)]
+    want_h = torch.stack([torch.nn.functional.silu(g[e] @ x[t].double()) * (u[e] @ x[t].double()) for t, e in pairs])
+    _close(h, want_h, 2e-2)
+    out = backend.pair_down(want_h.float().to(DEV), ids.to(DEV), cd, weights.to(DEV))
+    want_y = torch.zeros(n, n_embd, dtype=torch.float64)
+    for p, (t, e) in enumerate(pairs):
+        want_y[t] += weights.flatten()[p].double() * (d[e] @ want_h[p])
+    _close(out, want_y, 2e-2)
 
 
 @pytest.mark.parametrize("n_expert", [1, 7, 128, 256, 300, 40000])  # keys of uint8, int16 and int32

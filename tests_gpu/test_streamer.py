@@ -57,11 +57,12 @@ def test_back_to_back_stagings_fill_their_slots_with_the_file_bytes(hit):
 
 
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q4_0, Q.Q4_0, Q.Q6_K)], ids=["q4_k_m", "mixed"])
-def test_expanded_stagings_hold_the_hit_experts_as_bfloat16_in_order(qtypes):
-    """A layer with any expert tensor of a type the quantized kernels do not read (a Q4_K_M file's) is expanded:
-    each tensor's hit experts in order as the CPU's dequantization gives them, rounded to bfloat16, and a map from
-    expert to place; back to back, slots alternating, as in a run."""
-    from ferry.quant import dequantize, quantize
+def test_compact_stagings_hold_the_hit_experts_blocks_in_order(qtypes):
+    """A layer with any expert tensor of a type the split kernels do not read (a Q4_K_M file's) stays as copied
+    (streamer.Compact): each tensor's hit experts' GGUF blocks in order, in the staging set's own buffer, and a map
+    from expert to place; back to back, slots alternating, as in a run (the two sets' buffers apart)."""
+    from ferry.kernels.cuda.layout import Blocks
+    from ferry.quant import quantize
 
     rng = np.random.default_rng(3)
     rows, cols, n_expert = 256, 512, 12
@@ -92,9 +93,10 @@ def test_expanded_stagings_hold_the_hit_experts_as_bfloat16_in_order(qtypes):
     torch.cuda.synchronize()
     for ws, got in zip(layers[1:], staged[1:]):
         for w, (s, _) in zip(ws, got):
-            want = torch.from_numpy(dequantize(w.data, w.qtype, w.ne).astype(np.float32))[hit]
-            # bfloat16's rounding of the same float32 values (an FMA on the GPU may move one across a boundary)
-            assert s.w.dtype == torch.bfloat16 and s.w.shape == want.shape, w.name
-            assert ((s.w.float().cpu() - want).abs() <= 2 ** -8 * want.abs() + 1e-30).all(), w.name
+            want = torch.from_numpy(np.asarray(w.data).reshape(n_expert, -1)[hit].reshape(-1).copy())
+            assert isinstance(s.w, Blocks) and s.w.qtype == w.qtype and s.w.ne == (*w.ne[:2], len(hit)), w.name
+            assert torch.equal(s.w.raw.cpu(), want), w.name
             assert s.slot_of.tolist() == [hit.index(e) if e in hit else -1 for e in range(n_expert)]
+    ptrs = [{s.w.raw.data_ptr() for s, _ in got} for got in staged[1:]]
+    assert len(ptrs[0] | ptrs[1]) == 6  # a buffer per tensor and set
     streamer.close()

@@ -2,8 +2,8 @@
 read the bytes directly (kernels/cuda/gemv.py, moe.py; K-quants' GGUF blocks: kquant.py). Many tokens (prompts): the
 weight is expanded by the Triton dequantizer into a reused f16 scratch and multiplied by cuBLAS (float32 accumulation,
 as llama.cpp's cuBLAS path); a MoE layer sorts its (token, expert) pairs by expert and runs every expert in one grouped
-GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 / MXFP4 weights in registers; torch._grouped_mm on
-bf16 copies for other types), without the host learning which experts were hit."""
+GEMM launch per projection (a Triton kernel that expands Q8_0 / Q4_0 / MXFP4 weights in registers, kquant.py's for
+K-quants; torch._grouped_mm on bf16 copies for other types), without the host learning which experts were hit."""
 
 from __future__ import annotations
 
@@ -242,13 +242,20 @@ class CudaBackend:
         """Pairs sorted by expert, every expert's rows in one grouped GEMM launch per projection (the schedule
         computed on the GPU), each token's experts summed in a fixed order (+ residual when given). Q8_0 / Q4_0 /
         MXFP4 experts: the Triton kernel that expands weights in registers (adding `biases`, expert_biases'), the sum
-        one pass with the residual; other types: bf16 copies and torch's grouped GEMM (adding each weight's bias)."""
+        one pass with the residual; unbiased K-quants: kquant.py's, alike; other types: bf16 copies and torch's grouped
+        GEMM (adding each weight's bias)."""
         from ferry.kernels.cuda.moe import sum_pairs
+
+        from ferry.kernels.cuda import kquant
 
         n, k = ids.shape
         if not dense and gpu_reads(w.qtype for w in (gate, up, down)):
             y = self.expert_pairs(x, ids, self.upload(gate), self.upload(up), self.upload(down), act, weights=weights,
                                   biases=biases)
+            return sum_pairs(y, k, residual)
+        if not dense and biases is None and all(kquant.reads(w.qtype, w.ne) for w in (gate, up, down)):
+            y = self._kquant_pairs(x, ids.to(torch.int32), gate.ne[2],
+                                   *((self.upload(w), w.qtype, w.ne) for w in (gate, up, down)), act, weights)
             return sum_pairs(y, k, residual)
         order, y_sorted = self._moe_grouped_bf16(x, ids, up, gate, down, act)
         y = torch.empty_like(y_sorted)
@@ -274,27 +281,23 @@ class CudaBackend:
                      biases: tuple | None = None) -> torch.Tensor:
         """Each (token, slot) pair's expert output, times its router weight when `weights` (n, k) is given,
         (n * k, n_embd) float32 in pair order: x (n, n_embd), ids (n, k) on the GPU; gate / up / down stacked Splits
-        (uploaded or staged; only the experts in ids are read), or staged Expanded ones; biases: expert_biases'
-        (indexed by the ids), or None. Expert GEMVs for few pairs, else the grouped GEMM (reading each pair's token
-        row in place and writing its output in pair order); Expanded experts: torch's grouped GEMM in bfloat16.
-        wait_down: an event the down projection waits for (its weights still being copied by the hybrid runtime)."""
+        (uploaded or staged; only the experts in ids are read), or staged Compact ones (their GGUF blocks, held_pairs);
+        biases: expert_biases' (indexed by the ids), or None. Expert GEMVs for few pairs, else the grouped GEMM
+        (reading each pair's token row in place and writing its output in pair order). wait_down: an event the down
+        projection waits for (its weights still being copied by the hybrid runtime)."""
         from ferry.kernels.cuda.moe import moe_gemv, moe_mm
-        from ferry.backends.streamer import Expanded
+        from ferry.backends.streamer import Compact
 
         n, k = ids.shape
         gb, ub, db = biases if biases is not None else (None, None, None)
         pair_weights = None if weights is None else weights.float().reshape(-1).contiguous()
-        if isinstance(gate, Expanded):
-            order, offs, h = self._expanded_up_gate(x, ids, gate, up, act, biases)
-            if wait_down is not None:
-                torch.cuda.current_stream(x.device).wait_event(wait_down)
-            y = torch.empty(n * k, down.w.shape[1], dtype=torch.float32, device=x.device)
-            y_sorted = self._group_mm(h, down.w, offs).float()
-            y[order] = y_sorted if db is None else y_sorted + db[ids.flatten()[order].long()]
-            return y if pair_weights is None else y.mul_(pair_weights[:, None])
+        if pair_weights is None and (self._gemv_pairs(n * k) or isinstance(gate, Compact)):
+            pair_weights = torch.ones(n * k, dtype=torch.float32, device=x.device)
+        if isinstance(gate, Compact):
+            assert biases is None, "biased experts of a type the split kernels do not read are never streamed"
+            return self.held_pairs(x, gate.slot_of[ids.long()], pair_weights.view(n, k), gate.w, up.w, down.w, act,
+                                   wait_down)
         if self._gemv_pairs(n * k):
-            if pair_weights is None:
-                pair_weights = torch.ones(n * k, dtype=torch.float32, device=x.device)
             xs = x.float()[torch.arange(n, device=x.device).repeat_interleave(k)] if k > 1 else x
             return moe_gemv(xs, ids.reshape(-1, 1), pair_weights.view(-1, 1), gate, up, down, act, wait_down,
                             biases=biases)
@@ -305,17 +308,78 @@ class CudaBackend:
             torch.cuda.current_stream(x.device).wait_event(wait_down)
         return moe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=pair_weights, bias=db)
 
+    def held_pairs(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
+                   wait_down: torch.cuda.Event | None = None) -> torch.Tensor:
+        """Each (token, slot) pair's output times its router weight, (n * k, n_embd) float32 in pair order, on experts
+        held as layout.Blocks (some of a layer's, in their GGUF blocks): slots (n, k) int32, each pair's place among
+        the held experts (-1: elsewhere, zeros); weights (n, k). K-quants: kquant.py's expert GEMVs on the blocks for
+        few pairs, its grouped GEMM for many; other types: each projection of the held experts expanded to bfloat16
+        in one scratch (one projection at a time) and torch's grouped GEMM over the pairs sorted by place, those of
+        -1 last and left out. wait_down: as expert_pairs'."""
+        from ferry.kernels.cuda import kquant
+        from ferry.kernels.cuda.moe import sort_pairs
+
+        n, k = slots.shape
+        held = gate.ne[2]
+        if all(kquant.reads(w.qtype, w.ne) for w in (gate, up, down)):
+            parts = tuple((w.raw, w.qtype, w.ne) for w in (gate, up, down))
+            if self._gemv_pairs(n * k):
+                return kquant.kmoe_gemv(x, slots, weights, *parts, act, wait_down=wait_down, pairs=True)
+            return self._kquant_pairs(x, slots, held, *parts, act, weights, wait_down)
+        keys = torch.where(slots < 0, held, slots)
+        order, _, ends = sort_pairs(keys, held + 1)
+        offs = ends[:held].to(torch.int32)
+        live = (keys.flatten()[order] < held)[:, None]  # rows past the last group: not computed, left out
+        xs = x.to(torch.bfloat16)[torch.div(order, k, rounding_mode="floor")]
+        g = self._group_mm(xs, self._expand(gate.qtype, gate, gate.ne, torch.bfloat16, 1), offs).float()
+        u = self._group_mm(xs, self._expand(up.qtype, up, up.ne, torch.bfloat16, 1), offs).float()
+        h = GLU[act](g, u).to(torch.bfloat16)
+        if wait_down is not None:
+            torch.cuda.current_stream(x.device).wait_event(wait_down)
+        y_sorted = self._group_mm(h, self._expand(down.qtype, down, down.ne, torch.bfloat16, 1), offs).float()
+        y = torch.empty(n * k, down.ne[1], dtype=torch.float32, device=x.device)
+        y[order] = torch.where(live, y_sorted * weights.float().reshape(-1)[order, None], 0.0)
+        return y
+
+    @staticmethod
+    def _kquant_pairs(x: torch.Tensor, slots: torch.Tensor, held: int, gate, up, down, act: str,
+                      weights: torch.Tensor, wait_down: torch.cuda.Event | None = None) -> torch.Tensor:
+        """The grouped GEMM on K-quant experts in their GGUF blocks (kquant.kmoe_mm; gate / up / down (bytes, type,
+        ne) of `held` experts): each pair's output times its weight, (n * k, n_embd) float32 in pair order, the pairs
+        of slot -1 sorted last, their tiles left out and their rows zeros."""
+        from ferry.kernels.cuda.kquant import kmoe_mm
+        from ferry.kernels.cuda.moe import moe_tile_rows, moe_tiles
+
+        n, k = slots.shape
+        keys = torch.where(slots < 0, held, slots)
+        block = moe_tile_rows(n * k, held + 1)
+        order, tile_expert, tile_row, tile_end = moe_tiles(keys, held + 1, block)
+        sched = (order, torch.where(tile_expert == held, -1, tile_expert), tile_row, tile_end)
+        order = order.to(torch.int32)
+        h = kmoe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
+                    rows_from=torch.div(order, k, rounding_mode="floor"))
+        if wait_down is not None:
+            torch.cuda.current_stream(x.device).wait_event(wait_down)
+        y = torch.zeros(n * k, down[2][1], dtype=torch.float32, device=x.device)
+        kmoe_mm(h, down, sched, torch.float32, block, rows_to=order, row_scale=weights.float().reshape(-1).contiguous(),
+                out=y)
+        return y
+
     def resident_experts(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
                          biases: tuple | None = None) -> torch.Tensor:
         """The pairs of a layer whose experts are kept on the GPU beside the rest in RAM (the hybrid runtime's resident
         experts): slots (n, k) int32 on the GPU, each pair's place among the resident experts, -1 where its expert is
         elsewhere; gate / up / down Splits holding only the resident experts (biases: theirs, in that order, or
-        None). Each token's weighted sum over its resident pairs, (n, n_embd) float32, without the host learning
-        which pairs those are (a recorded step's graph holds it). Expert GEMVs that skip the -1 pairs for few pairs;
-        else the grouped GEMM with those pairs sorted last and their tiles left out."""
+        None), or Blocks (held_pairs; no biases). Each token's weighted sum over its resident pairs, (n, n_embd)
+        float32, without the host learning which pairs those are (a recorded step's graph holds it). Expert GEMVs that
+        skip the -1 pairs for few pairs; else the grouped GEMM with those pairs sorted last and their tiles left
+        out."""
+        from ferry.kernels.cuda.layout import Blocks
         from ferry.kernels.cuda.moe import moe_gemv, moe_mm, moe_tile_rows, moe_tiles, sum_pairs
 
         n, k = slots.shape
+        if isinstance(gate, Blocks):
+            return sum_pairs(self.held_pairs(x, slots, weights, gate, up, down, act), k)
         if self._gemv_pairs(n * k):
             return moe_gemv(x, slots, weights, gate, up, down, act, biases=biases)
         gb, ub, db = biases if biases is not None else (None, None, None)
@@ -334,18 +398,30 @@ class CudaBackend:
 
     def pair_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str) -> torch.Tensor:
         """act(gate . x) * (up . x) of each (token, slot) pair, (n * k, n_ff) in pair order (float32 for few pairs,
-        float16 for many): the experts' first half when the second runs on the CPU (the hybrid runtime, moe_up_gate
-        and moe_down set apart; never for biased experts). x (n, n_embd), ids (n, k) on the GPU; gate / up stacked
-        Splits. Expert GEMVs for few pairs (one launch), else the grouped GEMM, whose schedule is two dozen small
-        torch ops."""
-        from ferry.kernels.cuda.moe import moe_gate_up_gemv, moe_mm
-        from ferry.backends.streamer import Expanded
+        float16 or bfloat16 for many): the experts' first half when the second runs on the CPU (the hybrid runtime,
+        moe_up_gate and moe_down set apart; never for biased experts). x (n, n_embd), ids (n, k) on the GPU; gate / up
+        stacked Splits, or Compact (K-quants read in their blocks, others expanded a projection at a time). Expert
+        GEMVs for few pairs (one launch), else the grouped GEMM, whose schedule is two dozen small torch ops."""
+        from ferry.kernels.cuda import kquant
+        from ferry.kernels.cuda.moe import moe_gate_up_gemv, moe_mm, sort_pairs
+        from ferry.backends.streamer import Compact
 
         n, k = ids.shape
-        if isinstance(gate, Expanded):
-            order, _, h_sorted = self._expanded_up_gate(x, ids, gate, up, act)
-            h = torch.empty_like(h_sorted)
-            h[order] = h_sorted
+        if isinstance(gate, Compact) and kquant.reads(gate.w.qtype, gate.w.ne) and kquant.reads(up.w.qtype, up.w.ne):
+            slots = gate.slot_of[ids.long()]
+            block, sched, order = self._schedule(slots, gate.w.ne[2])
+            return kquant.kmoe_mm(x.to(torch.float16), (gate.w.raw, gate.w.qtype, gate.w.ne), sched, torch.float16,
+                                  block, up=(up.w.raw, up.w.qtype, up.w.ne), act=act,
+                                  rows_from=torch.div(order, k, rounding_mode="floor"), rows_to=order)
+        if isinstance(gate, Compact):
+            held = gate.w.ne[2]
+            order, _, ends = sort_pairs(gate.slot_of[ids.long()], held)
+            offs = ends.to(torch.int32)
+            xs = x.to(torch.bfloat16)[torch.div(order, k, rounding_mode="floor")]
+            g = self._group_mm(xs, self._expand(gate.w.qtype, gate.w, gate.w.ne, torch.bfloat16, 1), offs).float()
+            u = self._group_mm(xs, self._expand(up.w.qtype, up.w, up.w.ne, torch.bfloat16, 1), offs).float()
+            h = torch.empty(n * k, gate.w.ne[1], dtype=torch.bfloat16, device=x.device)
+            h[order] = GLU[act](g, u).to(torch.bfloat16)
             return h
         if self._gemv_pairs(n * k):
             return moe_gate_up_gemv(x, ids, gate, up, act)
@@ -355,16 +431,23 @@ class CudaBackend:
 
     def pair_down(self, h: torch.Tensor, ids: torch.Tensor, down, weights: torch.Tensor) -> torch.Tensor:
         """The experts' second half when the first ran on the CPU (never for biased experts): h (n * k, n_ff) in
-        pair order, ids / weights (n, k) on the GPU, down a stacked Split -> each token's weighted sum of its
-        slots, (n, n_embd) float32."""
-        from ferry.kernels.cuda.moe import moe_down_gemv, moe_mm
-        from ferry.backends.streamer import Expanded
+        pair order, ids / weights (n, k) on the GPU, down a stacked Split or Compact -> each token's weighted sum of
+        its slots, (n, n_embd) float32."""
+        from ferry.kernels.cuda import kquant
+        from ferry.kernels.cuda.moe import moe_down_gemv, moe_mm, sort_pairs
+        from ferry.backends.streamer import Compact
 
         n, k = ids.shape
-        if isinstance(down, Expanded):
-            order, offs = self._expanded_order(ids, down)
-            y = torch.empty(n * k, down.w.shape[1], dtype=torch.float32, device=h.device)
-            y[order] = self._group_mm(h.to(torch.bfloat16)[order], down.w, offs).float()
+        if isinstance(down, Compact) and kquant.reads(down.w.qtype, down.w.ne):
+            block, sched, order = self._schedule(down.slot_of[ids.long()], down.w.ne[2])
+            y = kquant.kmoe_mm(h.to(torch.float16), (down.w.raw, down.w.qtype, down.w.ne), sched, torch.float32, block,
+                               rows_from=order, rows_to=order, row_scale=weights.float().reshape(-1).contiguous())
+            return y.view(n, k, -1).sum(1)
+        if isinstance(down, Compact):
+            order, _, ends = sort_pairs(down.slot_of[ids.long()], down.w.ne[2])
+            w = self._expand(down.w.qtype, down.w, down.w.ne, torch.bfloat16, 1)
+            y = torch.empty(n * k, down.w.ne[1], dtype=torch.float32, device=h.device)
+            y[order] = self._group_mm(h.to(torch.bfloat16)[order], w, ends.to(torch.int32)).float()
             return y.mul_(weights.float().reshape(-1, 1)).view(n, k, -1).sum(1)
         if self._gemv_pairs(n * k):
             return moe_down_gemv(h, ids, weights, down)
@@ -372,26 +455,6 @@ class CudaBackend:
         y = moe_mm(h.to(torch.float16), down, sched, torch.float32, block, rows_from=order, rows_to=order,
                    row_scale=weights.float().reshape(-1).contiguous())
         return y.view(n, k, -1).sum(1)
-
-    @staticmethod
-    def _expanded_order(ids: torch.Tensor, staged) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (token, slot) pairs of ids sorted by their expert's place among the staged (Expanded) ones, and each
-        place's end in that order (int32, for the grouped GEMM)."""
-        from ferry.kernels.cuda.moe import sort_pairs
-
-        order, _, ends = sort_pairs(staged.slot_of[ids.long()], staged.w.shape[0])
-        return order, ends.to(torch.int32)
-
-    def _expanded_up_gate(self, x: torch.Tensor, ids: torch.Tensor, gate, up, act: str, biases: tuple | None = None):
-        """glu(gate x (+ its bias), up x (+ its bias)) of each pair on Expanded experts: (order, group ends, h in that
-        order, bfloat16)."""
-        order, offs = self._expanded_order(ids, gate)
-        xs = x.to(torch.bfloat16)[torch.div(order, ids.shape[1], rounding_mode="floor")]
-        g, u = self._group_mm(xs, gate.w, offs).float(), self._group_mm(xs, up.w, offs).float()
-        if biases is not None:
-            experts = ids.flatten()[order].long()
-            g, u = g + biases[0][experts], u + biases[1][experts]
-        return order, offs, GLU[act](g, u).to(torch.bfloat16)
 
     def _moe_grouped_bf16(self, x, ids, up: Weight, gate: Weight, down: Weight, act: str):
         from ferry.kernels.cuda.moe import sort_pairs

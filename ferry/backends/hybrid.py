@@ -18,7 +18,7 @@ import torch
 
 from ferry.weight import Weight
 from ferry.backends.cuda import CudaBackend, gpu_route
-from ferry.kernels.capabilities import can, gpu_reads
+from ferry.kernels.capabilities import can, gpu_holds, gpu_reads
 from ferry.placement import EXPERTS_RE
 from ferry.offload.cost import Calibration
 from ferry.offload.policy import Explorer, Policy, experts_fixed_side
@@ -53,8 +53,8 @@ class HybridStats:
 @dataclass
 class Resident:
     """A MoE layer's experts kept on the GPU beside the rest in RAM: slot_of (n_expert,) int32 on the GPU, each
-    expert's place among them (-1: in RAM); gate / up / down Splits of those experts alone; biases: theirs (gpt-oss),
-    in that order, or None."""
+    expert's place among them (-1: in RAM); gate / up / down Splits of those experts alone (layout.Blocks for the types
+    the split kernels do not read); biases: theirs (gpt-oss), in that order, or None."""
 
     slot_of: torch.Tensor
     gate: object
@@ -125,8 +125,9 @@ class HybridBackend:
         layers = [(d["gate"], d["up"], d["down"]) for _, d in sorted(by_layer.items()) if len(d) == 3]
         for layer, experts in sorted(self._resident_spec.items()):
             d = by_layer.get(layer, {})
-            # experts the GPU's quantized kernels do not read stay in RAM alone
-            if len(d) == 3 and experts and gpu_reads(d[k].qtype for k in ("gate", "up", "down")):
+            # experts the GPU reads only expanded stay in RAM alone, and biased ones it would expand
+            types = [d[k].qtype for k in ("gate", "up", "down")] if len(d) == 3 else []
+            if experts and types and gpu_holds(types) and (gpu_reads(types) or d["gate"].bias is None):
                 self._resident[id(d["gate"])] = self._keep(d["gate"], d["up"], d["down"], experts)
         for a, b in zip(layers, layers[1:]):
             self._next_experts[id(a[0])] = b
@@ -141,14 +142,16 @@ class HybridBackend:
         self.cpu.prepare(cpu_weights, progress=progress)
 
     def _keep(self, gate: Weight, up: Weight, down: Weight, experts: tuple[int, ...]) -> Resident:
-        """Copies of some experts of a layer in RAM on the GPU, as Splits of those experts alone."""
-        from ferry.kernels.cuda.layout import Split
+        """Copies of some experts of a layer in RAM on the GPU: Splits of those experts alone, or for the types the
+        split kernels do not read, their GGUF blocks (layout.Blocks)."""
+        from ferry.kernels.cuda.layout import Blocks, Split
 
         idx = torch.tensor(experts, dtype=torch.long)
+        held = Split.of if gpu_reads(w.qtype for w in (gate, up, down)) else lambda raw, q, ne: Blocks(q, ne, raw)
         splits = []
         for w in (gate, up, down):
             raw = w.host_tensor().view(w.ne[2], -1)[idx].to(self.device)
-            splits.append(Split.of(raw.view(-1), w.qtype, (w.ne[0], w.ne[1], len(experts))))
+            splits.append(held(raw.view(-1), w.qtype, (w.ne[0], w.ne[1], len(experts))))
         slot_of = torch.full((gate.ne[2],), -1, dtype=torch.int32)
         slot_of[idx] = torch.arange(len(experts), dtype=torch.int32)
         biases = self.gpu.expert_biases(gate, up, down)
@@ -559,8 +562,8 @@ class HybridBackend:
 
     @staticmethod
     def _expands(layer: tuple[Weight, Weight, Weight]) -> bool:
-        """Whether a layer's staged experts are expanded to bfloat16 (any of a type the quantized kernels do not
-        read: a Q4_K_M file's K-quants), rather than read in their blocks."""
+        """Whether a layer's staged experts stay as copied (streamer.Compact: any of a type the split kernels do not
+        read, a Q4_K_M file's K-quants), rather than spread to a Split's slots."""
         return not gpu_reads(w.qtype for w in layer)
 
     def _prefetch_after(self, gate: Weight) -> None:

@@ -6,9 +6,11 @@ A stacked expert tensor is staged into a buffer with a slot for every expert: on
 to are copied (runs of neighbours as one copy), into a compact buffer, then spread to their slots in the split
 Q8_0 / Q4_0 / MXFP4 layout the GPU kernels read (layout.Split), by a kernel on a third stream: on the copy stream it
 made every later copy wait until the compute stream's kernels left it room to run. Experts of the other types (K-quants,
-IQ4_XS, ...: those ggml-style files hold most) are expanded there to bfloat16 instead, the copied experts in order
-(Expanded), for torch's grouped GEMM. Two sets of slots alternate between MoE layers, so one layer's copies can run
-while the previous layer still computes."""
+IQ4_XS, ...: those ggml-style files hold most) stay as copied, their GGUF blocks in the order of the experts copied
+(Compact), in a compact buffer of each staging set: the few-token kernels read K-quants there in place, and a prompt
+expands one projection at a time to bfloat16 for torch's grouped GEMM (CudaBackend.held_pairs), in the scratch the
+GPU's own such experts use. Two sets of slots alternate between MoE layers, so one layer's copies can run while the
+previous layer still computes."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from ferry.kernels.cuda.driver import cudart_library
 
-from ferry.placement import expert_runs  # noqa: F401 (tests and the staging below)
+from ferry.placement import EXPERTS_RE, expert_runs  # noqa: F401 (tests and the staging below)
 from ferry.weight import Weight
 
 _READ_ONLY = 8  # cudaHostRegisterReadOnly: the mmap is mapped read-only
@@ -49,12 +51,11 @@ def _clear_last_cuda_error() -> None:
 
 
 @dataclass
-class Expanded:
-    """Staged experts of a type the GPU's quantized kernels do not read, as bfloat16: w (experts copied, rows, cols),
-    in the order they were copied; slot_of (n_expert,) int32 on the GPU: each expert's index in w, -1 where it was
-    not copied."""
+class Compact:
+    """Staged experts of a type the GPU's split kernels do not read: w (layout.Blocks) the experts copied, in that
+    order; slot_of (n_expert,) int32 on the GPU: each expert's place in w, -1 where it was not copied."""
 
-    w: torch.Tensor
+    w: object
     slot_of: torch.Tensor
 
 
@@ -66,10 +67,10 @@ class Streamer:
         self._unpacked: dict[int, torch.cuda.Event] = {}  # compact buffer -> the unpack that reads it last
         self._host: dict[int, torch.Tensor] = {}
         self._splits: dict[tuple, object] = {}  # (slot, role, qtype, ne) -> a Split with a slot per expert
-        self._floats: dict[tuple, torch.Tensor] = {}  # (slot, role, ne) -> bfloat16 room for every expert, whatever
-        # the type it expands (a Q4_K_M file's downs are Q4_K in some layers, Q6_K in others: one room, as
-        # memory_plan counts it)
-        self._slot_of: dict[object, torch.Tensor] = {}  # slot -> Expanded.slot_of of the experts staged there
+        self._slot_of: dict[object, torch.Tensor] = {}  # slot -> Compact.slot_of of the experts staged there
+        # the bytes of each compact buffer a staging set holds for experts it leaves as they land: the largest
+        # stacked expert tensor's
+        self._compact = max((w.data.nbytes for w in weights if EXPERTS_RE.match(w.name)), default=0)
         self._raw: dict[tuple, torch.Tensor] = {}  # compact buffers copies land in (stream-ordered: shared by slots)
         self._rows: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}  # see _expert_rows
         self._released: dict[object, torch.cuda.Event] = {}
@@ -132,12 +133,12 @@ class Streamer:
     def stage_experts(self, weights: list[Weight], experts: list[int], slot,
                       expand: bool = False) -> list[tuple[object, torch.cuda.Event]]:
         """Copy `experts` (sorted) of each stacked tensor into staging set `slot`, in order, on the copy stream:
-        per tensor, (a Split with those experts' slots filled, or with `expand` an Expanded, the event after which
+        per tensor, (a Split with those experts' slots filled, or with `expand` a Compact, the event after which
         they are there). Host time matters here (generation stages a few experts per layer): one cudaMemcpyAsync per
         run of neighbouring experts from precomputed addresses, and one kernel per tensor that spreads the blocks to
-        their slots (or expands them). expand: for a layer with any expert tensor of a type other than Q8_0 / Q4_0 /
-        MXFP4, so that all three reach the GPU alike."""
-        from ferry.kernels.cuda.dequant import dequantize
+        their slots. expand: for a layer with any expert tensor of a type other than Q8_0 / Q4_0 / MXFP4, so that
+        all three reach the GPU alike: copied into the set's own compact buffers, left as they land."""
+        from ferry.kernels.cuda.layout import Blocks
         from ferry.kernels.cuda.moe import unpack_experts
 
         out = []
@@ -150,9 +151,16 @@ class Streamer:
                 stream.wait_event(self._released.pop(slot))
             ids = ids.to(self.device, non_blocking=True)
             ids.record_stream(unpack)
+            if expand:  # one map for the layer's tensors (the same experts), written before their copies
+                slot_of = self._slot_of.get(slot)
+                if slot_of is None or slot_of.numel() != weights[0].ne[2]:
+                    slot_of = self._slot_of[slot] = torch.empty(weights[0].ne[2], dtype=torch.int32,
+                                                                device=self.device)
+                slot_of.fill_(-1).index_copy_(0, ids, torch.arange(len(experts), dtype=torch.int32,
+                                                                   device=self.device))
             handle = stream.cuda_stream
             for i, w in enumerate(weights):
-                raw, host, per = self._expert_rows(w, i)
+                raw, host, per = self._expert_rows(w, (slot, i), self._compact) if expand else self._expert_rows(w, i)
                 if id(raw) in self._unpacked:  # its last contents spread to their slots (long done, as a rule)
                     stream.wait_event(self._unpacked[id(raw)])
                 dst, src = raw.data_ptr(), host.data_ptr()
@@ -166,41 +174,28 @@ class Streamer:
                 self.bytes_copied += j * per
                 copied = torch.cuda.Event()
                 copied.record(stream)
+                if expand:  # read where they landed: the slot's own buffer, free again at the slot's release
+                    out.append((Compact(Blocks(w.qtype, (w.ne[0], w.ne[1], j), raw[:j * per]), slot_of), copied))
+                    continue
                 with torch.cuda.stream(unpack):
                     unpack.wait_event(copied)
-                    if not expand:
-                        staged = self._split_for(w, (slot, i, w.qtype, w.ne))
-                        unpack_experts(raw, ids, staged)
-                    else:
-                        if slot_of is None:  # one map for the layer's tensors: the same experts
-                            slot_of = self._slot_of.get(slot)
-                            if slot_of is None or slot_of.numel() != w.ne[2]:
-                                slot_of = self._slot_of[slot] = torch.empty(w.ne[2], dtype=torch.int32,
-                                                                            device=self.device)
-                            slot_of.fill_(-1).index_copy_(0, ids, torch.arange(j, dtype=torch.int32,
-                                                                               device=self.device))
-                        floats = self._floats_for(w, (slot, i, w.ne))[:j * w.ne[0] * w.ne[1]]
-                        staged = Expanded(floats.view(j, w.ne[1], w.ne[0]), slot_of)
-                        dequantize(raw[:j * per], w.qtype, (w.ne[0], w.ne[1], j), torch.bfloat16, out=staged.w)
+                    staged = self._split_for(w, (slot, i, w.qtype, w.ne))
+                    unpack_experts(raw, ids, staged)
                     done = torch.cuda.Event()
                     done.record(unpack)
                 self._unpacked[id(raw)] = done
                 out.append((staged, done))
         return out
 
-    def _floats_for(self, w: Weight, key: tuple) -> torch.Tensor:
-        t = self._floats.get(key)
-        if t is None:
-            t = self._floats[key] = torch.empty(w.ne[0] * w.ne[1] * w.ne[2], dtype=torch.bfloat16, device=self.device)
-        return t
-
-    def _expert_rows(self, w: Weight, role: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The compact GPU buffer of role `role` that w's experts are copied into, w's bytes in the mmap (both
-        flat uint8), and the bytes per expert."""
-        key = (role, w.qtype, w.ne)
+    def _expert_rows(self, w: Weight, role, nbytes: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The compact GPU buffer of role `role` that w's experts are copied into, w's bytes in the mmap (both flat
+        uint8), and the bytes per expert. role: a tensor's place in its layer (a buffer for each type and shape), or
+        with its staging set (slot, place) a buffer of `nbytes` whatever the tensor (a Q4_K_M file's downs are Q4_K
+        in some layers, Q6_K in others: one buffer, as memory_plan counts it)."""
+        key = (role, "any") if nbytes else (role, w.qtype, w.ne)
         entry = self._rows.get((key, id(w)))
         if entry is None:
-            entry = self._rows[key, id(w)] = (self._buffer(key, w.data.nbytes), self.host(w).view(-1),
+            entry = self._rows[key, id(w)] = (self._buffer(key, nbytes or w.data.nbytes), self.host(w).view(-1),
                                               w.data.nbytes // w.ne[2])
         return entry
 
@@ -242,5 +237,4 @@ class Streamer:
     def staging_bytes(self) -> int:
         """GPU bytes held for staging so far."""
         return sum(t.numel() for t in self._raw.values()) + sum(
-            s.qs.numel() * s.qs.element_size() + s.d.numel() * s.d.element_size() for s in self._splits.values()) + sum(
-            2 * t.numel() for t in self._floats.values())
+            s.qs.numel() * s.qs.element_size() + s.d.numel() * s.d.element_size() for s in self._splits.values())

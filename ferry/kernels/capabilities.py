@@ -95,6 +95,13 @@ def gpu_reads(qtypes) -> bool:
     return all(can(q).gpu_gemv for q in qtypes)
 
 
+def gpu_holds(qtypes) -> bool:
+    """Whether the GPU keeps some of a layer's experts of these types (the rest in RAM) and reads them for a token
+    without expanding: the split kernels read them all, or kquant.py's all (a Q4_K_M file's Q4_K and Q6_K)."""
+    qtypes = list(qtypes)
+    return gpu_reads(qtypes) or all(can(q).gpu_token for q in qtypes)
+
+
 def gpu_dense(qtype: Q) -> bool:
     """Whether a matmul weight of this type can cross PCIe and run on the GPU: as floats, read in place, or expanded."""
     c = can(qtype)

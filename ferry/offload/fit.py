@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from ferry.errors import FerryError
 import numpy as np
 
-from ferry.placement import (EXPERTS_RE, GIB, MemoryPlan, expanding_layers, format_gpu_experts, kv_bytes, memory_plan,
-                             parse_overrides)
+from ferry.placement import (EXPERTS_RE, GIB, MemoryPlan, expanded_layers, expanding_layers, format_gpu_experts,
+                             kv_bytes, memory_plan, parse_overrides)
 
 FIT_TARGET_MIB = 1024  # the margin left free on each GPU (llama.cpp's -fitt default)
 FIT_CTX = 4096  # the context the fit may shrink -c to, and no lower (llama.cpp's --fit-ctx default)
@@ -106,12 +106,13 @@ def _expert_rules(chosen: list[int], gpu: str) -> tuple[str, ...]:
 def fit(tensors: dict[str, int], args, cache, kv: tuple[float, float], gpu: str, available: int, n_ctx: int,
         n_ubatch: int, n_batch: int = 0, margin: int = FIT_TARGET_MIB << 20, ctx_floor: int = FIT_CTX,
         per_expert: bool = False, routing: dict | None = None, expands: frozenset[int] = frozenset(),
-        n_logits: int | None = None) -> Fit:
+        n_logits: int | None = None, expanded: frozenset[int] | None = None) -> Fit:
     """The placement for one GPU of `available` bytes, `margin` of them left free. tensors: name -> bytes (the
     file's); args: ModelArgs; cache: its layout; kv: bytes per cached key and value value; n_batch: the logical batch
     taken layer first (0: u-batch by u-batch); per_expert: whether a layer's experts may be split between the GPU and
-    RAM (types the GPU reads in place); routing: the counts of `ferry calibrate --routing` for this file (routing.load);
-    expands: the layers whose experts stream expanded to bfloat16 (placement.expanding_layers); n_logits: the rows of
+    RAM (types the GPU reads for a token in place: capabilities.gpu_holds); routing: the counts of `ferry calibrate
+    --routing` for this file (routing.load); expands, expanded: the layers whose experts stream as copied, and those
+    of them that prompts expand to bfloat16 (placement.expanding_layers, expanded_layers); n_logits: the rows of
     logits a u-batch computes (RunConfig.logit_rows; None: every row).
     A FerryError where not even the non-expert weights, the KV cache for --fit-ctx and the buffers fit."""
     room = {gpu: available - margin}
@@ -123,7 +124,7 @@ def fit(tensors: dict[str, int], args, cache, kv: tuple[float, float], gpu: str,
     def plan(ngl: int, rules: tuple[str, ...], ctx: int, resident=None) -> MemoryPlan:
         return memory_plan(tensors, args, ngl, parse_overrides(list(rules)), [gpu], room, ctx, n_ubatch, kv,
                            advise=False, kv_on_gpu=ngl > 0, cache=cache, n_batch=n_batch if moe else 0,
-                           resident=resident, expands=expands, n_logits=n_logits)
+                           resident=resident, expands=expands, n_logits=n_logits, expanded=expanded)
 
     def fits(ngl: int, rules: tuple[str, ...], ctx: int, resident=None) -> bool:
         return all(d.over == 0 for d in plan(ngl, rules, ctx, resident).devices if d.device != "CPU")
@@ -255,18 +256,19 @@ def placed(cfg, f, args, cache, room: dict[str, int]):
     -ngl / -ot / --gpu-experts / -c where it has none, --fit is on and `room` holds a GPU; else on the CPU. f: the GGUF
     file; args: its ModelArgs; cache: the model's cache layout. The routing counted for this file (`ferry calibrate
     --routing`), where there is some, orders the experts."""
-    from ferry.kernels.capabilities import gpu_reads
+    from ferry.kernels.capabilities import gpu_holds, gpu_reads
     from ferry.offload import routing
 
     if cfg.placed_by_hand or not cfg.fit or "CUDA0" not in room:
         return cfg.with_(n_gpu_layers=cfg.n_gpu_layers or 0), None
     n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else args.n_ctx_train
     expert_types = {t.qtype for t in f.tensors.values() if EXPERTS_RE.match(t.name)}
-    per_expert = bool(expert_types) and gpu_reads(expert_types)
+    biased = any(t.name.endswith("_exps.bias") for t in f.tensors.values())
+    per_expert = bool(expert_types) and gpu_holds(expert_types) and (gpu_reads(expert_types) or not biased)
     result = fit({t.name: t.nbytes for t in f.tensors.values()}, args, cache, kv_bytes(cfg.type_k, cfg.type_v),
                  "CUDA0", room["CUDA0"], n_ctx, cfg.n_ubatch, cfg.n_batch if cfg.layer_first else 0,
                  cfg.fit_target[0] << 20, cfg.fit_ctx, per_expert=per_expert,
                  routing=routing.load(f.path) if expert_types else None, expands=expanding_layers(f.tensors.values()),
-                 n_logits=cfg.logit_rows)
+                 n_logits=cfg.logit_rows, expanded=expanded_layers(f.tensors.values()))
     return cfg.with_(n_gpu_layers=result.n_gpu_layers, override_tensor=result.override_tensor,
                      gpu_experts=format_gpu_experts(result.resident) or None, n_ctx=result.n_ctx), result

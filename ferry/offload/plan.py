@@ -227,8 +227,8 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     from ferry.layers.cache import cache_layout, describe_cache, mla_mode
     from ferry.models.base import ModelArgs
     from ferry.offload.fit import gpu_room, placed
-    from ferry.placement import (GIB, expanding_layers, format_gpu_experts, host_memory, kv_bytes, memory_plan,
-                                 tensor_split)
+    from ferry.placement import (GIB, expanded_layers, expanding_layers, format_gpu_experts, host_memory, kv_bytes,
+                                 memory_plan, tensor_split)
 
     f = GGUFFile(cfg.model_path)
     margs = ModelArgs.from_gguf(f)
@@ -248,7 +248,8 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
                        available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
                        cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
-                       expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows)
+                       expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows,
+                       expanded=expanded_layers(f.tensors.values()))
     ops, ops_note, floor, fc = (_op_view(f, margs, cfg, ubatches, calibration, fitted) if kv_on_gpu
                                 else ([], "", None, None))
     fit_view = None if fitted is None else {

@@ -16,8 +16,9 @@ from ferry.gguf.file import GGUFFile
 from ferry.models.base import Model
 from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
 from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB, Fit, gpu_room, placed
-from ferry.placement import (EXPERTS_RE, Override, expanding_layers, host_memory, kv_bytes, layer_devices,
-                             memory_plan, parse_gpu_experts, parse_gpu_memory, parse_overrides, place, tensor_split)
+from ferry.placement import (EXPERTS_RE, Override, expanded_layers, expanding_layers, host_memory, kv_bytes,
+                             layer_devices, memory_plan, parse_gpu_experts, parse_gpu_memory, parse_overrides, place,
+                             tensor_split)
 from ferry.layers.cache import kv_type
 
 MAX_THREADS = 1024
@@ -264,7 +265,8 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
             plan = memory_plan(tensors, a, n_gpu_layers, [], gpus,
                                {g: torch.cuda.mem_get_info(i)[0] for i, g in enumerate(gpus)}, _n_ctx(model, cfg),
                                cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split=split, cache=model.cache_layout(),
-                               expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows)
+                               expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows,
+                       expanded=expanded_layers(f.tensors.values()))
             if not plan.fits:
                 raise FerryError(plan.error())
             return MultiGpuBackend(device_map(f, model, n_gpu_layers, [], layers), layers, n_threads=cpu.n_threads)
@@ -272,7 +274,8 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
                        _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), kv_on_gpu=True,
                        cache=model.cache_layout(),
                        n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
-                       expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows)
+                       expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows,
+                       expanded=expanded_layers(f.tensors.values()))
     if not plan.fits:
         raise FerryError(plan.error())
     gpu = CudaBackend("cuda:0", n_threads=cpu.n_threads)
@@ -286,8 +289,9 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
 
 
 def _check_resident(f, model, devices: dict[str, str], resident: dict[int, tuple[int, ...]]) -> None:
-    """--gpu-experts names layers whose routed experts are in RAM, experts they have, of types the GPU reads in place."""
-    from ferry.kernels.capabilities import gpu_reads
+    """--gpu-experts names layers whose routed experts are in RAM, experts they have, of types the GPU reads for a
+    token in place (capabilities.gpu_holds; unbiased where the split kernels do not read them)."""
+    from ferry.kernels.capabilities import gpu_holds, gpu_reads
 
     for layer, ids in resident.items():
         names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
@@ -301,7 +305,7 @@ def _check_resident(f, model, devices: dict[str, str], resident: dict[int, tuple
         if ids and ids[-1] >= n_expert:
             raise FerryError(f"--gpu-experts {layer}:{ids[-1]}: layer {layer} has experts 0-{n_expert - 1}")
         types = {f.tensors[n].qtype for n in names}
-        if not gpu_reads(types):
+        if not gpu_holds(types) or (not gpu_reads(types) and f"blk.{layer}.ffn_down_exps.bias" in f.tensors):
             raise FerryError(f"--gpu-experts: layer {layer}'s experts are {'/'.join(sorted(t.name for t in types))}, "
                              "which the GPU reads only expanded, by whole layers; place whole layers with -ot")
 

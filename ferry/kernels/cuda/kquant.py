@@ -1,9 +1,10 @@
-"""K-quant matrices (Q4_K, Q5_K, Q6_K: llama.cpp's Q4_K_M and Q5_K_M files) read in place for few tokens: the GEMV
+"""K-quant matrices (Q4_K, Q5_K, Q6_K: llama.cpp's Q4_K_M and Q5_K_M files) read in place: for few tokens the GEMV
 and the routed experts' GEMVs (expert biases and every gated activation of moe.GLUS too) over their GGUF blocks as
 they sit on the GPU, no expansion. A block's (256 columns') quants are dotted with x per sub-block and scaled once
 per sub-block; Q4_K / Q5_K's minimum is the sub-block's sum of x times its scaled min. Without these a token
-expanded every such weight it read to floats first (a whole layer's experts for the few it routes to). (MXFP4 is
-read in layout.Split, as Q4_0.)"""
+expanded every such weight it read to floats first (a whole layer's experts for the few it routes to). For many
+tokens the routed experts' grouped GEMM (kmoe_mm, moe.moe_mm's on these blocks): each block expanded to f16 in
+registers, no bfloat16 copy of a layer's experts. (MXFP4 is read in layout.Split, as Q4_0.)"""
 from __future__ import annotations
 
 import torch
@@ -125,6 +126,111 @@ def _kmoe_down(dw, dbias, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK
     tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
 
 
+@triton.jit
+def _kcols(KIND: tl.constexpr):
+    """The columns within a block (256) of _kblock's two (BN, 128) halves' values: Q4_K / Q5_K's byte i holds in its
+    nibbles values 64 (i // 32) + i % 32 and 32 further; Q6_K's ql byte i values 128 (i // 64) + i % 64 and 64
+    further."""
+    i = tl.arange(0, 128)
+    if KIND < 2:
+        lo = 64 * (i // 32) + i % 32
+        return lo, lo + 32
+    else:
+        lo = 128 * (i // 64) + i % 64
+        return lo, lo + 64
+
+
+@triton.jit
+def _kblock(w, wrow, nmask, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BN: tl.constexpr):
+    """Block b (256 columns) of the rows wrow (BN, 1) of a K-quant matrix (GGUF bytes, K columns a row) as two (BN, 128)
+    f16 halves, the values at _kcols' columns: each its sub-block's scale times its quant (less the scaled min for
+    Q4_K / Q5_K), in float32, rounded once. Every byte of the block's quants read once, its scales once."""
+    base = (wrow * (K // 256) + b) * BLOCK_BYTES  # (BN, 1)
+    m = nmask[:, None]
+    i = tl.arange(0, 128)[None, :]
+    if KIND < 2:
+        byte = tl.load(w + base + 16 + 32 * KIND + i, mask=m, other=0).to(tl.int32)
+        lo = byte & 0xF
+        hi = byte >> 4
+        if KIND == 1:  # value l of chunk c: bit 2c (low nibble's) or 2c + 1 (high's) of qh[l]
+            qh = tl.load(w + base + 16 + i % 32, mask=m, other=0).to(tl.int32)
+            lo += ((qh >> (2 * (i // 32))) & 1) << 4
+            hi += ((qh >> (2 * (i // 32) + 1)) & 1) << 4
+        j = 2 * tl.arange(0, 4)[None, :]
+        sc_e, mn_e = _k4_scale_min(w, base, j, m)  # (BN, 4): sub-blocks 0, 2, 4, 6 (the low nibbles')
+        sc_o, mn_o = _k4_scale_min(w, base, j + 1, m)
+        d = _f16_at(w, base, m)
+        dmin = _f16_at(w, base + 2, m)
+        s_lo = tl.reshape(tl.broadcast_to((d * sc_e.to(tl.float32))[:, :, None], (BN, 4, 32)), (BN, 128))
+        s_hi = tl.reshape(tl.broadcast_to((d * sc_o.to(tl.float32))[:, :, None], (BN, 4, 32)), (BN, 128))
+        m_lo = tl.reshape(tl.broadcast_to((dmin * mn_e.to(tl.float32))[:, :, None], (BN, 4, 32)), (BN, 128))
+        m_hi = tl.reshape(tl.broadcast_to((dmin * mn_o.to(tl.float32))[:, :, None], (BN, 4, 32)), (BN, 128))
+        return ((s_lo * lo.to(tl.float32) - m_lo).to(tl.float16), (s_hi * hi.to(tl.float32) - m_hi).to(tl.float16))
+    else:
+        byte = tl.load(w + base + i, mask=m, other=0).to(tl.int32)
+        half = i // 64
+        p = i % 64
+        qh = tl.load(w + base + 128 + 32 * half + p % 32, mask=m, other=0).to(tl.int32)
+        shift = 2 * (p // 32)
+        lo = ((byte & 0xF) | (((qh >> shift) & 3) << 4)) - 32
+        hi = ((byte >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
+        g = tl.arange(0, 8)[None, :]  # group of 16 bytes: half g // 4, its scales 8 (g // 4) + g % 4 and + 4
+        d = _f16_at(w, base + 208, m)
+        sl = tl.load(w + base + 192 + g + 4 * (g // 4), mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        sh = tl.load(w + base + 196 + g + 4 * (g // 4), mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        s_lo = tl.reshape(tl.broadcast_to((d * sl)[:, :, None], (BN, 8, 16)), (BN, 128))
+        s_hi = tl.reshape(tl.broadcast_to((d * sh)[:, :, None], (BN, 8, 16)), (BN, 128))
+        return (s_lo * lo.to(tl.float32)).to(tl.float16), (s_hi * hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _kmoe_mm(x, w, uw, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K, KIND: tl.constexpr,
+             BLOCK_BYTES: tl.constexpr, UKIND: tl.constexpr, UBYTES: tl.constexpr, GATED: tl.constexpr,
+             ACT: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
+             BN: tl.constexpr):
+    """moe._moe_mm's grouped GEMM over rows sorted by expert, on K-quant experts read in their GGUF blocks: tile i
+    covers sorted rows tile_row[i] .. tile_end[i] of expert tile_expert[i] (-1: no work); each block (256 columns) of
+    W_e expanded to f16 in registers as two halves (_kblock) that meet the matching columns of x, f32 accumulation on
+    tensor cores. GATED: W the gate, uw the up projection
+    (of its own K-quant type), the output act(x . gate) * (x . up). GATHER / SCATTER / SCALE as _moe_mm's."""
+    tile = tl.program_id(0)
+    e = tl.load(tile_expert + tile)
+    if e >= 0:
+        r0 = tl.load(tile_row + tile)
+        r_end = tl.load(tile_end + tile)
+        rows = r0 + tl.arange(0, BM)
+        rmask = rows < r_end
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < N
+        wrow = (e.to(tl.int64) * N + n.to(tl.int64))[:, None]
+        x_rows = tl.load(src + rows, mask=rmask, other=0) if GATHER else rows
+        xr = x + x_rows.to(tl.int64)[:, None] * K
+        c_lo, c_hi = _kcols(KIND)
+        u_lo, u_hi = _kcols(UKIND)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+        for b in range(0, K // 256):
+            a_lo = tl.load(xr + b * 256 + c_lo[None, :], mask=rmask[:, None], other=0.0)
+            a_hi = tl.load(xr + b * 256 + c_hi[None, :], mask=rmask[:, None], other=0.0)
+            w_lo, w_hi = _kblock(w, wrow, nmask, b, K, KIND, BLOCK_BYTES, BN)
+            acc = tl.dot(a_lo, tl.trans(w_lo), acc)
+            acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+            if GATED:
+                if UKIND != KIND:  # another layout of the block's values: their own columns of x
+                    a_lo = tl.load(xr + b * 256 + u_lo[None, :], mask=rmask[:, None], other=0.0)
+                    a_hi = tl.load(xr + b * 256 + u_hi[None, :], mask=rmask[:, None], other=0.0)
+                v_lo, v_hi = _kblock(uw, wrow, nmask, b, K, UKIND, UBYTES, BN)
+                acc_up = tl.dot(a_lo, tl.trans(v_lo), acc_up)
+                acc_up = tl.dot(a_hi, tl.trans(v_hi), acc_up)
+        if GATED:
+            acc = _glu(acc, acc_up, ACT)
+        y_rows = tl.load(dst + rows, mask=rmask, other=0) if SCATTER else rows
+        if SCALE:
+            acc = acc * tl.load(scale + y_rows, mask=rmask, other=0.0)[:, None]
+        tl.store(y + y_rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
 def reads(qtype: Q, ne: tuple[int, ...]) -> bool:
     """Whether these kernels read a tensor of this type and shape (capabilities' gpu_token types, whole blocks)."""
     return can(qtype).gpu_token and ne[0] % GGML_QUANT_SIZES[qtype][0] == 0
@@ -157,11 +263,14 @@ def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, row
 
 def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, up, down, act: str,
               residual: torch.Tensor | None = None, rows_per_program: int = 0, warps: int = 1,
-              biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              wait_down: torch.cuda.Event | None = None, pairs: bool = False) -> torch.Tensor:
     """The routed experts of few tokens, their stacked tensors read in place: x (n, n_embd), ids / weights
-    (n, n_used) on the GPU; gate / up / down (GGUF bytes on the GPU, quant type, ne); act a name of moe.GLUS;
-    biases: gate's, up's and down's (n_expert, rows) float32 on the GPU, or None. Returns (n, n_embd) float32, plus
-    `residual` when given; each token's pairs summed in a fixed order. rows_per_program 0: MOE_ROWS."""
+    (n, n_used) on the GPU (an id of -1: a pair left out, zeros); gate / up / down (GGUF bytes on the GPU, quant
+    type, ne); act a name of moe.GLUS; biases: gate's, up's and down's (n_expert, rows) float32 on the GPU, or None.
+    Returns (n, n_embd) float32, plus `residual` when given, each token's pairs summed in a fixed order; or with
+    `pairs` each pair's weighted output, (n * n_used, n_embd) in pair order. wait_down: an event the down projection
+    waits for (its weights still being copied). rows_per_program 0: MOE_ROWS."""
     rows_per_program = rows_per_program or MOE_ROWS
     (gw, gq, gne), (uw, uq, _), (dw, dq, dne) = gate, up, down
     n, n_used = ids.shape
@@ -176,10 +285,43 @@ def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, u
         gw, uw, gbias, ubias, x, ids, h, n_ff, n_embd, n_used, GKIND=gk, GBYTES=gb, UKIND=uk, UBYTES=ub,
         ACT=GLUS[act], BIAS=biases is not None, BR=rows_per_program, num_warps=warps)
     y = torch.empty(n * n_used, dne[1], dtype=torch.float32, device=x.device)
+    if wait_down is not None:
+        torch.cuda.current_stream(x.device).wait_event(wait_down)
     dk, db = _args(dq)
     _kmoe_down[(triton.cdiv(dne[1], rows_per_program), n * n_used)](
         dw, dbias, h, ids, weights.float().contiguous(), y, dne[1], dne[0], KIND=dk, BLOCK_BYTES=db,
         BIAS=biases is not None, BR=rows_per_program, num_warps=warps)
-    if n_used == 1 and residual is None:
+    if pairs or (n_used == 1 and residual is None):
         return y
     return sum_pairs(y, n_used, residual)
+
+
+# (BN, warps, stages) of the K-quant grouped GEMM per (tile height (moe.moe_tile_rows), gated): the fastest of a sweep
+# on an H100 at Qwen3-30B-A3B's and DeepSeek-V2-Lite's expert shapes, Q4_K gate and up, Q6_K down (benchmarks/
+# moe_kernels.py --kquant; docs/performance.md, 2026-11-26). Three stages of a gated Q4_K / Q6_K pair at 64 rows
+# need more shared memory than the H100 has
+KMOE_MM_CONFIGS = {(16, True): (64, 4, 2), (16, False): (32, 4, 1), (32, True): (64, 4, 1), (32, False): (64, 4, 1),
+                   (64, True): (64, 4, 2), (64, False): (64, 4, 2), (128, True): (128, 8, 2), (128, False): (128, 8, 1)}
+
+
+def kmoe_mm(xs: torch.Tensor, w, sched, out_dtype, block: int, up=None, act: str = "silu",
+            rows_from: torch.Tensor | None = None, rows_to: torch.Tensor | None = None,
+            row_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """moe.moe_mm on K-quant experts in their GGUF blocks: w (and `up`) (bytes on the GPU, quant type, ne); xs
+    (pairs, cols) f16; sched moe.moe_tiles'; the rest as moe_mm's (no biases). config: (BN, warps, stages), else
+    KMOE_MM_CONFIGS'."""
+    raw, qtype, (cols, rows, _) = w
+    _, tile_expert, tile_row, tile_end = sched
+    pairs = tile_row.new_empty(0) if rows_from is None else rows_from
+    y = out if out is not None else torch.empty(xs.shape[0] if rows_from is None else rows_from.shape[0], rows,
+                                                dtype=out_dtype, device=xs.device)
+    bn, warps, stages = config or KMOE_MM_CONFIGS[block, up is not None]
+    kind, size = _args(qtype)
+    ukind, usize = _args(up[1]) if up is not None else (kind, size)
+    _kmoe_mm[(tile_expert.numel(), triton.cdiv(rows, bn))](
+        xs, raw, up[0] if up is not None else raw, y, tile_expert, tile_row, tile_end, pairs,
+        rows_to if rows_to is not None else pairs, row_scale if row_scale is not None else y, rows, cols, KIND=kind,
+        BLOCK_BYTES=size, UKIND=ukind, UBYTES=usize, GATED=up is not None, ACT=GLUS[act], GATHER=rows_from is not None,
+        SCATTER=rows_to is not None, SCALE=row_scale is not None, BM=block, BN=bn, num_warps=warps, num_stages=stages)
+    return y

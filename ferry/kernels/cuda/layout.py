@@ -148,3 +148,20 @@ class Split:
         _split_floats[(triton.cdiv(n_blocks, 64),)](self.qs.contiguous(), self.d.contiguous(), out, n_blocks,
                                                      KIND=GEMV_KINDS[self.qtype], BLOCKS=64)
         return out
+
+
+@dataclass
+class Blocks:
+    """Some experts of a stacked tensor of a type the split kernels do not read (K-quants, IQ4_XS...) on the GPU as
+    their GGUF blocks, in the order they were copied: raw (flat uint8), ne (cols, rows, experts held). The few-token
+    kernels of kquant.py read them in place; prompts expand them a projection at a time (floats)."""
+
+    qtype: Q
+    ne: tuple[int, ...]
+    raw: torch.Tensor
+
+    def floats(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(reversed ne) values of `dtype` (in `out` when given)."""
+        from ferry.kernels.cuda.dequant import dequantize
+
+        return dequantize(self.raw, self.qtype, self.ne, dtype, out=out)
