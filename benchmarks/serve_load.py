@@ -29,8 +29,19 @@ except ImportError:  # run as a script from the repository root
     from serve_prefill import serve
 
 
-def rss_mib() -> float:
-    """This process's resident memory (the server runs in it), MiB."""
+def rss_mib(trim: bool = False) -> float:
+    """This process's resident memory (the server runs in it), MiB. trim: first collect garbage and hand the C heap's
+    free pages back to the system (glibc's malloc_trim), so that what is left is what is live, not what the
+    allocator kept of the test process's earlier work."""
+    if trim:
+        import ctypes
+        import gc
+
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS")) / 1024
 
@@ -46,9 +57,10 @@ TIE = 0.25  # log probability: two tokens this close are a near tie under anothe
 
 
 def load(url: str, clients: int, seconds: float, max_tokens: int = 8, n_prompts: int = 24, seed: int = 0,
-         rss_every: float = 0.0) -> dict:
+         rss_every: float = 0.0, trim: bool = False) -> dict:
     """The run described above against a server at url; returns its counts and memory (rss_every > 0: the resident
-    memory sampled that often too, as (seconds, MiB) pairs: whether it levels off)."""
+    memory sampled that often too, as (seconds, MiB) pairs: whether it levels off; trim: the start and end figures
+    after rss_mib's trim)."""
     prompts = prompts_of(n_prompts, seed)
 
     def ask(prompt: str, n_probs: int = 0) -> dict:
@@ -71,7 +83,7 @@ def load(url: str, clients: int, seconds: float, max_tokens: int = 8, n_prompts:
         return any(t["id"] == tokens[j] and top[0]["logprob"] - t["logprob"] < TIE for t in top[1:])
     for p in prompts[:4]:
         ask(p)  # a warm-up round under no load: graphs built, caches grown
-    rss_start = rss_mib()
+    rss_start = rss_mib(trim)
     counts = {"completed": 0, "hung_up": 0, "wrong": 0, "ties": 0, "failed": 0, "tokens": 0}
     errors: list[str] = []
     lock = threading.Lock()
@@ -133,7 +145,7 @@ def load(url: str, clients: int, seconds: float, max_tokens: int = 8, n_prompts:
         time.sleep(0.05)
     return {**counts, "errors": errors[:10], "seconds": elapsed, "tokens_per_s": counts["tokens"] / elapsed,
             "slots_processing_after": httpx.get(url + "/health").json()["slots_processing"],
-            "rss_mib_start": rss_start, "rss_mib_end": rss_mib(), "rss_mib_samples": samples}
+            "rss_mib_start": rss_start, "rss_mib_end": rss_mib(trim), "rss_mib_samples": samples}
 
 
 def main() -> None:
