@@ -342,20 +342,27 @@ class CudaBackend:
         return y
 
     @staticmethod
+    def _held_schedule(slots: torch.Tensor, held: int):
+        """_schedule's over the pairs' places among `held` experts, those of -1 (elsewhere) sorted last and their
+        tiles left out (expert -1)."""
+        from ferry.kernels.cuda.moe import moe_tile_rows, moe_tiles
+
+        keys = torch.where(slots < 0, held, slots)
+        block = moe_tile_rows(slots.numel(), held + 1)
+        order, tile_expert, tile_row, tile_end = moe_tiles(keys, held + 1, block)
+        return block, (order, torch.where(tile_expert == held, -1, tile_expert), tile_row, tile_end), order.to(
+            torch.int32)
+
+    @staticmethod
     def _kquant_pairs(x: torch.Tensor, slots: torch.Tensor, held: int, gate, up, down, act: str,
                       weights: torch.Tensor, wait_down: torch.cuda.Event | None = None) -> torch.Tensor:
         """The grouped GEMM on K-quant experts in their GGUF blocks (kquant.kmoe_mm; gate / up / down (bytes, type,
         ne) of `held` experts): each pair's output times its weight, (n * k, n_embd) float32 in pair order, the pairs
         of slot -1 sorted last, their tiles left out and their rows zeros."""
         from ferry.kernels.cuda.kquant import kmoe_mm
-        from ferry.kernels.cuda.moe import moe_tile_rows, moe_tiles
 
         n, k = slots.shape
-        keys = torch.where(slots < 0, held, slots)
-        block = moe_tile_rows(n * k, held + 1)
-        order, tile_expert, tile_row, tile_end = moe_tiles(keys, held + 1, block)
-        sched = (order, torch.where(tile_expert == held, -1, tile_expert), tile_row, tile_end)
-        order = order.to(torch.int32)
+        block, sched, order = CudaBackend._held_schedule(slots, held)
         h = kmoe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
                     rows_from=torch.div(order, k, rounding_mode="floor"))
         if wait_down is not None:
@@ -375,7 +382,7 @@ class CudaBackend:
         skip the -1 pairs for few pairs; else the grouped GEMM with those pairs sorted last and their tiles left
         out."""
         from ferry.kernels.cuda.layout import Blocks
-        from ferry.kernels.cuda.moe import moe_gemv, moe_mm, moe_tile_rows, moe_tiles, sum_pairs
+        from ferry.kernels.cuda.moe import moe_gemv, moe_mm, sum_pairs
 
         n, k = slots.shape
         if isinstance(gate, Blocks):
@@ -383,12 +390,7 @@ class CudaBackend:
         if self._gemv_pairs(n * k):
             return moe_gemv(x, slots, weights, gate, up, down, act, biases=biases)
         gb, ub, db = biases if biases is not None else (None, None, None)
-        n_res = gate.ne[2]
-        keys = torch.where(slots < 0, n_res, slots)
-        block = moe_tile_rows(n * k, n_res + 1)
-        order, tile_expert, tile_row, tile_end = moe_tiles(keys, n_res + 1, block)
-        sched = (order, torch.where(tile_expert == n_res, -1, tile_expert), tile_row, tile_end)
-        order = order.to(torch.int32)
+        block, sched, order = self._held_schedule(slots, gate.ne[2])
         h = moe_mm(x.to(torch.float16), gate, sched, torch.float16, block, up=up, act=act,
                    rows_from=torch.div(order, k, rounding_mode="floor"), bias=gb, up_bias=ub)
         y = torch.zeros(n * k, down.ne[1], dtype=torch.float32, device=x.device)
