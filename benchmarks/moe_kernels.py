@@ -35,6 +35,19 @@ def _experts(n_expert: int, rows: int, cols: int, dev) -> layout.Split:
     return layout.Split(Q.Q4_0, (cols, rows, n_expert), qs, d)
 
 
+def _batch(ub: int, n_expert: int, n_used: int, n_embd: int, n_ff: int, dev):
+    """A u-batch's uniform random routing and rows: (ids, tile rows, moe_tiles' schedule, tokens (ub, n_embd) f16,
+    h (pairs, n_ff) f16, the pairs' order by expert (int32), each sorted pair's token, router weights)."""
+    ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(ub)])
+    block = moe.moe_tile_rows(ub * n_used, n_expert)
+    sched = moe.moe_tiles(ids, n_expert, block)
+    tokens = torch.randn(ub, n_embd, device=dev, dtype=torch.float16)
+    h = torch.randn(ub * n_used, n_ff, device=dev, dtype=torch.float16)
+    order = sched[0].to(torch.int32)
+    return (ids, block, sched, tokens, h, order, torch.div(order, n_used, rounding_mode="floor"),
+            torch.rand(ub * n_used, device=dev))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-ub", default="32,128,512,2048")
@@ -53,14 +66,7 @@ def main() -> None:
         gate, up = _experts(n_expert, n_ff, n_embd, dev), _experts(n_expert, n_ff, n_embd, dev)
         down = _experts(n_expert, n_embd, n_ff, dev)
         for ub in [int(u) for u in a.ub.split(",")]:
-            ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(ub)])
-            block = moe.moe_tile_rows(ub * n_used, n_expert)
-            sched = moe.moe_tiles(ids, n_expert, block)
-            tokens = torch.randn(ub, n_embd, device=dev, dtype=torch.float16)
-            h = torch.randn(ub * n_used, n_ff, device=dev, dtype=torch.float16)
-            order = sched[0].to(torch.int32)
-            src = torch.div(order, n_used, rounding_mode="floor")
-            pair_weights = torch.rand(ub * n_used, device=dev)
+            ids, block, sched, tokens, h, order, src, pair_weights = _batch(ub, n_expert, n_used, n_embd, n_ff, dev)
             experts_hit = int(ids.unique().numel())
             weight_bytes = experts_hit * 3 * n_embd * n_ff * 18 / 32
             flops = ub * n_used * 3 * 2 * n_embd * n_ff
@@ -131,14 +137,7 @@ def kquant_main(a, dev) -> None:
         down = _kexperts(Q.Q6_K, n_expert, n_embd, n_ff, dev)
         scratch = torch.empty(n_expert * n_ff * n_embd, dtype=torch.bfloat16, device=dev)
         for ub in [int(u) for u in a.ub.split(",")]:
-            ids = torch.stack([torch.randperm(n_expert, device=dev)[:n_used] for _ in range(ub)]).to(torch.int32)
-            block = moe.moe_tile_rows(ub * n_used, n_expert)
-            sched = moe.moe_tiles(ids, n_expert, block)
-            tokens = torch.randn(ub, n_embd, device=dev, dtype=torch.float16)
-            h = torch.randn(ub * n_used, n_ff, device=dev, dtype=torch.float16)
-            order = sched[0].to(torch.int32)
-            src = torch.div(order, n_used, rounding_mode="floor")
-            pair_weights = torch.rand(ub * n_used, device=dev)
+            ids, block, sched, tokens, h, order, src, pair_weights = _batch(ub, n_expert, n_used, n_embd, n_ff, dev)
 
             def gate_up(cfg=None):
                 return kquant.kmoe_mm(tokens, gate, sched, torch.float16, block, up=up, rows_from=src, config=cfg)

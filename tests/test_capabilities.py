@@ -34,6 +34,7 @@ def test_the_gpu_columns_are_what_the_gpu_kernels_read():
     # some of a layer's experts kept on the GPU: types the split kernels read, or kquant.py's, not a mix, not IQ4_XS
     assert caps.gpu_holds([Q.MXFP4]) and caps.gpu_holds([Q.Q4_K, Q.Q6_K]) and caps.gpu_holds([Q.Q5_K])
     assert not caps.gpu_holds([Q.Q4_0, Q.Q4_K]) and not caps.gpu_holds([Q.IQ4_XS]) and not caps.gpu_holds([Q.F16])
+    assert caps.gpu_holds([Q.MXFP4], biased=True) and not caps.gpu_holds([Q.Q4_K], biased=True)  # kquant.py adds none
 
 
 def _layer(rng, up_type, down_type=None, n_expert=4, n_embd=256, n_ff=256):

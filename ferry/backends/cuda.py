@@ -317,29 +317,36 @@ class CudaBackend:
         in one scratch (one projection at a time) and torch's grouped GEMM over the pairs sorted by place, those of
         -1 last and left out. wait_down: as expert_pairs'."""
         from ferry.kernels.cuda import kquant
-        from ferry.kernels.cuda.moe import sort_pairs
 
         n, k = slots.shape
         held = gate.ne[2]
         if all(kquant.reads(w.qtype, w.ne) for w in (gate, up, down)):
-            parts = tuple((w.raw, w.qtype, w.ne) for w in (gate, up, down))
+            parts = (gate.parts, up.parts, down.parts)
             if self._gemv_pairs(n * k):
                 return kquant.kmoe_gemv(x, slots, weights, *parts, act, wait_down=wait_down, pairs=True)
             return self._kquant_pairs(x, slots, held, *parts, act, weights, wait_down)
         keys = torch.where(slots < 0, held, slots)
-        order, _, ends = sort_pairs(keys, held + 1)
-        offs = ends[:held].to(torch.int32)
+        order, offs, h = self._expanded_up_gate(x, keys, held, gate, up, act)
         live = (keys.flatten()[order] < held)[:, None]  # rows past the last group: not computed, left out
-        xs = x.to(torch.bfloat16)[torch.div(order, k, rounding_mode="floor")]
-        g = self._group_mm(xs, self._expand(gate.qtype, gate, gate.ne, torch.bfloat16, 1), offs).float()
-        u = self._group_mm(xs, self._expand(up.qtype, up, up.ne, torch.bfloat16, 1), offs).float()
-        h = GLU[act](g, u).to(torch.bfloat16)
         if wait_down is not None:
             torch.cuda.current_stream(x.device).wait_event(wait_down)
         y_sorted = self._group_mm(h, self._expand(down.qtype, down, down.ne, torch.bfloat16, 1), offs).float()
         y = torch.empty(n * k, down.ne[1], dtype=torch.float32, device=x.device)
         y[order] = torch.where(live, y_sorted * weights.float().reshape(-1)[order, None], 0.0)
         return y
+
+    def _expanded_up_gate(self, x: torch.Tensor, keys: torch.Tensor, held: int, gate, up, act: str):
+        """glu(gate x, up x) of each pair on Blocks of `held` experts, each projection expanded to bfloat16 in one
+        scratch in turn: keys (n, k) each pair's place (`held`: none, sorted last and left out); (order, each place's
+        end in it (int32), h in that order, bfloat16)."""
+        from ferry.kernels.cuda.moe import sort_pairs
+
+        order, _, ends = sort_pairs(keys, held + 1)
+        offs = ends[:held].to(torch.int32)
+        xs = x.to(torch.bfloat16)[torch.div(order, keys.shape[1], rounding_mode="floor")]
+        g = self._group_mm(xs, self._expand(gate.qtype, gate, gate.ne, torch.bfloat16, 1), offs).float()
+        u = self._group_mm(xs, self._expand(up.qtype, up, up.ne, torch.bfloat16, 1), offs).float()
+        return order, offs, GLU[act](g, u).to(torch.bfloat16)
 
     @staticmethod
     def _held_schedule(slots: torch.Tensor, held: int):
@@ -405,25 +412,18 @@ class CudaBackend:
         stacked Splits, or Compact (K-quants read in their blocks, others expanded a projection at a time). Expert
         GEMVs for few pairs (one launch), else the grouped GEMM, whose schedule is two dozen small torch ops."""
         from ferry.kernels.cuda import kquant
-        from ferry.kernels.cuda.moe import moe_gate_up_gemv, moe_mm, sort_pairs
+        from ferry.kernels.cuda.moe import moe_gate_up_gemv, moe_mm
         from ferry.backends.streamer import Compact
 
         n, k = ids.shape
         if isinstance(gate, Compact) and kquant.reads(gate.w.qtype, gate.w.ne) and kquant.reads(up.w.qtype, up.w.ne):
-            slots = gate.slot_of[ids.long()]
-            block, sched, order = self._schedule(slots, gate.w.ne[2])
-            return kquant.kmoe_mm(x.to(torch.float16), (gate.w.raw, gate.w.qtype, gate.w.ne), sched, torch.float16,
-                                  block, up=(up.w.raw, up.w.qtype, up.w.ne), act=act,
-                                  rows_from=torch.div(order, k, rounding_mode="floor"), rows_to=order)
+            block, sched, order = self._schedule(gate.slot_of[ids.long()], gate.w.ne[2])
+            return kquant.kmoe_mm(x.to(torch.float16), gate.w.parts, sched, torch.float16, block, up=up.w.parts,
+                                  act=act, rows_from=torch.div(order, k, rounding_mode="floor"), rows_to=order)
         if isinstance(gate, Compact):
-            held = gate.w.ne[2]
-            order, _, ends = sort_pairs(gate.slot_of[ids.long()], held)
-            offs = ends.to(torch.int32)
-            xs = x.to(torch.bfloat16)[torch.div(order, k, rounding_mode="floor")]
-            g = self._group_mm(xs, self._expand(gate.w.qtype, gate.w, gate.w.ne, torch.bfloat16, 1), offs).float()
-            u = self._group_mm(xs, self._expand(up.w.qtype, up.w, up.w.ne, torch.bfloat16, 1), offs).float()
-            h = torch.empty(n * k, gate.w.ne[1], dtype=torch.bfloat16, device=x.device)
-            h[order] = GLU[act](g, u).to(torch.bfloat16)
+            order, _, h_sorted = self._expanded_up_gate(x, gate.slot_of[ids.long()], gate.w.ne[2], gate.w, up.w, act)
+            h = torch.empty_like(h_sorted)
+            h[order] = h_sorted
             return h
         if self._gemv_pairs(n * k):
             return moe_gate_up_gemv(x, ids, gate, up, act)
@@ -442,8 +442,8 @@ class CudaBackend:
         n, k = ids.shape
         if isinstance(down, Compact) and kquant.reads(down.w.qtype, down.w.ne):
             block, sched, order = self._schedule(down.slot_of[ids.long()], down.w.ne[2])
-            y = kquant.kmoe_mm(h.to(torch.float16), (down.w.raw, down.w.qtype, down.w.ne), sched, torch.float32, block,
-                               rows_from=order, rows_to=order, row_scale=weights.float().reshape(-1).contiguous())
+            y = kquant.kmoe_mm(h.to(torch.float16), down.w.parts, sched, torch.float32, block, rows_from=order,
+                               rows_to=order, row_scale=weights.float().reshape(-1).contiguous())
             return y.view(n, k, -1).sum(1)
         if isinstance(down, Compact):
             order, _, ends = sort_pairs(down.slot_of[ids.long()], down.w.ne[2])

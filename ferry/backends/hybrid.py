@@ -126,8 +126,8 @@ class HybridBackend:
         for layer, experts in sorted(self._resident_spec.items()):
             d = by_layer.get(layer, {})
             # experts the GPU reads only expanded stay in RAM alone, and biased ones it would expand
-            types = [d[k].qtype for k in ("gate", "up", "down")] if len(d) == 3 else []
-            if experts and types and gpu_holds(types) and (gpu_reads(types) or d["gate"].bias is None):
+            if experts and len(d) == 3 and gpu_holds((d[k].qtype for k in ("gate", "up", "down")),
+                                                     d["gate"].bias is not None):
                 self._resident[id(d["gate"])] = self._keep(d["gate"], d["up"], d["down"], experts)
         for a, b in zip(layers, layers[1:]):
             self._next_experts[id(a[0])] = b

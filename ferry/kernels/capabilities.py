@@ -95,11 +95,12 @@ def gpu_reads(qtypes) -> bool:
     return all(can(q).gpu_gemv for q in qtypes)
 
 
-def gpu_holds(qtypes) -> bool:
+def gpu_holds(qtypes, biased: bool = False) -> bool:
     """Whether the GPU keeps some of a layer's experts of these types (the rest in RAM) and reads them for a token
-    without expanding: the split kernels read them all, or kquant.py's all (a Q4_K_M file's Q4_K and Q6_K)."""
+    without expanding: the split kernels read them all, or kquant.py's all (a Q4_K_M file's Q4_K and Q6_K), which add
+    no biases (`biased`: the experts have some)."""
     qtypes = list(qtypes)
-    return gpu_reads(qtypes) or all(can(q).gpu_token for q in qtypes)
+    return gpu_reads(qtypes) or (not biased and all(can(q).gpu_token for q in qtypes))
 
 
 def gpu_dense(qtype: Q) -> bool:

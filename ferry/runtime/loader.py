@@ -290,8 +290,8 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
 
 def _check_resident(f, model, devices: dict[str, str], resident: dict[int, tuple[int, ...]]) -> None:
     """--gpu-experts names layers whose routed experts are in RAM, experts they have, of types the GPU reads for a
-    token in place (capabilities.gpu_holds; unbiased where the split kernels do not read them)."""
-    from ferry.kernels.capabilities import gpu_holds, gpu_reads
+    token in place (capabilities.gpu_holds)."""
+    from ferry.kernels.capabilities import gpu_holds
 
     for layer, ids in resident.items():
         names = [f"blk.{layer}.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
@@ -305,7 +305,7 @@ def _check_resident(f, model, devices: dict[str, str], resident: dict[int, tuple
         if ids and ids[-1] >= n_expert:
             raise FerryError(f"--gpu-experts {layer}:{ids[-1]}: layer {layer} has experts 0-{n_expert - 1}")
         types = {f.tensors[n].qtype for n in names}
-        if not gpu_holds(types) or (not gpu_reads(types) and f"blk.{layer}.ffn_down_exps.bias" in f.tensors):
+        if not gpu_holds(types, f"blk.{layer}.ffn_down_exps.bias" in f.tensors):
             raise FerryError(f"--gpu-experts: layer {layer}'s experts are {'/'.join(sorted(t.name for t in types))}, "
                              "which the GPU reads only expanded, by whole layers; place whole layers with -ot")
 

@@ -14,15 +14,77 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.kernels.capabilities import can
 from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min
-from ferry.kernels.cuda.moe import _glu, _pair_rows, GLUS, sum_pairs
+from ferry.kernels.cuda.moe import _glu, _pair_rows, _store_tile, _tile, GLUS, sum_pairs
 
 KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}  # the types these kernels read
 
 
 @triton.jit
+def _kquants(w, base, m, KIND: tl.constexpr):
+    """A block's 256 quants (its GGUF bytes at base (R, 1), rows masked by m) as two (R, 128) int32 halves, the values
+    at _kcols' columns (Q6_K's less 32). Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles;
+    Q5_K: 32 bytes of high bits before the nibbles, value l of chunk c (64 values) taking bit 2c (low nibble's) or
+    2c + 1 (high's) of qh[l]. Q6_K: ql (128 bytes), qh (64), 16 int8 scales, d; ql byte i's nibbles are values
+    128 (i // 64) + i % 64 and 64 further, their top two bits in qh[32 (i // 64) + i % 32] at shift 0 / 2 (i % 64 < 32
+    / >= 32) and 4 / 6."""
+    i = tl.arange(0, 128)[None, :]
+    if KIND < 2:
+        byte = tl.load(w + base + 16 + 32 * KIND + i, mask=m, other=0).to(tl.int32)
+        lo = byte & 0xF
+        hi = byte >> 4
+        if KIND == 1:
+            qh = tl.load(w + base + 16 + i % 32, mask=m, other=0).to(tl.int32)
+            lo += ((qh >> (2 * (i // 32))) & 1) << 4
+            hi += ((qh >> (2 * (i // 32) + 1)) & 1) << 4
+        return lo, hi
+    else:
+        byte = tl.load(w + base + i, mask=m, other=0).to(tl.int32)
+        p = i % 64
+        qh = tl.load(w + base + 128 + 32 * (i // 64) + p % 32, mask=m, other=0).to(tl.int32)
+        shift = 2 * (p // 32)
+        return (((byte & 0xF) | (((qh >> shift) & 3) << 4)) - 32,
+                ((byte >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32)
+
+
+@triton.jit
+def _k45_scales(w, base, m):
+    """Q4_K / Q5_K: the 6-bit scales and mins (R, 4) of the sub-blocks of _kquants' low halves (0, 2, 4, 6) and high
+    halves (1, 3, 5, 7), and d, dmin (R, 1) float32."""
+    j = 2 * tl.arange(0, 4)[None, :]
+    sc_e, mn_e = _k4_scale_min(w, base, j, m)
+    sc_o, mn_o = _k4_scale_min(w, base, j + 1, m)
+    return sc_e, mn_e, sc_o, mn_o, _f16_at(w, base, m), _f16_at(w, base + 2, m)
+
+
+@triton.jit
+def _q6k_scales(w, base, m):
+    """Q6_K: the int8 scales (R, 8) of each group of 16 of _kquants' low and high halves (group g: half g // 4, scales
+    8 (g // 4) + g % 4 and 4 further), and d (R, 1) float32."""
+    g = tl.arange(0, 8)[None, :]
+    s_lo = tl.load(w + base + 192 + g + 4 * (g // 4), mask=m, other=0).to(tl.int8, bitcast=True)
+    s_hi = tl.load(w + base + 196 + g + 4 * (g // 4), mask=m, other=0).to(tl.int8, bitcast=True)
+    return s_lo, s_hi, _f16_at(w, base + 208, m)
+
+
+@triton.jit
+def _kcols(KIND: tl.constexpr):
+    """The columns within a block (256) of _kquants' two halves' values: Q4_K / Q5_K's byte i holds in its nibbles
+    values 64 (i // 32) + i % 32 and 32 further; Q6_K's ql byte i values 128 (i // 64) + i % 64 and 64 further."""
+    i = tl.arange(0, 128)
+    if KIND < 2:
+        lo = 64 * (i // 32) + i % 32
+        return lo, lo + 32
+    else:
+        lo = 128 * (i // 64) + i % 64
+        return lo, lo + 64
+
+
+@triton.jit
 def _kdot(w, row, rmask, x, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     """Per row of `row` (BR,): block b (256 columns) of a K-quant matrix's rows (GGUF bytes, K columns a row) dotted
-    with x there."""
+    with x there. It decodes the block inline, not through _kquants / _k45_scales / _q6k_scales as _kblock does: that
+    form, compiled on the H100, failed one GEMV test (by its place in the run, Q6_K at 8 rows a program) and ran the
+    attention's GEMVs at 39 against 13.5 us (2026-11-26; not understood)."""
     base = (row.to(tl.int64) * (K // 256) + b)[:, None] * BLOCK_BYTES  # (BR, 1)
     m = rmask[:, None]
     i = tl.arange(0, 128)[None, :]  # a byte of the block's low quants
@@ -127,59 +189,24 @@ def _kmoe_down(dw, dbias, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _kcols(KIND: tl.constexpr):
-    """The columns within a block (256) of _kblock's two (BN, 128) halves' values: Q4_K / Q5_K's byte i holds in its
-    nibbles values 64 (i // 32) + i % 32 and 32 further; Q6_K's ql byte i values 128 (i // 64) + i % 64 and 64
-    further."""
-    i = tl.arange(0, 128)
-    if KIND < 2:
-        lo = 64 * (i // 32) + i % 32
-        return lo, lo + 32
-    else:
-        lo = 128 * (i // 64) + i % 64
-        return lo, lo + 64
-
-
-@triton.jit
 def _kblock(w, wrow, nmask, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BN: tl.constexpr):
     """Block b (256 columns) of the rows wrow (BN, 1) of a K-quant matrix (GGUF bytes, K columns a row) as two (BN, 128)
     f16 halves, the values at _kcols' columns: each its sub-block's scale times its quant (less the scaled min for
     Q4_K / Q5_K), in float32, rounded once. Every byte of the block's quants read once, its scales once."""
     base = (wrow * (K // 256) + b) * BLOCK_BYTES  # (BN, 1)
     m = nmask[:, None]
-    i = tl.arange(0, 128)[None, :]
+    lo, hi = _kquants(w, base, m, KIND)
     if KIND < 2:
-        byte = tl.load(w + base + 16 + 32 * KIND + i, mask=m, other=0).to(tl.int32)
-        lo = byte & 0xF
-        hi = byte >> 4
-        if KIND == 1:  # value l of chunk c: bit 2c (low nibble's) or 2c + 1 (high's) of qh[l]
-            qh = tl.load(w + base + 16 + i % 32, mask=m, other=0).to(tl.int32)
-            lo += ((qh >> (2 * (i // 32))) & 1) << 4
-            hi += ((qh >> (2 * (i // 32) + 1)) & 1) << 4
-        j = 2 * tl.arange(0, 4)[None, :]
-        sc_e, mn_e = _k4_scale_min(w, base, j, m)  # (BN, 4): sub-blocks 0, 2, 4, 6 (the low nibbles')
-        sc_o, mn_o = _k4_scale_min(w, base, j + 1, m)
-        d = _f16_at(w, base, m)
-        dmin = _f16_at(w, base + 2, m)
+        sc_e, mn_e, sc_o, mn_o, d, dmin = _k45_scales(w, base, m)
         s_lo = tl.reshape(tl.broadcast_to((d * sc_e.to(tl.float32))[:, :, None], (BN, 4, 32)), (BN, 128))
         s_hi = tl.reshape(tl.broadcast_to((d * sc_o.to(tl.float32))[:, :, None], (BN, 4, 32)), (BN, 128))
         m_lo = tl.reshape(tl.broadcast_to((dmin * mn_e.to(tl.float32))[:, :, None], (BN, 4, 32)), (BN, 128))
         m_hi = tl.reshape(tl.broadcast_to((dmin * mn_o.to(tl.float32))[:, :, None], (BN, 4, 32)), (BN, 128))
         return ((s_lo * lo.to(tl.float32) - m_lo).to(tl.float16), (s_hi * hi.to(tl.float32) - m_hi).to(tl.float16))
     else:
-        byte = tl.load(w + base + i, mask=m, other=0).to(tl.int32)
-        half = i // 64
-        p = i % 64
-        qh = tl.load(w + base + 128 + 32 * half + p % 32, mask=m, other=0).to(tl.int32)
-        shift = 2 * (p // 32)
-        lo = ((byte & 0xF) | (((qh >> shift) & 3) << 4)) - 32
-        hi = ((byte >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
-        g = tl.arange(0, 8)[None, :]  # group of 16 bytes: half g // 4, its scales 8 (g // 4) + g % 4 and + 4
-        d = _f16_at(w, base + 208, m)
-        sl = tl.load(w + base + 192 + g + 4 * (g // 4), mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        sh = tl.load(w + base + 196 + g + 4 * (g // 4), mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        s_lo = tl.reshape(tl.broadcast_to((d * sl)[:, :, None], (BN, 8, 16)), (BN, 128))
-        s_hi = tl.reshape(tl.broadcast_to((d * sh)[:, :, None], (BN, 8, 16)), (BN, 128))
+        sl, sh, d = _q6k_scales(w, base, m)
+        s_lo = tl.reshape(tl.broadcast_to((d * sl.to(tl.float32))[:, :, None], (BN, 8, 16)), (BN, 128))
+        s_hi = tl.reshape(tl.broadcast_to((d * sh.to(tl.float32))[:, :, None], (BN, 8, 16)), (BN, 128))
         return (s_lo * lo.to(tl.float32)).to(tl.float16), (s_hi * hi.to(tl.float32)).to(tl.float16)
 
 
@@ -191,19 +218,12 @@ def _kmoe_mm(x, w, uw, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K
     """moe._moe_mm's grouped GEMM over rows sorted by expert, on K-quant experts read in their GGUF blocks: tile i
     covers sorted rows tile_row[i] .. tile_end[i] of expert tile_expert[i] (-1: no work); each block (256 columns) of
     W_e expanded to f16 in registers as two halves (_kblock) that meet the matching columns of x, f32 accumulation on
-    tensor cores. GATED: W the gate, uw the up projection
-    (of its own K-quant type), the output act(x . gate) * (x . up). GATHER / SCATTER / SCALE as _moe_mm's."""
+    tensor cores. GATED: W the gate, uw the up projection (of its own K-quant type), the output act(x . gate) *
+    (x . up). GATHER / SCATTER / SCALE as _moe_mm's."""
     tile = tl.program_id(0)
     e = tl.load(tile_expert + tile)
     if e >= 0:
-        r0 = tl.load(tile_row + tile)
-        r_end = tl.load(tile_end + tile)
-        rows = r0 + tl.arange(0, BM)
-        rmask = rows < r_end
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < N
-        wrow = (e.to(tl.int64) * N + n.to(tl.int64))[:, None]
-        x_rows = tl.load(src + rows, mask=rmask, other=0) if GATHER else rows
+        rows, rmask, n, nmask, wrow, x_rows = _tile(tile_row, tile_end, tile, e, src, N, GATHER, BM, BN)
         xr = x + x_rows.to(tl.int64)[:, None] * K
         c_lo, c_hi = _kcols(KIND)
         u_lo, u_hi = _kcols(UKIND)
@@ -224,11 +244,7 @@ def _kmoe_mm(x, w, uw, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K
                 acc_up = tl.dot(a_hi, tl.trans(v_hi), acc_up)
         if GATED:
             acc = _glu(acc, acc_up, ACT)
-        y_rows = tl.load(dst + rows, mask=rmask, other=0) if SCATTER else rows
-        if SCALE:
-            acc = acc * tl.load(scale + y_rows, mask=rmask, other=0.0)[:, None]
-        tl.store(y + y_rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
+        _store_tile(y, dst, scale, acc, rows, rmask, n, nmask, N, SCATTER, SCALE)
 
 
 def reads(qtype: Q, ne: tuple[int, ...]) -> bool:

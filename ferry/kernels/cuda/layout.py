@@ -160,6 +160,11 @@ class Blocks:
     ne: tuple[int, ...]
     raw: torch.Tensor
 
+    @property
+    def parts(self) -> tuple:
+        """(raw, qtype, ne): a tensor as kquant.py's kernels take it."""
+        return self.raw, self.qtype, self.ne
+
     def floats(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """(reversed ne) values of `dtype` (in `out` when given)."""
         from ferry.kernels.cuda.dequant import dequantize

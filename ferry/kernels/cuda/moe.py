@@ -119,6 +119,33 @@ def _block_halves(qs, d, wrow, nmask, b, K, KIND: tl.constexpr):
 
 
 @triton.jit
+def _tile(tile_row, tile_end, tile, e, src, N, GATHER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A grouped GEMM program's share of tile `tile` (of expert e, a stacked tensor of N rows an expert): its sorted
+    rows and their mask, its BN output columns n and their mask, those columns' rows of the stacked weight (BN, 1)
+    int64, and the rows of x its rows read (src[rows] with GATHER)."""
+    r0 = tl.load(tile_row + tile)
+    r_end = tl.load(tile_end + tile)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r_end
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < N
+    wrow = (e.to(tl.int64) * N + n.to(tl.int64))[:, None]
+    x_rows = tl.load(src + rows, mask=rmask, other=0) if GATHER else rows
+    return rows, rmask, n, nmask, wrow, x_rows
+
+
+@triton.jit
+def _store_tile(y, dst, scale, acc, rows, rmask, n, nmask, N, SCATTER: tl.constexpr, SCALE: tl.constexpr):
+    """A grouped GEMM program's outputs acc (BM, BN) to y's rows (dst[rows] with SCATTER), times scale at those rows
+    with SCALE."""
+    y_rows = tl.load(dst + rows, mask=rmask, other=0) if SCATTER else rows
+    if SCALE:
+        acc = acc * tl.load(scale + y_rows, mask=rmask, other=0.0)[:, None]
+    tl.store(y + y_rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _moe_mm(x, qs, d, uqs, ud, bias, ubias, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K,
             KIND: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr, GATHER: tl.constexpr,
             SCATTER: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -132,14 +159,7 @@ def _moe_mm(x, qs, d, uqs, ud, bias, ubias, y, tile_expert, tile_row, tile_end, 
     tile = tl.program_id(0)
     e = tl.load(tile_expert + tile)
     if e >= 0:
-        r0 = tl.load(tile_row + tile)
-        r_end = tl.load(tile_end + tile)
-        rows = r0 + tl.arange(0, BM)
-        rmask = rows < r_end
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < N
-        wrow = (e.to(tl.int64) * N + n.to(tl.int64))[:, None]
-        x_rows = tl.load(src + rows, mask=rmask, other=0) if GATHER else rows
+        rows, rmask, n, nmask, wrow, x_rows = _tile(tile_row, tile_end, tile, e, src, N, GATHER, BM, BN)
         xr = x + x_rows.to(tl.int64)[:, None] * K + tl.arange(0, 16)[None, :]
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc_up = tl.zeros((BM, BN), dtype=tl.float32)
@@ -163,11 +183,7 @@ def _moe_mm(x, qs, d, uqs, ud, bias, ubias, y, tile_expert, tile_row, tile_end, 
                 acc_up += tl.load(ubias + at, mask=nmask, other=0.0)[None, :]
         if GATED:
             acc = _glu(acc, acc_up, ACT)
-        y_rows = tl.load(dst + rows, mask=rmask, other=0) if SCATTER else rows
-        if SCALE:
-            acc = acc * tl.load(scale + y_rows, mask=rmask, other=0.0)[:, None]
-        tl.store(y + y_rows.to(tl.int64)[:, None] * N + n[None, :], acc.to(y.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
+        _store_tile(y, dst, scale, acc, rows, rmask, n, nmask, N, SCATTER, SCALE)
 
 
 @triton.jit
