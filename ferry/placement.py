@@ -278,8 +278,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
-    GPU, the staging buffers for routed experts left in RAM (three layers' worth: two sets of slots and the
-    buffer copies land in; two sets of three of the largest expert tensors where the experts stay as copied).
+    GPU, the staging buffers for routed experts left in RAM (a layer's slots and the buffer copies land in; two sets
+    of three of the largest expert tensors where the experts stay as copied).
     `available`: free bytes per device (CPU: RAM). `cache`: what the KV cache holds per position (default: the
     model's keys and values; MLA's latent: Model.cache_layout). `n_batch`: the logical
     batch whose rows meet at each MoE layer when routed experts in RAM are taken layer first (0: not so), whose
@@ -348,9 +348,12 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
                     and place(name, args.n_layer, n_gpu_layers, overrides, layers) == "CPU"):
                 in_ram[m.group(1)] = in_ram.get(m.group(1), 0) + size
                 largest = max(largest, size)
-        # the streamer's buffers: for experts spread to a Split's slots, the compact buffer copies land in and two
-        # sets of slots; for experts left as copied (streamer.Compact), two sets of three buffers of the largest
-        need(gpus[0]).compute += 3 * max((v for i, v in in_ram.items() if int(i) not in expands), default=0)
+        # the streamer's buffers: for experts spread to a Split's slots, one set of slots and the compact buffer
+        # copies land in (the largest tensor); for experts left as copied (streamer.Compact), two sets of three
+        # buffers of the largest
+        spread = max((v for i, v in in_ram.items() if int(i) not in expands), default=0)
+        if spread:
+            need(gpus[0]).compute += spread + largest
         if any(int(i) in expands for i in in_ram):
             need(gpus[0]).compute += 2 * 3 * largest
         if in_ram and n_batch:  # the batch's residual and normed rows per u-batch and joined; each pair's rows

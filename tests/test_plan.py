@@ -38,9 +38,9 @@ def _plan(tiny, ngl, available, ot=(), n_ctx=4096, kv=(2, 2), kv_on_gpu=False):
                        kv_on_gpu=kv_on_gpu)
 
 
-def test_the_hybrid_runtime_plans_every_kv_cache_and_three_layers_of_expert_staging_on_the_gpu(tiny):
+def test_the_hybrid_runtime_plans_every_kv_cache_and_a_layer_of_expert_staging_on_the_gpu(tiny):
     """With one GPU, ferry keeps activations and the whole KV cache there; experts left in RAM need staging
-    buffers: two alternating sets of slots and the buffer copies land in, each one layer's experts."""
+    buffers: one set of slots for a layer's experts, and the buffer copies land in, the largest expert tensor's."""
     f = GGUFFile(tiny)
     a = ModelArgs.from_gguf(f)
     dev = lambda p, d: next((x for x in p.devices if x.device == d), None)  # noqa: E731
@@ -50,7 +50,8 @@ def test_the_hybrid_runtime_plans_every_kv_cache_and_three_layers_of_expert_stag
     plain, hybrid = dev(_plan(tiny, 999, {}, ot=["exps=CPU"]), "CUDA0"), dev(_plan(tiny, 999, {}, ot=["exps=CPU"],
                                                                                    kv_on_gpu=True), "CUDA0")
     layer0 = sum(t.nbytes for t in f.tensors.values() if t.name.startswith("blk.0.") and "_exps" in t.name)
-    assert hybrid.compute - plain.compute == 3 * layer0 and hybrid.weights == plain.weights
+    largest = max(t.nbytes for t in f.tensors.values() if "_exps" in t.name)
+    assert hybrid.compute - plain.compute == layer0 + largest and hybrid.weights == plain.weights
 
 
 def test_the_gpu_compute_estimate_counts_the_prompt_graphs_pool_up_to_their_largest_u_batch(tiny):

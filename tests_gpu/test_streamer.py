@@ -1,6 +1,7 @@
-"""The streamer's expert staging: experts copied from registered host memory into alternating slot sets, spread to
-the split layout on their own stream, give the bytes Split.of gives, even when stagings follow one another without
-the host waiting (they share the compact buffers the copies land in)."""
+"""The streamer's expert staging: experts copied from registered host memory into one compact buffer, spread to the
+split layout's slots on their own stream, give the bytes Split.of gives, even when stagings follow one another without
+the host waiting; one set of slots serves every layer, each layer's spreading waiting for the release of the one
+before."""
 
 import mmap
 
@@ -32,17 +33,15 @@ def test_back_to_back_stagings_fill_their_slots_with_the_file_bytes(hit):
     layers = [_layer(i) for i in range(4)]
     streamer = Streamer(torch.device("cuda"), [w for layer in layers for w in layer])
     assert streamer.pinned, streamer.why
-    staged = []
-    for i, layer in enumerate(layers):  # slots alternate, as MoE layers do; no host wait in between
-        slot = ("moe", i % 2)
-        staged.append(streamer.stage_experts(layer, hit, slot))
-        stream = torch.cuda.current_stream()
+    staged, got = [], None
+    stream = torch.cuda.current_stream()
+    for i, layer in enumerate(layers):  # as MoE layers run: stage, compute, release; no host wait in between
+        staged.append(streamer.stage_experts(layer, hit, ("moe", i % 2)))
         for _, done in staged[-1]:
             stream.wait_event(done)
-        if i >= 1:  # the compute stream has read the layer before: its slots may be refilled
-            streamer.release(("moe", (i - 1) % 2))
-        if i == 2:  # what layer 2 holds, read before layer 3's staging refills the buffers copies land in
+        if i == 2:  # what layer 2 holds, read on the compute stream before its release lets layer 3 refill the slots
             got = [[s.expert(e).qs.clone() for e in hit] for s, _ in staged[-1]]
+        streamer.release(("moe", i % 2))
     torch.cuda.synchronize()
     for s_got, w in zip(got, layers[2]):
         full = Split.of(w.host_tensor().cuda(), w.qtype, w.ne)
@@ -53,6 +52,10 @@ def test_back_to_back_stagings_fill_their_slots_with_the_file_bytes(hit):
         for e in hit:
             assert torch.equal(s.expert(e).qs, full.expert(e).qs) and torch.equal(
                 s.expert(e).d.view(torch.int16), full.expert(e).d.view(torch.int16)), f"{w.name} expert {e}"
+    # one set of slots (a layer) and the one buffer copies land in (a tensor), as memory_plan counts them
+    tensor = layers[0][0].data.nbytes
+    assert streamer.staging_bytes() == 3 * tensor + tensor
+    assert all(s is t for (s, _), (t, _) in zip(staged[0], staged[3]))
     streamer.close()
 
 

@@ -3,14 +3,17 @@
 events the compute stream waits on, so copies overlap compute.
 
 A stacked expert tensor is staged into a buffer with a slot for every expert: only the experts a u-batch routes
-to are copied (runs of neighbours as one copy), into a compact buffer, then spread to their slots in the split
-Q8_0 / Q4_0 / MXFP4 layout the GPU kernels read (layout.Split), by a kernel on a third stream: on the copy stream it
-made every later copy wait until the compute stream's kernels left it room to run. Experts of the other types (K-quants,
+to are copied (runs of neighbours as one copy), into one compact buffer shared by every tensor, then spread to their
+slots in the split Q8_0 / Q4_0 / MXFP4 layout the GPU kernels read (layout.Split), by a kernel on a third stream: on
+the copy stream it made every later copy wait until the compute stream's kernels left it room to run. One set of
+slots serves every layer: a layer's spreading waits until the compute stream has released the layer before, while its
+copies, the long part, run beside that layer's compute; so streaming holds a layer and one tensor of GPU memory, which
+the fit gives to experts kept on the GPU instead (docs/decisions.md, "One staging set"). Experts of the other types (K-quants,
 IQ4_XS, ...: those ggml-style files hold most) stay as copied, their GGUF blocks in the order of the experts copied
 (Compact), in a compact buffer of each staging set: the few-token kernels read K-quants there in place, and a prompt
 expands one projection at a time to bfloat16 for torch's grouped GEMM (CudaBackend.held_pairs), in the scratch the
-GPU's own such experts use. Two sets of slots alternate between MoE layers, so one layer's copies can run while the
-previous layer still computes."""
+GPU's own such experts use. Their two staging sets alternate between MoE layers, so one layer's copies can run while
+the previous layer still computes."""
 
 from __future__ import annotations
 
@@ -74,6 +77,7 @@ class Streamer:
         self._raw: dict[tuple, torch.Tensor] = {}  # compact buffers copies land in (stream-ordered: shared by slots)
         self._rows: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}  # see _expert_rows
         self._released: dict[object, torch.cuda.Event] = {}
+        self._last_release: torch.cuda.Event | None = None  # the newest release(): the split slots are free after it
         self._registered: list[int] = []
         self.bytes_copied = 0
         # one cudaMemcpyAsync through ctypes costs ~1 us of host time, a torch copy_ ~10: a u-batch that hits 100
@@ -132,12 +136,14 @@ class Streamer:
 
     def stage_experts(self, weights: list[Weight], experts: list[int], slot,
                       expand: bool = False) -> list[tuple[object, torch.cuda.Event]]:
-        """Copy `experts` (sorted) of each stacked tensor into staging set `slot`, in order, on the copy stream:
-        per tensor, (a Split with those experts' slots filled, or with `expand` a Compact, the event after which
-        they are there). Host time matters here (generation stages a few experts per layer): one cudaMemcpyAsync per
-        run of neighbouring experts from precomputed addresses, and one kernel per tensor that spreads the blocks to
-        their slots. expand: for a layer with any expert tensor of a type other than Q8_0 / Q4_0 / MXFP4, so that
-        all three reach the GPU alike: copied into the set's own compact buffers, left as they land."""
+        """Copy `experts` (sorted) of each stacked tensor to the GPU, in order, on the copy stream: per tensor, (a
+        Split with those experts' slots filled, or with `expand` a Compact, the event after which they are there).
+        Host time matters here (generation stages a few experts per layer): one cudaMemcpyAsync per run of
+        neighbouring experts from precomputed addresses, and one kernel per tensor that spreads the blocks to their
+        slots. The Splits are the one set every layer shares: the caller releases the layer before (release) before
+        it stages the next, and their spreading waits for that release. expand: for a layer with any expert tensor of
+        a type other than Q8_0 / Q4_0 / MXFP4, so that all three reach the GPU alike: copied into staging set
+        `slot`'s own compact buffers, left as they land."""
         from ferry.kernels.cuda.layout import Blocks
         from ferry.kernels.cuda.moe import unpack_experts
 
@@ -160,7 +166,7 @@ class Streamer:
                                                                    device=self.device))
             handle = stream.cuda_stream
             for i, w in enumerate(weights):
-                raw, host, per = self._expert_rows(w, (slot, i), self._compact) if expand else self._expert_rows(w, i)
+                raw, host, per = self._expert_rows(w, (slot, i) if expand else "split", self._compact)
                 if id(raw) in self._unpacked:  # its last contents spread to their slots (long done, as a rule)
                     stream.wait_event(self._unpacked[id(raw)])
                 dst, src = raw.data_ptr(), host.data_ptr()
@@ -179,7 +185,9 @@ class Streamer:
                     continue
                 with torch.cuda.stream(unpack):
                     unpack.wait_event(copied)
-                    staged = self._split_for(w, (slot, i, w.qtype, w.ne))
+                    if self._last_release is not None:  # the layer before has been read: its slots may change
+                        unpack.wait_event(self._last_release)
+                    staged = self._split_for(w, (i, w.qtype, w.ne))
                     unpack_experts(raw, ids, staged)
                     done = torch.cuda.Event()
                     done.record(unpack)
@@ -187,16 +195,15 @@ class Streamer:
                 out.append((staged, done))
         return out
 
-    def _expert_rows(self, w: Weight, role, nbytes: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _expert_rows(self, w: Weight, role, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The compact GPU buffer of role `role` that w's experts are copied into, w's bytes in the mmap (both flat
-        uint8), and the bytes per expert. role: a tensor's place in its layer (a buffer for each type and shape), or
-        with its staging set (slot, place) a buffer of `nbytes` whatever the tensor (a Q4_K_M file's downs are Q4_K
-        in some layers, Q6_K in others: one buffer, as memory_plan counts it)."""
-        key = (role, "any") if nbytes else (role, w.qtype, w.ne)
-        entry = self._rows.get((key, id(w)))
+        uint8), and the bytes per expert. role: "split" (the one buffer every tensor spread to a Split lands in), or a
+        staging set and a tensor's place in its layer (slot, place); each a buffer of `nbytes` whatever the tensor (a
+        Q4_K_M file's downs are Q4_K in some layers, Q6_K in others: one buffer, as memory_plan counts it)."""
+        entry = self._rows.get((role, id(w)))
         if entry is None:
-            entry = self._rows[key, id(w)] = (self._buffer(key, nbytes or w.data.nbytes), self.host(w).view(-1),
-                                              w.data.nbytes // w.ne[2])
+            entry = self._rows[role, id(w)] = (self._buffer(role, nbytes), self.host(w).view(-1),
+                                               w.data.nbytes // w.ne[2])
         return entry
 
     def stage(self, w: Weight, slot) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -232,7 +239,7 @@ class Streamer:
         """The compute stream has been given all work that reads staging set `slot`: the next copy into it waits."""
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
-        self._released[slot] = ev
+        self._released[slot] = self._last_release = ev
 
     def staging_bytes(self) -> int:
         """GPU bytes held for staging so far."""

@@ -303,18 +303,26 @@ class CudaGraphRunner:
         def op_sets() -> list[CudaOps]:
             return [self._ops(model, b, i.tokens, i.pos, i.cells) for i, (_, b) in zip(inputs, forwards)]
 
+        n_tokens = max(b.n_tokens for _, b in forwards)
+        # a prompt's buffers cached by one stream serve no other stream nor the graph's pool: the eager run before,
+        # the warm-up and the recording would each hold a u-batch's worth at once, past what the fit left (gpt-oss-20b
+        # at 8 GiB ran out of memory recording), so each gives its cache back before the next begins
+        prompt = n_tokens > DECODE_MAX
+        if prompt:
+            torch.cuda.empty_cache()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             run(op_sets())
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if prompt:
+            torch.cuda.empty_cache()
         routed.expert_ids = []
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         opss = op_sets()
         for i, ops in zip(inputs, opss):
             i.ops = ops
-        n_tokens = max(b.n_tokens for _, b in forwards)
         decided = self.backend.decided(n_tokens)
         if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1:
             graph = torch.cuda.CUDAGraph()
@@ -340,6 +348,6 @@ class CudaGraphRunner:
                     gc.enable()
             torch.cuda.current_stream(self.device).wait_stream(stream)
         graph.replay()
-        if n_tokens > DECODE_MAX:  # the warm-up's cached blocks belong to its stream: give them back
+        if prompt:  # what the recording's host steps ran eagerly
             torch.cuda.empty_cache()
         return _Captured(inputs, logits, list(routed.expert_ids), graph, decided)
