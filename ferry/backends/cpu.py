@@ -120,6 +120,7 @@ class CpuBackend:
         self.native_kernels = settings().native_kernels if native_kernels is None else native_kernels
         self._kernels: dict[tuple, native.MoeExperts] = {}  # ferry's expert kernel per shape and types
         self._dense_kernel: native.Dense | None = None  # ferry's matrix kernel, made at first use
+        self._attention: native.Attention | None = None  # ferry's attention kernel, made at first use
         self._placeholder = np.zeros(_ALIGN, dtype=np.uint8)
         self.placeholder = self._placeholder.ctypes.data
 
@@ -355,6 +356,22 @@ class CpuBackend:
                     at = w.data.ctypes.data if kind == "plain" else w.repacked.tensor.contents.data
             known = w.graphs["native linear"] = (self, at)
         return known[1]
+
+    def native_attention(self, q, keys, values) -> native.Attention | None:
+        """ferry's attention kernel for a graph's attention of q (d, n_head, n) over these cache views (ggml tensors),
+        where it reads them (native.Attention.reads: float16, heads of up to 256 values) and has work for each of the
+        graph's threads (Attention.fills); None where ggml's flash attention runs it."""
+        q, k, v = q.contents, keys.contents, values.contents
+        if not self.native_kernels or not native.Attention.reads(k.ne[0], v.ne[0], k.type, v.type):
+            return None
+        lib = native.library()
+        if lib is None:
+            return None
+        if self._attention is None:
+            self._attention = native.Attention(lib, self.n_threads_batch)
+        n = q.ne[2]
+        return self._attention if self._attention.fills(n, q.ne[1], k.ne[2], self.n_threads if n == 1 else
+                                                        self.n_threads_batch) else None
 
     def _dense(self) -> native.Dense:
         if self._dense_kernel is None:

@@ -1,6 +1,7 @@
 /* ferry's CPU matrix kernels: routed experts of one token (ferry_moe_experts) or of many (ferry_moe_batch: h =
- * silu(gate x) * up x for each selected expert, then the weighted sum of down h), and dense weights (ferry_linear: y =
- * W x), each also as a node of a ggml graph (ferry_moe_ggml, ferry_linear_ggml). Q4_0 and Q4_K weights in ggml's
+ * silu(gate x) * up x for each selected expert, then the weighted sum of down h), dense weights (ferry_linear: y =
+ * W x) and attention over a float16 cache (ferry_attention, at the end of the file), each also as a node of a ggml
+ * graph (ferry_moe_ggml, ferry_linear_ggml, ferry_attention_ggml). Q4_0 and Q4_K weights in ggml's
  * repacked CPU layouts (the copies CpuBackend.repack made), Q5_K, Q6_K and IQ4_XS in their plain GGUF layouts (ggml
  * has no repacked ones for them), Q8_0 in a layout of ferry's own (ferry_repack_q8_0; dense weights). A Q4_K_M file's
  * MoE layers are Q4_K up and gate with Q4_K or Q6_K down, a Q5_K_M file's Q5_K with Q5_K or Q6_K, an IQ4_XS file's
@@ -1067,6 +1068,289 @@ void ferry_linear_ggml(void *dst, int ith, int nth, void *userdata) {
     const linear_call c = {data_of(x, f), row_stride(x, f, sizeof(float)), row_stride(dst, f, sizeof(float)),
                            (int)columns_of(dst, f), l->m, l->k, l->type, l->w, data_of(dst, f), *l->scratch};
     linear_body(&c, ith, nth, l->barrier);
+#else
+    (void)dst, (void)ith, (void)nth, (void)userdata;
+#endif
+}
+
+/* Attention of many queries over a float16 cache (ferry_attention, ferry_attention_ggml): out = softmax(scale q k^T +
+ * mask) v per query row and head, each group of heads sharing a key head (GQA) read against one block of keys at a
+ * time. A unit of work is (key head, heads of its group, a tile of queries): ATT_ROWS rows at most, each key block
+ * converted to float32 once for all of them (the keys transposed, so that a row's 64 scores are 4 registers of one
+ * broadcast and 4 loads per dimension), scores turned into weights by an online softmax (exp by a polynomial and
+ * scalef), the values added row by row. A unit's keys run from the first to the last position any of its rows' mask
+ * leaves open (the causal or sliding mask's closed blocks are skipped). ggml's own flash attention reads every key and
+ * value once per query row, converting the query to float16. Rows with every key masked get zeros; `sinks` (one
+ * logit per head, gpt-oss's) join each head's softmax denominator. */
+#define ATT_KEYS 64   /* keys a block */
+#define ATT_ROWS 64   /* (query, head) rows a unit: the key block's conversion is shared by them */
+#define ATT_DIM 256   /* the largest head size (keys' and values'); larger ones stay with ggml */
+
+typedef struct {
+    const uint8_t *q, *k, *v, *mask; /* q float32, k v mask float16; mask NULL: every key open */
+    int64_t q_row, q_head, k_row, k_head, v_row, v_head, mask_row; /* byte strides */
+    const float *sinks;              /* (n_head) or NULL */
+    float *out;                      /* (n, n_head, d_v) */
+    int n, n_kv, n_head, n_kv_head, d, d_v;
+    float scale;
+} attn_call;
+
+static int attn_valid(const attn_call *c) {
+    return c->d > 0 && c->d <= ATT_DIM && c->d % 16 == 0 && c->d_v > 0 && c->d_v <= ATT_DIM && c->d_v % 16 == 0 &&
+           c->n_kv_head > 0 && c->n_head % c->n_kv_head == 0 && c->n > 0 && c->n_kv >= 0;
+}
+
+#if FAST
+/* e^x for x <= 0 (2^(x log2 e): the fraction's power by its Taylor polynomial to degree 6, relative error 2e-7),
+ * 0 where x is -inf */
+static inline __m512 exp_neg(__m512 x) {
+    const __mmask16 open = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(1.44269504089f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(open, _mm512_scalef_ps(p, n));
+}
+
+/* S[r][0..64) = Qs[r] . keys for `rows` rows of d values: kt holds the block's keys transposed (d x ATT_KEYS) */
+static void att_scores(const float *qs, int rows, int d, const float *kt, float *s) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+        __m512 acc[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int k = 0; k < d; k++) {
+            const float *col = kt + (size_t)k * ATT_KEYS;
+            const __m512 k0 = _mm512_load_ps(col), k1 = _mm512_load_ps(col + 16), k2 = _mm512_load_ps(col + 32),
+                         k3 = _mm512_load_ps(col + 48);
+            for (int i = 0; i < 4; i++) {
+                const __m512 qv = _mm512_set1_ps(qs[(size_t)(r + i) * d + k]);
+                acc[i][0] = _mm512_fmadd_ps(qv, k0, acc[i][0]);
+                acc[i][1] = _mm512_fmadd_ps(qv, k1, acc[i][1]);
+                acc[i][2] = _mm512_fmadd_ps(qv, k2, acc[i][2]);
+                acc[i][3] = _mm512_fmadd_ps(qv, k3, acc[i][3]);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) _mm512_store_ps(s + (size_t)(r + i) * ATT_KEYS + 16 * j, acc[i][j]);
+    }
+    for (; r < rows; r++) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int k = 0; k < d; k++) {
+            const float *col = kt + (size_t)k * ATT_KEYS;
+            const __m512 qv = _mm512_set1_ps(qs[(size_t)r * d + k]);
+            for (int j = 0; j < 4; j++) acc[j] = _mm512_fmadd_ps(qv, _mm512_load_ps(col + 16 * j), acc[j]);
+        }
+        for (int j = 0; j < 4; j++) _mm512_store_ps(s + (size_t)r * ATT_KEYS + 16 * j, acc[j]);
+    }
+}
+
+/* o (d_v) = o alpha + sum over the block's nk keys of p[j] vf[j]; DV16 a constant in each call (registers) */
+static inline __attribute__((always_inline)) void att_values(float *o, float alpha, const float *p, const float *vf,
+                                                              int nk, const int DV16) {
+    __m512 acc[ATT_DIM / 16];
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int i = 0; i < DV16; i++) acc[i] = _mm512_mul_ps(_mm512_load_ps(o + 16 * i), a);
+    for (int j = 0; j < nk; j++) {
+        if (p[j] == 0.0f) continue; /* a closed key */
+        const __m512 pj = _mm512_set1_ps(p[j]);
+        const float *row = vf + (size_t)j * ATT_DIM;
+        for (int i = 0; i < DV16; i++) acc[i] = _mm512_fmadd_ps(pj, _mm512_load_ps(row + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < DV16; i++) _mm512_store_ps(o + 16 * i, acc[i]);
+}
+
+static void att_values_any(float *o, float alpha, const float *p, const float *vf, int nk, int d_v) {
+    switch (d_v / 16) {
+    case 4: att_values(o, alpha, p, vf, nk, 4); break;
+    case 8: att_values(o, alpha, p, vf, nk, 8); break;
+    case 16: att_values(o, alpha, p, vf, nk, 16); break;
+    default: {
+        for (int i = 0; i < d_v; i++) o[i] *= alpha;
+        for (int j = 0; j < nk; j++)
+            for (int i = 0; i < d_v; i++) o[i] += p[j] * vf[(size_t)j * ATT_DIM + i];
+    }
+    }
+}
+
+static inline const uint16_t *mask_row_of(const attn_call *c, int i) {
+    return (const uint16_t *)(c->mask + (int64_t)i * c->mask_row);
+}
+
+/* the open keys [first, last) of query i's mask row */
+static void open_range(const attn_call *c, int i, int *first, int *last) {
+    if (c->mask == NULL) {
+        *first = 0, *last = c->n_kv;
+        return;
+    }
+    const uint16_t *m = mask_row_of(c, i);
+    int a = 0, b = c->n_kv;
+    while (a < b && m[a] == 0xfc00) a++; /* float16 -inf */
+    while (b > a && m[b - 1] == 0xfc00) b--;
+    *first = a, *last = b;
+}
+
+typedef struct {
+    float qs[ATT_ROWS * ATT_DIM], kt[ATT_DIM * ATT_KEYS], vf[ATT_KEYS * ATT_DIM], s[ATT_ROWS * ATT_KEYS],
+        o[ATT_ROWS * ATT_DIM], m[ATT_ROWS], l[ATT_ROWS];
+} att_scratch;
+
+static _Thread_local att_scratch att_tls __attribute__((aligned(64)));
+
+/* unit u: key head g, heads h0.. of its group (hn of them), queries i0.. (qn of them) */
+static void att_unit(const attn_call *c, int g, int h0, int hn, int i0, int qn) {
+    att_scratch *w = &att_tls;
+    const int group = c->n_head / c->n_kv_head, rows = hn * qn, d = c->d, d_v = c->d_v;
+    int lo = c->n_kv, hi = 0;
+    for (int ii = 0; ii < qn; ii++) {
+        int a, b;
+        open_range(c, i0 + ii, &a, &b);
+        if (a < b) lo = a < lo ? a : lo, hi = b > hi ? b : hi;
+    }
+    for (int r = 0; r < rows; r++) { /* row r: query i0 + r / hn, head g group + h0 + r % hn; q scaled */
+        const float *q = (const float *)(c->q + (int64_t)(i0 + r / hn) * c->q_row +
+                                         (int64_t)(g * group + h0 + r % hn) * c->q_head);
+        for (int k = 0; k < d; k++) w->qs[(size_t)r * d + k] = q[k] * c->scale;
+        w->m[r] = -INFINITY, w->l[r] = 0.0f;
+        memset(w->o + (size_t)r * ATT_DIM, 0, sizeof(float) * d_v);
+    }
+    const uint8_t *kbase = c->k + (int64_t)g * c->k_head, *vbase = c->v + (int64_t)g * c->v_head;
+    for (int kb = lo; kb < hi; kb += ATT_KEYS) {
+        const int nk = hi - kb < ATT_KEYS ? hi - kb : ATT_KEYS;
+        for (int j = 0; j < ATT_KEYS; j++) { /* keys transposed, the block's missing ones zero; values in rows */
+            if (j < nk) {
+                const uint16_t *kr = (const uint16_t *)(kbase + (int64_t)(kb + j) * c->k_row);
+                const uint16_t *vr = (const uint16_t *)(vbase + (int64_t)(kb + j) * c->v_row);
+                for (int k = 0; k < d; k += 16) {
+                    float tmp[16];
+                    _mm512_storeu_ps(tmp, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr + k))));
+                    for (int t = 0; t < 16; t++) w->kt[(size_t)(k + t) * ATT_KEYS + j] = tmp[t];
+                }
+                for (int k = 0; k < d_v; k += 16)
+                    _mm512_store_ps(w->vf + (size_t)j * ATT_DIM + k,
+                                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vr + k))));
+            } else {
+                for (int k = 0; k < d; k++) w->kt[(size_t)k * ATT_KEYS + j] = 0.0f;
+            }
+        }
+        att_scores(w->qs, rows, d, w->kt, w->s);
+        for (int r = 0; r < rows; r++) {
+            float *s = w->s + (size_t)r * ATT_KEYS;
+            const uint16_t *mr = c->mask ? mask_row_of(c, i0 + r / hn) + kb : NULL;
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int j = 0; j < ATT_KEYS; j += 16) {
+                const __mmask16 in = nk - j >= 16 ? 0xffff : nk > j ? (__mmask16)((1u << (nk - j)) - 1) : 0;
+                __m512 v = _mm512_load_ps(s + j);
+                if (mr) v = _mm512_add_ps(v, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, mr + j)));
+                v = _mm512_mask_blend_ps(in, _mm512_set1_ps(-INFINITY), v);
+                _mm512_store_ps(s + j, v);
+                mx = _mm512_max_ps(mx, v);
+            }
+            const float bmax = _mm512_reduce_max_ps(mx), m_new = bmax > w->m[r] ? bmax : w->m[r];
+            if (m_new == -INFINITY) continue; /* every key so far closed to this row */
+            const float alpha = w->m[r] == -INFINITY ? 0.0f : expf(w->m[r] - m_new);
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < ATT_KEYS; j += 16) {
+                const __m512 p = exp_neg(_mm512_sub_ps(_mm512_load_ps(s + j), _mm512_set1_ps(m_new)));
+                _mm512_store_ps(s + j, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            w->l[r] = w->l[r] * alpha + _mm512_reduce_add_ps(sum);
+            w->m[r] = m_new;
+            att_values_any(w->o + (size_t)r * ATT_DIM, alpha, s, w->vf, nk, d_v);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const int i = i0 + r / hn, h = g * group + h0 + r % hn;
+        float l = w->l[r], scale = 1.0f;
+        if (c->sinks) { /* the sink's share of the denominator, at the larger of the two maxima */
+            const float m = w->m[r], sink = c->sinks[h], top = sink > m ? sink : m;
+            scale = m == -INFINITY ? 0.0f : expf(m - top);
+            l = l * scale + expf(sink - top);
+        }
+        const float f = l > 0.0f ? scale / l : 0.0f;
+        float *out = c->out + ((int64_t)i * c->n_head + h) * d_v;
+        for (int k = 0; k < d_v; k++) out[k] = w->o[(size_t)r * ATT_DIM + k] * f;
+    }
+}
+
+#endif
+
+/* the units of work of n queries (att_body): at most this many threads have work */
+int64_t ferry_attention_units(int n, int n_head, int n_kv_head) {
+    const int group = n_head / n_kv_head, hn = group < ATT_ROWS ? group : ATT_ROWS, qn = ATT_ROWS / hn;
+    return (int64_t)n_kv_head * ((group + hn - 1) / hn) * ((n + qn - 1) / qn);
+}
+
+#if FAST
+/* thread t of nt: units t, t + nt, ... (interleaved, so that causal masks' longer later tiles spread) */
+static void att_body(const attn_call *c, int t, int nt) {
+    const int group = c->n_head / c->n_kv_head, hn = group < ATT_ROWS ? group : ATT_ROWS;
+    const int chunks = (group + hn - 1) / hn, qn = ATT_ROWS / hn;
+    const int tiles = (c->n + qn - 1) / qn;
+    const int64_t units = ferry_attention_units(c->n, c->n_head, c->n_kv_head);
+    for (int64_t u = t; u < units; u += nt) {
+        const int tile = (int)(u % tiles), chunk = (int)(u / tiles % chunks), g = (int)(u / tiles / chunks);
+        const int h0 = chunk * hn, i0 = tile * qn;
+        att_unit(c, g, h0, group - h0 < hn ? group - h0 : hn, i0, c->n - i0 < qn ? c->n - i0 : qn);
+    }
+}
+#endif
+
+/* out (n, n_head, d_v) float32: q (float32) rows of query i and head h at q + i q_row + h q_head (bytes), k and v
+ * (float16) rows of position j and key head g at k + j k_row + g k_head, mask (float16, n_kv a row, NULL: none)
+ * rows mask_row bytes apart, sinks (n_head) or NULL. -1 where the sizes are not ones it covers, -2 without AVX512 */
+int ferry_attention(const uint8_t *q, int64_t q_row, int64_t q_head, const uint8_t *k, int64_t k_row, int64_t k_head,
+                    const uint8_t *v, int64_t v_row, int64_t v_head, const uint8_t *mask, int64_t mask_row,
+                    const float *sinks, float *out, int n, int n_kv, int n_head, int n_kv_head, int d, int d_v,
+                    float scale, int n_threads) {
+#if !FAST
+    return -2;
+#else
+    const attn_call c = {q, k, v, mask, q_row, q_head, k_row, k_head, v_row, v_head, mask_row, sinks, out, n, n_kv,
+                         n_head, n_kv_head, d, d_v, scale};
+    if (!attn_valid(&c)) return -1;
+#pragma omp parallel num_threads(n_threads)
+    att_body(&c, omp_get_thread_num(), omp_get_num_threads());
+    return 0;
+#endif
+}
+
+/* ferry_attention as a node of a ggml graph: dst (d_v, n_head, n) float32 from src[0] q (d, n_head, n) float32,
+ * src[1] k (d, n_kv, n_kv_head) and src[2] v (d_v, n_kv, n_kv_head) float16 (views of the cache, n_kv set at each
+ * run), src[3] the mask (n_kv, >= n) float16 and, with_sinks, src[4] the sinks (n_head) float32 */
+typedef struct {
+    float scale;
+    int with_sinks;
+    tensor_fields f;
+} ferry_ggml_attention;
+
+size_t ferry_ggml_attention_size(void) { return sizeof(ferry_ggml_attention); }
+
+static int64_t ne_of(const void *t, const tensor_fields *f, int i) {
+    return ((const int64_t *)((const uint8_t *)t + f->ne))[i];
+}
+static int64_t nb_of(const void *t, const tensor_fields *f, int i) {
+    return (int64_t)((const size_t *)((const uint8_t *)t + f->nb))[i];
+}
+
+void ferry_attention_ggml(void *dst, int ith, int nth, void *userdata) {
+#if FAST
+    const ferry_ggml_attention *a = (const ferry_ggml_attention *)userdata;
+    const tensor_fields *f = &a->f;
+    const void *q = src_of(dst, f, 0), *k = src_of(dst, f, 1), *v = src_of(dst, f, 2), *mask = src_of(dst, f, 3);
+    const attn_call c = {data_of(q, f), data_of(k, f), data_of(v, f), data_of(mask, f), nb_of(q, f, 2), nb_of(q, f, 1),
+                         nb_of(k, f, 1), nb_of(k, f, 2), nb_of(v, f, 1), nb_of(v, f, 2), nb_of(mask, f, 1),
+                         a->with_sinks ? (const float *)data_of(src_of(dst, f, 4), f) : NULL, data_of(dst, f),
+                         (int)ne_of(q, f, 2), (int)ne_of(k, f, 1), (int)ne_of(q, f, 1), (int)ne_of(k, f, 2),
+                         (int)ne_of(q, f, 0), (int)ne_of(v, f, 0), a->scale};
+    att_body(&c, ith, nth);
 #else
     (void)dst, (void)ith, (void)nth, (void)userdata;
 #endif

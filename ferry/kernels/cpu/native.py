@@ -2,7 +2,8 @@
 
 So far the routed experts, of one token or of many, for Q4_0 and Q4_K weights in ggml's repacked layouts and Q5_K,
 Q6_K and IQ4_XS weights in their plain ones (moe_experts.c): at one token it reads them faster than ggml's mul_mat_id
-(benchmarks/expert_reads.py; docs/decisions.md), at many it reads each expert once per tile of its tokens. Where no C compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None
+(benchmarks/expert_reads.py; docs/decisions.md), at many it reads each expert once per tile of its tokens; dense
+weights; and attention over a float16 cache (Attention). Where no C compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None
 (`why_not()` says why) and ggml runs those experts."""
 
 from __future__ import annotations
@@ -86,6 +87,15 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             lib.ferry_ggml_moe_size.restype = ctypes.c_size_t
             if lib.ferry_ggml_moe_size() != ctypes.sizeof(_GgmlMoe):
                 raise OSError("moe_experts.c's ferry_ggml_moe and native.py's _GgmlMoe differ")
+            lib.ferry_ggml_attention_size.restype = ctypes.c_size_t
+            if lib.ferry_ggml_attention_size() != ctypes.sizeof(_GgmlAttention):
+                raise OSError("moe_experts.c's ferry_ggml_attention and native.py's _GgmlAttention differ")
+            i64 = ctypes.c_int64
+            lib.ferry_attention_units.restype = i64
+            lib.ferry_attention_units.argtypes = [i, i, i]
+            lib.ferry_attention.restype = ctypes.c_int
+            lib.ferry_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i, i, i, i, i, i,
+                                            ctypes.c_float, i]
             _built[key] = lib if lib.ferry_moe_fast() else (
                 "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for")
         except (OSError, subprocess.SubprocessError) as e:
@@ -107,6 +117,12 @@ class _GgmlLinear(ctypes.Structure):
     """moe_experts.c's ferry_ggml_linear: a dense weight's fixed operands of the graph node."""
     _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int), ("m", ctypes.c_int), ("k", ctypes.c_int),
                 ("scratch", ctypes.c_void_p), ("barrier", ctypes.c_void_p), ("off_ne", ctypes.c_int64),
+                ("off_nb", ctypes.c_int64), ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64)]
+
+
+class _GgmlAttention(ctypes.Structure):
+    """moe_experts.c's ferry_ggml_attention: the node's scale and whether it reads sinks."""
+    _fields_ = [("scale", ctypes.c_float), ("with_sinks", ctypes.c_int), ("off_ne", ctypes.c_int64),
                 ("off_nb", ctypes.c_int64), ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64)]
 
 
@@ -266,3 +282,56 @@ class Dense:
         args = (ctypes.POINTER(ggml.ggml_tensor) * 1)(x)
         keep += [fixed, fun, args, self._nodes, self._barrier]
         return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, m, n, 1, 1, args, 1, fun, -1, ctypes.addressof(fixed))
+
+
+class Attention:
+    """Attention over a float16 cache through moe_experts.c (ferry_attention): softmax(scale q k^T + mask) v for each
+    query row and head, heads sharing key heads (GQA), with gpt-oss's sinks; head sizes up to MAX_DIM, in multiples
+    of 16 (`reads`). ggml's flash attention runs the rest."""
+
+    MAX_DIM = 256
+
+    def __init__(self, lib: ctypes.CDLL, n_threads: int):
+        self.lib, self.n_threads = lib, n_threads
+
+    @classmethod
+    def reads(cls, d: int, d_v: int, type_k: int, type_v: int) -> bool:
+        """Whether the kernel takes keys of d and values of d_v values of these ggml types."""
+        f16 = ggml.GGML_TYPE_F16
+        return type_k == f16 and type_v == f16 and all(0 < x <= cls.MAX_DIM and x % 16 == 0 for x in (d, d_v))
+
+    def fills(self, n: int, n_head: int, n_kv_head: int, n_threads: int) -> bool:
+        """Whether n queries give each of n_threads threads work: the kernel splits (key head, heads, queries), not
+        the keys, so one query of few key heads leaves threads idle, where ggml's splits the keys
+        (benchmarks/cpu_attention.py: Gemma 3's decode step 0.43x ggml on 2 threads, Qwen3's 1.96x)."""
+        return self.lib.ferry_attention_units(n, n_head, n_kv_head) >= n_threads
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """q (n, n_head, d) float32, k (n_kv, n_kv_head, d) and v (n_kv, n_kv_head, d_v) float16, each with rows of
+        heads contiguous; mask (n, n_kv) float16 or None; sinks (n_head) float32 or None -> (n, n_head, d_v)."""
+        n, n_head, d = q.shape
+        n_kv, n_kv_head, d_v = v.shape
+        out = torch.empty(n, n_head, d_v, dtype=torch.float32)
+        b = lambda t, i: t.stride(i) * t.element_size()  # noqa: E731
+        failed = self.lib.ferry_attention(
+            q.data_ptr(), b(q, 0), b(q, 1), k.data_ptr(), b(k, 0), b(k, 1), v.data_ptr(), b(v, 0), b(v, 1),
+            None if mask is None else mask.data_ptr(), 0 if mask is None else b(mask, 0),
+            None if sinks is None else sinks.data_ptr(), out.data_ptr(), n, n_kv, n_head, n_kv_head, d, d_v, scale,
+            self.n_threads)
+        if failed:
+            raise ValueError(f"ferry's attention kernel does not take heads of {d} / {d_v} values")
+        return out
+
+    def node(self, ctx, q, keys, values, mask, sinks, scale: float, keep: list):
+        """As a node of a ggml graph: q (d, n_head, n) float32, keys (d, n_kv, n_kv_head) and values (d_v, n_kv,
+        n_kv_head) float16 views of the cache, the mask (n_kv, n) float16, sinks (n_head) float32 or None ->
+        (d_v, n_head, n) float32."""
+        fixed = _GgmlAttention(scale, sinks is not None, *_offsets())
+        fun = ggml.ggml_custom_op_t(ctypes.cast(self.lib.ferry_attention_ggml, ctypes.c_void_p).value)
+        srcs = [q, keys, values, mask] + ([sinks] if sinks is not None else [])
+        args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
+        keep += [fixed, fun, args]
+        return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, values.contents.ne[0], q.contents.ne[1], q.contents.ne[2],
+                                   1, args, len(srcs), fun, -1, ctypes.addressof(fixed))
+

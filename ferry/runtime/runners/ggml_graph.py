@@ -177,13 +177,19 @@ class GraphOps:
         return self._flash(q, keys, values, scale, self._mask(window), sinks)
 
     def _flash(self, q, keys, values, scale: float, mask, sinks: torch.Tensor | None = None):
-        """q (d, heads, n) against keys and values (d, n_kv, heads): (d_v * heads, n)."""
+        """q (d, heads, n) against keys and values (d, n_kv, heads): (d_v * heads, n). ferry's attention kernel where
+        it reads the cache (CpuBackend.native_attention), else ggml's flash attention."""
         c = self.c
-        q = ggml.ggml_permute(c, q, 0, 2, 1, 3)  # (d, n, heads)
-        out = ggml.ggml_flash_attn_ext(c, q, keys, values, mask, scale, 0.0, 0.0)  # (d_v, heads, n)
-        ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
-        if sinks is not None:
-            ggml.ggml_flash_attn_ext_add_sinks(out, self._vector(sinks))
+        kernel = self.backend.native_attention(q, keys, values)
+        if kernel is not None:
+            out = kernel.node(c, q, keys, values, mask, None if sinks is None else self._vector(sinks), scale,
+                              self.g.keep)
+        else:
+            q = ggml.ggml_permute(c, q, 0, 2, 1, 3)  # (d, n, heads)
+            out = ggml.ggml_flash_attn_ext(c, q, keys, values, mask, scale, 0.0, 0.0)  # (d_v, heads, n)
+            ggml.ggml_flash_attn_ext_set_prec(out, ggml.GGML_PREC_F32)
+            if sinks is not None:
+                ggml.ggml_flash_attn_ext_add_sinks(out, self._vector(sinks))
         return ggml.ggml_reshape_2d(c, out, out.contents.ne[0] * out.contents.ne[1], self.n)
 
     def cached_rows(self, layer: int, k):
