@@ -58,7 +58,7 @@ class Case:
         q, k, v, mask = self.leaves
         if ferry:
             out = native.Attention(native.library(), self.threads).node(self.ctx, q, k, v, mask, None, self.scale,
-                                                                         self.keep)
+                                                                         self.threads, self.keep)
         else:
             out = ggml.ggml_flash_attn_ext(self.ctx, ggml.ggml_permute(self.ctx, q, 0, 2, 1, 3), k, v, mask,
                                            self.scale, 0.0, 0.0)

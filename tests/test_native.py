@@ -409,12 +409,32 @@ def test_the_attention_kernel_takes_float16_heads_of_16_to_256_values_alone():
         native.Attention(native.library(), 2)(q, kv, kv, None, None, 1.0)
 
 
-def test_attention_that_leaves_threads_without_work_stays_with_ggml():
-    """The kernel splits (key head, heads, queries): a decode step of Gemma 3's one key head gives 2 threads one unit
-    (ggml's, which splits the keys, is faster there), of Qwen3's four key heads 4; a prompt's queries give many."""
-    kernel = native.Attention(native.library(), 2)
-    assert not kernel.fills(1, 4, 1, 2) and kernel.fills(40, 4, 1, 2)
-    assert kernel.fills(1, 32, 4, 2) and not kernel.fills(1, 32, 4, 16) and kernel.fills(512, 32, 4, 16)
+def test_graphs_attend_with_the_kernel_where_a_key_head_has_rows_enough():
+    """A decode step of Gemma 3 (4 heads on one key head: 4 rows) stays ggml's, faster there; Qwen3's (8 rows), a
+    2-token step of Gemma 3, prompts take the kernel."""
+    assert not native.Attention.pays(1, 4, 1) and native.Attention.pays(2, 4, 1)
+    assert native.Attention.pays(1, 32, 4) and native.Attention.pays(512, 64, 8)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 16])
+@pytest.mark.parametrize("n,n_kv,heads,kv_heads,d", [(1, 700, 4, 1, 256), (1, 2048, 32, 4, 128), (2, 300, 8, 8, 64),
+                                                     (1, 129, 4, 1, 64)])
+def test_decode_steps_split_their_keys_between_threads_and_match_float64(n, n_kv, heads, kv_heads, d, threads):
+    """Fewer units of work than threads (one query, few key heads): each unit's keys split in parts of whole blocks, one
+    a thread, the parts' maxima, sums and values combined; sinks and a sliding window too (a part may hold no open
+    key)."""
+    rng = np.random.default_rng(threads * 100 + n_kv)
+    q = rng.standard_normal((n, heads, d)).astype(np.float32)
+    k = rng.standard_normal((n_kv, kv_heads, d)).astype(np.float16)
+    v = rng.standard_normal((n_kv, kv_heads, d)).astype(np.float16)
+    sink = (2 * rng.standard_normal(heads)).astype(np.float32)
+    kernel = native.Attention(native.library(), threads)
+    for mask in (_mask(n, n_kv, "causal"), _mask(n, n_kv, "window")):
+        for s in (None, sink):
+            got = kernel(*map(torch.from_numpy, (q, k, v, mask)), None if s is None else torch.from_numpy(s),
+                         d ** -0.5).numpy()
+            ref = _attention_reference(q, k, v, mask, s, d ** -0.5)
+            assert np.linalg.norm(got - ref) <= 2e-6 * np.linalg.norm(ref)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "gpt-oss-tiny"])

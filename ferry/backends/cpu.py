@@ -359,19 +359,18 @@ class CpuBackend:
 
     def native_attention(self, q, keys, values) -> native.Attention | None:
         """ferry's attention kernel for a graph's attention of q (d, n_head, n) over these cache views (ggml tensors),
-        where it reads them (native.Attention.reads: float16, heads of up to 256 values) and has work for each of the
-        graph's threads (Attention.fills); None where ggml's flash attention runs it."""
+        where it reads them (native.Attention.reads: float16, heads of up to 256 values) and pays (Attention.pays:
+        rows enough per key head); None where ggml's flash attention runs it."""
         q, k, v = q.contents, keys.contents, values.contents
-        if not self.native_kernels or not native.Attention.reads(k.ne[0], v.ne[0], k.type, v.type):
+        if not self.native_kernels or not native.Attention.reads(k.ne[0], v.ne[0], k.type, v.type) or \
+                not native.Attention.pays(q.ne[2], q.ne[1], k.ne[2]):
             return None
         lib = native.library()
         if lib is None:
             return None
         if self._attention is None:
             self._attention = native.Attention(lib, self.n_threads_batch)
-        n = q.ne[2]
-        return self._attention if self._attention.fills(n, q.ne[1], k.ne[2], self.n_threads if n == 1 else
-                                                        self.n_threads_batch) else None
+        return self._attention
 
     def _dense(self) -> native.Dense:
         if self._dense_kernel is None:

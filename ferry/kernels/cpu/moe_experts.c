@@ -37,6 +37,7 @@
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -1203,8 +1204,23 @@ typedef struct {
 
 static _Thread_local att_scratch att_tls __attribute__((aligned(64)));
 
-/* unit u: key head g, heads h0.. of its group (hn of them), queries i0.. (qn of them) */
-static void att_unit(const attn_call *c, int g, int h0, int hn, int i0, int qn) {
+/* a row's result: sinks in its denominator, normalised, to query i's head h in out */
+static void att_finish(const attn_call *c, int i, int h, float m, float l, const float *o) {
+    float scale = 1.0f;
+    if (c->sinks) { /* the sink's share of the denominator, at the larger of the two maxima */
+        const float sink = c->sinks[h], top = sink > m ? sink : m;
+        scale = m == -INFINITY ? 0.0f : expf(m - top);
+        l = l * scale + expf(sink - top);
+    }
+    const float f = l > 0.0f ? scale / l : 0.0f;
+    float *out = c->out + ((int64_t)i * c->n_head + h) * c->d_v;
+    for (int k = 0; k < c->d_v; k++) out[k] = o[k] * f;
+}
+
+/* unit u: key head g, heads h0.. of its group (hn of them), queries i0.. (qn of them); its open keys, or with parts
+ * > 1 their part-th of `parts` runs of whole blocks, whose unnormalised rows (m, l, then d_v values each) go to
+ * `partial` for att_combine */
+static void att_unit(const attn_call *c, int g, int h0, int hn, int i0, int qn, int part, int parts, float *partial) {
     att_scratch *w = &att_tls;
     const int group = c->n_head / c->n_kv_head, rows = hn * qn, d = c->d, d_v = c->d_v;
     int lo = c->n_kv, hi = 0;
@@ -1212,6 +1228,11 @@ static void att_unit(const attn_call *c, int g, int h0, int hn, int i0, int qn) 
         int a, b;
         open_range(c, i0 + ii, &a, &b);
         if (a < b) lo = a < lo ? a : lo, hi = b > hi ? b : hi;
+    }
+    if (parts > 1 && lo < hi) {
+        const int blocks = (hi - lo + ATT_KEYS - 1) / ATT_KEYS, per = (blocks + parts - 1) / parts;
+        const int a = lo + part * per * ATT_KEYS, b = a + per * ATT_KEYS;
+        hi = b < hi ? b : hi, lo = a;
     }
     for (int r = 0; r < rows; r++) { /* row r: query i0 + r / hn, head g group + h0 + r % hn; q scaled */
         const float *q = (const float *)(c->q + (int64_t)(i0 + r / hn) * c->q_row +
@@ -1267,38 +1288,80 @@ static void att_unit(const attn_call *c, int g, int h0, int hn, int i0, int qn) 
         }
     }
     for (int r = 0; r < rows; r++) {
-        const int i = i0 + r / hn, h = g * group + h0 + r % hn;
-        float l = w->l[r], scale = 1.0f;
-        if (c->sinks) { /* the sink's share of the denominator, at the larger of the two maxima */
-            const float m = w->m[r], sink = c->sinks[h], top = sink > m ? sink : m;
-            scale = m == -INFINITY ? 0.0f : expf(m - top);
-            l = l * scale + expf(sink - top);
+        if (partial) {
+            float *row = partial + (size_t)r * (d_v + 2);
+            row[0] = w->m[r], row[1] = w->l[r];
+            memcpy(row + 2, w->o + (size_t)r * ATT_DIM, sizeof(float) * d_v);
+        } else {
+            att_finish(c, i0 + r / hn, g * group + h0 + r % hn, w->m[r], w->l[r], w->o + (size_t)r * ATT_DIM);
         }
-        const float f = l > 0.0f ? scale / l : 0.0f;
-        float *out = c->out + ((int64_t)i * c->n_head + h) * d_v;
-        for (int k = 0; k < d_v; k++) out[k] = w->o[(size_t)r * ATT_DIM + k] * f;
+    }
+}
+
+/* a unit's rows from its parts' partial results (each ATT_ROWS rows apart): maxima matched, sums and values added */
+static void att_combine(const attn_call *c, int g, int h0, int hn, int i0, int qn, int parts, const float *partials) {
+    const int group = c->n_head / c->n_kv_head, d_v = c->d_v, stride = ATT_ROWS * (d_v + 2);
+    float *o = att_tls.o;
+    for (int r = 0; r < hn * qn; r++) {
+        float m = -INFINITY, l = 0.0f;
+        for (int p = 0; p < parts; p++) {
+            const float mp = partials[(size_t)p * stride + (size_t)r * (d_v + 2)];
+            m = mp > m ? mp : m;
+        }
+        memset(o, 0, sizeof(float) * d_v);
+        for (int p = 0; m != -INFINITY && p < parts; p++) {
+            const float *row = partials + (size_t)p * stride + (size_t)r * (d_v + 2);
+            if (row[0] == -INFINITY) continue;
+            const float f = expf(row[0] - m);
+            l += row[1] * f;
+            for (int k = 0; k < d_v; k++) o[k] += row[2 + k] * f;
+        }
+        att_finish(c, i0 + r / hn, g * group + h0 + r % hn, m, l, o);
     }
 }
 
 #endif
 
-/* the units of work of n queries (att_body): at most this many threads have work */
-int64_t ferry_attention_units(int n, int n_head, int n_kv_head) {
+/* the units of work of n queries (att_body) */
+static int64_t att_units(int n, int n_head, int n_kv_head) {
     const int group = n_head / n_kv_head, hn = group < ATT_ROWS ? group : ATT_ROWS, qn = ATT_ROWS / hn;
     return (int64_t)n_kv_head * ((group + hn - 1) / hn) * ((n + qn - 1) / qn);
 }
 
+/* the parts each unit's keys split in: as many as leave no thread idle, each at least two blocks of keys */
+static int att_parts(int64_t units, int nt, int n_kv) {
+    if (units >= nt) return 1;
+    const int most = n_kv / (2 * ATT_KEYS), want = (int)(nt / units);
+    return want < most ? want : most > 1 ? most : 1;
+}
+
+/* bytes of the partial results nt threads may need (att_body) for values of d_v */
+size_t ferry_attention_scratch(int nt, int d_v) { return sizeof(float) * (size_t)nt * ATT_ROWS * (d_v + 2); }
+
 #if FAST
-/* thread t of nt: units t, t + nt, ... (interleaved, so that causal masks' longer later tiles spread) */
-static void att_body(const attn_call *c, int t, int nt) {
+/* thread t of nt: units t, t + nt, ... (interleaved, so that causal masks' longer later tiles spread). Fewer units
+ * than threads (a decode step of few key heads) split each unit's keys in parts, one a thread (`partials`: a
+ * unit's parts' rows, ferry_attention_scratch bytes), combined after the threads meet at `barrier` */
+static void att_body(const attn_call *c, int t, int nt, float *partials, spin_barrier *barrier) {
     const int group = c->n_head / c->n_kv_head, hn = group < ATT_ROWS ? group : ATT_ROWS;
     const int chunks = (group + hn - 1) / hn, qn = ATT_ROWS / hn;
     const int tiles = (c->n + qn - 1) / qn;
-    const int64_t units = ferry_attention_units(c->n, c->n_head, c->n_kv_head);
+    const int64_t units = att_units(c->n, c->n_head, c->n_kv_head);
+    const int parts = att_parts(units, nt, c->n_kv);
+    for (int64_t task = t; task < units * parts; task += nt) {
+        const int64_t u = task / parts;
+        const int tile = (int)(u % tiles), chunk = (int)(u / tiles % chunks), g = (int)(u / tiles / chunks);
+        const int h0 = chunk * hn, i0 = tile * qn;
+        att_unit(c, g, h0, group - h0 < hn ? group - h0 : hn, i0, c->n - i0 < qn ? c->n - i0 : qn, (int)(task % parts),
+                 parts, parts > 1 ? partials + (size_t)task * ATT_ROWS * (c->d_v + 2) : NULL);
+    }
+    if (parts == 1) return;
+    sync_threads(barrier, nt);
     for (int64_t u = t; u < units; u += nt) {
         const int tile = (int)(u % tiles), chunk = (int)(u / tiles % chunks), g = (int)(u / tiles / chunks);
         const int h0 = chunk * hn, i0 = tile * qn;
-        att_unit(c, g, h0, group - h0 < hn ? group - h0 : hn, i0, c->n - i0 < qn ? c->n - i0 : qn);
+        att_combine(c, g, h0, group - h0 < hn ? group - h0 : hn, i0, c->n - i0 < qn ? c->n - i0 : qn, parts,
+                    partials + (size_t)u * parts * ATT_ROWS * (c->d_v + 2));
     }
 }
 #endif
@@ -1316,8 +1379,12 @@ int ferry_attention(const uint8_t *q, int64_t q_row, int64_t q_head, const uint8
     const attn_call c = {q, k, v, mask, q_row, q_head, k_row, k_head, v_row, v_head, mask_row, sinks, out, n, n_kv,
                          n_head, n_kv_head, d, d_v, scale};
     if (!attn_valid(&c)) return -1;
+    float *partials = (float *)malloc(ferry_attention_scratch(n_threads, d_v));
+    spin_barrier b = {0, 0};
+    if (!partials) return -3;
 #pragma omp parallel num_threads(n_threads)
-    att_body(&c, omp_get_thread_num(), omp_get_num_threads());
+    att_body(&c, omp_get_thread_num(), omp_get_num_threads(), partials, &b);
+    free(partials);
     return 0;
 #endif
 }
@@ -1328,6 +1395,8 @@ int ferry_attention(const uint8_t *q, int64_t q_row, int64_t q_head, const uint8
 typedef struct {
     float scale;
     int with_sinks;
+    uint8_t *const *scratch; /* where the partial results' scratch is now (ferry_attention_scratch bytes) */
+    spin_barrier *barrier;
     tensor_fields f;
 } ferry_ggml_attention;
 
@@ -1350,7 +1419,7 @@ void ferry_attention_ggml(void *dst, int ith, int nth, void *userdata) {
                          a->with_sinks ? (const float *)data_of(src_of(dst, f, 4), f) : NULL, data_of(dst, f),
                          (int)ne_of(q, f, 2), (int)ne_of(k, f, 1), (int)ne_of(q, f, 1), (int)ne_of(k, f, 2),
                          (int)ne_of(q, f, 0), (int)ne_of(v, f, 0), a->scale};
-    att_body(&c, ith, nth);
+    att_body(&c, ith, nth, (float *)*a->scratch, a->barrier);
 #else
     (void)dst, (void)ith, (void)nth, (void)userdata;
 #endif

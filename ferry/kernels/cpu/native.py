@@ -91,8 +91,8 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             if lib.ferry_ggml_attention_size() != ctypes.sizeof(_GgmlAttention):
                 raise OSError("moe_experts.c's ferry_ggml_attention and native.py's _GgmlAttention differ")
             i64 = ctypes.c_int64
-            lib.ferry_attention_units.restype = i64
-            lib.ferry_attention_units.argtypes = [i, i, i]
+            lib.ferry_attention_scratch.restype = ctypes.c_size_t
+            lib.ferry_attention_scratch.argtypes = [i, i]
             lib.ferry_attention.restype = ctypes.c_int
             lib.ferry_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i, i, i, i, i, i,
                                             ctypes.c_float, i]
@@ -122,8 +122,9 @@ class _GgmlLinear(ctypes.Structure):
 
 class _GgmlAttention(ctypes.Structure):
     """moe_experts.c's ferry_ggml_attention: the node's scale and whether it reads sinks."""
-    _fields_ = [("scale", ctypes.c_float), ("with_sinks", ctypes.c_int), ("off_ne", ctypes.c_int64),
-                ("off_nb", ctypes.c_int64), ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64)]
+    _fields_ = [("scale", ctypes.c_float), ("with_sinks", ctypes.c_int), ("scratch", ctypes.c_void_p),
+                ("barrier", ctypes.c_void_p), ("off_ne", ctypes.c_int64), ("off_nb", ctypes.c_int64),
+                ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64)]
 
 
 def _offsets() -> tuple[int, int, int, int]:
@@ -287,12 +288,18 @@ class Dense:
 class Attention:
     """Attention over a float16 cache through moe_experts.c (ferry_attention): softmax(scale q k^T + mask) v for each
     query row and head, heads sharing key heads (GQA), with gpt-oss's sinks; head sizes up to MAX_DIM, in multiples
-    of 16 (`reads`). ggml's flash attention runs the rest."""
+    of 16 (`reads`). ggml's flash attention runs the rest. Where (key head, heads, queries) give fewer units of work
+    than threads (a decode step), each unit's keys are split between threads and the parts combined."""
 
     MAX_DIM = 256
+    # (query, head) rows of a key head below which ggml's kernel is the faster: a key block's conversion is shared by
+    # the rows (benchmarks/cpu_attention.py, 2 threads: Gemma 3's decode step, 4 rows, 0.85x ggml's; Qwen3's, 8, 1.75x)
+    MIN_ROWS = 8
 
     def __init__(self, lib: ctypes.CDLL, n_threads: int):
         self.lib, self.n_threads = lib, n_threads
+        self._nodes = _Scratch()  # the graph nodes' partial results where they split the keys (decode steps)
+        self._barrier = np.zeros(16, dtype=np.int32)
 
     @classmethod
     def reads(cls, d: int, d_v: int, type_k: int, type_v: int) -> bool:
@@ -300,11 +307,10 @@ class Attention:
         f16 = ggml.GGML_TYPE_F16
         return type_k == f16 and type_v == f16 and all(0 < x <= cls.MAX_DIM and x % 16 == 0 for x in (d, d_v))
 
-    def fills(self, n: int, n_head: int, n_kv_head: int, n_threads: int) -> bool:
-        """Whether n queries give each of n_threads threads work: the kernel splits (key head, heads, queries), not
-        the keys, so one query of few key heads leaves threads idle, where ggml's splits the keys
-        (benchmarks/cpu_attention.py: Gemma 3's decode step 0.43x ggml on 2 threads, Qwen3's 1.96x)."""
-        return self.lib.ferry_attention_units(n, n_head, n_kv_head) >= n_threads
+    @classmethod
+    def pays(cls, n: int, n_head: int, n_kv_head: int) -> bool:
+        """Whether n queries of n_head heads over n_kv_head key heads give each key head rows enough (MIN_ROWS)."""
+        return n * (n_head // n_kv_head) >= cls.MIN_ROWS
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -323,15 +329,16 @@ class Attention:
             raise ValueError(f"ferry's attention kernel does not take heads of {d} / {d_v} values")
         return out
 
-    def node(self, ctx, q, keys, values, mask, sinks, scale: float, keep: list):
-        """As a node of a ggml graph: q (d, n_head, n) float32, keys (d, n_kv, n_kv_head) and values (d_v, n_kv,
-        n_kv_head) float16 views of the cache, the mask (n_kv, n) float16, sinks (n_head) float32 or None ->
-        (d_v, n_head, n) float32."""
-        fixed = _GgmlAttention(scale, sinks is not None, *_offsets())
+    def node(self, ctx, q, keys, values, mask, sinks, scale: float, n_threads: int, keep: list):
+        """As a node of a ggml graph run by n_threads threads: q (d, n_head, n) float32, keys (d, n_kv, n_kv_head) and
+        values (d_v, n_kv, n_kv_head) float16 views of the cache, the mask (n_kv, n) float16, sinks (n_head) float32
+        or None -> (d_v, n_head, n) float32."""
+        self._nodes.grow(self.lib.ferry_attention_scratch(n_threads, values.contents.ne[0]))
+        fixed = _GgmlAttention(scale, sinks is not None, self._nodes.where, self._barrier.ctypes.data, *_offsets())
         fun = ggml.ggml_custom_op_t(ctypes.cast(self.lib.ferry_attention_ggml, ctypes.c_void_p).value)
         srcs = [q, keys, values, mask] + ([sinks] if sinks is not None else [])
         args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
-        keep += [fixed, fun, args]
+        keep += [fixed, fun, args, self._nodes, self._barrier]
         return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, values.contents.ne[0], q.contents.ne[1], q.contents.ne[2],
                                    1, args, len(srcs), fun, -1, ctypes.addressof(fixed))
 

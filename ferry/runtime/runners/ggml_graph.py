@@ -183,7 +183,7 @@ class GraphOps:
         kernel = self.backend.native_attention(q, keys, values)
         if kernel is not None:
             out = kernel.node(c, q, keys, values, mask, None if sinks is None else self._vector(sinks), scale,
-                              self.g.keep)
+                              self.g.n_threads, self.g.keep)
         else:
             q = ggml.ggml_permute(c, q, 0, 2, 1, 3)  # (d, n, heads)
             out = ggml.ggml_flash_attn_ext(c, q, keys, values, mask, scale, 0.0, 0.0)  # (d_v, heads, n)
