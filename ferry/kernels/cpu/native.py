@@ -3,8 +3,8 @@
 So far the routed experts, of one token or of many, for Q4_0 and Q4_K weights in ggml's repacked layouts and Q5_K,
 Q6_K and IQ4_XS weights in their plain ones (moe_experts.c): at one token it reads them faster than ggml's mul_mat_id
 (benchmarks/expert_reads.py; docs/decisions.md), at many it reads each expert once per tile of its tokens; dense
-weights; and attention over a float16 cache (Attention). Where no C compiler works, the CPU lacks AVX512-VNNI, or FERRY_NATIVE=0, `library()` is None
-(`why_not()` says why) and ggml runs those experts."""
+weights; and attention over a float16 cache (Attention). Where no C compiler works, the CPU lacks AVX512-VNNI, or
+FERRY_NATIVE=0, `library()` is None (`why_not()` says why) and ggml runs all of these."""
 
 from __future__ import annotations
 
@@ -341,4 +341,3 @@ class Attention:
         keep += [fixed, fun, args, self._nodes, self._barrier]
         return ggml.ggml_custom_4d(ctx, ggml.GGML_TYPE_F32, values.contents.ne[0], q.contents.ne[1], q.contents.ne[2],
                                    1, args, len(srcs), fun, -1, ctypes.addressof(fixed))
-
