@@ -359,8 +359,8 @@ class CpuBackend:
 
     def native_attention(self, q, keys, values) -> native.Attention | None:
         """ferry's attention kernel for a graph's attention of q (d, n_head, n) over these cache views (ggml tensors),
-        where it reads them (native.Attention.reads: float16, heads of up to 256 values) and pays (Attention.pays:
-        rows enough per key head); None where ggml's flash attention runs it."""
+        where it reads them (native.Attention.reads: float16 or Q8_0, heads of up to 256 values) and pays
+        (Attention.pays: rows enough per key head); None where ggml's flash attention runs it."""
         q, k, v = q.contents, keys.contents, values.contents
         if not self.native_kernels or not native.Attention.reads(k.ne[0], v.ne[0], k.type, v.type) or \
                 not native.Attention.pays(q.ne[2], q.ne[1], k.ne[2]):

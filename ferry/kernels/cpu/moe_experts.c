@@ -48,7 +48,7 @@
 #endif
 
 #define GROUP 8 /* rows interleaved */
-enum { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 }; /* ggml's type numbers */
+enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 }; /* ggml's type numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
@@ -1074,31 +1074,36 @@ void ferry_linear_ggml(void *dst, int ith, int nth, void *userdata) {
 #endif
 }
 
-/* Attention of many queries over a float16 cache (ferry_attention, ferry_attention_ggml): out = softmax(scale q k^T +
- * mask) v per query row and head, each group of heads sharing a key head (GQA) read against one block of keys at a
- * time. A unit of work is (key head, heads of its group, a tile of queries): ATT_ROWS rows at most, each key block
- * converted to float32 once for all of them (the keys transposed, so that a row's 64 scores are 4 registers of one
- * broadcast and 4 loads per dimension), scores turned into weights by an online softmax (exp by a polynomial and
- * scalef), the values added row by row. A unit's keys run from the first to the last position any of its rows' mask
- * leaves open (the causal or sliding mask's closed blocks are skipped). ggml's own flash attention reads every key and
- * value once per query row, converting the query to float16. Rows with every key masked get zeros; `sinks` (one
- * logit per head, gpt-oss's) join each head's softmax denominator. */
+/* Attention of many queries over a float16 or Q8_0 cache (ferry_attention, ferry_attention_ggml): out =
+ * softmax(scale q k^T + mask) v per query row and head, each group of heads sharing a key head (GQA) read against one
+ * block of keys at a time. A unit of work is (key head, heads of its group, a tile of queries): ATT_ROWS rows at most,
+ * each key block converted to float32 once for all of them (the keys transposed, so that a row's 64 scores are 4
+ * registers of one broadcast and 4 loads per dimension), scores turned into weights by an online softmax (exp by a
+ * polynomial and scalef), the values added row by row. A unit's keys run from the first to the last position any of
+ * its rows' mask leaves open (the causal or sliding mask's closed blocks are skipped). ggml's own flash attention
+ * reads every key and value once per query row, rounding the query to the cache's type. Rows with every key masked
+ * get zeros; `sinks` (one logit per head, gpt-oss's) join each head's softmax denominator. */
 #define ATT_KEYS 64   /* keys a block */
 #define ATT_ROWS 64   /* (query, head) rows a unit: the key block's conversion is shared by them */
 #define ATT_DIM 256   /* the largest head size (keys' and values'); larger ones stay with ggml */
 
 typedef struct {
-    const uint8_t *q, *k, *v, *mask; /* q float32, k v mask float16; mask NULL: every key open */
+    const uint8_t *q, *k, *v, *mask; /* q float32, k v float16 or Q8_0 (type_k, type_v), mask float16 (NULL: open) */
     int64_t q_row, q_head, k_row, k_head, v_row, v_head, mask_row; /* byte strides */
     const float *sinks;              /* (n_head) or NULL */
     float *out;                      /* (n, n_head, d_v) */
-    int n, n_kv, n_head, n_kv_head, d, d_v;
+    int n, n_kv, n_head, n_kv_head, d, d_v, type_k, type_v;
     float scale;
 } attn_call;
 
+/* whether rows of d values of a cache type are ones the kernel reads: float16 in 16s, Q8_0 in its blocks of 32 */
+static int att_reads(int type, int d) {
+    return d > 0 && d <= ATT_DIM && ((type == F16 && d % 16 == 0) || (type == Q8_0 && d % QK4_0 == 0));
+}
+
 static int attn_valid(const attn_call *c) {
-    return c->d > 0 && c->d <= ATT_DIM && c->d % 16 == 0 && c->d_v > 0 && c->d_v <= ATT_DIM && c->d_v % 16 == 0 &&
-           c->n_kv_head > 0 && c->n_head % c->n_kv_head == 0 && c->n > 0 && c->n_kv >= 0;
+    return att_reads(c->type_k, c->d) && att_reads(c->type_v, c->d_v) && c->n_kv_head > 0 &&
+           c->n_head % c->n_kv_head == 0 && c->n > 0 && c->n_kv >= 0;
 }
 
 #if FAST
@@ -1180,6 +1185,23 @@ static void att_values_any(float *o, float alpha, const float *p, const float *v
     }
 }
 
+/* a cache row of d values (float16, or Q8_0 blocks: fp16 scale, 32 int8) as float32 */
+static inline void att_row(const uint8_t *src, int type, int d, float *dst) {
+    if (type == F16) {
+        for (int k = 0; k < d; k += 16)
+            _mm512_storeu_ps(dst + k, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * k))));
+        return;
+    }
+    for (int b = 0; b < d / QK4_0; b++, src += 34) {
+        uint16_t h;
+        memcpy(&h, src, 2);
+        const __m512 s = _mm512_set1_ps(_cvtsh_ss(h));
+        for (int k = 0; k < QK4_0; k += 16)
+            _mm512_storeu_ps(dst + QK4_0 * b + k, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                   _mm_loadu_si128((const __m128i *)(src + 2 + k))))));
+    }
+}
+
 static inline const uint16_t *mask_row_of(const attn_call *c, int i) {
     return (const uint16_t *)(c->mask + (int64_t)i * c->mask_row);
 }
@@ -1246,16 +1268,10 @@ static void att_unit(const attn_call *c, int g, int h0, int hn, int i0, int qn, 
         const int nk = hi - kb < ATT_KEYS ? hi - kb : ATT_KEYS;
         for (int j = 0; j < ATT_KEYS; j++) { /* keys transposed, the block's missing ones zero; values in rows */
             if (j < nk) {
-                const uint16_t *kr = (const uint16_t *)(kbase + (int64_t)(kb + j) * c->k_row);
-                const uint16_t *vr = (const uint16_t *)(vbase + (int64_t)(kb + j) * c->v_row);
-                for (int k = 0; k < d; k += 16) {
-                    float tmp[16];
-                    _mm512_storeu_ps(tmp, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(kr + k))));
-                    for (int t = 0; t < 16; t++) w->kt[(size_t)(k + t) * ATT_KEYS + j] = tmp[t];
-                }
-                for (int k = 0; k < d_v; k += 16)
-                    _mm512_store_ps(w->vf + (size_t)j * ATT_DIM + k,
-                                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(vr + k))));
+                float key[ATT_DIM];
+                att_row(kbase + (int64_t)(kb + j) * c->k_row, c->type_k, d, key);
+                for (int k = 0; k < d; k++) w->kt[(size_t)k * ATT_KEYS + j] = key[k];
+                att_row(vbase + (int64_t)(kb + j) * c->v_row, c->type_v, d_v, w->vf + (size_t)j * ATT_DIM);
             } else {
                 for (int k = 0; k < d; k++) w->kt[(size_t)k * ATT_KEYS + j] = 0.0f;
             }
@@ -1367,17 +1383,18 @@ static void att_body(const attn_call *c, int t, int nt, float *partials, spin_ba
 #endif
 
 /* out (n, n_head, d_v) float32: q (float32) rows of query i and head h at q + i q_row + h q_head (bytes), k and v
- * (float16) rows of position j and key head g at k + j k_row + g k_head, mask (float16, n_kv a row, NULL: none)
- * rows mask_row bytes apart, sinks (n_head) or NULL. -1 where the sizes are not ones it covers, -2 without AVX512 */
+ * (float16 or Q8_0: type_k, type_v) rows of position j and key head g at k + j k_row + g k_head, mask (float16, n_kv
+ * a row, NULL: none) rows mask_row bytes apart, sinks (n_head) or NULL. -1 where the sizes or types are not ones it
+ * covers, -2 without AVX512 */
 int ferry_attention(const uint8_t *q, int64_t q_row, int64_t q_head, const uint8_t *k, int64_t k_row, int64_t k_head,
                     const uint8_t *v, int64_t v_row, int64_t v_head, const uint8_t *mask, int64_t mask_row,
                     const float *sinks, float *out, int n, int n_kv, int n_head, int n_kv_head, int d, int d_v,
-                    float scale, int n_threads) {
+                    int type_k, int type_v, float scale, int n_threads) {
 #if !FAST
     return -2;
 #else
     const attn_call c = {q, k, v, mask, q_row, q_head, k_row, k_head, v_row, v_head, mask_row, sinks, out, n, n_kv,
-                         n_head, n_kv_head, d, d_v, scale};
+                         n_head, n_kv_head, d, d_v, type_k, type_v, scale};
     if (!attn_valid(&c)) return -1;
     float *partials = (float *)malloc(ferry_attention_scratch(n_threads, d_v));
     spin_barrier b = {0, 0};
@@ -1390,11 +1407,11 @@ int ferry_attention(const uint8_t *q, int64_t q_row, int64_t q_head, const uint8
 }
 
 /* ferry_attention as a node of a ggml graph: dst (d_v, n_head, n) float32 from src[0] q (d, n_head, n) float32,
- * src[1] k (d, n_kv, n_kv_head) and src[2] v (d_v, n_kv, n_kv_head) float16 (views of the cache, n_kv set at each
- * run), src[3] the mask (n_kv, >= n) float16 and, with_sinks, src[4] the sinks (n_head) float32 */
+ * src[1] k (d, n_kv, n_kv_head) and src[2] v (d_v, n_kv, n_kv_head) of type_k and type_v (views of the cache, n_kv
+ * set at each run), src[3] the mask (n_kv, >= n) float16 and, with_sinks, src[4] the sinks (n_head) float32 */
 typedef struct {
     float scale;
-    int with_sinks;
+    int with_sinks, type_k, type_v;
     uint8_t *const *scratch; /* where the partial results' scratch is now (ferry_attention_scratch bytes) */
     spin_barrier *barrier;
     tensor_fields f;
@@ -1418,7 +1435,7 @@ void ferry_attention_ggml(void *dst, int ith, int nth, void *userdata) {
                          nb_of(k, f, 1), nb_of(k, f, 2), nb_of(v, f, 1), nb_of(v, f, 2), nb_of(mask, f, 1),
                          a->with_sinks ? (const float *)data_of(src_of(dst, f, 4), f) : NULL, data_of(dst, f),
                          (int)ne_of(q, f, 2), (int)ne_of(k, f, 1), (int)ne_of(q, f, 1), (int)ne_of(k, f, 2),
-                         (int)ne_of(q, f, 0), (int)ne_of(v, f, 0), a->scale};
+                         (int)ne_of(q, f, 0), (int)ne_of(v, f, 0), a->type_k, a->type_v, a->scale};
     att_body(&c, ith, nth, (float *)*a->scratch, a->barrier);
 #else
     (void)dst, (void)ith, (void)nth, (void)userdata;

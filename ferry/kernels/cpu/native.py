@@ -94,8 +94,8 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             lib.ferry_attention_scratch.restype = ctypes.c_size_t
             lib.ferry_attention_scratch.argtypes = [i, i]
             lib.ferry_attention.restype = ctypes.c_int
-            lib.ferry_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i, i, i, i, i, i,
-                                            ctypes.c_float, i]
+            lib.ferry_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i, i, i, i, i, i, i,
+                                            i, ctypes.c_float, i]
             _built[key] = lib if lib.ferry_moe_fast() else (
                 "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for")
         except (OSError, subprocess.SubprocessError) as e:
@@ -121,8 +121,9 @@ class _GgmlLinear(ctypes.Structure):
 
 
 class _GgmlAttention(ctypes.Structure):
-    """moe_experts.c's ferry_ggml_attention: the node's scale and whether it reads sinks."""
-    _fields_ = [("scale", ctypes.c_float), ("with_sinks", ctypes.c_int), ("scratch", ctypes.c_void_p),
+    """moe_experts.c's ferry_ggml_attention: the node's scale, whether it reads sinks, the cache's types."""
+    _fields_ = [("scale", ctypes.c_float), ("with_sinks", ctypes.c_int), ("type_k", ctypes.c_int),
+                ("type_v", ctypes.c_int), ("scratch", ctypes.c_void_p),
                 ("barrier", ctypes.c_void_p), ("off_ne", ctypes.c_int64), ("off_nb", ctypes.c_int64),
                 ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64)]
 
@@ -286,10 +287,11 @@ class Dense:
 
 
 class Attention:
-    """Attention over a float16 cache through moe_experts.c (ferry_attention): softmax(scale q k^T + mask) v for each
-    query row and head, heads sharing key heads (GQA), with gpt-oss's sinks; head sizes up to MAX_DIM, in multiples
-    of 16 (`reads`). ggml's flash attention runs the rest. Where (key head, heads, queries) give fewer units of work
-    than threads (a decode step), each unit's keys are split between threads and the parts combined."""
+    """Attention over a float16 or Q8_0 cache through moe_experts.c (ferry_attention): softmax(scale q k^T + mask) v
+    for each query row and head, heads sharing key heads (GQA), with gpt-oss's sinks; head sizes up to MAX_DIM, in
+    multiples of 16 (float16) or 32 (Q8_0) (`reads`). ggml's flash attention runs the rest. Where (key head, heads,
+    queries) give fewer units of work than threads (a decode step), each unit's keys are split between threads and the
+    parts combined."""
 
     MAX_DIM = 256
     # (query, head) rows of a key head below which ggml's kernel is the faster: a key block's conversion is shared by
@@ -304,8 +306,8 @@ class Attention:
     @classmethod
     def reads(cls, d: int, d_v: int, type_k: int, type_v: int) -> bool:
         """Whether the kernel takes keys of d and values of d_v values of these ggml types."""
-        f16 = ggml.GGML_TYPE_F16
-        return type_k == f16 and type_v == f16 and all(0 < x <= cls.MAX_DIM and x % 16 == 0 for x in (d, d_v))
+        step = {ggml.GGML_TYPE_F16: 16, ggml.GGML_TYPE_Q8_0: 32}
+        return all(t in step and 0 < x <= cls.MAX_DIM and x % step[t] == 0 for x, t in ((d, type_k), (d_v, type_v)))
 
     @classmethod
     def pays(cls, n: int, n_head: int, n_kv_head: int) -> bool:
@@ -313,28 +315,32 @@ class Attention:
         return n * (n_head // n_kv_head) >= cls.MIN_ROWS
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                 sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """q (n, n_head, d) float32, k (n_kv, n_kv_head, d) and v (n_kv, n_kv_head, d_v) float16, each with rows of
-        heads contiguous; mask (n, n_kv) float16 or None; sinks (n_head) float32 or None -> (n, n_head, d_v)."""
+                 sinks: torch.Tensor | None, scale: float, d_v: int | None = None, type_k: int = ggml.GGML_TYPE_F16,
+                 type_v: int = ggml.GGML_TYPE_F16) -> torch.Tensor:
+        """q (n, n_head, d) float32; k (n_kv, n_kv_head, ...) and v (n_kv, n_kv_head, ...): float16 values (v's last
+        size d_v), or the bytes of Q8_0 rows of d and d_v values (type_k, type_v); mask (n, n_kv) float16 or None;
+        sinks (n_head) float32 or None -> (n, n_head, d_v)."""
         n, n_head, d = q.shape
-        n_kv, n_kv_head, d_v = v.shape
+        n_kv, n_kv_head = k.shape[:2]
+        d_v = d_v or v.shape[2]
         out = torch.empty(n, n_head, d_v, dtype=torch.float32)
         b = lambda t, i: t.stride(i) * t.element_size()  # noqa: E731
         failed = self.lib.ferry_attention(
             q.data_ptr(), b(q, 0), b(q, 1), k.data_ptr(), b(k, 0), b(k, 1), v.data_ptr(), b(v, 0), b(v, 1),
             None if mask is None else mask.data_ptr(), 0 if mask is None else b(mask, 0),
-            None if sinks is None else sinks.data_ptr(), out.data_ptr(), n, n_kv, n_head, n_kv_head, d, d_v, scale,
-            self.n_threads)
+            None if sinks is None else sinks.data_ptr(), out.data_ptr(), n, n_kv, n_head, n_kv_head, d, d_v, type_k,
+            type_v, scale, self.n_threads)
         if failed:
             raise ValueError(f"ferry's attention kernel does not take heads of {d} / {d_v} values")
         return out
 
     def node(self, ctx, q, keys, values, mask, sinks, scale: float, n_threads: int, keep: list):
         """As a node of a ggml graph run by n_threads threads: q (d, n_head, n) float32, keys (d, n_kv, n_kv_head) and
-        values (d_v, n_kv, n_kv_head) float16 views of the cache, the mask (n_kv, n) float16, sinks (n_head) float32
-        or None -> (d_v, n_head, n) float32."""
+        values (d_v, n_kv, n_kv_head) views of the cache (`reads` their types), the mask (n_kv, n) float16, sinks
+        (n_head) float32 or None -> (d_v, n_head, n) float32."""
         self._nodes.grow(self.lib.ferry_attention_scratch(n_threads, values.contents.ne[0]))
-        fixed = _GgmlAttention(scale, sinks is not None, self._nodes.where, self._barrier.ctypes.data, *_offsets())
+        fixed = _GgmlAttention(scale, sinks is not None, keys.contents.type, values.contents.type, self._nodes.where,
+                               self._barrier.ctypes.data, *_offsets())
         fun = ggml.ggml_custom_op_t(ctypes.cast(self.lib.ferry_attention_ggml, ctypes.c_void_p).value)
         srcs = [q, keys, values, mask] + ([sinks] if sinks is not None else [])
         args = (ctypes.POINTER(ggml.ggml_tensor) * len(srcs))(*srcs)
