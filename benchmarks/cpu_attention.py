@@ -11,14 +11,17 @@ and ggml / ferry.
 import argparse
 import ctypes
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import ggml
 import numpy as np
 
 from ferry.kernels.cpu import native
 from ferry.quant import Q, quantize
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_hybrid import best  # noqa: E402  (the median of timed calls after a warm-up one)
 
 # (name, queries, cached positions after them, heads, key heads, head size, cache type)
 CASES = [
@@ -78,16 +81,6 @@ class Case:
         return (lambda: ggml.ggml_graph_compute(gf, ctypes.pointer(plan))), result
 
 
-def median_s(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -103,8 +96,8 @@ def main() -> None:
         case = Case(n, n_kv, heads, kv_heads, d, cache, args.threads)
         (run_f, out_f), (run_g, out_g) = case.graph(True), case.graph(False)
         # the engines in turn, twice, each timing its median
-        t_f = min(median_s(run_f, args.reps), median_s(run_f, args.reps))
-        t_g = min(median_s(run_g, args.reps), median_s(run_g, args.reps))
+        t_f = min(best(run_f, args.reps), best(run_f, args.reps))
+        t_g = min(best(run_g, args.reps), best(run_g, args.reps))
         diff = float(np.linalg.norm(out_f - out_g) / np.linalg.norm(out_g))
         row = dict(case=name, queries=n, cached=n_kv, heads=heads, kv_heads=kv_heads, d=d, cache=cache,
                    threads=args.threads, ferry_ms=1e3 * t_f, ggml_ms=1e3 * t_g, ratio=t_g / t_f, rel_diff=diff)

@@ -8,12 +8,12 @@ slots in the split Q8_0 / Q4_0 / MXFP4 layout the GPU kernels read (layout.Split
 the copy stream it made every later copy wait until the compute stream's kernels left it room to run. One set of
 slots serves every layer: a layer's spreading waits until the compute stream has released the layer before, while its
 copies, the long part, run beside that layer's compute; so streaming holds a layer and one tensor of GPU memory, which
-the fit gives to experts kept on the GPU instead (docs/decisions.md, "One staging set"). Experts of the other types (K-quants,
-IQ4_XS, ...: those ggml-style files hold most) stay as copied, their GGUF blocks in the order of the experts copied
-(Compact), in a compact buffer of each staging set: the few-token kernels read K-quants there in place, and a prompt
-expands one projection at a time to bfloat16 for torch's grouped GEMM (CudaBackend.held_pairs), in the scratch the
-GPU's own such experts use. Their two staging sets alternate between MoE layers, so one layer's copies can run while
-the previous layer still computes."""
+the fit gives to experts kept on the GPU instead (docs/decisions.md, "One staging set for streamed experts"). Experts
+of the other types (K-quants, IQ4_XS, ...: those ggml-style files hold most) stay as copied, their GGUF blocks in the
+order of the experts copied (Compact), in a compact buffer of each staging set: the few-token kernels read K-quants
+there in place, and a prompt expands one projection at a time to bfloat16 for torch's grouped GEMM
+(CudaBackend.held_pairs), in the scratch the GPU's own such experts use. Their two staging sets alternate between MoE
+layers, so one layer's copies can run while the previous layer still computes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 /* ferry's CPU matrix kernels: routed experts of one token (ferry_moe_experts) or of many (ferry_moe_batch: h =
  * silu(gate x) * up x for each selected expert, then the weighted sum of down h), dense weights (ferry_linear: y =
- * W x) and attention over a float16 cache (ferry_attention, at the end of the file), each also as a node of a ggml
+ * W x) and attention over a float16 or Q8_0 cache (ferry_attention, at the end), each also as a node of a ggml
  * graph (ferry_moe_ggml, ferry_linear_ggml, ferry_attention_ggml). Q4_0 and Q4_K weights in ggml's
  * repacked CPU layouts (the copies CpuBackend.repack made), Q5_K, Q6_K and IQ4_XS in their plain GGUF layouts (ggml
  * has no repacked ones for them), Q8_0 in a layout of ferry's own (ferry_repack_q8_0; dense weights). A Q4_K_M file's
@@ -944,11 +944,15 @@ static const void *src_of(const void *t, const tensor_fields *f, int i) {
     return ((const void *const *)((const uint8_t *)t + f->src))[i];
 }
 static void *data_of(const void *t, const tensor_fields *f) { return *(void *const *)((const uint8_t *)t + f->data); }
-static int64_t columns_of(const void *t, const tensor_fields *f) { /* ne[1] */
-    return ((const int64_t *)((const uint8_t *)t + f->ne))[1];
+static int64_t ne_of(const void *t, const tensor_fields *f, int i) {
+    return ((const int64_t *)((const uint8_t *)t + f->ne))[i];
 }
+static int64_t nb_of(const void *t, const tensor_fields *f, int i) { /* bytes */
+    return (int64_t)((const size_t *)((const uint8_t *)t + f->nb))[i];
+}
+static int64_t columns_of(const void *t, const tensor_fields *f) { return ne_of(t, f, 1); }
 static int64_t row_stride(const void *t, const tensor_fields *f, size_t item) { /* nb[1] in items */
-    return (int64_t)(((const size_t *)((const uint8_t *)t + f->nb))[1] / item);
+    return nb_of(t, f, 1) / (int64_t)item;
 }
 
 /* The same as a node of a ggml graph (ggml_custom_4d, called by each of ggml's nth threads at once with its ith):
@@ -1418,13 +1422,6 @@ typedef struct {
 } ferry_ggml_attention;
 
 size_t ferry_ggml_attention_size(void) { return sizeof(ferry_ggml_attention); }
-
-static int64_t ne_of(const void *t, const tensor_fields *f, int i) {
-    return ((const int64_t *)((const uint8_t *)t + f->ne))[i];
-}
-static int64_t nb_of(const void *t, const tensor_fields *f, int i) {
-    return (int64_t)((const size_t *)((const uint8_t *)t + f->nb))[i];
-}
 
 void ferry_attention_ggml(void *dst, int ith, int nth, void *userdata) {
 #if FAST
