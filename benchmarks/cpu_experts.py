@@ -4,10 +4,12 @@ against ggml's mul_mat_id on the same weights and tokens, in one process.
 The layer has Qwen3-30B-A3B's shape by default (2048 wide, experts of 768, 8 of 128 per token). Its weights are a
 few experts quantized from random numbers, repeated to fill the layer (the bytes the kernels read are real, their
 values repeat). Per type and token count: the median ms of the layer, ferry / ggml, and at one token the GB/s of
-expert bytes read (8 experts' up, gate and down). Both through CpuBackend.moe_experts, ggml's with Q4_0 / Q4_K
-repacked as it runs them.
+expert bytes read (8 experts' up, gate and down). Both through CpuBackend.moe_experts, ggml's with the weights
+repacked where it has a layout for them (Q4_0, Q4_K, MXFP4), as it runs them.
   python benchmarks/cpu_experts.py [-t 2] [-n 1,512] [--types Q4_0,Q4_K,Q5_K,Q6_K,IQ4_XS] [--json FILE]
-A type given as UP/DOWN (Q4_K/Q6_K) gives the down matrices another type.
+A type given as UP/DOWN (Q4_K/Q6_K) gives the down matrices another type. gpt-oss-20b's layer:
+  python benchmarks/cpu_experts.py --gpt-oss  (= --types MXFP4 --embd 2880 --ff 2880 --experts 32 --used 4
+                                               --act swiglu_oai --biases)
 """
 
 import argparse
@@ -32,6 +34,12 @@ def stacked(rng, qtype, n_expert: int, rows: int, cols: int, distinct: int) -> W
     return Weight("exps", qtype, (cols, rows, n_expert), data)
 
 
+def _twin(w: Weight) -> Weight:
+    twin = Weight(w.name, w.qtype, w.ne, w.data)
+    twin.bias = w.bias
+    return twin
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -41,16 +49,22 @@ def main() -> None:
     ap.add_argument("--ff", type=int, default=768)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--used", type=int, default=8)
+    ap.add_argument("--act", default="silu", choices=["silu", "swiglu_oai"])
+    ap.add_argument("--biases", action="store_true", help="each expert's up, gate and down with biases (gpt-oss's)")
+    ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-20b's layer (see above)")
     ap.add_argument("-r", "--reps", type=int, default=5)
     ap.add_argument("--json", default="cpu_experts.json")
     a = ap.parse_args()
+    if a.gpt_oss:
+        a.types, a.embd, a.ff, a.experts, a.used, a.act, a.biases = "MXFP4", 2880, 2880, 32, 4, "swiglu_oai", True
     if native.library() is None:
         raise SystemExit(f"ferry's kernels do not run here: {native.why_not()}")
     tokens = [int(n) for n in a.tokens.split(",")]
     rng, pick = np.random.default_rng(0), random.Random(0)
     ours, ggml = CpuBackend(a.threads), CpuBackend(a.threads, native_kernels=False)
     rows = []
-    print(f"one layer: {a.embd} wide, experts of {a.ff}, {a.used} of {a.experts} per token, {a.threads} threads")
+    print(f"one layer: {a.embd} wide, experts of {a.ff}, {a.used} of {a.experts} per token, {a.act}"
+          f"{', biases' if a.biases else ''}, {a.threads} threads")
     print("| experts (up/down) | tokens | ferry ms | ggml ms | ggml / ferry | ferry GB/s | ggml GB/s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for spec in a.types.split(","):
@@ -59,6 +73,11 @@ def main() -> None:
         up = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
         gate = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
         down = stacked(rng, down_t, a.experts, a.embd, a.ff, 4)
+        if a.biases:
+            for w in (up, gate, down):
+                w.bias = torch.randn(a.experts, w.ne[1])
+        # ggml's own Weight objects over the same bytes: each backend repacks (or not) what it reads as it would
+        layers = {"ferry": (up, gate, down), "ggml": tuple(_twin(w) for w in (up, gate, down))}
         read = sum(w.data.nbytes for w in (up, gate, down)) / a.experts * a.used  # one token's experts
         for n in tokens:
             x = torch.randn(n, a.embd)
@@ -66,13 +85,14 @@ def main() -> None:
             out = torch.empty(n, a.embd)
             ms = {}
             for name, cpu in (("ferry", ours), ("ggml", ggml)):
-                if name == "ferry" and cpu.native_experts(n, True, up, gate, down, "silu") is None:
+                up, gate, down = layers[name]
+                if name == "ferry" and cpu.native_experts(n, True, up, gate, down, a.act) is None:
                     raise SystemExit(f"ferry's kernel does not take {spec} experts")
                 times = []
                 for rep in range(a.reps + 2):  # two to warm up
                     ids = torch.tensor([pick.sample(range(a.experts), a.used) for _ in range(n)], dtype=torch.int32)
                     t0 = time.perf_counter()
-                    cpu.moe_experts(x, ids, weights, up, gate, down, "silu", out=out)
+                    cpu.moe_experts(x, ids, weights, up, gate, down, a.act, out=out)
                     if rep >= 2:
                         times.append((time.perf_counter() - t0) * 1e3)
                 ms[name] = statistics.median(times)

@@ -32,7 +32,8 @@
 #           into .build/ik; it outlives the call (about 13 minutes): a later call, while the machine is warm, uses it
 #   cpu     CPU only, GPU hidden: ferry against ik_llama.cpp -rtr 1 (benchmarks/cpu_vs_ik.py) on the big model at
 #           CPU_THREADS (default 16), pp512 / pp2048 / tg64; waits for the ik build (CPU_ARGS: more options)
-#   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite
+#   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite; SYNTH_ARGS:
+#   more options of its `ferry synth` (e.g. PRESET=gpt-oss-20b SYNTH_ARGS="--expert-type mxfp4")
 set -euo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests bench}
@@ -73,7 +74,7 @@ wait_build() { if [ -n "${BUILD:-}" ]; then wait "$BUILD" || true; BUILD=; fi; }
 PRESET=${PRESET:-qwen3-30b-a3b}
 BIG=/tmp/$PRESET.gguf
 if has big || has llama || has hybrid || has ab || has cpu || { has small && [ -z "${SKEW_ONLY:-}" ]; }; then
-    [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" -o "$BIG" -q &
+    [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" ${SYNTH_ARGS:-} -o "$BIG" -q &
     SYNTH=$!
 fi
 wait_synth() { if [ -n "${SYNTH:-}" ]; then wait "$SYNTH"; SYNTH=; fi; }

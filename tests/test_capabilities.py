@@ -48,13 +48,26 @@ def _layer(rng, up_type, down_type=None, n_expert=4, n_embd=256, n_ff=256):
 
 
 def test_the_cpu_kernel_column_is_what_ferrys_kernel_reads():
-    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
-    # ggml has no x86 repacked layout for these: the kernel reads their plain rows
-    assert {q for q in Q if caps.can(q).cpu_native == "plain"} == {Q.Q5_K, Q.Q6_K, Q.IQ4_XS}
+    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
+    # ggml has no x86 repacked layout for Q5_K, Q6_K and IQ4_XS, and one for MXFP4 that the kernel need not read: the
+    # kernel reads their plain rows, and a CPU backend leaves MXFP4 unrepacked where its kernels run
+    assert {q for q in Q if caps.can(q).cpu_native == "plain"} == {Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
+    assert caps.cpu_reads_plain(Q.MXFP4, (2880, 2880, 32)) and not caps.cpu_reads_plain(Q.MXFP4, (2880 + 32, 64, 4))
+    assert not caps.cpu_reads_plain(Q.Q4_0, (2880, 2880, 32))
     rng = np.random.default_rng(0)
     q4 = _layer(rng, Q.Q4_0)
     assert caps.cpu_native_experts(*q4, "silu") == ""
-    assert "silu" in caps.cpu_native_experts(*q4, "gelu")
+    assert caps.cpu_native_experts(*q4, "swiglu_oai") == ""
+    assert "silu and swiglu_oai" in caps.cpu_native_experts(*q4, "gelu")
+    mx = _layer(rng, Q.MXFP4, n_embd=192, n_ff=320)
+    assert caps.cpu_native_experts(*mx, "swiglu_oai") == ""
+    assert "not whole blocks" in caps.cpu_native_experts(*_layer(rng, Q.MXFP4, n_embd=160, n_ff=320), "swiglu_oai")
+    mx_backend = CpuBackend(1)
+    from ferry.kernels.cpu import native as nat
+
+    if nat.library() is not None:
+        assert mx_backend.native_experts(1, True, *mx, "swiglu_oai") is not None
+        assert not any(w.repacked for w in mx)  # no second copy of what the kernel reads plain
     assert "Q8_0" in caps.cpu_native_experts(*_layer(rng, Q.Q8_0), "silu")
     assert "repacked copy" in caps.cpu_native_experts(*q4, "silu", repacked=lambda w: False)  # --no-repack
     assert caps.cpu_native_experts(*_layer(rng, Q.Q6_K), "silu", repacked=lambda w: False) == ""

@@ -167,6 +167,63 @@ def test_the_batch_kernel_matches_float64_given_its_activation_rounding(up_type,
             assert np.abs(got[i] - one).max() <= 1e-5 * np.abs(one).max()
 
 
+MX = Q.MXFP4
+# gpt-oss's experts (MXFP4, clamped SwiGLU, biases): gpt-oss-20b's width with few experts; odd counts of MXFP4's
+# pairs of blocks (192 = 3, 320 = 5); one expert; MXFP4 beside Q4_0 either way (h's chunks of 64 beside blocks of 32)
+OAI_SHAPES = [(MX, MX, 2880, 2880, 4, 4, 1), (MX, MX, 2880, 2880, 4, 4, 11), (MX, MX, 64, 64, 3, 2, 1),
+              (MX, MX, 192, 320, 5, 3, 9), (MX, MX, 320, 192, 1, 1, 3), (MX, Q40, 192, 96, 7, 4, 1),
+              (Q40, MX, 96, 192, 7, 4, 17), (MX, MX, 576, 128, 32, 4, 37)]
+
+
+@pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n", OAI_SHAPES)
+@pytest.mark.parametrize("act,biased", [("swiglu_oai", True), ("silu", False), ("swiglu_oai", False)])
+def test_gpt_oss_experts_match_float64_given_the_kernels_rounding(up_type, down_type, n_embd, n_ff, n_expert, n_used,
+                                                                  n, act, biased):
+    """MXFP4 weights (the E8M0 scale and the FP4 table), gpt-oss's clamped SwiGLU and the experts' biases (each
+    expert's own row of up's, gate's and down's), one token and many (some slots -1), against float64 given the
+    kernel's 8-bit rounding of x and h per block of 32; the pre-activations span the clamp's limit."""
+    rng = np.random.default_rng(n_embd + 7 * n_ff + n)
+    cpu = CpuBackend(3)
+    (up, gate, down), (up64, gate64, down64) = _layer(rng, n_expert, n_embd, n_ff, up_type, down_type)
+    bias = {}
+    if biased:
+        for name, w, rows in (("up", up, n_ff), ("gate", gate, n_ff), ("down", down, n_embd)):
+            w.bias = torch.from_numpy(rng.standard_normal((n_expert, rows)).astype(np.float32) * 2)
+            bias[name] = w.bias.numpy().astype(np.float64)
+    x = (rng.standard_normal((n, n_embd)) * 4 / np.sqrt(n_embd)).astype(np.float32)
+    ids = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n)]).astype(np.int32)
+    if n > 1:
+        ids[rng.random(ids.shape) < 0.2] = -1
+    weights = rng.random((n, n_used)).astype(np.float32)
+    alpha, limit = 1.702, 7.0
+    rounded = np.zeros((n, n_embd))
+    for i in range(n):
+        xr = _as_kernel_rounds(x[i].astype(np.float64), 32)
+        for j, e in enumerate(ids[i]):
+            if e < 0:
+                continue
+            g, u = gate64[e] @ xr, up64[e] @ xr
+            if biased:
+                g, u = g + bias["gate"][e], u + bias["up"][e]
+            if act == "silu":
+                h = g / (1 + np.exp(-g)) * u
+            else:
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+                h = g / (1 + np.exp(-alpha * g)) * (u + 1)
+            y = down64[e] @ _as_kernel_rounds(h, 32 if down_type in (Q40, MX) else 256)
+            rounded[i] += weights[i, j] * (y + (bias["down"][e] if biased else 0))
+    assert cpu.native_experts(n, True, up, gate, down, act) is not None
+    got = cpu.moe_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), up, gate, down,
+                          act).numpy()
+    scale = np.abs(rounded).max(axis=1, keepdims=True)
+    assert np.all(np.abs(got - rounded) <= 3e-3 * np.maximum(scale, 1e-30)), np.abs(got - rounded).max()
+    assert np.linalg.norm(got - rounded) / np.linalg.norm(rounded) < 1e-3
+    if n == 1:  # ggml's mul_mat_id on the same weights (its own Q8_0 rounding of x and h): the same to that rounding
+        theirs = CpuBackend(3, native_kernels=False).moe_experts(torch.from_numpy(x), torch.from_numpy(ids),
+                                                                 torch.from_numpy(weights), up, gate, down, act).numpy()
+        assert np.linalg.norm(got - theirs) / np.linalg.norm(theirs) < 2e-2
+
+
 def test_the_batch_kernel_matches_ggml_on_the_same_tokens():
     """The batch kernel and ggml's mul_mat_id on one layer's 300 tokens: the same result to 8-bit activations'
     rounding, which both make (ggml's Q8_0 / Q8_K, the kernel's own)."""
@@ -249,7 +306,7 @@ def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
     mixed = experts_kernel([{"Q8_0"}, {"Q8_0", "Q6_K"}, {"Q6_K"}])
     if _has_vnni():
         assert mixed.startswith("ferry's own kernel") and "in 1 of 3 layers" in mixed and "theirs are Q6_K, Q8_0" in mixed
-        for layers in ([{"Q4_K"}, {"Q4_K", "Q6_K"}], [{"Q5_K"}, {"Q5_K", "Q6_K"}], [{"IQ4_XS"}]):
+        for layers in ([{"Q4_K"}, {"Q4_K", "Q6_K"}], [{"Q5_K"}, {"Q5_K", "Q6_K"}], [{"IQ4_XS"}], [{"MXFP4"}]):
             assert experts_kernel(layers).startswith("ferry's own kernel ("), layers
         assert experts_kernel([{"Q4_0"}, {"Q4_K"}]).startswith("ferry's own kernel (")
     else:
@@ -489,4 +546,9 @@ def test_a_graph_attends_through_the_kernel_as_through_ggmls_flash_attention(pre
         assert kl(eager, ours).max() <= kl(eager, theirs).max()
     print(preset, cache, f"KL against ggml's: max {kl(theirs, ours).max():.2e}")
     assert kl(theirs, ours).max() < 5e-5
-    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.98
+    # top-1 the same, or where not, a near tie in ggml's logits (a tiny random model's are flat)
+    differ = ours.argmax(-1) != theirs.argmax(-1)
+    top = theirs.gather(-1, theirs.argmax(-1, keepdim=True))[:, 0]
+    margin = top - theirs.gather(-1, ours.argmax(-1, keepdim=True))[:, 0]
+    print("top-1 differs at", differ.sum().item(), "of", len(differ), "margins", margin[differ].tolist())
+    assert differ.float().mean() <= 0.05 and (margin[differ] < 0.02).all()

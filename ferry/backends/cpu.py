@@ -16,7 +16,7 @@ import torch
 from ferry.config import settings
 from ferry.errors import FerryError
 from ferry.kernels.activations import SWIGLU_OAI
-from ferry.kernels.capabilities import can, cpu_native_experts, cpu_native_linear
+from ferry.kernels.capabilities import can, cpu_native_experts, cpu_native_linear, cpu_reads_plain
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
 from ferry.weight import Weight
@@ -59,9 +59,14 @@ def physical_cores() -> int:
 
 
 def _kernel_layout(w: Weight) -> int:
-    """The address ferry's expert kernel reads a weight at: its repacked copy, or its plain bytes (capabilities' "plain"
-    types)."""
-    return w.repacked.tensor.contents.data if w.repacked else w.data.ctypes.data
+    """The address ferry's expert kernel reads a weight at: its plain bytes (capabilities' "plain" types), or ggml's
+    repacked copy."""
+    return w.data.ctypes.data if can(w.qtype).cpu_native == "plain" or not w.repacked else w.repacked.tensor.contents.data
+
+
+def _biases(up: Weight, gate: Weight, down: Weight) -> tuple[int, int, int]:
+    """Where ferry's expert kernel reads each matrix's (n_expert, rows) float32 biases, 0 where it has none."""
+    return tuple(0 if w.bias is None else w.bias.data_ptr() for w in (up, gate, down))
 
 
 def advise_huge_pages(address: int, size: int) -> None:
@@ -157,13 +162,15 @@ class CpuBackend:
         return g
 
     def repack(self, *weights: Weight, progress: Callable[[int, int], None] | None = None) -> bool:
-        """Copy the weights into ggml's interleaved CPU layout where ggml has one for their type and shape,
-        all into one buffer (once per weight); True if the first one is repacked. `progress(done, total)`
+        """Copy the weights into ggml's interleaved CPU layout where ggml has one for their type and shape and ferry's
+        kernels do not read them in their plain layout (MXFP4: a second copy of gpt-oss's experts that nothing would
+        read), all into one buffer (once per weight); True if the first one is repacked. `progress(done, total)`
         is called in bytes after each weight."""
         todo = [w for w in weights if w.repacked is None]
         for w in todo:
             w.repacked = False
-        todo = [w for w in todo if self.repack_buft is not None and has_repack_layout(w.qtype, w.ne)]
+        todo = [w for w in todo if self.repack_buft is not None and has_repack_layout(w.qtype, w.ne)
+                and not (self.native_kernels and cpu_reads_plain(w.qtype, w.ne) and native.library() is not None)]
         if todo:
             ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=(len(todo) + 1) * ggml.ggml_tensor_overhead(),
                                                        mem_buffer=None, no_alloc=True))
@@ -223,7 +230,8 @@ class CpuBackend:
         kernel = self.native_experts(n, True, up, gate, down, act)
         if kernel is not None:  # ferry's kernel as a node (run by ggml's threads)
             w2 = ggml.ggml_reshape_2d(g.ctx, weights, n_used, n)
-            return kernel.node(g.ctx, x, ids, w2, *map(_kernel_layout, (up, gate, down)), gate.ne[2], g.keep), ids
+            return kernel.node(g.ctx, x, ids, w2, *map(_kernel_layout, (up, gate, down)), gate.ne[2], g.keep,
+                               _biases(up, gate, down)), ids
         return self.expert_nodes(g, ggml.ggml_reshape_3d(g.ctx, x, n_embd, 1, n), ids, weights, up, gate, down,
                                  act), ids
 
@@ -452,7 +460,8 @@ class CpuBackend:
         kernel = self.native_experts(n, weights is not None, up, gate, down, act)
         if kernel is not None:
             out = torch.empty(n, n_embd, dtype=torch.float32) if out is None else out
-            return kernel(x, ids, weights.contiguous().float(), *map(_kernel_layout, (up, gate, down)), gate.ne[2], out)
+            return kernel(x, ids, weights.contiguous().float(), *map(_kernel_layout, (up, gate, down)), gate.ne[2], out,
+                          _biases(up, gate, down))
 
         def build() -> _Graph:
             g = _Graph(self, n)
@@ -469,8 +478,9 @@ class CpuBackend:
     def native_experts(self, n: int, weighted: bool, up: Weight, gate: Weight, down: Weight,
                        act: str) -> native.MoeExperts | None:
         """ferry's own kernel for n tokens' routed experts, where it runs them: their weighted sum, experts it reads
-        (capabilities.cpu_native_experts: silu, Q4_0 / Q4_K repacked, Q5_K / Q6_K / IQ4_XS plain), a CPU it was built for
-        (kernels/cpu/native.py); None where ggml runs them. Decided once per layer."""
+        (capabilities.cpu_native_experts: silu or gpt-oss's SwiGLU, biases or none, Q4_0 / Q4_K repacked, Q5_K / Q6_K /
+        IQ4_XS / MXFP4 plain), a CPU it was built for (kernels/cpu/native.py); None where ggml runs them. Decided once
+        per layer."""
         if not self.native_kernels or not weighted:
             return None
         known = up.graphs.get(("native", act))  # kept on the weight, as its graphs are: it dies with the layer
@@ -479,15 +489,16 @@ class CpuBackend:
             lib = native.library()
             why = cpu_native_experts(up, gate, down, act, repacked=lambda w: bool(w.repacked))
             known = up.graphs[("native", act)] = (self, gate, down, None if why or lib is None else
-                                                  self._kernel(lib, up, down))
+                                                  self._kernel(lib, up, down, act))
         return known[3]
 
-    def _kernel(self, lib, up: Weight, down: Weight) -> native.MoeExperts:
-        """The kernel for experts of up's shape and these types (one per shape, types and thread count)."""
-        key = (up.ne[0], up.ne[1], up.qtype, down.qtype, self.n_threads, self.n_threads_batch)
+    def _kernel(self, lib, up: Weight, down: Weight, act: str) -> native.MoeExperts:
+        """The kernel for experts of up's shape, these types and activation (one per shape, types, activation and
+        thread count)."""
+        key = (up.ne[0], up.ne[1], up.qtype, down.qtype, act, self.n_threads, self.n_threads_batch)
         if key not in self._kernels:
             self._kernels[key] = native.MoeExperts(lib, up.ne[0], up.ne[1], up.qtype.value, down.qtype.value,
-                                                   self.n_threads, self.n_threads_batch)
+                                                   self.n_threads, self.n_threads_batch, act)
         return self._kernels[key]
 
     def moe_up_gate(self, x: torch.Tensor, ids: torch.Tensor, up: Weight, gate: Weight, act: str) -> torch.Tensor:

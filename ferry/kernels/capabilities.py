@@ -46,9 +46,17 @@ _TABLE = {
     Q.Q6_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_XS: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_NL: Can(gpu_expand=True),
-    Q.MXFP4: Can(gpu_gemv=True, gpu_expand=True),
+    Q.MXFP4: Can(gpu_gemv=True, gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
 }
 _NONE = Can()
+_CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block
+CPU_ACTS = ("silu", "swiglu_oai")  # the activations ferry's CPU expert kernel computes (moe_experts.c's ACT_*)
+
+
+def cpu_block(qtype: Q) -> int:
+    """The columns a row of this type must be a multiple of for ferry's CPU kernels: its block, or two of MXFP4's (one
+    512-bit vector of int8 activations)."""
+    return _CPU_BLOCK.get(qtype, GGML_QUANT_SIZES[qtype][0])
 
 
 def can(qtype: Q) -> Can:
@@ -72,6 +80,14 @@ def cpu_native_types() -> frozenset[Q]:
     return frozenset(q for q, c in _TABLE.items() if c.cpu_native)
 
 
+def cpu_reads_plain(qtype: Q, ne: tuple[int, ...]) -> bool:
+    """Whether ferry's CPU kernels read a weight of this type and shape (a dense matrix, or stacked experts) in its GGUF
+    layout, so that a repacked copy would go unread where they run (ggml repacks MXFP4, which they read plain)."""
+    c = can(qtype)
+    return c.cpu_native == "plain" and c.cpu_linear == "plain" and len(ne) >= 2 and ne[0] % cpu_block(qtype) == 0 \
+        and ne[1] % 8 == 0
+
+
 def cpu_linear_types() -> frozenset[Q]:
     return frozenset(q for q, c in _TABLE.items() if c.cpu_linear)
 
@@ -83,7 +99,7 @@ def cpu_native_linear(w, repacked=None) -> str:
     if not kind:
         covers = ", ".join(sorted(q.name for q in cpu_linear_types()))
         return f"it is {w.qtype.name}; the kernel covers {covers}"
-    if len(w.ne) != 2 or w.ne[0] % GGML_QUANT_SIZES[w.qtype][0] or w.ne[1] % 8:
+    if len(w.ne) != 2 or w.ne[0] % cpu_block(w.qtype) or w.ne[1] % 8:
         return f"its shape {tuple(w.ne)} is not whole blocks of 8 rows"
     if kind == "repacked" and not (repacked or (lambda t: cpu_repack(t.qtype, t.ne)))(w):
         return "it reads ggml's repacked copy of this type, and there is none (--no-repack)"
@@ -120,10 +136,8 @@ def cpu_native_experts(up, gate, down, act: str, repacked=None) -> str:
     """Why ferry's CPU kernel cannot run one token's routed experts of these stacked tensors (anything with qtype and
     ne), "" where it can on a CPU it was built for. `repacked(tensor)`: whether ggml holds a repacked copy of it (a
     run asks its CPU backend; None: ggml repacks where cpu_repack says, as with -rtr, the default)."""
-    if act != "silu":
-        return f"its activation is {act}; the kernel is written for silu"
-    if any(getattr(t, "bias", None) is not None for t in (up, gate, down)):
-        return "the experts have biases; the kernel adds none"
+    if act not in CPU_ACTS:
+        return f"its activation is {act}; the kernel computes {' and '.join(CPU_ACTS)}"
     if gate.qtype != up.qtype:
         return "gate and up differ in type"
     kinds = {t.qtype: can(t.qtype).cpu_native for t in (up, down)}
@@ -132,8 +146,9 @@ def cpu_native_experts(up, gate, down, act: str, repacked=None) -> str:
         covers = ", ".join(sorted(q.name for q in cpu_native_types()))
         return f"these experts are {', '.join(other)}; it covers {covers}"
     n_embd, n_ff = up.ne[0], up.ne[1]
-    if n_embd % GGML_QUANT_SIZES[up.qtype][0] or n_ff % GGML_QUANT_SIZES[down.qtype][0] or n_embd % 8 or n_ff % 8:
-        return f"their rows ({n_embd}, {n_ff}) are not whole blocks of 8 rows"
+    if n_embd % cpu_block(up.qtype) or n_ff % cpu_block(down.qtype) or n_embd % 8 or n_ff % 8:
+        return (f"their rows ({n_embd}, {n_ff}) are not whole blocks of the kernel's {cpu_block(up.qtype)} / "
+                f"{cpu_block(down.qtype)} columns and 8 rows")
     held = repacked or (lambda t: cpu_repack(t.qtype, t.ne))
     if not all(can(t.qtype).cpu_native == "plain" or held(t) for t in (up, gate, down)):
         return "it reads ggml's repacked copy of these types, and there is none (--no-repack)"

@@ -184,7 +184,8 @@ def experts_kernel(layers: list[set[str]]) -> str:
         return f"ggml's kernel ({covers}; these are {', '.join(sorted(set().union(*other)))})"
     if native.library() is None:
         return f"ggml's kernel ({native.why_not()})"
-    own = "ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q5_K, Q6_K and IQ4_XS)"
+    own = ("ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q5_K, "
+           "Q6_K, IQ4_XS and MXFP4)")
     if not other:
         return own
     return (f"{own} in {len(layers) - len(other)} of {len(layers)} layers, ggml's in the others ({covers}; theirs "

@@ -1,11 +1,11 @@
 /* ferry's CPU matrix kernels: routed experts of one token (ferry_moe_experts) or of many (ferry_moe_batch: h =
- * silu(gate x) * up x for each selected expert, then the weighted sum of down h), dense weights (ferry_linear: y =
- * W x) and attention over a float16 or Q8_0 cache (ferry_attention, at the end), each also as a node of a ggml
- * graph (ferry_moe_ggml, ferry_linear_ggml, ferry_attention_ggml). Q4_0 and Q4_K weights in ggml's
- * repacked CPU layouts (the copies CpuBackend.repack made), Q5_K, Q6_K and IQ4_XS in their plain GGUF layouts (ggml
- * has no repacked ones for them), Q8_0 in a layout of ferry's own (ferry_repack_q8_0; dense weights). A Q4_K_M file's
- * MoE layers are Q4_K up and gate with Q4_K or Q6_K down, a Q5_K_M file's Q5_K with Q5_K or Q6_K, an IQ4_XS file's
- * IQ4_XS throughout.
+ * silu(gate x) * up x, or gpt-oss's clamped SwiGLU with biases, for each selected expert, then the weighted sum of
+ * down h), dense weights (ferry_linear: y = W x) and attention over a float16 or Q8_0 cache (ferry_attention, at the
+ * end), each also as a node of a ggml graph (ferry_moe_ggml, ferry_linear_ggml, ferry_attention_ggml). Q4_0 and Q4_K
+ * weights in ggml's repacked CPU layouts (the copies CpuBackend.repack made), Q5_K, Q6_K, IQ4_XS and MXFP4 in their
+ * plain GGUF layouts (ggml has no repacked ones for them), Q8_0 in a layout of ferry's own (ferry_repack_q8_0; dense
+ * weights). A Q4_K_M file's MoE layers are Q4_K up and gate with Q4_K or Q6_K down, a Q5_K_M file's Q5_K with Q5_K or Q6_K, an IQ4_XS file's
+ * IQ4_XS throughout, gpt-oss's MXFP4 throughout.
  * Compiled at first use by ferry/kernels/cpu/native.py, for CPUs with AVX512-VNNI; elsewhere ggml runs these experts.
  *
  * The layouts (ggml's repack for AVX2 and up) keep rows in groups of 8 and, per group, take 8 bytes of each row's
@@ -27,6 +27,8 @@
  * - IQ4_XS (block_iq4_xs, plain): per super-block 136 bytes: fp16 d, then each sub-block of 32's 6-bit scale ls (its
  *   high 2 bits in a uint16, low 4 in 4 bytes), then 16 bytes per sub-block, byte j holding indices into IQ4_NL's
  *   16 values for weights j (low) and j + 16 (high): w = d (ls - 32) table[index].
+ * - MXFP4 (block_mxfp4, plain): per block of 32 columns 17 bytes: the E8M0 exponent e, then 16 bytes, byte j holding
+ *   indices into FP4's (doubled) table for weights j (low nibble) and j + 16 (high): w = 2^(e - 128) table[index].
  * The plain types' kernels read 8 rows in turn as one group, so that all types share the (slot, matrix, group) split.
  *
  * Why it is faster than ggml's mul_mat_id at one token (docs/decisions.md): each 32-bit lane's dot product belongs
@@ -48,7 +50,7 @@
 #endif
 
 #define GROUP 8 /* rows interleaved */
-enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23 }; /* ggml's type numbers */
+enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39 }; /* ggml's numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
@@ -59,6 +61,9 @@ enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23
                          * 128 of low nibbles */
 #define IQ4_XS_BYTES 136 /* one row's super-block: fp16 d, 2 bytes of the scales' high bits, 4 of their low nibbles,
                           * 128 of nibbles indexing IQ4_NL's table */
+#define MXFP4_BYTES 17 /* one row's block of 32: the E8M0 exponent, 16 bytes of nibbles indexing the FP4 table */
+#define QK_MX 64       /* MXFP4's activation block: two weight blocks, one 512-bit vector of int8 */
+#define MX_OFFSET 12   /* added to MXFP4's table (-12..12) so that its values are unsigned for VNNI */
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1152 /* bytes ahead of the block being read (8 Q4_0 blocks, one Q4_K super-block) */
 #endif
@@ -86,21 +91,33 @@ typedef struct { /* an activation block of 256 for Q6_K (IQ4_XS) weights: Q8_K's
     float d;
 } act_q6_k;
 
+typedef struct { /* an activation block of 64 for MXFP4 weights: two blocks of 32, each quantized to int8 with its own
+                  * scale, in column order */
+    int8_t q[QK_MX];
+    int32_t corr[16]; /* lanes 0 and 8: -MX_OFFSET times the sum of each block's q (the table's offset taken back) */
+    float d[16];      /* each block's scale, halved (the E8M0 exponent's 2^(e - 127) times this is the weights' scale
+                       * times the activation's), over the 8 lanes its 32 columns fill */
+} act_mxfp4;
+
 int ferry_moe_fast(void) { return FAST; }
 
 static int block_of(int type) {
-    return type == Q4_0 || type == Q8_0 ? QK4_0 : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? QK_K : 0;
+    return type == Q4_0 || type == Q8_0 ? QK4_0
+         : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? QK_K
+         : type == MXFP4 ? QK_MX : 0;
 }
 
 /* bytes of one activation row of n values, and of one group of 8 weight rows of n columns, for weights of type */
 static size_t act_bytes(int type, int n) {
     return type == Q4_0 || type == Q8_0 ? sizeof(act_q4_0) * (size_t)(n / QK4_0)
+         : type == MXFP4 ? sizeof(act_mxfp4) * (size_t)(n / QK_MX)
          : type == Q4_K || type == Q5_K ? sizeof(act_q4_k) * (size_t)(n / QK_K) : sizeof(act_q6_k) * (size_t)(n / QK_K);
 }
 static size_t group_bytes(int type, int n) {
     return type == Q4_0 ? (size_t)Q4_0_BYTES * (n / QK4_0)
          : type == Q8_0 ? (size_t)Q8_0_BYTES * (n / QK4_0)
          : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K)
+         : type == MXFP4 ? (size_t)GROUP * MXFP4_BYTES * (n / QK4_0)
          : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : IQ4_XS_BYTES) * (n / QK_K);
 }
 
@@ -149,6 +166,22 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
             a[b].corr[0] = -offset * sums[0];
             a[b].corr[1] = -offset * sums[1];
             a[b].d = d;
+        }
+    } else if (type == MXFP4) {
+        act_mxfp4 *a = (act_mxfp4 *)dst;
+        for (int p = 0; p < n / QK_MX; p++) {
+            memset(a[p].corr, 0, sizeof a[p].corr);
+            for (int k = 0; k < 2; k++) {
+                const float *v = x + (size_t)p * QK_MX + QK4_0 * k;
+                const float d = scale_of(v, QK4_0), id = d > 0.0f ? 1.0f / d : 0.0f;
+                int32_t sum = 0;
+                for (int i = 0; i < QK4_0; i++) {
+                    a[p].q[QK4_0 * k + i] = (int8_t)lrintf(v[i] * id);
+                    sum += a[p].q[QK4_0 * k + i];
+                }
+                a[p].corr[8 * k] = -MX_OFFSET * sum;
+                for (int l = 0; l < 8; l++) a[p].d[8 * k + l] = 0.5f * d;
+            }
         }
     } else if (type == Q4_K || type == Q5_K) {
         act_q4_k *a = (act_q4_k *)dst;
@@ -506,6 +539,41 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
     }
 }
 
+/* the 8 MXFP4 rows at g (plain, one after another) against up to 4 tokens: two blocks (34 bytes) at a time, their
+ * 2 x 16 bytes of nibbles each spread over two 128-bit lanes, the second lane's shifted to its high nibbles, so that
+ * one lookup in the FP4 table (stored + MX_OFFSET) gives the 64 weights in column order; each 32-bit lane's dot
+ * product scaled by its block's 2^(e - 127) and the activation's halved scale: w = 2^(e - 128) table[q] */
+static inline __attribute__((always_inline)) void tile_mxfp4(const uint8_t *g, const uint8_t *const *act, int n,
+                                                              float *const *out, const int T) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), lanes = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6,
+                                                               4, 0));
+    const int blocks = n / QK4_0, pairs = n / QK_MX;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * blocks * MXFP4_BYTES;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int p = 0; p < pairs; p++, row += 2 * MXFP4_BYTES) {
+            _mm_prefetch((const char *)row + PREFETCH_AHEAD, _MM_HINT_T0);
+            const __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(row + 1))),
+                                                        _mm_loadu_si128((const __m128i *)(row + 1 + MXFP4_BYTES)), 1);
+            __m512i v = _mm512_permutexvar_epi64(lanes, _mm512_castsi256_si512(two)); /* lanes: b0, b0, b1, b1 */
+            v = _mm512_mask_srli_epi16(v, 0xff00ff00u, v, 4);                         /* lanes 1 and 3: high nibbles */
+            const __m512i w = _mm512_shuffle_epi8(table, _mm512_and_si512(v, nibble));
+            const uint32_t e0 = row[0], e1 = row[MXFP4_BYTES]; /* 2^(e - 127) as bits (e = 0: the denormal 2^-127) */
+            const __m512 ws = _mm512_castsi512_ps(_mm512_mask_blend_epi32(
+                0xff00, _mm512_set1_epi32((int)(e0 ? e0 << 23 : 0x00400000u)),
+                _mm512_set1_epi32((int)(e1 ? e1 << 23 : 0x00400000u))));
+            for (int t = 0; t < T; t++) {
+                const act_mxfp4 *a = (const act_mxfp4 *)act[t] + p;
+                const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr), w, _mm512_loadu_si512(a->q));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_loadu_ps(a->d)), acc[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+
 /* the group at g (8 rows of n columns of type) against T activation rows: out[t][0..7] */
 static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n, float *const *out, int T) {
     if (type == Q4_0 || type == Q8_0) {
@@ -537,25 +605,13 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
             K_TILE(tile_q5_k)
         } else if (type == IQ4_XS) {
             K_TILE(tile_iq4_xs)
+        } else if (type == MXFP4) {
+            K_TILE(tile_mxfp4)
         } else {
             K_TILE(tile_q6_k)
         }
     }
 #undef K_TILE
-}
-
-/* y for groups lo..hi of the flattened (slot, matrix, group) list, where matrix m of a slot is base[m]'s expert
- * ids[slot], of `groups` row groups of n columns of `type`, against that slot's activation row */
-static void groups_of(int type, int64_t lo, int64_t hi, int groups, int mats, const uint8_t *const *base,
-                      const int32_t *ids, int n, const uint8_t *act, size_t act_per_slot, float *y) {
-    const size_t per_group = group_bytes(type, n), per_expert = per_group * groups;
-    for (int64_t u = lo; u < hi; u++) {
-        const int64_t slot = u / ((int64_t)mats * groups), rem = u % ((int64_t)mats * groups);
-        const uint8_t *g = base[rem / groups] + (size_t)ids[slot] * per_expert + (size_t)(rem % groups) * per_group;
-        const uint8_t *x = act + slot * act_per_slot;
-        float *o = y + u * GROUP;
-        tile_of(type, g, &x, n, &o, 1);
-    }
 }
 
 /* units lo..hi of one phase: unit u of expert e (units first[e]..first[e + 1]) is (matrix, row group, tile of e's
@@ -632,6 +688,16 @@ static void sync_threads(spin_barrier *b, int nt) {
     }
 }
 
+enum { ACT_SILU = 0, ACT_SWIGLU_OAI = 1 }; /* the experts' activation: silu(gate) up, or gpt-oss's clamped SwiGLU */
+
+/* the experts' fixed part beside their weights: the activation (gpt-oss's alpha and limit) and each matrix's biases
+ * (n_expert rows of n_ff, n_ff and n_embd floats; NULL: none) */
+typedef struct {
+    int act;
+    float alpha, limit;
+    const float *up, *gate, *down;
+} expert_extras;
+
 /* one call's operands: n tokens' x rows (x_stride floats apart), ids and weights (n_used each, ids_stride and
  * w_stride apart), the stacked experts and their types, out (n rows of n_embd) */
 typedef struct {
@@ -643,7 +709,30 @@ typedef struct {
     const uint8_t *up, *gate, *down;
     float *out;
     uint8_t *scratch;
+    expert_extras ex;
 } moe_call;
+
+/* h = act(gate + its bias) (up + its bias) for expert e's rows i0..i0 + n (h written over up) */
+static inline void glu(const moe_call *c, int e, int i0, float *up, const float *gate, int n) {
+    const expert_extras *x = &c->ex;
+    const float *ub = x->up ? x->up + (size_t)e * c->n_ff + i0 : NULL;
+    const float *gb = x->gate ? x->gate + (size_t)e * c->n_ff + i0 : NULL;
+    for (int i = 0; i < n; i++) {
+        float u = up[i] + (ub ? ub[i] : 0.0f), g = gate[i] + (gb ? gb[i] : 0.0f);
+        if (x->act == ACT_SWIGLU_OAI) { /* as ggml's swiglu_oai: the gate clamped above, up to +-limit */
+            g = fminf(g, x->limit);
+            u = fminf(fmaxf(u, -x->limit), x->limit);
+            up[i] = g / (1.0f + expf(-x->alpha * g)) * (u + 1.0f);
+        } else {
+            up[i] = g / (1.0f + expf(-g)) * u;
+        }
+    }
+}
+
+/* expert e's down bias at row i (0 where there is none) */
+static inline float down_bias(const moe_call *c, int e, int i) {
+    return c->ex.down ? c->ex.down[(size_t)e * c->n_embd + i] : 0.0f;
+}
 
 /* one token's counters (token_body): the next bundle, then per (slot, chunk of h), per slot and per bundle of out's
  * rows (at most a group each) */
@@ -766,8 +855,7 @@ static void token_body(const moe_call *c, int t, int nt, spin_barrier *b) {
                 if (__atomic_add_fetch(&k.chunk_done[s * chunks + ch], hi - lo, __ATOMIC_ACQ_REL) < 2 * chunk_groups)
                     continue;
                 float *up = ug + (size_t)2 * s * n_ff + (size_t)ch * hblock; /* the chunk's last rows: h */
-                const float *gate = up + n_ff;
-                for (int i = 0; i < hblock; i++) up[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+                glu(c, c->ids[s], ch * hblock, up, up + n_ff, hblock);
                 quantize_row(c->down_type, up, hblock, hq + s * h_bytes + ch * chunk_bytes);
                 __atomic_add_fetch(&k.slot_ready[s], 1, __ATOMIC_RELEASE);
             }
@@ -785,7 +873,8 @@ static void token_body(const moe_call *c, int t, int nt, spin_barrier *b) {
             if (__atomic_add_fetch(&k.rows_done[j], 1, __ATOMIC_ACQ_REL) < n_used) continue;
             for (int i = g0 * GROUP; i < g1 * GROUP; i++) {
                 float sum = 0.0f;
-                for (int q = 0; q < n_used; q++) sum += c->weights[q] * y[(size_t)q * n_embd + i];
+                for (int q = 0; q < n_used; q++)
+                    sum += c->weights[q] * (y[(size_t)q * n_embd + i] + down_bias(c, c->ids[q], i));
                 c->out[i] = sum;
             }
         }
@@ -858,10 +947,10 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
     run_units(&up_phase, lo, hi);
     sync_threads(b, nt);
     thread_range(live, t, nt, &lo, &hi);
-    for (int64_t p = lo; p < hi; p++) {
+    for (int64_t p = lo, e = 0; p < hi; p++) {
+        while (start[e + 1] <= p) e++; /* pair p's expert */
         float *u = ug + p * 2 * n_ff;
-        const float *g = u + n_ff;
-        for (int i = 0; i < n_ff; i++) u[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        glu(c, (int)e, 0, u, u + n_ff, n_ff);
         quantize_row(c->down_type, u, n_ff, hq + p * h_bytes);
     }
     sync_threads(b, nt);
@@ -881,7 +970,8 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
             const int32_t p = pos[i * n_used + j];
             if (p < 0) continue;
             const float w = c->weights[i * c->w_stride + j], *yp = y + (size_t)p * n_embd;
-            for (int col = c0; col < c1; col++) o[col] += w * yp[col];
+            const int e = c->ids[i * c->ids_stride + j];
+            for (int col = c0; col < c1; col++) o[col] += w * (yp[col] + down_bias(c, e, col));
         }
     }
 }
@@ -902,19 +992,23 @@ static int run_omp(const moe_call *c, int n_threads) {
 }
 #endif
 
-/* x (n_embd) -> out (n_embd): sum over slots j of weights[j] * down[ids[j]] (silu(gate[ids[j]] x) * up[ids[j]] x).
- * up, gate: n_expert matrices of n_ff rows of n_embd, of up_type; down: n_expert matrices of n_embd rows of n_ff, of
- * down_type; all in the layouts above, each expert's matrix contiguous. scratch: ferry_moe_scratch bytes, 64-byte
- * aligned. Returns 0; -1 when an id is out of range, a type is not Q4_0, Q4_K or Q6_K, or a size is not a multiple of its
- * type's block (rows: of 8); -2 when not built FAST (nothing is written then). */
+/* x (n_embd) -> out (n_embd): sum over slots j of weights[j] * (down[e] act(gate[e] x, up[e] x)), e = ids[j], each
+ * matrix's bias added where it has one (act: ACT_SILU, silu(gate) up, or ACT_SWIGLU_OAI with alpha and limit; biases:
+ * NULL or n_expert rows of the matrix's rows, float32). up, gate: n_expert matrices of n_ff rows of n_embd, of up_type;
+ * down: n_expert matrices of n_embd rows of n_ff, of down_type; all in the layouts above, each expert's matrix
+ * contiguous. scratch: ferry_moe_scratch bytes, 64-byte aligned. Returns 0; -1 when an id is out of range, a type is
+ * not one above, or a size is not a multiple of its type's block (rows: of 8); -2 when not built FAST (nothing is
+ * written then). */
 int ferry_moe_experts(const float *x, const int32_t *ids, const float *weights, int n_used, int n_embd, int n_ff,
                       int n_expert, const uint8_t *up, const uint8_t *gate, const uint8_t *down, int up_type,
-                      int down_type, float *out, void *scratch, int n_threads) {
+                      int down_type, float *out, void *scratch, int n_threads, int act, float alpha, float limit,
+                      const float *up_bias, const float *gate_bias, const float *down_bias) {
 #if !FAST
     return -2; /* native.py asks ferry_moe_fast first and never gets here */
 #else
     const moe_call c = {x, ids, weights, n_embd, n_used, n_used, 1, n_used, n_embd, n_ff, n_expert, up_type,
-                        down_type, up, gate, down, out, (uint8_t *)scratch};
+                        down_type, up, gate, down, out, (uint8_t *)scratch,
+                        {act, alpha, limit, up_bias, gate_bias, down_bias}};
     return run_omp(&c, n_threads);
 #endif
 }
@@ -924,12 +1018,14 @@ int ferry_moe_experts(const float *x, const int32_t *ids, const float *weights, 
  * types and returns as ferry_moe_experts'; scratch: ferry_moe_batch_scratch bytes, 64-byte aligned. */
 int ferry_moe_batch(const float *x, const int32_t *ids, const float *weights, int n, int n_used, int n_embd, int n_ff,
                     int n_expert, const uint8_t *up, const uint8_t *gate, const uint8_t *down, int up_type,
-                    int down_type, float *out, void *scratch, int n_threads) {
+                    int down_type, float *out, void *scratch, int n_threads, int act, float alpha, float limit,
+                    const float *up_bias, const float *gate_bias, const float *down_bias) {
 #if !FAST
     return -2;
 #else
     const moe_call c = {x, ids, weights, n_embd, n_used, n_used, n, n_used, n_embd, n_ff, n_expert, up_type,
-                        down_type, up, gate, down, out, (uint8_t *)scratch};
+                        down_type, up, gate, down, out, (uint8_t *)scratch,
+                        {act, alpha, limit, up_bias, gate_bias, down_bias}};
     return run_omp(&c, n_threads);
 #endif
 }
@@ -966,6 +1062,7 @@ typedef struct {
                               * graph built (graphs run one at a time and are built before they run) */
     spin_barrier *barrier;
     tensor_fields f;
+    expert_extras ex;
 } ferry_ggml_moe;
 
 size_t ferry_ggml_moe_size(void) { return sizeof(ferry_ggml_moe); }
@@ -978,7 +1075,7 @@ void ferry_moe_ggml(void *dst, int ith, int nth, void *userdata) {
     const moe_call c = {data_of(x, f), data_of(ids, f), data_of(w, f), row_stride(x, f, sizeof(float)),
                         row_stride(ids, f, sizeof(int32_t)), row_stride(w, f, sizeof(float)), (int)columns_of(dst, f),
                         m->n_used, m->n_embd, m->n_ff, m->n_expert, m->up_type, m->down_type, m->up, m->gate, m->down,
-                        data_of(dst, f), *m->scratch};
+                        data_of(dst, f), *m->scratch, m->ex};
     run_call(&c, ith, nth, m->barrier);
 #else
     (void)dst, (void)ith, (void)nth, (void)userdata;

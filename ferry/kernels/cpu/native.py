@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ferry.config import Settings, settings
+from ferry.kernels.activations import SWIGLU_OAI
 
 _SOURCE = Path(__file__).with_name("moe_experts.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -70,11 +71,12 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             lib.ferry_moe_scratch.argtypes = [ctypes.c_int] * 5
             p, i = ctypes.c_void_p, ctypes.c_int
             lib.ferry_moe_experts.restype = ctypes.c_int
-            lib.ferry_moe_experts.argtypes = [p, p, p, i, i, i, i, p, p, p, i, i, p, p, i]
+            f = ctypes.c_float
+            lib.ferry_moe_experts.argtypes = [p, p, p, i, i, i, i, p, p, p, i, i, p, p, i, i, f, f, p, p, p]
             lib.ferry_moe_batch_scratch.restype = ctypes.c_size_t
             lib.ferry_moe_batch_scratch.argtypes = [ctypes.c_int] * 7
             lib.ferry_moe_batch.restype = ctypes.c_int
-            lib.ferry_moe_batch.argtypes = [p, p, p, i, i, i, i, i, p, p, p, i, i, p, p, i]
+            lib.ferry_moe_batch.argtypes = [p, p, p, i, i, i, i, i, p, p, p, i, i, p, p, i, i, f, f, p, p, p]
             lib.ferry_linear_scratch.restype = ctypes.c_size_t
             lib.ferry_linear_scratch.argtypes = [i, i, i]
             lib.ferry_linear.restype = ctypes.c_int
@@ -103,6 +105,15 @@ def _load(s: Settings) -> ctypes.CDLL | str:
     return _built[key]
 
 
+ACTS = {"silu": 0, "swiglu_oai": 1}  # moe_experts.c's ACT_SILU, ACT_SWIGLU_OAI
+
+
+class _Extras(ctypes.Structure):
+    """moe_experts.c's expert_extras: the activation (gpt-oss's alpha and limit) and the biases' addresses (0: none)."""
+    _fields_ = [("act", ctypes.c_int), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+                ("up", ctypes.c_void_p), ("gate", ctypes.c_void_p), ("down", ctypes.c_void_p)]
+
+
 class _GgmlMoe(ctypes.Structure):
     """moe_experts.c's ferry_ggml_moe: a layer's fixed operands of the graph node, and where ggml_tensor keeps the
     fields the node reads."""
@@ -110,7 +121,7 @@ class _GgmlMoe(ctypes.Structure):
                 ("n_embd", ctypes.c_int), ("n_ff", ctypes.c_int), ("n_expert", ctypes.c_int), ("n_used", ctypes.c_int),
                 ("up_type", ctypes.c_int), ("down_type", ctypes.c_int), ("scratch", ctypes.c_void_p),
                 ("barrier", ctypes.c_void_p), ("off_ne", ctypes.c_int64), ("off_nb", ctypes.c_int64),
-                ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64)]
+                ("off_src", ctypes.c_int64), ("off_data", ctypes.c_int64), ("ex", _Extras)]
 
 
 class _GgmlLinear(ctypes.Structure):
@@ -181,15 +192,16 @@ def why_not(s: Settings | None = None) -> str:
 
 
 class MoeExperts:
-    """Routed experts of one shape and types through moe_experts.c, with its scratch memory kept: one token's
-    (ferry_moe_experts) or many tokens' (ferry_moe_batch). up_type: the up and gate matrices' ggml type number,
-    down_type: the down matrices'."""
+    """Routed experts of one shape, types and activation through moe_experts.c, with its scratch memory kept: one
+    token's (ferry_moe_experts) or many tokens' (ferry_moe_batch). up_type: the up and gate matrices' ggml type number,
+    down_type: the down matrices'; act: "silu" or "swiglu_oai" (gpt-oss's, with activations.SWIGLU_OAI)."""
 
     def __init__(self, lib: ctypes.CDLL, n_embd: int, n_ff: int, up_type: int, down_type: int, n_threads: int,
-                 n_threads_batch: int | None = None):
+                 n_threads_batch: int | None = None, act: str = "silu"):
         self.lib, self.n_embd, self.n_ff, self.n_threads = lib, n_embd, n_ff, n_threads
         self.n_threads_batch = n_threads_batch or n_threads  # many tokens' threads (-tb)
         self.up_type, self.down_type = up_type, down_type
+        self.act = (ACTS[act], *SWIGLU_OAI)
         self._scratch: dict[tuple, tuple[np.ndarray, int]] = {}  # (kind, n_used) -> its buffer and aligned address
         self._barrier = np.zeros(16, dtype=np.int32)  # the graph nodes' spin barrier (they run one at a time)
         self._nodes = _Scratch()  # the graph nodes' scratch
@@ -211,37 +223,40 @@ class MoeExperts:
         return held[1]
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: int, gate: int, down: int,
-                 n_expert: int, out: torch.Tensor) -> torch.Tensor:
+                 n_expert: int, out: torch.Tensor, biases: tuple[int, int, int] = (0, 0, 0)) -> torch.Tensor:
         """x (n, n_embd) float32, ids (n, n_used) int32, weights (n, n_used) float32, contiguous; up, gate, down: the
         addresses of the stacked expert tensors in the layout of their type (PLAIN or ggml's repacked); out (n,
-        n_embd) float32. Over one token every id must name an expert; over many, an id of -1 adds nothing (an expert
+        n_embd) float32; biases: the addresses of up's, gate's and down's (n_expert, rows) float32 biases, 0 where a
+        matrix has none. Over one token every id must name an expert; over many, an id of -1 adds nothing (an expert
         computed elsewhere)."""
         n, n_used = ids.shape
         scratch = self._scratch_for(n, n_used, n_expert)
         if n == 1:
             failed = self.lib.ferry_moe_experts(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n_used, self.n_embd,
                                                 self.n_ff, n_expert, up, gate, down, self.up_type, self.down_type,
-                                                out.data_ptr(), scratch, self.n_threads)
+                                                out.data_ptr(), scratch, self.n_threads, *self.act, *biases)
         else:
             failed = self.lib.ferry_moe_batch(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), n, n_used,
                                               self.n_embd, self.n_ff, n_expert, up, gate, down, self.up_type,
-                                              self.down_type, out.data_ptr(), scratch, self.n_threads_batch)
+                                              self.down_type, out.data_ptr(), scratch, self.n_threads_batch,
+                                              *self.act, *biases)
         if failed:
             bad = sorted(set(ids[(ids < (0 if n == 1 else -1)) | (ids >= n_expert)].tolist()))
             raise ValueError(f"expert ids {bad} are not all below {n_expert}")
         return out
 
-    def node(self, ctx, x, ids, weights, up: int, gate: int, down: int, n_expert: int, keep: list):
+    def node(self, ctx, x, ids, weights, up: int, gate: int, down: int, n_expert: int, keep: list,
+             biases: tuple[int, int, int] = (0, 0, 0)):
         """The experts as a node of a ggml graph (ggml_custom_4d, run by ggml's threads): x (n_embd, n) float32, ids
-        (>= n_used, n) int32 (top_k's view), weights (n_used, n) float32, rows at their strides; up, gate, down as for
-        __call__. Returns the (n_embd, n) float32 node; what it reads stays alive in `keep` (the graph's). Its scratch
+        (>= n_used, n) int32 (top_k's view), weights (n_used, n) float32, rows at their strides; up, gate, down and
+        biases as for __call__. Returns the (n_embd, n) float32 node; what it reads stays alive in `keep` (the graph's). Its scratch
         is this kernel's one buffer, grown to the largest graph built: every graph and layer shares it, as they run one
         at a time, and reads where it is at each run."""
         n, n_used = x.contents.ne[1], weights.contents.ne[0]
         self._nodes.grow(self.lib.ferry_moe_batch_scratch(n, n_used, self.n_embd, self.n_ff, n_expert, self.up_type,
                                                           self.down_type))
         fixed = _GgmlMoe(up, gate, down, self.n_embd, self.n_ff, n_expert, n_used, self.up_type, self.down_type,
-                         self._nodes.where, self._barrier.ctypes.data, *_offsets())
+                         self._nodes.where, self._barrier.ctypes.data, *_offsets(), _Extras(*self.act, *biases))
         fun = ggml.ggml_custom_op_t(ctypes.cast(self.lib.ferry_moe_ggml, ctypes.c_void_p).value)
         args = (ctypes.POINTER(ggml.ggml_tensor) * 3)(x, ids, weights)
         keep += [fixed, fun, args, self._nodes, self._barrier]
