@@ -19,7 +19,7 @@ from ferry.gguf.file import GGUFFile
 
 # token texts that end a turn in chat models; llama.cpp treats them as end-of-generation too
 EOG_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<|eom_id|>", "<|return|>",
-             "<|call|>")
+             "<|call|>", "[e~[")  # [e~[: MiniMax-M2's end of a turn
 # gpt-oss's harmony format ends a message with <|end|> and the model's turn with <|return|> or <|call|>: with those two
 # in the vocabulary <|end|> ends no generation, as in llama.cpp (the final answer follows the reasoning's <|end|>)
 HARMONY_ENDS = ("<|return|>", "<|call|>")
@@ -75,6 +75,7 @@ PRE_SPLITS["gpt-4o"] = [  # o200k's (gpt-oss's tokenizer.json; llama.cpp spells 
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _ANY_CASE_CONTRACTIONS
     + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _ANY_CASE_CONTRACTIONS
     + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+PRE_SPLITS["minimax-m2"] = PRE_SPLITS["gpt-4o"]  # llama.cpp cuts MiniMax-M2's text as o200k's
 # vocabularies whose pieces found whole in the vocabulary are taken whole, merges or not (llama.cpp: ignore_merges)
 IGNORE_MERGES = {"glm4", "glm5", "llama3", "llama-v3", "llama-bpe"}
 

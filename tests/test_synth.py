@@ -20,7 +20,7 @@ def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
     assert abs(values.mean()) < 0.01 and 0.04 < values.std() < 0.06
 
 
-@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny", "glm4moe-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny", "glm4moe-tiny", "minimax-m2-tiny"])
 def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend, preset):
     path = tmp_path / "tiny.gguf"
     synth(PRESETS[preset], path, Q.Q4_0, Q.Q8_0, quiet=True)
@@ -33,6 +33,20 @@ def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_p
     n_expert = model.args.n_expert
     assert len(hit) == model.args.n_layer - model.args.n_layer_dense_lead
     assert min(hit) >= 0.9 * n_expert, f"experts hit per layer: {hit} of {n_expert}"
+
+
+def test_minimax_m2_preset_has_the_real_shapes(tmp_path):
+    """MiniMax-M2's config.json: 62 layers of 3072, 48 heads of 128 (8 for keys), rope on 64 of them at 5e6, 256
+    experts of 1536 of which 8 are chosen by sigmoid; a cut of it loads with its norms across all heads."""
+    p = PRESETS["minimax-m2"]
+    assert (p.n_layer, p.n_embd, p.n_head, p.n_head_kv, p.head_dim, p.n_rot) == (62, 3072, 48, 8, 128, 64)
+    assert (p.n_expert, p.n_expert_used, p.n_ff_exp, p.n_vocab, p.gating) == (256, 8, 1536, 200064, 2)
+    path = tmp_path / "m.gguf"
+    synth(p, path, Q.Q4_0, Q.Q8_0, layers=1, quiet=True, shape_only=True)
+    model = load_model(GGUFFile(path))
+    attn = model.blocks[0].attn
+    assert attn.norm_whole and attn.q_norm.shape == (48 * 128,) and attn.k_norm.shape == (8 * 128,)
+    assert model.args.expert_gating == "sigmoid" and model.blocks[0].ffn.norm_topk
 
 
 def test_qwen3_30b_a3b_preset_has_the_real_shapes():

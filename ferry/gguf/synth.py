@@ -83,7 +83,7 @@ class Preset:
     gating: int = 1  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (with a correction bias)
     expert_weights_scale: float = 1.0
     expert_weights_norm: bool = False
-    n_rot: int = 0  # glm4moe: rope on the first n_rot values of each head (0: all)
+    n_rot: int = 0  # glm4moe, minimax-m2: rope on the first n_rot values of each head (0: all)
     sliding_window: int = 0  # gpt-oss: the even layers' window
 
 
@@ -120,6 +120,12 @@ PRESETS = {
                           norm_eps=1e-5, sliding_window=128),
     "gpt-oss-120b": Preset("gpt-oss", 36, 2880, 64, 8, 64, 128, 4, 2880, 2880, 201088, n_ctx=131072,
                            rope_base=150000.0, norm_eps=1e-5, sliding_window=128),
+    # MiniMax-M2's shapes (230B-A10B, 62 layers: about 130 GB with Q4_0 experts; --layers cuts it): q and k normed
+    # across all heads, rope on half of each head, 256 experts of 1536 chosen 8 by sigmoid score + correction bias
+    "minimax-m2": Preset("minimax-m2", 62, 3072, 48, 8, 128, 256, 8, 1536, 1536, 200064, n_ctx=196608,
+                         rope_base=5_000_000.0, gating=2, expert_weights_norm=True, n_rot=64),
+    "minimax-m2-tiny": Preset("minimax-m2", 4, 256, 4, 2, 64, 16, 4, 128, 128, 2048, n_ctx=4096, gating=2,
+                              expert_weights_norm=True, n_rot=32),
     "gpt-oss-tiny": Preset("gpt-oss", 4, 256, 4, 2, 64, 8, 2, 256, 256, 2048, n_ctx=4096, rope_base=150000.0,
                            norm_eps=1e-5, sliding_window=8),
     "deepseek2-tiny": Preset("deepseek2", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
@@ -240,6 +246,25 @@ def _glm_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, othe
     return specs + _ffn(p, b, i, mat, experts, other_type, rng)
 
 
+def _minimax_layer(p: Preset, b: str, mat, named, ones, experts: tuple, other_type, rng) -> list[TensorSpec]:
+    """One minimax-m2 block: attention with q and k norms across all heads, then routed experts with the correction
+    bias of sigmoid routing (no shared expert)."""
+    d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+    near_one = lambda n, name: TensorSpec(name, Q.F32, (n,), lambda: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))  # noqa: E731
+    return [named(ones(d), b + "attn_norm.weight"),
+            mat(b + "attn_q.weight", other_type, (d, q_dim)), mat(b + "attn_k.weight", other_type, (d, kv_dim)),
+            mat(b + "attn_v.weight", other_type, (d, kv_dim)),
+            mat(b + "attn_output.weight", other_type, (q_dim, d), OUTPUT_PROJECTION_SCALE),
+            near_one(q_dim, b + "attn_q_norm.weight"), near_one(kv_dim, b + "attn_k_norm.weight"),
+            named(ones(d), b + "ffn_norm.weight"),
+            mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)),
+            mat(b + "ffn_gate_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+            mat(b + "ffn_up_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+            mat(b + "ffn_down_exps.weight", experts[1], (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
+            TensorSpec(b + "exp_probs_b.bias", Q.F32, (p.n_expert,),
+                       lambda: (0.01 * rng.standard_normal(p.n_expert)).astype(np.float32))]
+
+
 def _gptoss_layer(p: Preset, b: str, mat, named, ones, experts: tuple, other_type, rng) -> list[TensorSpec]:
     """One gpt-oss block: attention with biases (output's too) and sinks, then routed experts with biases (router's
     too); the experts of the first of `experts`' types (MXFP4 in the real files)."""
@@ -349,6 +374,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
     if a == "gpt-oss":
         metadata.update({f"{a}.attention.sliding_window": p.sliding_window, f"{a}.rope.scaling.type": "yarn",
                          f"{a}.rope.scaling.factor": 32.0, f"{a}.rope.scaling.original_context_length": 4096})
+    if a == "minimax-m2":
+        metadata.update({f"{a}.rope.dimension_count": p.n_rot or p.head_dim, f"{a}.expert_gating_func": p.gating,
+                         "tokenizer.ggml.pre": "minimax-m2"})
     if a == "glm4moe":
         metadata.update({f"{a}.rope.dimension_count": p.n_rot or p.head_dim, f"{a}.nextn_predict_layers": 0,
                          f"{a}.expert_shared_count": p.n_expert_shared,
@@ -392,6 +420,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
             continue
         if a == "gpt-oss":
             specs += _gptoss_layer(p, b, mat, named, ones, experts, other_type, rng)
+            continue
+        if a == "minimax-m2":
+            specs += _minimax_layer(p, b, mat, named, ones, experts, other_type, rng)
             continue
         specs += [
             named(ones(d), b + "attn_norm.weight"),

@@ -1,4 +1,5 @@
-"""Self-attention with a KV cache: GQA, optional q/k/v biases (qwen2), per-head q/k norms (qwen3, gemma3),
+"""Self-attention with a KV cache: GQA, optional q/k/v biases (qwen2), q/k norms per head (qwen3, gemma3) or across
+all heads (minimax-m2),
 a sliding window (gemma3's local layers); and DeepSeek's multi-head latent attention."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Attention:
     k_norm: torch.Tensor | None = None
     window: int = 0
     bo: torch.Tensor | None = None  # the output projection's bias (gpt-oss)
+    norm_whole: bool = False  # q_norm / k_norm span all heads' values at once (minimax-m2), not each head's
     sinks: torch.Tensor | None = None  # (n_head,) each head's sink logit: in the softmax's denominator only (gpt-oss)
 
     def __call__(self, ops, x, norm: torch.Tensor | None = None, eps: float = 0.0):
@@ -46,10 +48,13 @@ class Attention:
 
     def unfused(self, ops, x):
         """The layer op by op, up to its output projection: (n, n_head * head_dim_v)."""
-        q = ops.heads(ops.linear(x, self.wq, self.bq), self.n_head, self.head_dim_k)
-        k = ops.heads(ops.linear(x, self.wk, self.bk), self.n_head_kv, self.head_dim_k)
+        q, k = ops.linear(x, self.wq, self.bq), ops.linear(x, self.wk, self.bk)
+        if self.q_norm is not None and self.norm_whole:
+            q = ops.rms_norm(q, self.q_norm, self.norm_eps)
+            k = ops.rms_norm(k, self.k_norm, self.norm_eps)
+        q, k = ops.heads(q, self.n_head, self.head_dim_k), ops.heads(k, self.n_head_kv, self.head_dim_k)
         v = ops.heads(ops.linear(x, self.wv, self.bv), self.n_head_kv, self.head_dim_v)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_whole:
             q = ops.rms_norm(q, self.q_norm, self.norm_eps)
             k = ops.rms_norm(k, self.k_norm, self.norm_eps)
         q, k = ops.rope(q, self.rope), ops.rope(k, self.rope)

@@ -164,10 +164,11 @@ class ModelArgs:
 
 
 def _default_gating(f: GGUFFile, arch: str) -> int:
-    """expert_gating_func where a file has none, as llama.cpp reads such files: glm4moe's routers are sigmoid; a
+    """expert_gating_func where a file has none, as llama.cpp reads such files: glm4moe's and minimax-m2's routers are
+    sigmoid; a
     deepseek2 file is DeepSeek-V2 / V2.5 (softmax), unless it has GLM-4.7-Flash's shape (47 or 48 blocks, a
     vocabulary of 154880), whose converter wrote deepseek2 without the key."""
-    if arch == "glm4moe":
+    if arch in ("glm4moe", "minimax-m2"):
         return 2
     tokens = f.get("tokenizer.ggml.tokens")
     n_vocab = f.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0)

@@ -35,8 +35,10 @@ class Block:
         return self.ffn(ops, h, residual=x)
 
 
-def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, window: int = 0, scale: float | None = None) -> Attention:
-    """The attention of block i, with whatever optional biases and q/k norms the file carries."""
+def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, window: int = 0, scale: float | None = None,
+              norm_whole: bool = False) -> Attention:
+    """The attention of block i, with whatever optional biases and q/k norms the file carries (per head, or with
+    norm_whole across all heads: MiniMax-M2's)."""
     p = f"blk.{i}."
     q_dim, kv_dim, v_dim = a.n_head * a.head_dim_k, a.n_head_kv * a.head_dim_k, a.n_head_kv * a.head_dim_v
     return Attention(
@@ -50,8 +52,9 @@ def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, window: int = 0
         bq=w.optional_vector(p + "attn_q.bias", q_dim),
         bk=w.optional_vector(p + "attn_k.bias", kv_dim),
         bv=w.optional_vector(p + "attn_v.bias", v_dim),
-        q_norm=w.optional_vector(p + "attn_q_norm.weight", a.head_dim_k),
-        k_norm=w.optional_vector(p + "attn_k_norm.weight", a.head_dim_k),
+        q_norm=w.optional_vector(p + "attn_q_norm.weight", q_dim if norm_whole else a.head_dim_k),
+        k_norm=w.optional_vector(p + "attn_k_norm.weight", kv_dim if norm_whole else a.head_dim_k),
+        norm_whole=norm_whole,
         window=window,
     )
 

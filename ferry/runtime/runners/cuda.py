@@ -100,7 +100,7 @@ class CudaOps(TorchOps):
 
         kv, n = self.batch.kv, x.shape[0]
         w = self.backend.fused((attn.wq, attn.wk, attn.wv))
-        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
+        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k or attn.norm_whole
                 or any(b is not None for b in (attn.bq, attn.bk, attn.bv))
                 or any(t not in (Q.F16, Q.Q8_0) or (t == Q.Q8_0 and d % 32)
                        for t, d in ((kv.type_k, attn.head_dim_k), (kv.type_v, attn.head_dim_v)))):
