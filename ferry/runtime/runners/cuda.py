@@ -94,13 +94,14 @@ class CudaOps(TorchOps):
     def fused_attention(self, attn, x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
         """A decode step's attention layer in three launches: one GEMV for q, k and v (their rows uploaded as one
         matrix; the pre-norm taken inside it), one kernel for the q/k norms, rope and both cache stores, and
-        attention over the cache."""
+        attention over the cache. Norms across all heads (minimax-m2) run between the first two, as two norm
+        kernels over q's and k's columns of the GEMV's output."""
         from ferry.kernels.cuda.attention import qkv_rope_store
         from ferry.kernels.cuda.gemv import gemv
 
         kv, n = self.batch.kv, x.shape[0]
         w = self.backend.fused((attn.wq, attn.wk, attn.wv))
-        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k or attn.norm_whole
+        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
                 or any(b is not None for b in (attn.bq, attn.bk, attn.bv))
                 or any(t not in (Q.F16, Q.Q8_0) or (t == Q.Q8_0 and d % 32)
                        for t, d in ((kv.type_k, attn.head_dim_k), (kv.type_v, attn.head_dim_v)))):
@@ -110,6 +111,12 @@ class CudaOps(TorchOps):
         norms = (None, None) if attn.q_norm is None else (self.backend.vector(attn.q_norm),
                                                            self.backend.vector(attn.k_norm))
         y = gemv(w, x, norm=None if norm is None else (self.backend.vector(norm), eps))
+        if attn.norm_whole and attn.q_norm is not None:
+            q_dim, k_dim = attn.n_head * attn.head_dim_k, attn.n_head_kv * attn.head_dim_k
+            y = torch.cat([self.rms_norm(y[:, :q_dim], attn.q_norm, attn.norm_eps),
+                           self.rms_norm(y[:, q_dim:q_dim + k_dim], attn.k_norm, attn.norm_eps),
+                           y[:, q_dim + k_dim:]], 1)
+            norms = (None, None)
         q = qkv_rope_store(y, *norms, attn.norm_eps, cos, sin, self.pos, self.cells,
                            kv.k[attn.layer], kv.v[attn.layer], k_q8, v_q8, attn.n_head, attn.n_head_kv,
                            attn.head_dim_k, attn.head_dim_v, attn.rope.n_rot, attn.rope.neox)
