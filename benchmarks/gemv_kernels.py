@@ -26,7 +26,7 @@ DENSE = {  # name: (cols, rows), Q8_0
     "v2-lite shexp gate": (2048, 2816), "v2-lite shexp down": (2816, 2048),
 }
 EXPERTS = {"qwen3": (128, 8, 2048, 768), "v2-lite": (64, 6, 2048, 1408),  # n_expert, used, n_embd, n_ff
-           "gpt-oss": (32, 4, 2880, 2880)}
+           "gpt-oss": (32, 4, 2880, 2880), "minimax-m2": (256, 8, 3072, 1536)}
 SWEEP = list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)))
 ATTENTION = {"qwen3": (32, 4, 128, 128), "v2-lite latent": (16, 1, 576, 512)}  # heads, kv heads, key and value size
 ATTENTION_SWEEP = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8)))

@@ -289,19 +289,26 @@ def test_add_rms_norm_returns_the_sum_and_its_norm(rows, n):
 
 
 @pytest.mark.parametrize("gating,bias,norm,scale", [("softmax", False, True, 1.0), ("softmax", False, False, 1.0),
-                                                    ("sigmoid", True, True, 2.5), ("sigmoid", False, False, 1.0)])
+                                                    ("sigmoid", True, True, 2.5), ("sigmoid", False, False, 1.0),
+                                                    ("softmax_weight", True, False, 1.0),
+                                                    ("softmax_weight", False, False, 1.0)])
 @pytest.mark.parametrize("n,n_expert,n_used", [(1, 8, 2), (3, 60, 6), (2, 128, 8), (5, 256, 8), (1, 7, 7)])
 def test_route_picks_the_reference_experts(gating, bias, norm, scale, n, n_expert, n_used):
+    """softmax_weight: gpt-oss's router, the top logits (+ the router's own bias) and a softmax over them."""
     from ferry.layers.ffn import Routing
-    from ferry.backends.cuda import top_k_route
+    from ferry.backends.cuda import gpu_route, top_k_route
 
     rng = np.random.default_rng(n_expert + n_used + n)
     logits = torch.from_numpy(rng.standard_normal((n, n_expert)) * 2)
-    b = torch.from_numpy(rng.standard_normal(n_expert) * 0.1) if bias else None
-    routing = Routing(gating, b, scale)
+    b = torch.from_numpy(rng.standard_normal(n_expert) * (1.0 if gating == "softmax_weight" else 0.1)) if bias else None
+    routing = Routing(gating, logit_bias=b) if gating == "softmax_weight" else Routing(gating, b, scale)
     want_w, want_ids = top_k_route(logits, n_used, norm, routing)  # float64: the exact choice
-    got_w, got_ids = route.route(logits.float().to(DEV), n_used, norm, scale, gating == "sigmoid",
-                                 None if b is None else b.float().to(DEV))
+    if gating == "softmax_weight":  # through the backend's choice of kernel: this one, not the op-by-op form
+        got_w, got_ids = gpu_route(logits.float().to(DEV), n_used, norm, routing,
+                                   lambda t: t.float().to(DEV))
+    else:
+        got_w, got_ids = route.route(logits.float().to(DEV), n_used, norm, scale, gating == "sigmoid",
+                                     None if b is None else b.float().to(DEV))
     assert got_ids.dtype == torch.int32
     assert torch.equal(got_ids.cpu(), want_ids)
     _close(got_w, want_w, 1e-6)

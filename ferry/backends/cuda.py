@@ -129,6 +129,14 @@ class CudaBackend:
             v = self._raw[id(t)] = t.to(self.device, torch.float32).contiguous()
         return v
 
+    def joined(self, ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Small float model tensors (q's, k's and v's biases) end to end on the GPU as one float32 vector (once)."""
+        key = tuple(map(id, ts))
+        v = self._raw.get(key)
+        if v is None:
+            v = self._raw[key] = torch.cat([self.vector(t) for t in ts])
+        return v
+
     def half(self, t: torch.Tensor) -> torch.Tensor:
         """A float model tensor read by matmuls (deepseek2's k_b / v_b) on the GPU as float16 (once): half the memory
         of float32, the precision the prompt path's f16 cuBLAS gives every weight."""
@@ -540,15 +548,16 @@ def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None
 
 def gpu_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
               on_device=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_k_route as one kernel (route) where routing is not group-limited nor gpt-oss's, else op by op."""
+    """top_k_route as one kernel (route) where routing is not group-limited, else op by op."""
     from ferry.kernels.cuda.route import route
 
-    if routing is not None and (routing.grouped or routing.gating == "softmax_weight"
-                                or routing.logit_bias is not None):
+    if routing is not None and (routing.grouped or (routing.logit_bias is not None
+                                                    and routing.gating != "softmax_weight")):
         return top_k_route(logits, n_used, norm_topk, routing, on_device)
-    sigmoid = routing is not None and routing.gating == "sigmoid"
+    gating = "softmax" if routing is None else routing.gating
     bias = None if routing is None or routing.bias is None else on_device(routing.bias)
-    return route(logits, n_used, norm_topk, 1.0 if routing is None else routing.scale, sigmoid, bias)
+    logit_bias = None if routing is None or routing.logit_bias is None else on_device(routing.logit_bias)
+    return route(logits, n_used, norm_topk, 1.0 if routing is None else routing.scale, gating, bias, logit_bias)
 
 
 _OUT_DTYPE = {torch.mm: True, torch.bmm: True}  # whether each takes out_dtype (torch >= 2.8 on CUDA)

@@ -181,6 +181,9 @@ class HybridBackend:
     def half(self, t: torch.Tensor) -> torch.Tensor:
         return self.gpu.half(t)
 
+    def joined(self, ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.gpu.joined(ts)
+
     def synchronize(self) -> None:
         self.gpu.synchronize()
 

@@ -94,15 +94,16 @@ class CudaOps(TorchOps):
     def fused_attention(self, attn, x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
         """A decode step's attention layer in three launches: one GEMV for q, k and v (their rows uploaded as one
         matrix; the pre-norm taken inside it), one kernel for the q/k norms, rope and both cache stores, and
-        attention over the cache. Norms across all heads (minimax-m2) run between the first two, as two norm
-        kernels over q's and k's columns of the GEMV's output."""
+        attention over the cache. Biases (gpt-oss's) join the GEMV's output in one add, and norms across all heads
+        (minimax-m2) run between the first two as two norm kernels over q's and k's columns."""
         from ferry.kernels.cuda.attention import qkv_rope_store
         from ferry.kernels.cuda.gemv import gemv
 
         kv, n = self.batch.kv, x.shape[0]
         w = self.backend.fused((attn.wq, attn.wk, attn.wv))
+        biases = (attn.bq, attn.bk, attn.bv)
         if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
-                or any(b is not None for b in (attn.bq, attn.bk, attn.bv))
+                or len({b is None for b in biases}) > 1
                 or any(t not in (Q.F16, Q.Q8_0) or (t == Q.Q8_0 and d % 32)
                        for t, d in ((kv.type_k, attn.head_dim_k), (kv.type_v, attn.head_dim_v)))):
             return None
@@ -111,6 +112,8 @@ class CudaOps(TorchOps):
         norms = (None, None) if attn.q_norm is None else (self.backend.vector(attn.q_norm),
                                                            self.backend.vector(attn.k_norm))
         y = gemv(w, x, norm=None if norm is None else (self.backend.vector(norm), eps))
+        if attn.bq is not None:
+            y = y + self.backend.joined(biases)
         if attn.norm_whole and attn.q_norm is not None:
             q_dim, k_dim = attn.n_head * attn.head_dim_k, attn.n_head_kv * attn.head_dim_k
             y = torch.cat([self.rms_norm(y[:, :q_dim], attn.q_norm, attn.norm_eps),
