@@ -17,6 +17,41 @@ NUMPY_TYPES = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64, Q.I8: np
                 Q.I32: np.int32}
 
 
+# ik_llama.cpp's own quant types (its ggml/include/ggml.h, the block sizes from its ggml-common.h and ggml.c's
+# type_traits): id -> (name, values a block, bytes a block, bytes of metadata before each row). None of these ids
+# means another type in mainline ggml (its 41, Q1_0, and ik's Q1_0_G128 are one layout under two names, and gguf-py
+# reads it as Q1_0). The _R4 / _R8 / _R16 types are ik's interleaved layouts of other types.
+QK_K = 256
+IK_TYPES: dict[int, tuple[str, int, int, int]] = {
+    36: ("I2_S", 1, 1, 0), 133: ("Q6_0", 32, 26, 0), 134: ("IQ1_BN", 64, 13, 2), 135: ("IQ2_BN", 64, 16, 4),
+    137: ("IQ2_K", QK_K, 76, 0), 138: ("IQ3_K", QK_K, 110, 0), 139: ("IQ4_K", QK_K, 144, 0),
+    140: ("IQ5_K", QK_K, 176, 0), 141: ("IQ6_K", QK_K, 212, 0), 144: ("IQ4_KS", QK_K, 136, 4),
+    145: ("IQ2_KS", QK_K, 70, 2), 146: ("IQ4_KSS", QK_K, 128, 4), 152: ("IQ5_KS", QK_K, 168, 4),
+    153: ("IQ2_KT", QK_K, 68, 4), 154: ("IQ3_KT", QK_K, 100, 4), 155: ("IQ4_KT", QK_K, 128, 4),
+    156: ("IQ3_KS", QK_K, 102, 2), 157: ("IQ2_KL", QK_K, 86, 2), 158: ("IQ1_KT", QK_K, 56, 4),
+    202: ("Q4_0_R8", 32, 18, 0), 206: ("Q5_0_R4", 32, 22, 0), 208: ("Q8_0_R8", 32, 34, 0),
+    210: ("Q2_K_R4", QK_K, 84, 0), 211: ("Q3_K_R4", QK_K, 110, 0), 212: ("Q4_K_R4", QK_K, 144, 0),
+    213: ("Q5_K_R4", QK_K, 176, 0), 214: ("Q6_K_R4", QK_K, 210, 0), 216: ("IQ2_XXS_R4", QK_K, 66, 0),
+    217: ("IQ2_XS_R4", QK_K, 74, 0), 218: ("IQ3_XXS_R4", QK_K, 98, 0), 219: ("IQ1_S_R4", 32, 6, 2),
+    220: ("IQ4_NL_R4", 32, 18, 0), 221: ("IQ3_S_R4", QK_K, 110, 0), 222: ("IQ2_S_R4", QK_K, 82, 0),
+    223: ("IQ4_XS_R8", QK_K, 136, 0), 229: ("IQ1_M_R4", 32, 7, 2), 230: ("BF16_R16", 1, 2, 0),
+    233: ("Q6_0_R4", 32, 26, 0), 335: ("IQ2_BN_R4", 64, 16, 4), 337: ("IQ2_K_R4", QK_K, 76, 0),
+    338: ("IQ3_K_R4", QK_K, 110, 0), 339: ("IQ4_K_R4", QK_K, 144, 0), 340: ("IQ5_K_R4", QK_K, 176, 0),
+    344: ("IQ4_KS_R4", QK_K, 136, 4), 352: ("IQ5_KS_R4", QK_K, 168, 4), 353: ("MXFP4_R8", 32, 17, 0),
+    397: ("Q8_K_R16", QK_K, 258, 0), 398: ("Q8_KV_R8", 32, 32, 4), 399: ("Q8_K_R8", QK_K, 258, 0),
+}
+
+
+def ik_type_bytes(raw_type: int, ne: tuple[int, ...]) -> int:
+    """Bytes a tensor of ik_llama.cpp's type raw_type and shape ne takes in the file: each row's metadata (a row
+    scale) before its blocks."""
+    _, block, size, meta = IK_TYPES[raw_type]
+    rows = 1
+    for d in ne[1:]:
+        rows *= d
+    return rows * (meta + ne[0] // block * size)
+
+
 def parse_qtype(name: str) -> GGMLQuantizationType:
     """'q4_k' or 'Q4_K' -> GGMLQuantizationType.Q4_K, with an error that lists the valid names."""
     try:

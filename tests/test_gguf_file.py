@@ -104,6 +104,32 @@ def test_unknown_quant_type(tmp_path):
     assert "unknown quant type 250" in _error(path)
 
 
+@pytest.mark.parametrize("raw,name", [(144, "IQ4_KS"), (133, "Q6_0"), (157, "IQ2_KL"), (155, "IQ4_KT"),
+                                      (339, "IQ4_K_R4")])
+def test_an_ik_llama_cpp_quant_type_is_named_as_such_not_called_corrupt(tmp_path, raw, name):
+    """A file ik_llama.cpp's llama-quantize wrote is valid: its type is named, as ik_llama.cpp's, with what to do."""
+    path = _valid(tmp_path / "m.gguf", n_tensors=1)
+    _patch(path, "t0", 4 + 16, "<I", raw)
+    msg = _error(path)
+    assert f"tensor 't0' is {name} (type {raw}), one of ik_llama.cpp's own quant types" in msg
+    assert "corrupt" not in msg and "llama-quantize" in msg
+
+
+def test_the_ik_type_table_gives_row_bytes_with_their_metadata():
+    """Types that store a row scale before each row (IQ4_KS: 4 bytes) take more than blocks x block bytes; the
+    table's block sizes are the static_asserts of ik_llama.cpp's ggml-common.h."""
+    from ferry.quant import IK_TYPES, ik_type_bytes
+
+    assert ik_type_bytes(144, (4096, 10)) == 10 * (4 + 16 * 136)
+    assert ik_type_bytes(133, (64, 3)) == 3 * 2 * 26  # Q6_0: no row metadata
+    assert ik_type_bytes(157, (512, 2, 3)) == 6 * (2 + 2 * 86)
+    assert not set(IK_TYPES) & {q.value for q in Q}  # no id means another type in gguf-py's table
+    assert {IK_TYPES[i][0] for i in (133, 137, 138, 139, 140, 141, 144, 145, 146, 152, 153, 154, 155, 156, 157,
+                                     158)} == {"Q6_0", "IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KS",
+                                               "IQ2_KS", "IQ4_KSS", "IQ5_KS", "IQ2_KT", "IQ3_KT", "IQ4_KT",
+                                               "IQ3_KS", "IQ2_KL", "IQ1_KT"}
+
+
 def test_row_length_not_a_multiple_of_the_block(tmp_path):
     path = _valid(tmp_path / "m.gguf", n_tensors=1)
     _patch(path, "t0", 4, "<Q", 65)

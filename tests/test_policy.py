@@ -356,6 +356,31 @@ def test_a_generation_way_the_calibration_disagrees_with_is_measured_again_later
     assert "(measured 3 times)" in stubborn.notes[0]
 
 
+def test_generation_is_measured_again_even_where_the_prediction_agreed_and_prompts_are_not():
+    """gpt-oss-120b's first run after writing its 63 GB file measured the CPU's generation layers at 8.9 ms against
+    streaming's 1.8 (a prediction as slow for the CPU agreed) and streamed every token: generation's choice is
+    measured again at each recheck_s, and then stands; a prompt class's choice, which agreed, is not."""
+    from ferry.offload.policy import Explorer
+
+    guess = {"gpu": 1.0, "cpu": 4.0}  # no calibration here: the CPU predicted slow too
+    e = Explorer(samples=1, warmup=0, recheck_s=(0.0, 0.0))
+
+    def measure(ms, n=1, predicted=guess):
+        for way in ("gpu", "gpu", "cpu", "cpu") if n == 1 else ("gpu", "cpu"):
+            assert e.mode(n, predicted) == (way, True)
+            e.record(n, way, ms[way] * 1e-3)
+
+    measure({"gpu": 1.8, "cpu": 8.9})  # the busy moment: streaming, as predicted
+    assert e.chosen[1] == "gpu" and not e.notes and 1 in e._due
+    assert e.way(1) is None  # due: tried again
+    measure({"gpu": 1.8, "cpu": 0.7})
+    assert e.way(1) is None  # measured against the prediction now: provisional again, a recheck left
+    measure({"gpu": 1.8, "cpu": 0.7})
+    assert e.way(1) == "cpu" and e.way(1) == "cpu" and 1 not in e._due  # the schedule is spent: it stands
+    measure({"gpu": 1.0, "cpu": 2.0}, n=64, predicted={"gpu": 1.0, "cpu": 2.0})  # a prompt as predicted: it stands
+    assert e.way(64) == "gpu" and 64 not in e._due
+
+
 def test_work_that_grows_with_the_cache_is_measured_per_u_batch_and_cache_size_class():
     """-mla 3's forms on a GPU (runners/cuda.LatentForms): a class is a pair of powers of two, so a longer
     cache starts its own trials and a cache within the same class keeps the choice."""

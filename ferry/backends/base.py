@@ -75,3 +75,6 @@ class GpuBackend(Backend, Protocol):
 
     def fused(self, ws: tuple[Weight, ...]):
         """The weights of `ws` uploaded as one matrix (prepare's fused groups), or None."""
+
+    def joined(self, ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Small float model tensors (a fused matrix's biases) end to end on the GPU as one float32 vector (once)."""

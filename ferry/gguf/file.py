@@ -20,6 +20,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ferry.errors import FerryError
+from ferry.quant import IK_TYPES
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -221,6 +222,11 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
             qtype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
+            if raw_type in IK_TYPES:  # a valid file, of the other engine: not "corrupt"
+                raise FerryError(
+                    f"{cur.path}: tensor '{name}' is {IK_TYPES[raw_type][0]} (type {raw_type}), one of ik_llama.cpp's "
+                    "own quant types, which ferry does not read yet; run this file with ik_llama.cpp, or requantize "
+                    "the model to a llama.cpp type (e.g. Q4_K_M) with llama-quantize") from None
             raise cur.fail(f"tensor '{name}' has unknown quant type {raw_type}; this file needs a newer reader than gguf-py provides here") from None
         if ne[0] % block:
             raise cur.fail(f"tensor '{name}' row length {ne[0]} is not a multiple of the {qtype.name} block size {block}")

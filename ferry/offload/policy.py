@@ -248,7 +248,10 @@ class Explorer:
     and the choice is provisional: measured again `recheck_s` seconds later (each in turn), since one of the two was
     taken on a busy machine and the few layers of a trial may be the one. On the H100 machine the first process after
     writing an 18 GB file measured the CPU's generation layers at 4.9 ms against 0.9 a minute later and streamed
-    its whole run at 28 instead of 88 t/s (docs/performance.md, 2026-11-25). Work that also grows with the cache
+    its whole run at 28 instead of 88 t/s (docs/performance.md, 2026-11-25). Generation's choice is measured again at
+    recheck_s whether or not the prediction agrees: gpt-oss-120b's first run after its 63 GB file was written measured
+    the CPU's layers at 8.9 ms against streaming's 1.8 and streamed every token (16.5 t/s) with no calibration to
+    disagree. Work that also grows with the cache
     (-mla 3's forms) passes `cells`: its classes are then (tokens, cells) size pairs."""
 
     samples: int = 2
@@ -328,6 +331,11 @@ class Explorer:
                     self._due[size] = time.monotonic() + self.recheck_s[done]
             else:
                 self._against.pop(size, None)
+                done = self._rechecks.get(size, 0)
+                if n_tokens <= GENERATION_TOKENS and done < len(self.recheck_s):
+                    # generation's trials cost a few layers: measured again all the same, since a disturbance the
+                    # prediction shared (no calibration, or one as busy) would otherwise hold for the whole run
+                    self._due[size] = time.monotonic() + self.recheck_s[done]
 
     def choices(self) -> list[str]:
         """Each size class's measured way and why, for the run's report."""
