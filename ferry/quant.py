@@ -52,6 +52,44 @@ def ik_type_bytes(raw_type: int, ne: tuple[int, ...]) -> int:
     return rows * (meta + ne[0] // block * size)
 
 
+# ik_llama.cpp's non-linear 4-bit values (its iq4k_values): IQ4_KS's two tables, a sub-block's low scale bit picks one
+IQ4K_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+                        -123, -100, -79, -61, -45, -31, -18, -6, 5, 17, 29, 42, 57, 73, 93, 117], dtype=np.float64)
+
+
+def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
+    """ik_llama.cpp's quant types to float64 in torch order (reversed ne), the reference the rest is tested against:
+    Q6_0 (per 32 values an fp16 scale, 8 bytes of high bit pairs, 16 of nibbles: w = d (q - 32)) and IQ4_KS (a
+    float32 scale before each row, then per 256 values 8 sub-block scales and 128 bytes of nibbles indexing
+    IQ4K_VALUES: w = d ((s & 254) - 127) table[s & 1][q])."""
+    name = IK_TYPES[raw_type][0] if raw_type in IK_TYPES else str(raw_type)
+    rows = int(np.prod(ne[1:], dtype=np.int64))
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if name == "Q6_0":
+        b = raw.reshape(-1, 26)
+        d = b[:, :2].copy().view(np.float16).astype(np.float64)  # (blocks, 1)
+        qh, qs = b[:, 2:10].astype(np.int32), b[:, 10:26].astype(np.int32)
+        j = np.arange(16)
+        h = qh[:, j % 8] >> (4 * (j // 8))
+        lo = (qs & 0x0F) | ((h << 4) & 0x30)
+        hi = (qs >> 4) | ((h << 2) & 0x30)
+        out = (np.concatenate([lo, hi], axis=1) - 32) * d
+    elif name == "IQ4_KS":
+        per_row = 4 + ne[0] // QK_K * 136
+        r = raw.reshape(rows, per_row)
+        d = r[:, :4].copy().view(np.float32).astype(np.float64)  # (rows, 1)
+        b = r[:, 4:].reshape(rows, -1, 136)
+        scales, qs = b[:, :, :8].astype(np.int32), b[:, :, 8:].reshape(rows, -1, 8, 16).astype(np.int32)
+        dl = d[:, :, None] * ((scales & 254) - 127)  # (rows, super-blocks, 8)
+        table = (scales & 1) * 16  # each sub-block's table
+        lo = IQ4K_VALUES[table[..., None] + (qs & 0x0F)]
+        hi = IQ4K_VALUES[table[..., None] + (qs >> 4)]
+        out = np.concatenate([lo, hi], axis=-1) * dl[..., None]
+    else:
+        raise FerryError(f"{name} (type {raw_type}) is an ik_llama.cpp quant type ferry does not dequantize yet")
+    return out.reshape(tuple(reversed(ne)))
+
+
 def parse_qtype(name: str) -> GGMLQuantizationType:
     """'q4_k' or 'Q4_K' -> GGMLQuantizationType.Q4_K, with an error that lists the valid names."""
     try:

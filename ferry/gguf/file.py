@@ -20,7 +20,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ferry.errors import FerryError
-from ferry.quant import IK_TYPES
+from ferry.quant import IK_TYPES, ik_type_bytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -81,6 +81,9 @@ class _Part:
     version: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     tensors: list[TensorInfo] = field(default_factory=list)
+    # ik_llama.cpp's tensors, where the reader asked to keep them (GGUFFile(..., ik=True)): name -> (raw type, ne,
+    # absolute offset, bytes); None: such a tensor is refused
+    foreign: dict[str, tuple[int, tuple[int, ...], int, int]] | None = None
 
 
 class _Cursor:
@@ -153,7 +156,7 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def _parse_part(path: Path, index: int) -> _Part:
+def _parse_part(path: Path, index: int, ik: bool = False) -> _Part:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -166,7 +169,7 @@ def _parse_part(path: Path, index: int) -> _Part:
         raise FerryError(f"{path}: not a GGUF file ({size} bytes); pass a .gguf model file")
     with open(path, "rb") as fh:
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    part = _Part(path=path, size=size, mm=mm)
+    part = _Part(path=path, size=size, mm=mm, foreign={} if ik else None)
     cur = _Cursor(mm, size, path)
     magic = bytes(mm[:4])
     if magic != GGUF_MAGIC:
@@ -203,7 +206,7 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
     alignment = part.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise cur.fail(f"general.alignment must be a power of two, got {alignment!r}")
-    raw_infos = []
+    raw_infos, foreign = [], []
     for i in range(n_tensors):
         name = cur.string(f"name of tensor {i}", limit=MAX_NAME_BYTES)
         n_dims = cur.u32(f"dimension count of tensor '{name}'")
@@ -222,6 +225,12 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
             qtype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
+            if raw_type in IK_TYPES and part.foreign is not None:  # kept apart, for a reader that asked for them
+                if ne[0] % IK_TYPES[raw_type][1]:
+                    raise cur.fail(f"tensor '{name}' row length {ne[0]} is not a multiple of the "
+                                   f"{IK_TYPES[raw_type][0]} block size {IK_TYPES[raw_type][1]}") from None
+                foreign.append((name, ne, raw_type, cur.u64(f"data offset of tensor '{name}'")))
+                continue
             if raw_type in IK_TYPES:  # a valid file, of the other engine: not "corrupt"
                 raise FerryError(
                     f"{cur.path}: tensor '{name}' is {IK_TYPES[raw_type][0]} (type {raw_type}), one of ik_llama.cpp's "
@@ -235,6 +244,12 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
             raise cur.fail(f"tensor '{name}' data offset {offset} is not aligned to {alignment} bytes")
         raw_infos.append((name, ne, qtype, offset, n_elements // block * type_size))
     data_start = _align(cur.pos, alignment)
+    for name, ne, raw_type, offset in foreign:
+        nbytes = ik_type_bytes(raw_type, ne)
+        if data_start + offset + nbytes > part.size:
+            raise FerryError(f"{part.path}: file is truncated: '{name}' needs bytes up to {data_start + offset + nbytes}, "
+                             f"the file has {part.size}; re-download the model")
+        part.foreign[name] = (raw_type, ne, data_start + offset, nbytes)
     for name, ne, qtype, offset, nbytes in raw_infos:
         start = data_start + offset
         if start + nbytes > part.size:
@@ -262,7 +277,8 @@ def split_paths(path: Path) -> list[Path]:
 class GGUFFile:
     """A validated, memory-mapped GGUF model: metadata from the first part, tensors from all parts."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, ik: bool = False):
+        """ik: keep tensors of ik_llama.cpp's quant types apart (ik_tensor) instead of refusing the file."""
         self.path = Path(path)
         paths = split_paths(self.path)
         self._parts: list[_Part] = []
@@ -270,7 +286,7 @@ class GGUFFile:
             for i, p in enumerate(paths):
                 if not p.exists() and len(paths) > 1:
                     raise FerryError(f"{p}: missing part {i + 1} of a split model ({len(paths)} parts); put all parts in one folder")
-                self._parts.append(_parse_part(p, i))
+                self._parts.append(_parse_part(p, i, ik))
             self._check_split()
         except BaseException:
             self.close()
@@ -330,6 +346,19 @@ class GGUFFile:
         if t is None:
             raise FerryError(f"{self.path}: tensor '{name}' is missing; the file does not match its architecture '{self.architecture}'")
         return t
+
+    def ik_tensors(self) -> list[str]:
+        """The names of the tensors of ik_llama.cpp's quant types (a file opened with ik=True)."""
+        return [name for part in self._parts for name in (part.foreign or {})]
+
+    def ik_tensor(self, name: str) -> tuple[int, tuple[int, ...], np.ndarray]:
+        """A tensor of one of ik_llama.cpp's quant types (a file opened with ik=True): (its raw type, ne, its bytes
+        over the mmap)."""
+        for part in self._parts:
+            if part.foreign and name in part.foreign:
+                raw_type, ne, offset, nbytes = part.foreign[name]
+                return raw_type, ne, np.frombuffer(part.mm, dtype=np.uint8, count=nbytes, offset=offset)
+        raise KeyError(name)
 
     def data(self, t: TensorInfo | str) -> np.ndarray:
         """The tensor's raw bytes as a read-only uint8 array over the mmap (no copy)."""
