@@ -61,7 +61,9 @@ def physical_cores() -> int:
 def _kernel_layout(w: Weight) -> int:
     """The address ferry's expert kernel reads a weight at: its plain bytes (capabilities' "plain" types), or ggml's
     repacked copy."""
-    return w.data.ctypes.data if can(w.qtype).cpu_native == "plain" or not w.repacked else w.repacked.tensor.contents.data
+    if can(w.qtype).cpu_native == "plain" or not w.repacked:
+        return w.data.ctypes.data
+    return w.repacked.tensor.contents.data
 
 
 def _biases(up: Weight, gate: Weight, down: Weight) -> tuple[int, int, int]:

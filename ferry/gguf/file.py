@@ -247,8 +247,8 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
     for name, ne, raw_type, offset in foreign:
         nbytes = ik_type_bytes(raw_type, ne)
         if data_start + offset + nbytes > part.size:
-            raise FerryError(f"{part.path}: file is truncated: '{name}' needs bytes up to {data_start + offset + nbytes}, "
-                             f"the file has {part.size}; re-download the model")
+            raise FerryError(f"{part.path}: file is truncated: '{name}' needs bytes up to "
+                             f"{data_start + offset + nbytes}, the file has {part.size}; re-download the model")
         part.foreign[name] = (raw_type, ne, data_start + offset, nbytes)
     for name, ne, qtype, offset, nbytes in raw_infos:
         start = data_start + offset

@@ -250,7 +250,10 @@ def _minimax_layer(p: Preset, b: str, mat, named, ones, experts: tuple, other_ty
     """One minimax-m2 block: attention with q and k norms across all heads, then routed experts with the correction
     bias of sigmoid routing (no shared expert)."""
     d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
-    near_one = lambda n, name: TensorSpec(name, Q.F32, (n,), lambda: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))  # noqa: E731
+
+    def near_one(n: int, name: str) -> TensorSpec:
+        return TensorSpec(name, Q.F32, (n,), lambda: (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
     return [named(ones(d), b + "attn_norm.weight"),
             mat(b + "attn_q.weight", other_type, (d, q_dim)), mat(b + "attn_k.weight", other_type, (d, kv_dim)),
             mat(b + "attn_v.weight", other_type, (d, kv_dim)),

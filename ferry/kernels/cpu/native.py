@@ -249,9 +249,9 @@ class MoeExperts:
              biases: tuple[int, int, int] = (0, 0, 0)):
         """The experts as a node of a ggml graph (ggml_custom_4d, run by ggml's threads): x (n_embd, n) float32, ids
         (>= n_used, n) int32 (top_k's view), weights (n_used, n) float32, rows at their strides; up, gate, down and
-        biases as for __call__. Returns the (n_embd, n) float32 node; what it reads stays alive in `keep` (the graph's). Its scratch
-        is this kernel's one buffer, grown to the largest graph built: every graph and layer shares it, as they run one
-        at a time, and reads where it is at each run."""
+        biases as for __call__. Returns the (n_embd, n) float32 node; what it reads stays alive in `keep` (the
+        graph's). Its scratch is this kernel's one buffer, grown to the largest graph built: every graph and layer
+        shares it, as they run one at a time, and reads where it is at each run."""
         n, n_used = x.contents.ne[1], weights.contents.ne[0]
         self._nodes.grow(self.lib.ferry_moe_batch_scratch(n, n_used, self.n_embd, self.n_ff, n_expert, self.up_type,
                                                           self.down_type))
