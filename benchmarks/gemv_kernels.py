@@ -165,7 +165,7 @@ def main() -> None:
                   f"{best} (cells/step, warps); one pass {1e3 * one_pass:.1f} | | |", flush=True)
     for name, (n_expert, n_used, _, _) in EXPERTS.items() if "route" in only else ():  # the router's top-k
         logits = torch.randn(1, n_expert, device=dev)
-        t = do_bench(lambda: route.route(logits, n_used, True, 1.0, False, None))
+        t = do_bench(lambda: route.route(logits, n_used, True, 1.0, "softmax", None))
         results.append({"kernel": f"{name} route", "shape": f"{n_expert} -> {n_used}", "default_us": 1e3 * t})
         print(f"| {name} route | {n_expert} -> {n_used} | {1e3 * t:.1f} | | | | |", flush=True)
     with open(a.json, "w") as fh:

@@ -307,7 +307,7 @@ def test_route_picks_the_reference_experts(gating, bias, norm, scale, n, n_exper
         got_w, got_ids = gpu_route(logits.float().to(DEV), n_used, norm, routing,
                                    lambda t: t.float().to(DEV))
     else:
-        got_w, got_ids = route.route(logits.float().to(DEV), n_used, norm, scale, gating == "sigmoid",
+        got_w, got_ids = route.route(logits.float().to(DEV), n_used, norm, scale, gating,
                                      None if b is None else b.float().to(DEV))
     assert got_ids.dtype == torch.int32
     assert torch.equal(got_ids.cpu(), want_ids)

@@ -50,7 +50,7 @@ _TABLE = {
 }
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block
-CPU_ACTS = ("silu", "swiglu_oai")  # the activations ferry's CPU expert kernel computes (moe_experts.c's ACT_*)
+CPU_ACTS = ("silu", "swiglu_oai")  # the activations ferry's CPU expert kernel computes, in moe_experts.c's ACT_* order
 
 
 def cpu_block(qtype: Q) -> int:

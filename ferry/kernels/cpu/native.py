@@ -23,6 +23,7 @@ import torch
 
 from ferry.config import Settings, settings
 from ferry.kernels.activations import SWIGLU_OAI
+from ferry.kernels.capabilities import CPU_ACTS
 
 _SOURCE = Path(__file__).with_name("moe_experts.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
@@ -105,7 +106,7 @@ def _load(s: Settings) -> ctypes.CDLL | str:
     return _built[key]
 
 
-ACTS = {"silu": 0, "swiglu_oai": 1}  # moe_experts.c's ACT_SILU, ACT_SWIGLU_OAI
+ACTS = {name: i for i, name in enumerate(CPU_ACTS)}  # moe_experts.c's ACT_SILU, ACT_SWIGLU_OAI
 
 
 class _Extras(ctypes.Structure):

@@ -49,11 +49,11 @@ def _route(logits, bias, logit_bias, weights, ids, n_expert, n_used, scale, GATI
 GATINGS = {"softmax": 0, "sigmoid": 1, "softmax_weight": 2}  # layers.ffn.Routing's gating -> _route's GATING
 
 
-def route(logits: torch.Tensor, n_used: int, norm: bool, scale: float, gating: str | bool,
+def route(logits: torch.Tensor, n_used: int, norm: bool, scale: float, gating: str,
           bias: torch.Tensor | None, logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits (n, n_expert) float32 -> the n_used best experts per token, best first: (weights (n, n_used)
-    float32, ids (n, n_used) int32); gating: a name of GATINGS (True: sigmoid, False: softmax); see _route."""
-    gating = GATINGS[gating if isinstance(gating, str) else "sigmoid" if gating else "softmax"]
+    float32, ids (n, n_used) int32); gating: a name of GATINGS; see _route."""
+    gating = GATINGS[gating]
     logits = logits.float().contiguous()
     n, n_expert = logits.shape
     weights = torch.empty(n, n_used, dtype=torch.float32, device=logits.device)
