@@ -494,7 +494,7 @@ def build_server(args: argparse.Namespace):
     tok = Tokenizer(loaded.file)
     template, _ = chat_template(tok, loaded.model.args.arch, args.chat_template)
     seq_len = n_ctx // args.parallel
-    engine = loaded.engine(cfg, n_ctx=seq_len * args.parallel)
+    engine = loaded.engine(cfg, n_ctx=seq_len * args.parallel, n_seq=args.parallel)
     name = args.alias or loaded.file.path.name
     cache_ram = args.cache_ram * 2**20 if args.cache_ram > 0 else args.cache_ram
     return create_app(Scheduler(engine, tok, args.parallel, seq_len, args.batch_size, cache_ram), tok, name,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ferry.errors import FerryError
 from ferry.config import settings
-from ferry.layers.cache import CacheLayout, cache_layout, kv_type
+from ferry.layers.cache import CacheLayout, cache_layout, kv_type, state_layout
 from ferry.quant import bytes_per_weight
 
 GIB = 2 ** 30
@@ -330,10 +330,12 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
     per_layer = int(n_ctx * cache.bytes_per_position(kb, vb))
+    state = state_layout(args)  # a recurrent layer keeps its state (one sequence) instead of KV rows
+    per_state = state.bytes_per_sequence // len(state.layers) if state else 0
     for i in range(args.n_layer):
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)
-        need(kv_device).kv_cache += per_layer
+        need(kv_device).kv_cache += per_state if state and i in state.layers else per_layer
     # a GPU replays prompt u-batches (and batches of them) up to Settings.prompt_graph_max tokens as CUDA graphs, whose
     # memory pool is a second set of their activations beside the eager one
     replayed = n_ubatch <= settings().prompt_graph_max

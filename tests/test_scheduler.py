@@ -20,6 +20,7 @@ class RecordingEngine:
     tail) whose argmax is the next token id (position + 1, below VOCAB); every call recorded as (kind, slots, first position, tokens)."""
 
     n_ubatch = 4
+    recurrent = False  # an attention model's cache: any prefix of a slot's tokens is reusable
 
     def __init__(self, step_s=0.002, token_s=0.0):
         self.calls: list[tuple] = []

@@ -348,3 +348,41 @@ def test_a_fault_outside_the_forward_fails_its_request_and_the_server_goes_on(ti
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def tiny_recurrent(tmp_path_factory):
+    """A qwen35moe-tiny synthetic GGUF: gated delta-net layers, whose state each slot keeps."""
+    from ferry.cli import main
+
+    path = tmp_path_factory.mktemp("synth") / "qwen35moe-tiny.gguf"
+    assert main(["synth", "qwen35moe-tiny", "-o", str(path), "-q"]) == 0
+    return path
+
+
+def test_a_recurrent_models_slots_keep_their_own_states(tiny_recurrent):
+    """Three requests at once on three slots (each slot's delta-net state its own, steps mixing slots) and again on
+    one slot after each other (the state cleared for each) answer what each answers alone; a conversation's next turn
+    reuses the slot's state where its prompt extends all the slot holds, else starts over, and answers the same."""
+    prompts = [f"prompt number {i} for the recurrent layers" for i in range(3)]
+    answers = {}
+    for np_ in ("3", "1"):
+        url, srv, thread = serve(["-m", str(tiny_recurrent), "-np", np_, "-c", "768", "-t", "1", "-ub", "7"])
+        try:
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                answers[np_] = list(pool.map(lambda p: _post(url, "/completion", prompt=p, n_predict=8,
+                                                             temperature=0)["content"], prompts))
+            if np_ == "1":  # the next turn as token ids: the first prompt's, its answer's, and more
+                ids = _post(url, "/tokenize", content=prompts[0])["tokens"]
+                first = _post(url, "/completion", prompt=ids, n_predict=8, temperature=0, return_tokens=True)
+                turn = ids + first["tokens"] + ids[:5]
+                cached = _post(url, "/completion", prompt=turn, n_predict=8, temperature=0)
+                fresh = _post(url, "/completion", prompt=turn, n_predict=8, temperature=0, cache_prompt=False)
+                assert cached["content"] == fresh["content"] and fresh["timings"]["cache_n"] == 0
+                assert cached["timings"]["cache_n"] == len(ids) + 7  # all but the answer's last token, never decoded
+                cut = ids[:-2] + ids[:5]  # shares a prefix of what the slot holds, not all: starts over
+                assert _post(url, "/completion", prompt=cut, n_predict=2, temperature=0)["timings"]["cache_n"] == 0
+        finally:
+            srv.should_exit = True
+            thread.join(timeout=10)
+    assert answers["3"] == answers["1"]

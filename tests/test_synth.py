@@ -20,7 +20,8 @@ def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
     assert abs(values.mean()) < 0.01 and 0.04 < values.std() < 0.06
 
 
-@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny", "glm4moe-tiny", "minimax-m2-tiny"])
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny", "glm4moe-tiny", "minimax-m2-tiny",
+                                    "qwen35moe-tiny"])
 def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend, preset):
     path = tmp_path / "tiny.gguf"
     synth(PRESETS[preset], path, Q.Q4_0, Q.Q8_0, quiet=True)
@@ -47,6 +48,25 @@ def test_minimax_m2_preset_has_the_real_shapes(tmp_path):
     attn = model.blocks[0].attn
     assert attn.norm_whole and attn.q_norm.shape == (48 * 128,) and attn.k_norm.shape == (8 * 128,)
     assert model.args.expert_gating == "sigmoid" and model.blocks[0].ffn.norm_topk
+
+
+def test_qwen35_presets_have_the_real_shapes(tmp_path):
+    """Qwen3.5-397B-A17B's config: 60 layers of 4096, three delta-net layers (16 key heads, 64 value heads of 128)
+    then one gated attention layer (32 heads of 256, 2 for keys, rope on 64), 512 experts of 1024 of which 10 are
+    chosen, a shared one of 1024; Qwen3-Next-80B-A3B's: 48 layers of 2048, 16 / 32 heads of 128, 512 experts of 512.
+    A cut of each loads with its layer kinds in order."""
+    big, nxt = PRESETS["qwen3.5-397b-a17b"], PRESETS["qwen3-next-80b-a3b"]
+    assert (big.n_layer, big.n_embd, big.n_head, big.n_head_kv, big.head_dim, big.n_rot) == (60, 4096, 32, 2, 256, 64)
+    assert (big.ssm_k_heads, big.ssm_v_heads, big.ssm_head_dim, big.n_expert, big.n_expert_used) == (16, 64, 128, 512, 10)
+    assert (big.n_ff_exp, big.n_ff_shexp, big.n_vocab) == (1024, 1024, 248320)
+    assert (nxt.n_layer, nxt.n_embd, nxt.ssm_v_heads, nxt.n_expert, nxt.n_ff_exp, nxt.n_vocab) == (48, 2048, 32, 512, 512,
+                                                                                                 151936)
+    for name in ("qwen3.5-397b-a17b", "qwen3-next-80b-a3b"):
+        path = tmp_path / f"{name}.gguf"
+        synth(PRESETS[name], path, Q.Q4_0, Q.Q8_0, layers=4, quiet=True, shape_only=True)
+        model = load_model(GGUFFile(path))
+        assert model.args.recurrent == (True, True, True, False)
+        assert model.blocks[3].attn.gated and model.blocks[0].attn.n_v_heads == PRESETS[name].ssm_v_heads
 
 
 def test_qwen3_30b_a3b_preset_has_the_real_shapes():

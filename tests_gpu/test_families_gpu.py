@@ -1,6 +1,7 @@
 """glm4moe (q/k/v biases, rope on half of each head, sigmoid routing with a correction bias, a shared expert),
-deepseek2 (latent attention, group-free sigmoid routing) and minimax-m2 (q/k norms across all heads, rope on half of
-each head, sigmoid routing with a correction bias) on the GPU and in the hybrid runtime, against the all-CPU
+deepseek2 (latent attention, group-free sigmoid routing), minimax-m2 (q/k norms across all heads, rope on half of
+each head, sigmoid routing with a correction bias) and qwen35moe (gated delta-net layers with their recurrent state,
+gated attention, a gated shared expert) on the GPU and in the hybrid runtime, against the all-CPU
 result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs."""
 
 import numpy as np
@@ -17,7 +18,7 @@ from conftest import kl_top1, place
 N_PROMPT, N_GEN = 200, 20
 
 
-@pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny"])
+@pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny"])
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("f") / f"{request.param}.gguf"
     assert main(["synth", request.param, "-o", str(path), "-q"]) == 0

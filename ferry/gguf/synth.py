@@ -85,6 +85,15 @@ class Preset:
     expert_weights_norm: bool = False
     n_rot: int = 0  # glm4moe, minimax-m2: rope on the first n_rot values of each head (0: all)
     sliding_window: int = 0  # gpt-oss: the even layers' window
+    # qwen35moe / qwen3next: gated delta-net layers (all but every full_attention_interval-th) with ssm_k_heads key
+    # heads serving ssm_v_heads value heads of ssm_head_dim, a convolution of ssm_kernel taps; a gated shared expert
+    # of n_ff_shexp
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_head_dim: int = 0
+    ssm_kernel: int = 4
+    full_attention_interval: int = 4
+    n_ff_shexp: int = 0
 
 
 PRESETS = {
@@ -128,6 +137,20 @@ PRESETS = {
                               expert_weights_norm=True, n_rot=32),
     "gpt-oss-tiny": Preset("gpt-oss", 4, 256, 4, 2, 64, 8, 2, 256, 256, 2048, n_ctx=4096, rope_base=150000.0,
                            norm_eps=1e-5, sliding_window=8),
+    # Qwen3.5-397B-A17B's and Qwen3.5-35B-A3B's shapes (about 220 and 20 GB with Q4_0 experts; --layers cuts them),
+    # and Qwen3-Next-80B-A3B's: three delta-net layers then one gated attention layer (2 KV heads of 256, rope on a
+    # quarter of each head), 512 or 256 experts and a gated shared expert
+    "qwen3.5-397b-a17b": Preset("qwen35moe", 60, 4096, 32, 2, 256, 512, 10, 1024, 1024, 248320, n_ctx=262144,
+                                rope_base=10_000_000.0, n_rot=64, ssm_k_heads=16, ssm_v_heads=64, ssm_head_dim=128,
+                                n_ff_shexp=1024),
+    "qwen3.5-35b-a3b": Preset("qwen35moe", 40, 2048, 16, 2, 256, 256, 8, 512, 512, 248320, n_ctx=262144,
+                              rope_base=10_000_000.0, n_rot=64, ssm_k_heads=16, ssm_v_heads=32, ssm_head_dim=128,
+                              n_ff_shexp=512),
+    "qwen3-next-80b-a3b": Preset("qwen3next", 48, 2048, 16, 2, 256, 512, 10, 512, 512, 151936, n_ctx=262144,
+                                 rope_base=10_000_000.0, n_rot=64, ssm_k_heads=16, ssm_v_heads=32, ssm_head_dim=128,
+                                 n_ff_shexp=512),
+    "qwen35moe-tiny": Preset("qwen35moe", 8, 256, 4, 2, 64, 16, 4, 128, 128, 2048, n_ctx=4096, n_rot=16,
+                             ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=32, n_ff_shexp=192),
     "deepseek2-tiny": Preset("deepseek2", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
                              q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
                              n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True),
@@ -293,6 +316,44 @@ def _gptoss_layer(p: Preset, b: str, mat, named, ones, experts: tuple, other_typ
             small(b + "ffn_down_exps.bias", d, p.n_expert)]
 
 
+def _qwen35_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, other_type, rng) -> list[TensorSpec]:
+    """One qwen35moe / qwen3next block: gated delta-net (all but every full_attention_interval-th layer) or gated
+    attention, then routed experts beside a gated shared expert."""
+    d, q_dim, kv_dim = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+    hv, dk = p.ssm_v_heads, p.ssm_head_dim
+    channels = (2 * p.ssm_k_heads + hv) * dk
+
+    def vector(name: str, *ne: int, mean: float = 0.0, std: float = 0.1) -> TensorSpec:
+        n = int(np.prod(ne))
+        return TensorSpec(name, Q.F32, ne, lambda: (mean + std * rng.standard_normal(n)).astype(np.float32))
+
+    specs = [named(ones(d), b + "attn_norm.weight")]
+    if (i + 1) % p.full_attention_interval:
+        beta_alpha = ([mat(b + "ssm_ba.weight", other_type, (d, 2 * hv))] if p.arch == "qwen3next" else
+                      [mat(b + "ssm_beta.weight", other_type, (d, hv)), mat(b + "ssm_alpha.weight", other_type, (d, hv))])
+        specs += [mat(b + "attn_qkv.weight", other_type, (d, channels)),
+                  mat(b + "attn_gate.weight", other_type, (d, hv * dk)), *beta_alpha,
+                  vector(b + "ssm_conv1d.weight", p.ssm_kernel, channels, std=0.5),
+                  vector(b + "ssm_dt.bias", hv, std=1.0), vector(b + "ssm_a", hv, mean=-1.0, std=0.2),
+                  vector(b + "ssm_norm.weight", dk, mean=1.0),
+                  mat(b + "ssm_out.weight", other_type, (hv * dk, d), OUTPUT_PROJECTION_SCALE)]
+    else:
+        specs += [mat(b + "attn_q.weight", other_type, (d, 2 * q_dim)), mat(b + "attn_k.weight", other_type, (d, kv_dim)),
+                  mat(b + "attn_v.weight", other_type, (d, kv_dim)),
+                  mat(b + "attn_output.weight", other_type, (q_dim, d), OUTPUT_PROJECTION_SCALE),
+                  vector(b + "attn_q_norm.weight", p.head_dim, mean=1.0), vector(b + "attn_k_norm.weight", p.head_dim, mean=1.0)]
+    shared = p.n_ff_shexp
+    return specs + [named(ones(d), b + "post_attention_norm.weight"),
+                    mat(b + "ffn_gate_inp.weight", Q.F32, (d, p.n_expert)),
+                    mat(b + "ffn_gate_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+                    mat(b + "ffn_up_exps.weight", experts[0], (d, p.n_ff_exp, p.n_expert)),
+                    mat(b + "ffn_down_exps.weight", experts[1], (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
+                    mat(b + "ffn_gate_shexp.weight", other_type, (d, shared)),
+                    mat(b + "ffn_up_shexp.weight", other_type, (d, shared)),
+                    mat(b + "ffn_down_shexp.weight", other_type, (shared, d), OUTPUT_PROJECTION_SCALE),
+                    mat(b + "ffn_gate_inp_shexp.weight", Q.F32, (d, 1))]
+
+
 def _ffn(p: Preset, b: str, i: int, mat, experts: tuple, other_type, rng) -> list[TensorSpec]:
     """Block i's FFN: dense in the leading layers; else routed experts (router, gate/up/down of the types
     `experts`), shared experts, and the correction bias of sigmoid routing."""
@@ -386,6 +447,14 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
                          f"{a}.leading_dense_block_count": p.n_layer_dense_lead, f"{a}.expert_gating_func": p.gating,
                          f"{a}.expert_weights_scale": p.expert_weights_scale,
                          f"{a}.expert_weights_norm": p.expert_weights_norm})
+    if a in ("qwen35moe", "qwen3next"):
+        metadata.update({f"{a}.rope.dimension_count": p.n_rot, f"{a}.ssm.conv_kernel": p.ssm_kernel,
+                         f"{a}.ssm.state_size": p.ssm_head_dim, f"{a}.ssm.group_count": p.ssm_k_heads,
+                         f"{a}.ssm.time_step_rank": p.ssm_v_heads, f"{a}.ssm.inner_size": p.ssm_v_heads * p.ssm_head_dim,
+                         f"{a}.full_attention_interval": p.full_attention_interval,
+                         f"{a}.expert_shared_feed_forward_length": p.n_ff_shexp})
+        if a == "qwen35moe":  # the multi-axis rope's sections, pairs of rotated values per axis (text: one position)
+            metadata[f"{a}.rope.dimension_sections"] = np.array([11, 11, 10, 0], dtype=np.int32)
     if mla:
         metadata.update({f"{a}.attention.key_length": p.head_dim + p.head_dim_rope,
                          f"{a}.attention.value_length": p.head_dim_v, f"{a}.rope.dimension_count": p.head_dim_rope,
@@ -426,6 +495,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
             continue
         if a == "minimax-m2":
             specs += _minimax_layer(p, b, mat, named, ones, experts, other_type, rng)
+            continue
+        if a in ("qwen35moe", "qwen3next"):
+            specs += _qwen35_layer(p, b, i, mat, named, ones, experts, other_type, rng)
             continue
         specs += [
             named(ones(d), b + "attn_norm.weight"),

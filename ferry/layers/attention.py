@@ -1,6 +1,6 @@
 """Self-attention with a KV cache: GQA, optional q/k/v biases (qwen2), q/k norms per head (qwen3, gemma3) or across
-all heads (minimax-m2),
-a sliding window (gemma3's local layers); and DeepSeek's multi-head latent attention."""
+all heads (minimax-m2), a sliding window (gemma3's local layers), an output gate (Qwen3.5); and DeepSeek's multi-head
+latent attention."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ class Attention:
     bo: torch.Tensor | None = None  # the output projection's bias (gpt-oss)
     norm_whole: bool = False  # q_norm / k_norm span all heads' values at once (minimax-m2), not each head's
     sinks: torch.Tensor | None = None  # (n_head,) each head's sink logit: in the softmax's denominator only (gpt-oss)
+    gated: bool = False  # wq gives each head's query and then its output gate: out * sigmoid(gate) (Qwen3.5, Qwen3-Next)
 
     def __call__(self, ops, x, norm: torch.Tensor | None = None, eps: float = 0.0):
         """The layer's output for x, or for RMSNorm(x) * norm when norm is given (the block's pre-norm, which a
@@ -49,6 +50,9 @@ class Attention:
     def unfused(self, ops, x):
         """The layer op by op, up to its output projection: (n, n_head * head_dim_v)."""
         q, k = ops.linear(x, self.wq, self.bq), ops.linear(x, self.wk, self.bk)
+        gate = None
+        if self.gated:
+            q, gate = ops.split(ops.heads(q, self.n_head, 2 * self.head_dim_k), [self.head_dim_k, self.head_dim_k])
         if self.q_norm is not None and self.norm_whole:
             q = ops.rms_norm(q, self.q_norm, self.norm_eps)
             k = ops.rms_norm(k, self.k_norm, self.norm_eps)
@@ -58,7 +62,8 @@ class Attention:
             q = ops.rms_norm(q, self.q_norm, self.norm_eps)
             k = ops.rms_norm(k, self.k_norm, self.norm_eps)
         q, k = ops.rope(q, self.rope), ops.rope(k, self.rope)
-        return ops.attention(self.layer, q, k, v, self.scale, self.window, sinks=self.sinks)
+        out = ops.attention(self.layer, q, k, v, self.scale, self.window, sinks=self.sinks)
+        return out if gate is None else ops.mul(out, ops.sigmoid(ops.merge_heads(gate)))
 
 
 def with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,

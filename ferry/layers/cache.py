@@ -33,6 +33,31 @@ class CacheLayout:
                                                         bytes_per_weight(kv_type("-ctv", type_v))))
 
 
+@dataclass(frozen=True)
+class StateLayout:
+    """What the recurrent layers (gated delta-net) keep per sequence instead of a KV cache: each its convolution's
+    last kernel - 1 inputs of `channels` values and a head_dim x head_dim state per value head, float32."""
+
+    layers: tuple[int, ...]
+    channels: int
+    kernel: int
+    n_v_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return 4 * len(self.layers) * ((self.kernel - 1) * self.channels + self.n_v_heads * self.head_dim ** 2)
+
+
+def state_layout(args) -> StateLayout | None:
+    """A model's recurrent state layout (ModelArgs), or None where no layer is recurrent."""
+    layers = tuple(i for i, r in enumerate(args.recurrent) if r)
+    if not layers:
+        return None
+    return StateLayout(layers, (2 * args.ssm_n_k_heads + args.ssm_n_v_heads) * args.ssm_head_dim,
+                       args.ssm_conv_kernel, args.ssm_n_v_heads, args.ssm_head_dim)
+
+
 MLA_MODES = (0, 1, 2, 3)
 
 
@@ -58,7 +83,7 @@ def cache_layout(args, mla: int) -> CacheLayout:
 def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> tuple[int, str]:
     """A model's KV bytes per token (every layer) under an -mla mode and cache types, and a line saying so."""
     cache = cache_layout(args, mla)
-    per_token = cache.bytes_per_token(args.n_layer, type_k, type_v)
+    per_token = cache.bytes_per_token(len(args.kv_layers), type_k, type_v)
     kinds = type_k if type_k == type_v or cache.v_in_k else f"{type_k}/{type_v}"
     what = ("the latent and rope key" if cache.v_in_k else "expanded keys and values") if args.kv_lora_rank > 0 else ""
     if what and mla == 3:  # where the prompt form is chosen, and by what
@@ -68,6 +93,11 @@ def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> 
         what += ("; a prompt u-batch expands it where faster: on a GPU as timed on the first u-batches of each size "
                  f"and cache length (powers of two), on the CPU from {cpu_from} tokens (fewer multiply-adds); "
                  "generation attends in latent space")
+    state = state_layout(args)
+    if state is not None:
+        what = (f"{len(args.kv_layers)} attention layers; the {len(state.layers)} recurrent layers keep "
+                f"{state.bytes_per_sequence / 2**20:.1f} MiB of state per sequence instead")
+        return per_token, f"KV cache: {per_token} bytes per token in {kinds} ({what})"
     return per_token, f"KV cache: {per_token} bytes per token in {kinds}" + (f" (-mla {mla}: {what})" if what else "")
 
 

@@ -60,6 +60,7 @@ class SparseMoE:
     act: str
     routing: Routing | None = None  # None: softmax
     shared: DenseFFN | None = None
+    shared_gate: Weight | None = None  # (1, n_embd): the shared expert's output times sigmoid(x . it) (Qwen3.5)
 
     def __call__(self, ops, x, residual=None):
         """The block's output, added to `residual` when given (the residual stream: one pass less on a GPU)."""
@@ -67,5 +68,8 @@ class SparseMoE:
                       self.norm_topk, self.act, self.routing, residual if self.shared is None else None)
         if self.shared is None:
             return out
-        out = ops.add(out, self.shared(ops, x))
+        shared = self.shared(ops, x)
+        if self.shared_gate is not None:
+            shared = ops.mul(shared, ops.sigmoid(ops.linear(x, self.shared_gate)))
+        out = ops.add(out, shared)
         return out if residual is None else ops.add(residual, out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.models import deepseek2, gemma3, glm4moe, gptoss, llama, minimax_m2, qwen3moe
+from ferry.models import deepseek2, gemma3, glm4moe, gptoss, llama, minimax_m2, qwen3moe, qwen35moe
 from ferry.models.base import Model, ModelArgs, WeightLoader
 
 ARCHITECTURES = {
@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "glm4moe": glm4moe.build,
     "gpt-oss": gptoss.build,
     "minimax-m2": minimax_m2.build,
+    "qwen35moe": qwen35moe.build,
+    "qwen3next": qwen35moe.build,
 }
 
 

@@ -16,7 +16,7 @@ from ferry.layers.ffn import SparseMoE
 from ferry.layers.rope import Yarn
 from ferry.weight import Weight
 from ferry.quant import dequantize
-from ferry.layers.cache import CacheLayout, cache_layout, mla_mode
+from ferry.layers.cache import CacheLayout, StateLayout, cache_layout, mla_mode, state_layout
 
 MAX_LAYERS = 4096
 YARN_ARCHS = ("deepseek2", "gpt-oss")  # where YaRN is checked against transformers
@@ -59,6 +59,15 @@ class ModelArgs:
     q_lora_rank: int = 0  # DeepSeek's latent attention: 0 = a plain q projection
     kv_lora_rank: int = 0
     yarn: "Yarn | None" = None  # YaRN rope scaling (DeepSeek, gpt-oss)
+    n_ff_shexp: int = 0  # the shared expert's FFN size where the file gives it apart (qwen35moe, qwen3next)
+    # gated delta-net linear attention (qwen35moe, qwen3next): per layer whether it is recurrent (no KV cache), and
+    # its sizes: ssm_conv_kernel taps of causal convolution, ssm_n_k_heads key heads of ssm_head_dim, ssm_n_v_heads
+    # value heads of the same size (llama.cpp's ssm.group_count, ssm.time_step_rank, ssm.state_size)
+    recurrent: tuple[bool, ...] = ()
+    ssm_conv_kernel: int = 0
+    ssm_head_dim: int = 0
+    ssm_n_k_heads: int = 0
+    ssm_n_v_heads: int = 0
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
@@ -132,6 +141,8 @@ class ModelArgs:
                                          YARN_DEFAULTS.get(arch, {}).get("log_mul", 0.0), float),
                              truncate=YARN_DEFAULTS.get(arch, {}).get("truncate", True))
         args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
+        if f.get(f"{arch}.ssm.inner_size") is not None:
+            args.read_recurrent(f, key)
         if f.get(f"{arch}.attention.key_length_mla") is not None:
             # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; the
             # args keep the per-head (expanded) sizes, and Model.cache_layout gives the latent cache's
@@ -139,6 +150,44 @@ class ModelArgs:
             args.n_head_kv = args.n_head
         args.validate(f)
         return args
+
+    def read_recurrent(self, f: GGUFFile, key) -> None:
+        """The linear-attention sizes and which layers are recurrent: the file's attention.recurrent_layers, else
+        every layer but each full_attention_interval-th (llama.cpp's reading)."""
+        self.ssm_conv_kernel, self.ssm_head_dim = key("ssm.conv_kernel"), key("ssm.state_size")
+        self.ssm_n_k_heads, self.ssm_n_v_heads = key("ssm.group_count"), key("ssm.time_step_rank")
+        self.n_ff_shexp = key("expert_shared_feed_forward_length", 0)
+        if key("ssm.inner_size") != self.ssm_n_v_heads * self.ssm_head_dim:
+            raise FerryError(f"{f.path}: ssm.inner_size {key('ssm.inner_size')} is not time_step_rank x state_size "
+                             f"({self.ssm_n_v_heads} x {self.ssm_head_dim}); the file is corrupt, re-convert it")
+        flags = f.get(f"{self.arch}.attention.recurrent_layers")
+        if flags is None:
+            every = key("full_attention_interval", 4)
+            flags = [(i + 1) % every != 0 for i in range(self.n_layer + self.n_nextn)] if every > 0 else None
+        if flags is None or len(flags) < self.n_layer:
+            raise FerryError(f"{f.path}: the recurrent layers are not given for all {self.n_layer} layers; the "
+                             "file is corrupt, re-convert it")
+        self.recurrent = tuple(bool(x) for x in list(flags)[:self.n_layer])
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that keep a KV cache: all but the recurrent ones."""
+        return [i for i in range(self.n_layer) if not (self.recurrent and self.recurrent[i])]
+
+    @property
+    def conv_state_size(self) -> int:
+        """Values of one recurrent layer's convolution state per sequence: the last kernel - 1 inputs of q, k, v."""
+        return (self.ssm_conv_kernel - 1) * (2 * self.ssm_n_k_heads + self.ssm_n_v_heads) * self.ssm_head_dim
+
+    @property
+    def delta_state_size(self) -> int:
+        """Values of one recurrent layer's delta-net state per sequence: a head_dim x head_dim matrix per value head."""
+        return self.ssm_n_v_heads * self.ssm_head_dim ** 2
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of every recurrent layer's state (float32) for one sequence."""
+        return 4 * sum(self.recurrent) * (self.conv_state_size + self.delta_state_size)
 
     def validate(self, f: GGUFFile) -> None:
         def bad(what: str) -> FerryError:
@@ -161,6 +210,11 @@ class ModelArgs:
             raise bad("expert_gating_func is neither 1 (softmax) nor 2 (sigmoid)")
         if self.n_layer <= 0 or self.n_nextn < 0:
             raise bad(f"nextn_predict_layers {self.n_nextn} leaves no layer to run")
+        if any(self.recurrent):
+            sizes = (self.ssm_conv_kernel, self.ssm_head_dim, self.ssm_n_k_heads, self.ssm_n_v_heads)
+            if min(sizes) <= 0 or self.ssm_n_v_heads % self.ssm_n_k_heads or max(sizes) > 65536:
+                raise bad(f"linear attention sizes {sizes} (conv kernel, head size, key heads, value heads) are not "
+                          "positive with the value heads a multiple of the key heads")
 
 
 def _default_gating(f: GGUFFile, arch: str) -> int:
@@ -247,7 +301,8 @@ class Model:
 
     def fusable(self) -> list[tuple[Weight, ...]]:
         """Groups of weights that one input feeds and a GPU may hold as one matrix (each attention's q, k, v)."""
-        return [(b.attn.wq, b.attn.wk, b.attn.wv) for b in self.blocks if isinstance(b.attn, Attention)]
+        return [(b.attn.wq, b.attn.wk, b.attn.wv) for b in self.blocks
+                if isinstance(b.attn, Attention) and not b.attn.gated]
 
     def latent_layers(self) -> list:
         """The blocks' latent attentions (DeepSeek's MLA), if any."""
@@ -255,7 +310,7 @@ class Model:
 
     def ropes(self) -> set:
         """The rotary embeddings its attention layers use (a GPU keeps a table of each's angles)."""
-        return {b.attn.rope for b in self.blocks}
+        return {b.attn.rope for b in self.blocks if isinstance(b.attn, (Attention, LatentAttention))}
 
     def use_mla(self, mode: int | None, max_batch_mib: int = 0) -> int:
         """Set the latent attention mode (-mla, ik_llama.cpp's meaning; None: ferry's choice, 3) and -amb (MiB; 0:
@@ -272,6 +327,10 @@ class Model:
         """What the KV cache holds per position and layer: the latent and rope key in MLA modes 1-3."""
         layers = self.latent_layers()
         return cache_layout(self.args, layers[0].mla if layers else 0)
+
+    def state_layout(self) -> StateLayout | None:
+        """What the recurrent layers keep per sequence, or None where there are none."""
+        return state_layout(self.args)
 
     def forward(self, ops):
         """Logits (n_out, n_vocab) of one u-batch, through `ops` (eager torch ops or a ggml graph builder)."""

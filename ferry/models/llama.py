@@ -36,14 +36,14 @@ class Block:
 
 
 def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, window: int = 0, scale: float | None = None,
-              norm_whole: bool = False) -> Attention:
+              norm_whole: bool = False, gated: bool = False) -> Attention:
     """The attention of block i, with whatever optional biases and q/k norms the file carries (per head, or with
-    norm_whole across all heads: MiniMax-M2's)."""
+    norm_whole across all heads: MiniMax-M2's); gated: attn_q gives each head's query and then its output gate."""
     p = f"blk.{i}."
     q_dim, kv_dim, v_dim = a.n_head * a.head_dim_k, a.n_head_kv * a.head_dim_k, a.n_head_kv * a.head_dim_v
     return Attention(
         layer=i,
-        wq=w.weight(p + "attn_q.weight", q_dim, a.n_embd),
+        wq=w.weight(p + "attn_q.weight", 2 * q_dim if gated else q_dim, a.n_embd),
         wk=w.weight(p + "attn_k.weight", kv_dim, a.n_embd),
         wv=w.weight(p + "attn_v.weight", v_dim, a.n_embd),
         wo=w.weight(p + "attn_output.weight", a.n_embd, a.n_head * a.head_dim_v),
@@ -56,6 +56,7 @@ def attention(w: WeightLoader, a: ModelArgs, i: int, rope: Rope, window: int = 0
         k_norm=w.optional_vector(p + "attn_k_norm.weight", kv_dim if norm_whole else a.head_dim_k),
         norm_whole=norm_whole,
         window=window,
+        gated=gated,
     )
 
 

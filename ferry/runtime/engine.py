@@ -52,10 +52,12 @@ class Engine:
     """`graph`: run each u-batch as one ggml graph where the KV cache is in host memory (the CPU-only path); otherwise
     op by op (TorchOps).
     `layer_first`: run a logical batch of several u-batches layer by layer (Model.forward_layer_first), so that
-    weights kept in RAM cross PCIe once per batch; default: where the backend keeps routed experts in RAM."""
+    weights kept in RAM cross PCIe once per batch; default: where the backend keeps routed experts in RAM.
+    `n_seq`: the sequences (server slots) a recurrent model keeps a state for."""
 
     def __init__(self, model: Model, backend, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
-                 type_k: str = "f16", type_v: str = "f16", graph: bool = True, layer_first: bool | None = None):
+                 type_k: str = "f16", type_v: str = "f16", graph: bool = True, layer_first: bool | None = None,
+                 n_seq: int = 1):
         a = model.args
         if n_ctx <= 0:
             n_ctx = a.n_ctx_train  # llama.cpp: -c 0 takes the model's training context
@@ -68,7 +70,7 @@ class Engine:
         self.n_ubatch = min(n_ubatch, n_batch)
         devices = backend.kv_devices(a.n_layer)  # None: host memory, for ggml's graphs
         self.kv = KVCache.of(model.cache_layout(), a.n_layer, n_ctx, type_k, type_v,
-                             None if devices is None else [str(d) for d in devices])
+                             None if devices is None else [str(d) for d in devices], model.state_layout(), n_seq)
         self.runner = _runner(backend, devices, graph)
         layer_first = backend.layer_first if layer_first is None else layer_first
         self.layer_first = layer_first and self.runner.layer_first
@@ -100,10 +102,30 @@ class Engine:
             self._routing = []
         return routing
 
-    def truncate(self, n_past: int) -> None:
-        """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them."""
+    @property
+    def recurrent(self) -> bool:
+        """Whether layers keep a recurrent state, which holds every position at once: the sequence can be cut back
+        only to its start (truncate), not to an earlier position."""
+        return self.kv.state is not None
+
+    def save_state(self) -> tuple[int, list] | None:
+        """A copy of the recurrent state as it is now (None where the model has none), for truncate."""
+        if not self.recurrent:
+            return None
+        return self.n_past, [t[0].copy() if hasattr(t, "copy") else t[0].clone() for t in self.kv.conv + self.kv.delta
+                             if t is not None]
+
+    def truncate(self, n_past: int, saved: tuple[int, list] | None = None) -> None:
+        """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them. A recurrent
+        state holds every position at once: it goes back to the start, or to a state saved at n_past (save_state)."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot truncate to {n_past} of {self.n_past} positions")
+        if self.recurrent and 0 < n_past < self.n_past:
+            if saved is None or saved[0] != n_past:
+                raise ValueError(f"a recurrent model's state cannot go back to position {n_past} of {self.n_past} "
+                                 "without a state saved there")
+            for t, copy in zip([t for t in self.kv.conv + self.kv.delta if t is not None], saved[1]):
+                t[0] = copy
         self.n_past = n_past
 
     @torch.inference_mode()
@@ -118,6 +140,8 @@ class Engine:
             raise FerryError(f"token id {bad[0]} is outside the vocabulary (0..{self.model.args.n_vocab - 1})")
         outs = []
         ids = torch.tensor(tokens, dtype=torch.int32)
+        if self.n_past == 0 and self.recurrent:
+            self.kv.clear_state()
         for b0 in range(0, len(tokens), self.n_batch):  # the logical batch, then its u-batches
             b1 = min(b0 + self.n_batch, len(tokens))
             spans = [(u0, min(u0 + self.n_ubatch, b1)) for u0 in range(b0, b1, self.n_ubatch)]
@@ -155,9 +179,29 @@ class Engine:
         seq, pos = torch.tensor(seqs), torch.tensor(positions)
         if int(pos.max()) >= seq_len or int((seq * seq_len + pos).max()) >= self.n_ctx:
             raise FerryError("a sequence ran past its share of the context; raise -c or lower -np")
+        if self.recurrent:
+            return self._sequence_by_sequence(tokens, seq, pos, seq_len, all_logits, tail)
         batch = Batch(start=0, n_tokens=len(tokens), kv=self.kv, all_logits=all_logits, tail=tail, seq=seq, pos=pos,
                       seq_len=seq_len)
         return self.runner.forward(self.model, torch.tensor(tokens, dtype=torch.int32), batch)
+
+    def _sequence_by_sequence(self, tokens: list[int], seq: torch.Tensor, pos: torch.Tensor, seq_len: int,
+                              all_logits: bool, tail: int) -> torch.Tensor:
+        """decode_sequences for a recurrent model: each run of one sequence's tokens as a forward of its own, from
+        that sequence's state (cleared where the run starts at position 0). The logits decode_sequences gives."""
+        rows = tail or (len(tokens) if all_logits else 1)  # the last rows whose logits are wanted
+        starts = [i for i in range(len(tokens)) if i == 0 or seq[i] != seq[i - 1]] + [len(tokens)]
+        outs = []
+        for a, b in zip(starts, starts[1:]):
+            if int(pos[a]) == 0:
+                self.kv.clear_state(int(seq[a]))
+            want = max(0, min(b - a, rows - (len(tokens) - b)))  # this run's rows among them
+            batch = Batch(start=0, n_tokens=b - a, kv=self.kv, tail=max(want, 1), seq=seq[a:b], pos=pos[a:b],
+                          seq_len=seq_len)
+            logits = self.runner.forward(self.model, torch.tensor(tokens[a:b], dtype=torch.int32), batch)
+            if want:
+                outs.append(logits)
+        return torch.cat(outs)
 
     def generate(self, prompt: list[int], sampler: Sampler, n_predict: int,
                  is_eog: Callable[[int], bool], on_token: Callable[[int], None] | None = None,

@@ -11,7 +11,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.errors import FerryError
-from ferry.layers.cache import CacheLayout, kv_type
+from ferry.layers.cache import CacheLayout, StateLayout, kv_type
 from ferry.quant import row_bytes
 
 TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # types torch reads directly
@@ -22,8 +22,9 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
                  type_k: str = "f16", type_v: str = "f16", device: str | list[str] | None = None,
-                 v_in_k: bool = False):
-        """device: None (host memory), a GPU, or each layer's GPU (layers split across GPUs)."""
+                 v_in_k: bool = False, state: StateLayout | None = None, n_seq: int = 1):
+        """device: None (host memory), a GPU, or each layer's GPU (layers split across GPUs). state: the recurrent
+        layers, which keep no KV rows but a state for each of n_seq sequences (`conv`, `delta`)."""
         self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
         self.v_in_k = v_in_k
         if v_in_k and self.type_v != self.type_k:  # the values are read from the key rows, in the keys' type
@@ -37,9 +38,13 @@ class KVCache:
         self.n_ctx, self.n_head_kv, self.head_dim_k, self.head_dim_v = n_ctx, n_head_kv, head_dim_k, head_dim_v
         kb, vb = row_bytes(self.type_k, n_head_kv * head_dim_k), row_bytes(self.type_v, n_head_kv * head_dim_v)
         self.device = device
+        recurrent = set(state.layers) if state else set()
+        rows = [0 if i in recurrent else n_ctx for i in range(n_layer)]
+        self.state = state
         if device is None:  # host memory: ggml's graphs read it by address
-            self.k = [np.zeros((n_ctx, kb), dtype=np.uint8) for _ in range(n_layer)]
-            self.v = [] if v_in_k else [np.zeros((n_ctx, vb), dtype=np.uint8) for _ in range(n_layer)]
+            self.k = [np.zeros((r, kb), dtype=np.uint8) for r in rows]
+            self.v = [] if v_in_k else [np.zeros((r, vb), dtype=np.uint8) for r in rows]
+            self._states(state, n_layer, n_seq, lambda shape, i: np.zeros(shape, dtype=np.float32))
         else:  # a GPU: float types or q8_0, read by the GPU attention kernels
             for flag, qtype in (("-ctk", self.type_k), ("-ctv", self.type_v)):
                 if qtype not in TORCH_TYPES and qtype != Q.Q8_0:
@@ -47,12 +52,29 @@ class KVCache:
                                      "use -ctk/-ctv q8_0 or f16")
             per_layer = device if isinstance(device, list) else [device] * n_layer
             self.device = per_layer[0]
-            self.k = [torch.zeros(n_ctx, kb, dtype=torch.uint8, device=d) for d in per_layer]
-            self.v = [] if v_in_k else [torch.zeros(n_ctx, vb, dtype=torch.uint8, device=d) for d in per_layer]
+            self.k = [torch.zeros(r, kb, dtype=torch.uint8, device=d) for r, d in zip(rows, per_layer)]
+            self.v = [] if v_in_k else [torch.zeros(r, vb, dtype=torch.uint8, device=d) for r, d in zip(rows, per_layer)]
+            self._states(state, n_layer, n_seq, lambda shape, i: torch.zeros(shape, device=per_layer[i]))
 
+    def _states(self, state: StateLayout | None, n_layer: int, n_seq: int, zeros) -> None:
+        """Per layer (None where it is not recurrent), in ggml's layouts: `conv` (n_seq, channels, kernel - 1), the
+        convolution's last inputs; `delta` (n_seq, heads, d_v, d_k), each value head's state transposed."""
+        self.conv: list = [None] * n_layer
+        self.delta: list = [None] * n_layer
+        for i in state.layers if state else ():
+            self.conv[i] = zeros((n_seq, state.channels, state.kernel - 1), i)
+            self.delta[i] = zeros((n_seq, state.n_v_heads, state.head_dim, state.head_dim), i)
+
+    def clear_state(self, seq: int = 0) -> None:
+        """Sequence seq's recurrent state back to zero: it starts again at position 0."""
+        for t in self.conv + self.delta:
+            if t is not None:
+                t[seq] = 0
     @property
     def n_bytes(self) -> int:
-        return sum(a.nbytes if isinstance(a, np.ndarray) else a.numel() for a in self.k + self.v)
+        states = [t.nbytes if isinstance(t, np.ndarray) else 4 * t.numel() for t in self.conv + self.delta
+                  if t is not None]
+        return sum(a.nbytes if isinstance(a, np.ndarray) else a.numel() for a in self.k + self.v) + sum(states)
 
     def _float_view(self, rows: np.ndarray, qtype: Q, dim: int) -> torch.Tensor:
         if qtype not in TORCH_TYPES:
@@ -63,9 +85,9 @@ class KVCache:
 
     @classmethod
     def of(cls, layout: CacheLayout, n_layer: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
-           device: str | list[str] | None = None) -> "KVCache":
+           device: str | list[str] | None = None, state: StateLayout | None = None, n_seq: int = 1) -> "KVCache":
         return cls(n_layer, n_ctx, layout.n_head_kv, layout.head_dim_k, layout.head_dim_v, type_k, type_v, device,
-                   layout.v_in_k)
+                   layout.v_in_k, state, n_seq)
 
     def copy_rows(self, start: int, n: int) -> list:
         """Positions start..start + n - 1 of every layer (keys, then values), copied to host memory: what put_rows

@@ -76,7 +76,7 @@ class Scheduler:
         self.decode_s: float | None = None  # a decode-only step's seconds (running average)
         self.chunk = 1  # prompt tokens a mixed step takes (without -b), adapted to the steps' times
         self.credit = 0.0  # seconds of prompt work the decode steps have earned (PREFILL_SHARE of theirs)
-        self.cache_ram = cache_ram
+        self.cache_ram = 0 if engine.recurrent else cache_ram  # RAM copies hold KV rows, not recurrent states
         self.saved: list[tuple[list[int], list, int]] = []  # RAM copies (tokens, cache rows, bytes), oldest use first
         self.slots: list[Request | None] = [None] * n_slots
         self.held: list[list[int]] = [[] for _ in range(n_slots)]  # the tokens each slot's cache holds, in order
@@ -189,6 +189,8 @@ class Scheduler:
             shared[r.slot] = self._from_ram(r.slot, r.prompt if r.cache_prompt else [], shared[r.slot])
         # at least the prompt's last token is prefilled: its logits give the first generated token
         r.n_cached = r.n_past = min(shared[r.slot], len(r.prompt) - 1)
+        if self.engine.recurrent and r.n_past < len(self.held[r.slot]):  # a state holds all the slot's tokens or none
+            r.n_cached = r.n_past = 0
         r.t0 = time.perf_counter()
         r.sampler = Sampler(r.params)
         r.decoder = StreamDecoder(self.tok)

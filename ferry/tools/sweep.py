@@ -50,11 +50,12 @@ def sweep(engine, n_vocab: int, n_gen: int, seed: int = 0, on_row=None) -> list[
     rows = []
     n_kv = 0
     while n_kv + max(pp, tg) <= n_ctx:
+        saved = engine.save_state()
         t0 = time.perf_counter()
         for t in tokens(tg):
             engine.decode([t])
         t_tg = time.perf_counter() - t0
-        engine.truncate(n_kv)  # the generated tokens leave the cache, as llama-sweep-bench removes them
+        engine.truncate(n_kv, saved)  # the generated tokens leave the cache, as llama-sweep-bench removes them
         t0 = time.perf_counter()
         engine.decode(tokens(pp))
         t_pp = time.perf_counter() - t0

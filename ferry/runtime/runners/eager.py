@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.layers.attention import with_sinks
+from ferry.layers.delta_net import delta_rule, short_conv
 from ferry.layers.norm import rms_norm
 from ferry.layers.rope import Rope
 from ferry.weight import Weight
@@ -157,6 +158,51 @@ class TorchOps:
         """Attention of q (n, heads, d) to keys and values of every cached position given here (n_kv, heads, d),
         under this batch's causal mask: (n, heads * d_v)."""
         return self._sdpa(q, k, v, scale, 0)
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x)
+
+    def mul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a * b
+
+    def l2_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x / sqrt(sum x^2 + eps) over the last dimension (the delta-net's q and k; eps inside, as llama.cpp and
+        transformers take it)."""
+        return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+    def decay(self, alpha: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The delta-net's log decay per token and value head: softplus(alpha + dt_bias) * a."""
+        return F.softplus(alpha + self.backend.vector(dt_bias)) * self.backend.vector(a)
+
+    def gated_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm(x) * weight * silu(z), per head: x, z (n, heads, d)."""
+        return self.rms_norm(x, weight, eps) * F.silu(z)
+
+    def _state(self, kind: str, layer: int) -> torch.Tensor:
+        """The batch's sequence's recurrent state of a layer, as torch (a view of the cache's)."""
+        t = getattr(self.batch.kv, kind)[layer]
+        seq = 0 if self.batch.seq is None else int(self.batch.seq[0])  # a recurrent model's batch holds one sequence
+        return (torch.from_numpy(t) if not isinstance(t, torch.Tensor) else t)[seq]
+
+    def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu(causal depthwise convolution) of x (n, channels) after the layer's last inputs, which it then keeps."""
+        state = self._state("conv", layer)  # (channels, kernel - 1), ggml's layout
+        out, last = short_conv(x, state.t(), self.backend.vector(weight))
+        state.copy_(last.t())
+        return out
+
+    def delta_net(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, tiled: bool = True) -> torch.Tensor:
+        """The gated delta rule from the layer's state, which it then keeps: (n, value heads, d). Key head h %
+        n_k_heads serves value head h (tiled), else h // ratio."""
+        state = self._state("delta", layer)  # (heads, d_v, d_k), ggml's layout
+        repeat = v.shape[1] // q.shape[1]
+        if repeat > 1:
+            q, k = ((q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)) if tiled else
+                    (q.repeat_interleave(repeat, 1), k.repeat_interleave(repeat, 1)))
+        out, last = delta_rule(q, k, v, g, beta, state.transpose(1, 2).float())
+        state.copy_(last.transpose(1, 2))
+        return out
 
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
         return self.backend.ffn(x, gate, up, down, act)

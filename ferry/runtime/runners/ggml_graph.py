@@ -41,6 +41,14 @@ class GraphOps:
         self.expert_ids: list = []  # per MoE layer: the node that copies its expert ids out
         self.n_used = 1  # experts per token, of the MoE layers
         self._vectors: dict[int, object] = {}
+        # the recurrent layers' states of the batch's sequence, bound at each run (GgmlGraphRunner.forward), and
+        # their new states written back: nodes nothing else reads
+        self.states: dict[tuple[str, int], object] = {}
+        for i in kv.state.layers if kv.state else ():
+            conv, delta = kv.conv[i], kv.delta[i]
+            self.states["conv", i] = g.input(F32, (conv.shape[2], conv.shape[1], 1))
+            self.states["delta", i] = g.input(F32, (delta.shape[3] * delta.shape[2], delta.shape[1], 1))
+        self.state_writes: list = []
 
     def _vector(self, t: torch.Tensor):
         """A leaf over a float32 model tensor (norm weights, biases): the model keeps it alive."""
@@ -218,6 +226,56 @@ class GraphOps:
         keys, values = (ggml.ggml_cast(c, ggml.ggml_permute(c, t, 0, 2, 1, 3), qtype) for t in (k, v))
         return self._flash(q, keys, values, scale, self._mask(0))
 
+    def sigmoid(self, x):
+        return ggml.ggml_sigmoid(self.c, x)
+
+    def mul(self, a, b):
+        return ggml.ggml_mul(self.c, a, b)
+
+    def l2_norm(self, x, eps: float):
+        """x / sqrt(sum x^2 + eps) per row, as llama.cpp takes the delta-net's (RMSNorm with eps / n, then / sqrt(n);
+        ggml_l2_norm floors the norm at eps instead)."""
+        n = x.contents.ne[0]
+        return ggml.ggml_scale(self.c, ggml.ggml_rms_norm(self.c, x, eps / n), n ** -0.5)
+
+    def decay(self, alpha, dt_bias: torch.Tensor, a: torch.Tensor):
+        return ggml.ggml_mul(self.c, ggml.ggml_softplus(self.c, ggml.ggml_add(self.c, alpha, self._vector(dt_bias))),
+                             self._vector(a))
+
+    def gated_rms_norm(self, x, weight: torch.Tensor, z, eps: float):
+        return ggml.ggml_mul(self.c, self.rms_norm(x, weight, eps), ggml.ggml_silu(self.c, z))
+
+    def short_conv(self, layer: int, x, weight: torch.Tensor):
+        """silu(causal depthwise convolution) of x (channels, n) after the sequence's last inputs of the layer; the
+        last kernel - 1 inputs then go back to the state (a node the graph computes after the read)."""
+        c, state, kept = self.c, self.kv.conv[layer], self.states["conv", layer]  # (n_seq, channels, kernel - 1)
+        joined = ggml.ggml_concat(c, kept, ggml.ggml_transpose(c, x), 0)  # (kernel - 1 + n, channels, 1)
+        t = joined.contents
+        last = ggml.ggml_view_3d(c, joined, state.shape[2], state.shape[1], 1, t.nb[1], t.nb[2], self.n * t.nb[0])
+        self.state_writes.append(ggml.ggml_cpy(c, last, kept))
+        out = ggml.ggml_ssm_conv(c, joined, self._vector(weight))  # (channels, n, 1)
+        return ggml.ggml_silu(c, ggml.ggml_reshape_2d(c, out, state.shape[1], self.n))
+
+    def delta_net(self, layer: int, q, k, v, g, beta, tiled: bool = True):
+        """ggml's gated delta rule (q scaled inside, key head h % n_k_heads for value head h; not tiled: q and k
+        repeated head by head first, h // ratio) from the sequence's state of the layer, the new state written back:
+        (d, value heads, n)."""
+        c, state, kept = self.c, self.kv.delta[layer], self.states["delta", layer]  # (n_seq, heads, d_v, d_k)
+        d, heads, n = state.shape[3], state.shape[1], self.n
+        ratio = heads // q.contents.ne[1]
+        if not tiled and ratio > 1:  # (d, 1, k heads, n) -> (d, ratio, k heads, n): each key head ratio times in a row
+            q, k = (ggml.ggml_reshape_3d(c, ggml.ggml_repeat_4d(c, ggml.ggml_reshape_4d(c, t, d, 1, t.contents.ne[1], n),
+                                                                d, ratio, t.contents.ne[1], n), d, heads, n)
+                    for t in (q, k))
+        whole = [t if ggml.ggml_is_contiguous(t) else ggml.ggml_cont(c, t) for t in (q, k, v, g, beta)]
+        qkv = [ggml.ggml_reshape_4d(c, t, d, t.contents.ne[1], n, 1) for t in whole[:3]]
+        g4, b4 = (ggml.ggml_reshape_4d(c, t, 1, heads, n, 1) for t in whole[3:])
+        y = ggml.ggml_gated_delta_net(c, *qkv, g4, b4, ggml.ggml_reshape_4d(c, kept, d, d, heads, 1), 1)
+        nb0 = y.contents.nb[0]
+        new = ggml.ggml_view_1d(c, y, d * d * heads, d * heads * n * nb0)
+        self.state_writes.append(ggml.ggml_cpy(c, new, ggml.ggml_reshape_1d(c, kept, d * d * heads)))
+        return ggml.ggml_view_3d(c, y, d, heads, n, d * nb0, d * heads * nb0, 0)
+
     def ffn(self, x, gate: Weight, up: Weight, down: Weight, act: str):
         return self.backend.ffn_nodes(self.g, x, gate, up, down, act)
 
@@ -261,7 +319,7 @@ class GgmlGraphRunner:
         g = _Graph(self.backend, n, max_nodes=n_nodes)
         ops = GraphOps(self.backend, g, n, kv, logit_rows, n_kv)
         logits = model.forward(ops)
-        g.finish(logits, *ops.expert_ids)
+        g.finish(logits, *ops.expert_ids, *ops.state_writes)
         return g, ops
 
     layer_first = False  # a u-batch is one graph: nothing crosses PCIe to save
@@ -293,6 +351,8 @@ class GgmlGraphRunner:
         logits = torch.empty(batch.logit_rows, model.args.n_vocab, dtype=torch.float32)
         ids = torch.empty(len(ops.expert_ids), n, ops.n_used, dtype=torch.int32)
         cells = batch.cells.to(torch.int32).contiguous()
-        g.run([tokens.to(torch.int32).contiguous(), positions, cells, *masks], logits, *ids)
+        seq = 0 if batch.seq is None else int(batch.seq[0])  # a recurrent model's batch holds one sequence
+        states = [torch.from_numpy(getattr(kv, kind)[layer][seq]) for kind, layer in ops.states]
+        g.run([tokens.to(torch.int32).contiguous(), positions, cells, *states, *masks], logits, *ids)
         batch.expert_ids = list(ids)
         return logits
