@@ -6,7 +6,8 @@
 #   carry .whl (gguf wheel, ggml-python sdist, llama.cpp-src.tar.gz, serve/: the server's wheels); results in $OUT
 #   (default ./out)
 #   STAGES (default "tests bench"): any of
-#     tests   tests_gpu/ (kernels, model vs CPU)
+#     tests   tests_gpu/ (kernels, model vs CPU); GPU_TESTS: which files, PYTEST_ARGS: more options (split at
+#             spaces), PYTEST_K: a -k expression (spaces kept)
 #     bench   ferry all-GPU on qwen3-moe-mid: pp512 and tg64, against the 16-thread CPU
 #     big     ferry all-GPU on the qwen3-30b-a3b synthetic model: pp4096 at u-batch 128/512/2048/4096, tg128
 #     hybrid  ferry with the experts in RAM (-ngl 999 -ot exps=CPU) on the same big model, every offload policy,
@@ -91,7 +92,8 @@ python3 -c "from ferry.offload.calibrate import ggml_build; print('ggml built fo
 if has tests; then
     # the two-GPU test needs two GPUs: on one it is left out, not skipped
     ONE_GPU=""; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || ONE_GPU="--ignore=tests_gpu/test_two_gpus.py"
-    python3 -m pytest -q -s ${GPU_TESTS:-tests_gpu} $ONE_GPU -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+    python3 -m pytest -q -s ${GPU_TESTS:-tests_gpu} $ONE_GPU -p no:cacheprovider ${PYTEST_ARGS:-} \
+        ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
         | tee "$OUT/tests_gpu.txt" | grep -E "KL|passed|failed|Error|error" | tail -40 || true
 fi
 if has gemma; then

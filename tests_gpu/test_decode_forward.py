@@ -114,3 +114,30 @@ def test_gpu_gpt_oss_matches_the_cpu(tmp_path, moe):
     kl, top1 = kl_top1(*runs)
     print(f"GPU gpt-oss (-moe {moe}) vs CPU: KL max {kl.max():.2e}, top-1 {top1:.4f}")
     assert kl.max() < 1e-3 and top1 == 1.0
+
+
+def test_gpu_delta_net_matches_the_cpu(tmp_path, monkeypatch):
+    """qwen35moe (gated delta-net layers, gated attention, the gated shared expert) through the GPU executor: a
+    prompt of two chunks (of 16 here, for the interpreter's sake; the state's passage between them one kernel), then
+    steps (the convolution's and the delta rule's step kernels, the state in place), recorded as a run records them;
+    against the CPU's ggml graph."""
+    from ferry.layers import delta_net
+
+    monkeypatch.setattr(delta_net, "CHUNK", 16)
+    path = tmp_path / "qwen35.gguf"
+    assert main(["synth", "qwen35moe-tiny", "-o", str(path), "-q", "--layers", "4"]) == 0  # one of each kind
+    cpu, model = place(path, 2)
+    tokens = np.random.default_rng(4).integers(0, model.args.n_vocab, 23).tolist()
+    backend = CudaBackend(DEV)
+    backend.prepare(model.weights(), model.fusable())
+    runs = []
+    for b in (cpu, backend):
+        e = Engine(model, b, n_ctx=96, type_k="f16", type_v="f16")
+        if b is backend:
+            e.runner = CudaGraphRunner(backend, graphs=DEV != "cpu")
+        prompt = e.decode(tokens[:20], all_logits=True)
+        steps = [e.decode([t], all_logits=True) for t in tokens[20:]]
+        runs.append(torch.cat([prompt] + steps).cpu())
+    kl, top1 = kl_top1(*runs)
+    print(f"GPU qwen35moe vs CPU: KL max {kl.max():.2e}, median {kl.median():.2e}, top-1 {top1:.4f}")
+    assert kl.max() < 1e-3 and top1 >= 0.97

@@ -716,3 +716,64 @@ def test_head_gemv_matches_float64(n, heads, m, k):
     row = x[:, :1].float().to(DEV).expand(n, heads, k)  # one row per token shared by every head (a latent)
     assert heads == 1 or row.stride(1) == 0
     _close(gemv.head_gemv(row, w.to(DEV)), torch.einsum("nhk,hmk->nhm", x[:, :1].expand(n, heads, k), w.double()))
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+@pytest.mark.parametrize("heads,k_heads,d_k,d_v", [(4, 2, 16, 16), (6, 3, 32, 48), (32, 16, 128, 128)])
+def test_delta_step_matches_float64(tiled, heads, k_heads, d_k, d_v):
+    """One token of the gated delta rule (the state updated in place, ggml's transposed layout) against float64; value
+    head h reads key head h % key heads, or h // ratio."""
+    from ferry.kernels.cuda.delta_net import step
+
+    gen = torch.Generator().manual_seed(heads + d_v)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, k_heads, d_k, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(1, heads, d_v, generator=gen)
+    g, beta = -torch.rand(1, heads, generator=gen), torch.rand(1, heads, generator=gen)
+    s = torch.randn(heads, d_v, d_k, generator=gen)
+    kh = torch.arange(heads) % k_heads if tiled else torch.arange(heads) // (heads // k_heads)
+    s64 = s.double().transpose(1, 2) * g[0].double().exp()[:, None, None]
+    u = beta[0].double()[:, None] * (v[0].double() - torch.einsum("hkv,hk->hv", s64, k[0, kh].double()))
+    s64 = s64 + k[0, kh].double()[:, :, None] * u[:, None, :]
+    want = torch.einsum("hkv,hk->hv", s64, q[0, kh].double()) * d_k ** -0.5
+    state = s.to(DEV)
+    got = step(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), state, tiled)
+    _close(got[0], want)
+    _close(state.transpose(1, 2), s64)
+
+
+@pytest.mark.parametrize("heads,n,d_k,d_v", [(2, 64, 16, 16), (3, 150, 32, 48), (4, 130, 128, 128)])
+def test_delta_scan_matches_the_float64_recurrence(heads, n, d_k, d_v):
+    """The prompt form with the state's passage through the chunks in one kernel (ieee float32 products) against the
+    float64 recurrence taken token by token: whole chunks and a remainder."""
+    from ferry.kernels.cuda.delta_net import scan
+    from ferry.layers.delta_net import delta_rule
+
+    gen = torch.Generator().manual_seed(n)
+    q, k = (torch.nn.functional.normalize(torch.randn(n, heads, d_k, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(n, heads, d_v, generator=gen)
+    g, beta = -torch.rand(n, heads, generator=gen) * 2, torch.rand(n, heads, generator=gen)
+    s0 = torch.randn(heads, d_k, d_v, generator=gen) * 0.5
+    s64, outs = s0.double(), []
+    for t in range(n):
+        s64 = s64 * g[t].double().exp()[:, None, None]
+        u = beta[t].double()[:, None] * (v[t].double() - torch.einsum("hkv,hk->hv", s64, k[t].double()))
+        s64 = s64 + k[t].double()[:, :, None] * u[:, None, :]
+        outs.append(torch.einsum("hkv,hk->hv", s64, q[t].double()) * d_k ** -0.5)
+    out, last = delta_rule(*(t.to(DEV) for t in (q, k, v, g, beta, s0)), scan=scan)
+    _close(out, torch.stack(outs), 1e-4)
+    _close(last, s64, 1e-4)
+
+
+@pytest.mark.parametrize("channels,kernel", [(8, 4), (300, 4), (1000, 2), (96, 5)])
+def test_conv_step_matches_float64(channels, kernel):
+    """One token of the causal convolution and SiLU, the kept inputs moved down one place with the new one last."""
+    from ferry.kernels.cuda.delta_net import conv_step
+
+    gen = torch.Generator().manual_seed(channels)
+    x, kept = torch.randn(1, channels, generator=gen), torch.randn(channels, kernel - 1, generator=gen)
+    w = torch.randn(channels, kernel, generator=gen)
+    full = torch.cat([kept, x.t()], 1).double()
+    want = torch.nn.functional.silu((full * w.double()).sum(1))[None]
+    state = kept.to(DEV)
+    _close(conv_step(x.to(DEV), state, w.to(DEV)), want)
+    _close(state, full[:, 1:])

@@ -68,33 +68,59 @@ def short_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tu
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over n tokens: q, k (n, heads, d) normalised (their heads already repeated to the value
-    heads), v (n, heads, d), g, beta (n, heads), state (heads, d_k, d_v) -> (o (n, heads, d_v), the new state). One
-    token is one step; more run by chunks: within a chunk the writes u solve a unit lower-triangular system
-    (I + A) U = beta (V - e^G K S0), A[t, j] = beta_t e^(G_t - G_j) k_t.k_j for j < t (G the decay's running sum),
-    and o = e^G Q S0 + (causal e^(G_t - G_j) q_t.k_j) U."""
-    scale = q.shape[-1] ** -0.5
-    q, k, v = q.transpose(0, 1) * scale, k.transpose(0, 1), v.transpose(0, 1)  # (heads, n, d)
-    g, beta = g.t(), beta.t()  # (heads, n)
-    if q.shape[1] == 1:
-        s = state * g.exp()[:, :, None]
-        u = beta[:, :, None] * (v - k @ s)  # (heads, 1, d_v)
-        s = s + k.transpose(1, 2) @ u
-        return (q @ s).transpose(0, 1), s
-    outs = []
-    s = state
-    for c0 in range(0, q.shape[1], chunk):
-        qc, kc, vc = q[:, c0:c0 + chunk], k[:, c0:c0 + chunk], v[:, c0:c0 + chunk]
-        gc, bc = g[:, c0:c0 + chunk].cumsum(-1), beta[:, c0:c0 + chunk, None]
-        n = qc.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (gc[:, :, None] - gc[:, None, :]).masked_fill(~causal, -torch.inf).exp()  # e^(G_t - G_j), j <= t
-        a = (bc * (kc @ kc.transpose(1, 2)) * decay).tril(-1)
-        eye = torch.eye(n, dtype=q.dtype, device=q.device)
-        u = torch.linalg.solve_triangular(eye + a, bc * (vc - gc.exp()[:, :, None] * (kc @ s)), upper=False,
-                                          unitriangular=True)
-        outs.append(gc.exp()[:, :, None] * (qc @ s) + ((qc @ kc.transpose(1, 2)) * decay) @ u)
-        last = gc[:, -1:]
-        s = last.exp()[:, :, None] * s + (kc * (last - gc).exp()[:, :, None]).transpose(1, 2) @ u
-    return torch.cat(outs, 1).transpose(0, 1), s
+               state: torch.Tensor, chunk: int | None = None, scan=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over n tokens: q, k (n, heads, d_k) normalised (their heads already repeated to the value
+    heads), v (n, heads, d_v), g, beta (n, heads), state (heads, d_k, d_v) -> (o (n, heads, d_v), the new state).
+    One token is one step; more run by chunks of `chunk` (default CHUNK, read at the call; chunk_parts), every chunk's own work at once and only the state's
+    passage from chunk to chunk in turn (`scan`: scan_chunks, or a GPU kernel of its signature)."""
+    if q.shape[0] == 1:
+        q, k, v = q[0] * q.shape[-1] ** -0.5, k[0], v[0]  # (heads, d)
+        s = state * g[0].exp()[:, None, None]
+        u = beta[0][:, None] * (v - torch.einsum("hkv,hk->hv", s, k))
+        s = s + k[:, :, None] * u[:, None, :]
+        return torch.einsum("hkv,hk->hv", s, q)[None], s
+    n = q.shape[0]
+    qd, p, w1, w2, kd, gl = chunk_parts(q, k, v, g, beta, chunk or CHUNK)
+    u, states, last = (scan or scan_chunks)(w1, w2, kd, gl, state)
+    out = qd @ states + p @ u  # (heads, chunks, chunk, d_v)
+    return out.reshape(out.shape[0], -1, out.shape[-1])[:, :n].transpose(0, 1), last
+
+
+def chunk_parts(q, k, v, g, beta, chunk: int):
+    """What each chunk of `chunk` tokens needs apart from the state it starts from (the tokens padded with ones that
+    neither decay nor write). With G the decay's running sum in the chunk and D[t, j] = e^(G_t - G_j) for j <= t,
+    the writes of a chunk that starts from state S are U = W1 - W2 S, where (I + A) [W1 | W2] = beta [V | e^G K],
+    A[t, j] = beta_t D[t, j] k_t.k_j (j < t); its outputs are O = (e^G Q) S + (D * Q K^T) U, and the state after it
+    e^(G_last) S + (e^(G_last - G) K)^T U. Returns (e^G Q / sqrt(d_k), D * Q K^T / sqrt(d_k), W1, W2, e^(G_last - G)
+    K, e^(G_last)), each per head and chunk: (heads, chunks, chunk, ...), the last (heads, chunks)."""
+    n, heads = q.shape[:2]
+    pad = -n % chunk
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # (n, heads, ...) -> (heads, chunks, chunk, ...)
+        t = torch.nn.functional.pad(t.transpose(0, 1), (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(heads, -1, chunk, *t.shape[2:])
+
+    q, k, v, g, beta = chunks(q * q.shape[-1] ** -0.5), chunks(k), chunks(v), chunks(g), chunks(beta)[..., None]
+    g = g.cumsum(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, -torch.inf).exp()
+    a = (beta * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    w = torch.linalg.solve_triangular(eye + a, beta * torch.cat([v, g.exp()[..., None] * k], -1), upper=False,
+                                      unitriangular=True)
+    w1, w2 = w.split([v.shape[-1], k.shape[-1]], -1)
+    last = g[..., -1:]
+    return (g.exp()[..., None] * q, decay * (q @ k.transpose(-1, -2)), w1.contiguous(), w2.contiguous(),
+            ((last - g).exp()[..., None] * k).contiguous(), last[..., 0].exp().contiguous())
+
+
+def scan_chunks(w1, w2, kd, gl, state):
+    """The state's passage through the chunks in turn (chunk_parts): each chunk's writes U = W1 - W2 S and the state
+    S it starts from; returns (U (heads, chunks, chunk, d_v), those states (heads, chunks, d_k, d_v), the last)."""
+    us, states, s = [], [], state
+    for c in range(w1.shape[1]):
+        states.append(s)
+        u = w1[:, c] - w2[:, c] @ s
+        us.append(u)
+        s = gl[:, c, None, None] * s + kd[:, c].transpose(-1, -2) @ u
+    return torch.stack(us, 1), torch.stack(states, 1), s

@@ -4,6 +4,7 @@ the host and can be recorded as a CUDA graph (runners/cuda_graphs.py); -mla 3's 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -137,6 +138,37 @@ class CudaOps(TorchOps):
                                 kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
                                 kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx,
                                 sinks=None if sinks is None else self.backend.vector(sinks))
+
+    def l2_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """x / sqrt(sum x^2 + eps): the RMSNorm kernel with eps / n and a weight of n^-1/2 (one launch)."""
+        from ferry.kernels.cuda.norm_rope import rms_norm
+
+        n = x.shape[-1]
+        return rms_norm(x, self.backend.vector(_root_inverse(n)), eps / n)
+
+    def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A generation step's convolution in one kernel; a prompt's through torch (TorchOps)."""
+        if x.shape[0] != 1:
+            return super().short_conv(layer, x, weight)
+        from ferry.kernels.cuda.delta_net import conv_step
+
+        return conv_step(x, self._state("conv", layer), self.backend.vector(weight))
+
+    def delta_net(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, tiled: bool = True) -> torch.Tensor:
+        """A generation step's delta rule in one kernel (the key heads read in place, not repeated); a prompt's by
+        chunks, the state's passage through them one kernel (delta_scan)."""
+        if q.shape[0] != 1:
+            return super().delta_net(layer, q, k, v, g, beta, tiled)
+        from ferry.kernels.cuda.delta_net import step
+
+        return step(q, k, v, g, beta, self._state("delta", layer), tiled)
+
+    def delta_scan(self, d_k: int):
+        from ferry.kernels.cuda import delta_net
+        from ferry.layers.delta_net import CHUNK
+
+        return delta_net.scan if delta_net.scans(d_k, CHUNK) else None
 
     def moe(self, x: torch.Tensor, router, up, gate, down, n_used: int, norm_topk: bool, act: str, routing=None,
             residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -289,3 +321,9 @@ def _floats(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
 
     width = rows.shape[1] // 34 * 32
     return dequantize(rows.reshape(-1), qtype, (width, rows.shape[0]), torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _root_inverse(n: int) -> torch.Tensor:
+    """n values of n^-1/2 (CudaOps.l2_norm's weight; one tensor per size, uploaded once)."""
+    return torch.full((n,), n ** -0.5)

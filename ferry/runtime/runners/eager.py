@@ -200,9 +200,13 @@ class TorchOps:
         if repeat > 1:
             q, k = ((q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)) if tiled else
                     (q.repeat_interleave(repeat, 1), k.repeat_interleave(repeat, 1)))
-        out, last = delta_rule(q, k, v, g, beta, state.transpose(1, 2).float())
+        out, last = delta_rule(q, k, v, g, beta, state.transpose(1, 2), scan=self.delta_scan(q.shape[-1]))
         state.copy_(last.transpose(1, 2))
         return out
+
+    def delta_scan(self, d_k: int):
+        """The prompt form's passage of the state through the chunks: None, torch's (delta_net.scan_chunks)."""
+        return None
 
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
         return self.backend.ffn(x, gate, up, down, act)
