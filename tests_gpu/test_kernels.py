@@ -721,24 +721,40 @@ def test_head_gemv_matches_float64(n, heads, m, k):
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("heads,k_heads,d_k,d_v", [(4, 2, 16, 16), (6, 3, 32, 48), (32, 16, 128, 128)])
 def test_delta_step_matches_float64(tiled, heads, k_heads, d_k, d_v):
-    """One token of the gated delta rule (the state updated in place, ggml's transposed layout) against float64; value
-    head h reads key head h % key heads, or h // ratio."""
+    """One token of the gated delta rule with its gates (beta = sigmoid(b), decay exp(softplus(alpha + dt_bias) * a))
+    and q/k L2 norms, the state updated in place (ggml's transposed layout), against float64; value head h reads key
+    head h % key heads, or h // ratio."""
     from ferry.kernels.cuda.delta_net import step
 
     gen = torch.Generator().manual_seed(heads + d_v)
-    q, k = (torch.nn.functional.normalize(torch.randn(1, k_heads, d_k, generator=gen), dim=-1) for _ in range(2))
+    q, k = torch.randn(1, k_heads, d_k, generator=gen), torch.randn(1, k_heads, d_k, generator=gen)
     v = torch.randn(1, heads, d_v, generator=gen)
-    g, beta = -torch.rand(1, heads, generator=gen), torch.rand(1, heads, generator=gen)
+    b, alpha = torch.randn(1, heads, generator=gen), torch.randn(1, heads, generator=gen) * 3
+    dt, a = torch.randn(heads, generator=gen), -torch.rand(heads, generator=gen) * 2
     s = torch.randn(heads, d_v, d_k, generator=gen)
+    eps = 1e-6
     kh = torch.arange(heads) % k_heads if tiled else torch.arange(heads) // (heads // k_heads)
-    s64 = s.double().transpose(1, 2) * g[0].double().exp()[:, None, None]
-    u = beta[0].double()[:, None] * (v[0].double() - torch.einsum("hkv,hk->hv", s64, k[0, kh].double()))
-    s64 = s64 + k[0, kh].double()[:, :, None] * u[:, None, :]
-    want = torch.einsum("hkv,hk->hv", s64, q[0, kh].double()) * d_k ** -0.5
+    q64, k64 = (t[0, kh].double() / (t[0, kh].double().pow(2).sum(-1, keepdim=True) + eps).sqrt() for t in (q, k))
+    g = torch.nn.functional.softplus(alpha[0].double() + dt.double()) * a.double()
+    s64 = s.double().transpose(1, 2) * g.exp()[:, None, None]
+    u = torch.sigmoid(b[0].double())[:, None] * (v[0].double() - torch.einsum("hkv,hk->hv", s64, k64))
+    s64 = s64 + k64[:, :, None] * u[:, None, :]
+    want = torch.einsum("hkv,hk->hv", s64, q64) * d_k ** -0.5
     state = s.to(DEV)
-    got = step(q.to(DEV), k.to(DEV), v.to(DEV), g.to(DEV), beta.to(DEV), state, tiled)
+    got = step(*(t.to(DEV) for t in (q, k, v, b, alpha, dt, a)), state, tiled, eps)
     _close(got[0], want)
     _close(state.transpose(1, 2), s64)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 16), (7, 128), (40, 96)])
+def test_gated_norm_matches_float64(rows, d):
+    from ferry.kernels.cuda.delta_net import gated_norm
+
+    gen = torch.Generator().manual_seed(rows * d)
+    x, z, w = torch.randn(rows, d, generator=gen), torch.randn(rows, d, generator=gen), torch.randn(d, generator=gen)
+    x64 = x.double()
+    want = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double() * torch.nn.functional.silu(z.double())
+    _close(gated_norm(x.to(DEV), w.to(DEV), z.to(DEV), 1e-6), want)
 
 
 @pytest.mark.parametrize("heads,n,d_k,d_v", [(2, 64, 16, 16), (3, 150, 32, 48), (4, 130, 128, 128)])

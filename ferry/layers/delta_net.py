@@ -44,18 +44,12 @@ class GatedDeltaNet:
 
     def __call__(self, ops, x, norm: torch.Tensor | None = None, eps: float = 0.0):
         """The layer's output for x, or for RMSNorm(x) * norm when norm is given (Attention's signature)."""
-        if norm is not None:
-            x = ops.rms_norm(x, norm, eps)
         d, hk, hv = self.head_dim, self.n_k_heads, self.n_v_heads
-        mixed = ops.short_conv(self.layer, ops.linear(x, self.wqkv), self.conv)  # silu(conv): (n, channels)
+        qkv, z, b, alpha = ops.linears(x, (self.wqkv, self.wz, self.wbeta, self.walpha), norm, eps)
+        mixed = ops.short_conv(self.layer, qkv, self.conv)  # silu(conv): (n, channels)
         q, k, v = ops.split(mixed, [hk * d, hk * d, hv * d])
-        q = ops.l2_norm(ops.heads(q, hk, d), self.norm_eps)
-        k = ops.l2_norm(ops.heads(k, hk, d), self.norm_eps)
-        beta = ops.sigmoid(ops.linear(x, self.wbeta))
-        g = ops.decay(ops.linear(x, self.walpha), self.dt_bias, self.a)
-        o = ops.delta_net(self.layer, q, k, ops.heads(v, hv, d), g, beta, self.tiled)  # (n, hv, d)
-        z = ops.heads(ops.linear(x, self.wz), hv, d)
-        return ops.linear(ops.merge_heads(ops.gated_rms_norm(o, self.norm, z, self.norm_eps)), self.wo)
+        o = ops.delta_net(self, ops.heads(q, hk, d), ops.heads(k, hk, d), ops.heads(v, hv, d), b, alpha)
+        return ops.linear(ops.merge_heads(ops.gated_rms_norm(o, self.norm, ops.heads(z, hv, d), self.norm_eps)), self.wo)
 
 
 def short_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 from ferry.layers.attention import Attention, LatentAttention
+from ferry.layers.delta_net import GatedDeltaNet
 from ferry.layers.ffn import SparseMoE
 from ferry.layers.rope import Yarn
 from ferry.weight import Weight
@@ -300,9 +301,12 @@ class Model:
         return list(found.values())
 
     def fusable(self) -> list[tuple[Weight, ...]]:
-        """Groups of weights that one input feeds and a GPU may hold as one matrix (each attention's q, k, v)."""
-        return [(b.attn.wq, b.attn.wk, b.attn.wv) for b in self.blocks
-                if isinstance(b.attn, Attention) and not b.attn.gated]
+        """Groups of weights that one input feeds and a GPU may hold as one matrix (each attention's q, k, v; each
+        delta-net's q|k|v, z, beta, alpha)."""
+        groups = [(b.attn.wq, b.attn.wk, b.attn.wv) for b in self.blocks
+                  if isinstance(b.attn, Attention) and not b.attn.gated]
+        return groups + [(b.attn.wqkv, b.attn.wz, b.attn.wbeta, b.attn.walpha) for b in self.blocks
+                         if isinstance(b.attn, GatedDeltaNet)]
 
     def latent_layers(self) -> list:
         """The blocks' latent attentions (DeepSeek's MLA), if any."""

@@ -1,7 +1,7 @@
-"""The gated delta-net's GPU kernels: a generation step (the causal convolution's and the delta rule's, each one
-launch for every head or channel), and the prompt form's passage of the state from chunk to chunk (the chunks' own
-work is batched torch, layers/delta_net.chunk_parts). Each program keeps a block of the state's value columns in
-registers."""
+"""The gated delta-net's GPU kernels: a generation step (the causal convolution's, and the delta rule's with its gates
+and q/k norms, each one launch), the prompt form's passage of the state from chunk to chunk (the chunks' own work is
+batched torch, layers/delta_net.chunk_parts), and the gated RMSNorm of its output. A delta-rule program keeps a block
+of the state's value columns in registers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ BLOCK_V = 32  # value columns of the state a program keeps
 
 
 @triton.jit
-def _step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, n_k_heads, ratio, d_v, scale,
+def _step(q_ptr, k_ptr, v_ptr, b_ptr, alpha_ptr, dt_ptr, a_ptr, s_ptr, o_ptr, n_k_heads, ratio, d_v, scale, eps,
           TILED: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr):
     h, vb = tl.program_id(0), tl.program_id(1)
     kh = h % n_k_heads if TILED else h // ratio
@@ -22,9 +22,13 @@ def _step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, n_k_heads, ratio, 
     vm = vs < d_v
     k = tl.load(k_ptr + kh * DK + ks)
     q = tl.load(q_ptr + kh * DK + ks)
+    k = k / tl.sqrt(tl.sum(k * k, 0) + eps)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + eps)
     v = tl.load(v_ptr + h * d_v + vs, mask=vm, other=0.0)
-    decay = tl.exp(tl.load(g_ptr + h))
-    beta = tl.load(beta_ptr + h)
+    x = tl.load(alpha_ptr + h) + tl.load(dt_ptr + h)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    decay = tl.exp(softplus * tl.load(a_ptr + h))
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + h)))
     rows = s_ptr + h * d_v * DK + vs[:, None] * DK + ks[None, :]  # the state transposed: (d_v, d_k) per head
     s = tl.load(rows, mask=vm[:, None], other=0.0) * decay
     u = beta * (v - tl.sum(s * k[None, :], 1))
@@ -33,17 +37,19 @@ def _step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, o_ptr, n_k_heads, ratio, 
     tl.store(o_ptr + h * d_v + vs, tl.sum(s * q[None, :], 1) * scale, mask=vm)
 
 
-def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-         state: torch.Tensor, tiled: bool) -> torch.Tensor:
-    """One token's delta rule: q, k (1, key heads, d_k) normalised, v (1, heads, d_v), g, beta (1, heads); state
-    (heads, d_v, d_k) float32, updated in place (ggml's layout: each head's state transposed). Value head h reads
-    key head h % key heads (tiled) or h // ratio. Returns o (1, heads, d_v)."""
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor,
+         dt_bias: torch.Tensor, a: torch.Tensor, state: torch.Tensor, tiled: bool, eps: float) -> torch.Tensor:
+    """One token's gated delta rule with its gates: q, k (1, key heads, d_k), L2-normed here (eps inside the root),
+    v (1, heads, d_v), b and alpha (1, heads): beta = sigmoid(b), the decay exp(softplus(alpha + dt_bias) * a);
+    state (heads, d_v, d_k) float32, updated in place (ggml's layout: each head's state transposed). Value head h
+    reads key head h % key heads (tiled) or h // ratio. Returns o (1, heads, d_v)."""
     heads, d_v, d_k = state.shape
     n_k_heads = q.shape[1]
     o = torch.empty(1, heads, d_v, device=v.device, dtype=torch.float32)
     _step[(heads, triton.cdiv(d_v, BLOCK_V))](q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
-                                              g.float().contiguous(), beta.float().contiguous(), state, o, n_k_heads,
-                                              heads // n_k_heads, d_v, d_k ** -0.5, TILED=tiled, DK=d_k, BV=BLOCK_V)
+                                              b.float().contiguous(), alpha.float().contiguous(), dt_bias, a, state, o,
+                                              n_k_heads, heads // n_k_heads, d_v, d_k ** -0.5, eps, TILED=tiled,
+                                              DK=d_k, BV=BLOCK_V)
     return o
 
 
@@ -110,4 +116,24 @@ def conv_step(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tor
     block = 256
     _conv_step[(triton.cdiv(channels, block),)](x.float().contiguous(), state, weight.contiguous(), y, channels,
                                                 KEPT=kept, BC=block)
+    return y
+
+
+@triton.jit
+def _gated_norm(x_ptr, w_ptr, z_ptr, y_ptr, d, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < d
+    x = tl.load(x_ptr + row * d + cols, mask=m, other=0.0)
+    z = tl.load(z_ptr + row * d + cols, mask=m, other=0.0)
+    y = x / tl.sqrt(tl.sum(x * x, 0) / d + eps) * tl.load(w_ptr + cols, mask=m, other=0.0) * (z / (1.0 + tl.exp(-z)))
+    tl.store(y_ptr + row * d + cols, y, mask=m)
+
+
+def gated_norm(x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * w * silu(z) over the last dimension (each head's), float32, one launch."""
+    x, z = x.float().contiguous(), z.float().contiguous()
+    d = x.shape[-1]
+    y = torch.empty_like(x)
+    _gated_norm[(x.numel() // d,)](x, w, z, y, d, eps, BLOCK=triton.next_power_of_2(d))
     return y

@@ -154,15 +154,34 @@ class CudaOps(TorchOps):
 
         return conv_step(x, self._state("conv", layer), self.backend.vector(weight))
 
-    def delta_net(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, tiled: bool = True) -> torch.Tensor:
-        """A generation step's delta rule in one kernel (the key heads read in place, not repeated); a prompt's by
-        chunks, the state's passage through them one kernel (delta_scan)."""
+    def delta_net(self, net, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
+                  alpha: torch.Tensor) -> torch.Tensor:
+        """A generation step's delta rule, its gates and q/k norms in one kernel (the key heads read in place, not
+        repeated); a prompt's by chunks, the state's passage through them one kernel (delta_scan)."""
         if q.shape[0] != 1:
-            return super().delta_net(layer, q, k, v, g, beta, tiled)
+            return super().delta_net(net, q, k, v, b, alpha)
         from ferry.kernels.cuda.delta_net import step
 
-        return step(q, k, v, g, beta, self._state("delta", layer), tiled)
+        vec = self.backend.vector
+        return step(q, k, v, b, alpha, vec(net.dt_bias), vec(net.a), self._state("delta", net.layer), net.tiled,
+                    net.norm_eps)
+
+    def linears(self, x: torch.Tensor, ws: tuple, norm: torch.Tensor | None = None,
+                eps: float = 0.0) -> list[torch.Tensor]:
+        """A decode step's projections of one input as one GEMV where the backend holds them as one matrix (the
+        pre-norm taken inside it)."""
+        fused = self.backend.fused(ws)
+        if fused is None or x.shape[0] > DECODE_MAX:
+            return super().linears(x, ws, norm, eps)
+        from ferry.kernels.cuda.gemv import gemv
+
+        y = gemv(fused, x, norm=None if norm is None else (self.backend.vector(norm), eps))
+        return list(torch.split(y, [w.ne[1] for w in ws], dim=-1))
+
+    def gated_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+        from ferry.kernels.cuda.delta_net import gated_norm
+
+        return gated_norm(x, self.backend.vector(weight), z, eps)
 
     def delta_scan(self, d_k: int):
         from ferry.kernels.cuda import delta_net

@@ -170,9 +170,12 @@ class TorchOps:
         transformers take it)."""
         return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
-    def decay(self, alpha: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """The delta-net's log decay per token and value head: softplus(alpha + dt_bias) * a."""
-        return F.softplus(alpha + self.backend.vector(dt_bias)) * self.backend.vector(a)
+    def linears(self, x: torch.Tensor, ws: tuple[Weight, ...], norm: torch.Tensor | None = None,
+                eps: float = 0.0) -> list[torch.Tensor]:
+        """x (or RMSNorm(x) * norm) through each of ws: weights one input feeds."""
+        if norm is not None:
+            x = self.rms_norm(x, norm, eps)
+        return [self.linear(x, w) for w in ws]
 
     def gated_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm(x) * weight * silu(z), per head: x, z (n, heads, d)."""
@@ -191,16 +194,19 @@ class TorchOps:
         state.copy_(last.t())
         return out
 
-    def delta_net(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, tiled: bool = True) -> torch.Tensor:
-        """The gated delta rule from the layer's state, which it then keeps: (n, value heads, d). Key head h %
-        n_k_heads serves value head h (tiled), else h // ratio."""
-        state = self._state("delta", layer)  # (heads, d_v, d_k), ggml's layout
+    def delta_net(self, net, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
+                  alpha: torch.Tensor) -> torch.Tensor:
+        """A GatedDeltaNet's delta rule from its layer's state, which it then keeps: q, k (n, key heads, d) L2-normed
+        here, v (n, value heads, d), the write strength sigmoid(b) and the log decay softplus(alpha + dt_bias) * a
+        from b, alpha (n, value heads): (n, value heads, d)."""
+        state = self._state("delta", net.layer)  # (heads, d_v, d_k), ggml's layout
+        q, k = self.l2_norm(q, net.norm_eps), self.l2_norm(k, net.norm_eps)
+        g = F.softplus(alpha + self.backend.vector(net.dt_bias)) * self.backend.vector(net.a)
         repeat = v.shape[1] // q.shape[1]
         if repeat > 1:
-            q, k = ((q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)) if tiled else
+            q, k = ((q.repeat(1, repeat, 1), k.repeat(1, repeat, 1)) if net.tiled else
                     (q.repeat_interleave(repeat, 1), k.repeat_interleave(repeat, 1)))
-        out, last = delta_rule(q, k, v, g, beta, state.transpose(1, 2), scan=self.delta_scan(q.shape[-1]))
+        out, last = delta_rule(q, k, v, g, torch.sigmoid(b), state.transpose(1, 2), scan=self.delta_scan(q.shape[-1]))
         state.copy_(last.transpose(1, 2))
         return out
 

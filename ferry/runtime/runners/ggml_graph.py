@@ -238,9 +238,10 @@ class GraphOps:
         n = x.contents.ne[0]
         return ggml.ggml_scale(self.c, ggml.ggml_rms_norm(self.c, x, eps / n), n ** -0.5)
 
-    def decay(self, alpha, dt_bias: torch.Tensor, a: torch.Tensor):
-        return ggml.ggml_mul(self.c, ggml.ggml_softplus(self.c, ggml.ggml_add(self.c, alpha, self._vector(dt_bias))),
-                             self._vector(a))
+    def linears(self, x, ws: tuple[Weight, ...], norm: torch.Tensor | None = None, eps: float = 0.0) -> list:
+        if norm is not None:
+            x = self.rms_norm(x, norm, eps)
+        return [self.linear(x, w) for w in ws]
 
     def gated_rms_norm(self, x, weight: torch.Tensor, z, eps: float):
         return ggml.ggml_mul(self.c, self.rms_norm(x, weight, eps), ggml.ggml_silu(self.c, z))
@@ -256,14 +257,18 @@ class GraphOps:
         out = ggml.ggml_ssm_conv(c, joined, self._vector(weight))  # (channels, n, 1)
         return ggml.ggml_silu(c, ggml.ggml_reshape_2d(c, out, state.shape[1], self.n))
 
-    def delta_net(self, layer: int, q, k, v, g, beta, tiled: bool = True):
+    def delta_net(self, net, q, k, v, b, alpha):
         """ggml's gated delta rule (q scaled inside, key head h % n_k_heads for value head h; not tiled: q and k
-        repeated head by head first, h // ratio) from the sequence's state of the layer, the new state written back:
-        (d, value heads, n)."""
-        c, state, kept = self.c, self.kv.delta[layer], self.states["delta", layer]  # (n_seq, heads, d_v, d_k)
+        repeated head by head first, h // ratio) from the sequence's state of the layer, the new state written back;
+        q, k L2-normed, beta = sigmoid(b), g = softplus(alpha + dt_bias) * a here: (d, value heads, n)."""
+        c, state, kept = self.c, self.kv.delta[net.layer], self.states["delta", net.layer]  # (n_seq, heads, d_v, d_k)
         d, heads, n = state.shape[3], state.shape[1], self.n
+        q, k = self.l2_norm(q, net.norm_eps), self.l2_norm(k, net.norm_eps)
+        g = ggml.ggml_mul(c, ggml.ggml_softplus(c, ggml.ggml_add(c, alpha, self._vector(net.dt_bias))),
+                          self._vector(net.a))
+        beta = ggml.ggml_sigmoid(c, b)
         ratio = heads // q.contents.ne[1]
-        if not tiled and ratio > 1:  # (d, 1, k heads, n) -> (d, ratio, k heads, n): each key head ratio times in a row
+        if not net.tiled and ratio > 1:  # (d, 1, k heads, n) -> (d, ratio, k heads, n): each key head ratio times
             q, k = (ggml.ggml_reshape_3d(c, ggml.ggml_repeat_4d(c, ggml.ggml_reshape_4d(c, t, d, 1, t.contents.ne[1], n),
                                                                 d, ratio, t.contents.ne[1], n), d, heads, n)
                     for t in (q, k))
