@@ -141,6 +141,6 @@ def test_gpu_delta_net_matches_the_cpu(tmp_path, monkeypatch):
     kl, top1 = kl_top1(*runs)
     print(f"GPU qwen35moe vs CPU: KL max {kl.max():.2e} (row {int(kl.argmax())} of 20 prompt rows and 3 steps), "
           f"median {kl.median():.2e}, top-1 {top1:.4f}")
-    # measured: KL max 1.2e-5 and top-1 1.0 under the interpreter (float32 products); on an H100 1.1e-2 at one row
-    # and top-1 0.957 (one row of 23), the bounds tests_gpu/test_families_gpu.py holds every family to
-    assert kl.median() < 1e-4 and kl.max() < 3e-2 and top1 >= 0.95
+    # measured: KL max 1.2e-5 under the interpreter and on an H100, where one row of 23 is a near tie whose top-1
+    # differs (0.957); before the recording's eager run was undone (CudaGraphRunner._capture), 1.1e-2 at the first step
+    assert kl.max() < 1e-3 and top1 >= 0.95

@@ -65,6 +65,14 @@ class KVCache:
             self.conv[i] = zeros((n_seq, state.channels, state.kernel - 1), i)
             self.delta[i] = zeros((n_seq, state.n_v_heads, state.head_dim, state.head_dim), i)
 
+    def copy_state(self) -> list:
+        """A copy of every sequence's recurrent state (put_state puts it back)."""
+        return [t.copy() if isinstance(t, np.ndarray) else t.clone() for t in self.conv + self.delta if t is not None]
+
+    def put_state(self, saved: list) -> None:
+        for t, copy in zip([t for t in self.conv + self.delta if t is not None], saved, strict=True):
+            t[...] = copy
+
     def clear_state(self, seq: int = 0) -> None:
         """Sequence seq's recurrent state back to zero: it starts again at position 0."""
         for t in self.conv + self.delta:

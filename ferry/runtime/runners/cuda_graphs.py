@@ -310,11 +310,15 @@ class CudaGraphRunner:
         prompt = n_tokens > DECODE_MAX
         if prompt:
             torch.cuda.empty_cache()
+        kv = forwards[0][1].kv
+        state = kv.copy_state() if kv.state else None  # the eager run advances recurrent states: undone after it
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             run(op_sets())
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        if state is not None:
+            kv.put_state(state)
         if prompt:
             torch.cuda.empty_cache()
         routed.expert_ids = []
