@@ -175,21 +175,6 @@ class ModelArgs:
         """The layers that keep a KV cache: all but the recurrent ones."""
         return [i for i in range(self.n_layer) if not (self.recurrent and self.recurrent[i])]
 
-    @property
-    def conv_state_size(self) -> int:
-        """Values of one recurrent layer's convolution state per sequence: the last kernel - 1 inputs of q, k, v."""
-        return (self.ssm_conv_kernel - 1) * (2 * self.ssm_n_k_heads + self.ssm_n_v_heads) * self.ssm_head_dim
-
-    @property
-    def delta_state_size(self) -> int:
-        """Values of one recurrent layer's delta-net state per sequence: a head_dim x head_dim matrix per value head."""
-        return self.ssm_n_v_heads * self.ssm_head_dim ** 2
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of every recurrent layer's state (float32) for one sequence."""
-        return 4 * sum(self.recurrent) * (self.conv_state_size + self.delta_state_size)
-
     def validate(self, f: GGUFFile) -> None:
         def bad(what: str) -> FerryError:
             return FerryError(f"{f.path}: {what}; the metadata is corrupt or the converter was wrong, re-convert the model")

@@ -110,10 +110,7 @@ class Engine:
 
     def save_state(self) -> tuple[int, list] | None:
         """A copy of the recurrent state as it is now (None where the model has none), for truncate."""
-        if not self.recurrent:
-            return None
-        return self.n_past, [t[0].copy() if hasattr(t, "copy") else t[0].clone() for t in self.kv.conv + self.kv.delta
-                             if t is not None]
+        return (self.n_past, self.kv.copy_state()) if self.recurrent else None
 
     def truncate(self, n_past: int, saved: tuple[int, list] | None = None) -> None:
         """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them. A recurrent
@@ -124,8 +121,7 @@ class Engine:
             if saved is None or saved[0] != n_past:
                 raise ValueError(f"a recurrent model's state cannot go back to position {n_past} of {self.n_past} "
                                  "without a state saved there")
-            for t, copy in zip([t for t in self.kv.conv + self.kv.delta if t is not None], saved[1]):
-                t[0] = copy
+            self.kv.put_state(saved[1])
         self.n_past = n_past
 
     @torch.inference_mode()
