@@ -21,7 +21,7 @@ from tests.fixtures.hf import VOCAB, save_tiny_tokenizer, tiny_hf_model
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "glm4moe", "glm4moe-grouped", "deepseek2",
             "deepseek2-lite", "deepseek2-yarn", "deepseek2-grouped", "deepseek2-wide", "deepseek3", "glm4moe-lite",
-            "gpt-oss", "minimax-m2", "qwen35moe", "qwen3next"]
+            "gpt-oss", "minimax-m2", "qwen35", "qwen35moe", "qwen3next"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_the_converters_files_give_transformers_logits(family, converted, backen
     latent = GGUFFile(path).architecture == "deepseek2"
     # gpt-oss's sinks, biases, router and activation, minimax-m2's norms across heads, the delta-nets: in ggml's graph
     # and in torch's op-by-op path (the GPU's too)
-    both = ("gpt-oss", "minimax-m2", "qwen35moe", "qwen3next")
+    both = ("gpt-oss", "minimax-m2", "qwen35", "qwen35moe", "qwen3next")
     for mla, graph in ([(m, True) for m in (0, 1, 2, 3)] if latent else
                        [(None, True), (None, False)] if family in both else [(None, True)]):
         model = load_model(GGUFFile(path), **({} if mla is None else {"mla": mla}))

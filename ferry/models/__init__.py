@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "glm4moe": glm4moe.build,
     "gpt-oss": gptoss.build,
     "minimax-m2": minimax_m2.build,
+    "qwen35": qwen35moe.build,
     "qwen35moe": qwen35moe.build,
     "qwen3next": qwen35moe.build,
 }

@@ -1,8 +1,9 @@
-"""qwen35moe (Qwen3.5 MoE) and qwen3next (Qwen3-Next): three of every four layers are gated delta-net linear
+"""qwen35moe (Qwen3.5 MoE), qwen35 (dense Qwen3.5: a dense FFN where the others have experts) and qwen3next
+(Qwen3-Next): three of every four layers are gated delta-net linear
 attention with a recurrent state (layers/delta_net.py), the rest full attention whose query projection also gives an
 output gate, q/k normed per head, neox rope on the first n_rot values of each head (Qwen3.5's interleaved
 multi-axis rope is that for text, every axis at the token's position); every layer a routed MoE (softmax, top-k
-renormalised) beside a shared expert scaled by sigmoid(x . gate). llama.cpp's converter orders qwen35moe's value
+renormalised) beside a shared expert scaled by sigmoid(x . gate). llama.cpp's converter orders qwen35(moe)'s value
 heads so that value head h reads key head h % n_k_heads; qwen3next's keep transformers' order (h // ratio), and
 its beta and alpha projections are one matrix, per key head its ratio betas then its ratio alphas."""
 
@@ -16,7 +17,7 @@ from ferry.weight import Weight
 from ferry.layers.ffn import DenseFFN
 from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
-from ferry.models.llama import Block, attention, sparse_moe
+from ferry.models.llama import Block, attention, dense_ffn, sparse_moe
 
 
 def rows(w: Weight, picked: list[int], name: str) -> Weight:
@@ -53,7 +54,7 @@ def delta_net(w: WeightLoader, a: ModelArgs, i: int) -> GatedDeltaNet:
         a=w.vector(p + "ssm_a", hv),
         norm=w.vector(p + "ssm_norm.weight", d),
         wo=w.weight(p + "ssm_out.weight", a.n_embd, hv * d),
-        n_k_heads=hk, n_v_heads=hv, head_dim=d, norm_eps=a.norm_eps, tiled=a.arch == "qwen35moe")
+        n_k_heads=hk, n_v_heads=hv, head_dim=d, norm_eps=a.norm_eps, tiled=a.arch != "qwen3next")
 
 
 def build(w: WeightLoader, a: ModelArgs) -> Model:
@@ -66,13 +67,16 @@ def build(w: WeightLoader, a: ModelArgs) -> Model:
             mixer = delta_net(w, a, i)
         else:
             mixer = attention(w, a, i, rope, gated=True)
-        moe = sparse_moe(w, a, i, a.n_ff_exp)
-        moe.shared = DenseFFN(gate=w.weight(p + "ffn_gate_shexp.weight", n_shared, a.n_embd),
-                              up=w.weight(p + "ffn_up_shexp.weight", n_shared, a.n_embd),
-                              down=w.weight(p + "ffn_down_shexp.weight", a.n_embd, n_shared), act="silu")
-        moe.shared_gate = w.weight(p + "ffn_gate_inp_shexp.weight", 1, a.n_embd)
+        if a.n_expert:
+            ffn = sparse_moe(w, a, i, a.n_ff_exp)
+            ffn.shared = DenseFFN(gate=w.weight(p + "ffn_gate_shexp.weight", n_shared, a.n_embd),
+                                  up=w.weight(p + "ffn_up_shexp.weight", n_shared, a.n_embd),
+                                  down=w.weight(p + "ffn_down_shexp.weight", a.n_embd, n_shared), act="silu")
+            ffn.shared_gate = w.weight(p + "ffn_gate_inp_shexp.weight", 1, a.n_embd)
+        else:  # dense Qwen3.5 (qwen35)
+            ffn = dense_ffn(w, a, i, "silu")
         blocks.append(Block(attn_norm=w.vector(p + "attn_norm.weight", a.n_embd), attn=mixer,
-                            ffn_norm=w.vector(p + "post_attention_norm.weight", a.n_embd), ffn=moe, eps=a.norm_eps))
+                            ffn_norm=w.vector(p + "post_attention_norm.weight", a.n_embd), ffn=ffn, eps=a.norm_eps))
     w.skip(f"blk.{a.n_layer}.")  # multi-token-prediction blocks: in the file, not run
     embd, norm, out = load_head(w, a)
     return Model(a, embd, blocks, norm, out)
