@@ -21,7 +21,7 @@ def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
 
 
 @pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny", "glm4moe-tiny", "minimax-m2-tiny",
-                                    "qwen35moe-tiny"])
+                                    "qwen35moe-tiny", "qwen3next-tiny"])
 def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend, preset):
     path = tmp_path / "tiny.gguf"
     synth(PRESETS[preset], path, Q.Q4_0, Q.Q8_0, quiet=True)

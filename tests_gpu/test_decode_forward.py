@@ -116,8 +116,11 @@ def test_gpu_gpt_oss_matches_the_cpu(tmp_path, moe):
     assert kl.max() < 1e-3 and top1 == 1.0
 
 
-def test_gpu_delta_net_matches_the_cpu(tmp_path, monkeypatch):
-    """qwen35moe (gated delta-net layers, gated attention, the gated shared expert) through the GPU executor: a
+@pytest.mark.parametrize("preset", ["qwen35moe-tiny", "qwen3next-tiny"])
+def test_gpu_delta_net_matches_the_cpu(tmp_path, monkeypatch, preset):
+    """qwen35moe and qwen3next (gated delta-net layers whose value heads read the key heads tiled, or in runs of the
+    ratio, with qwen3next's beta and alpha rows split from one matrix; gated attention, the gated shared expert)
+    through the GPU executor: a
     prompt of two chunks (of 16 here, for the interpreter's sake; the state's passage between them one kernel), then
     steps (the convolution's and the delta rule's step kernels, the state in place), recorded as a run records them;
     against the CPU's ggml graph."""
@@ -125,7 +128,7 @@ def test_gpu_delta_net_matches_the_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr(delta_net, "CHUNK", 16)
     path = tmp_path / "qwen35.gguf"
-    assert main(["synth", "qwen35moe-tiny", "-o", str(path), "-q", "--layers", "4"]) == 0  # one of each kind
+    assert main(["synth", preset, "-o", str(path), "-q", "--layers", "4"]) == 0  # one of each kind
     cpu, model = place(path, 2)
     tokens = np.random.default_rng(4).integers(0, model.args.n_vocab, 23).tolist()
     backend = CudaBackend(DEV)
@@ -139,8 +142,12 @@ def test_gpu_delta_net_matches_the_cpu(tmp_path, monkeypatch):
         steps = [e.decode([t], all_logits=True) for t in tokens[20:]]
         runs.append(torch.cat([prompt] + steps).cpu())
     kl, top1 = kl_top1(*runs)
-    print(f"GPU qwen35moe vs CPU: KL max {kl.max():.2e} (row {int(kl.argmax())} of 20 prompt rows and 3 steps), "
+    print(f"GPU {preset} vs CPU: KL max {kl.max():.2e} (row {int(kl.argmax())} of 20 prompt rows and 3 steps), "
           f"median {kl.median():.2e}, top-1 {top1:.4f}")
-    # measured: KL max 1.2e-5 under the interpreter and on an H100, where one row of 23 is a near tie whose top-1
-    # differs (0.957); before the recording's eager run was undone (CudaGraphRunner._capture), 1.1e-2 at the first step
-    assert kl.max() < 1e-3 and top1 >= 0.95
+    # measured: KL max 1.2e-5 under the interpreter and on an H100 (qwen35moe-tiny; before the recording's eager run
+    # was undone, CudaGraphRunner._capture, 1.1e-2 at the first step). The random tiny models have near ties: the
+    # top-1 must agree where the CPU's two best logits are 0.01 apart (1 and 2 rows of 23 are closer, and may differ)
+    assert kl.max() < 1e-3
+    best2 = runs[0].topk(2, dim=-1).values
+    clear = (best2[:, 0] - best2[:, 1]) > 0.01
+    assert clear.sum() >= 18 and (runs[0].argmax(-1) == runs[1].argmax(-1))[clear].all()

@@ -18,7 +18,8 @@ from conftest import kl_top1, place
 N_PROMPT, N_GEN = 200, 20
 
 
-@pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny"])
+@pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny",
+                                                    "qwen3next-tiny"])
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("f") / f"{request.param}.gguf"
     assert main(["synth", request.param, "-o", str(path), "-q"]) == 0

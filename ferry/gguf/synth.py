@@ -151,6 +151,8 @@ PRESETS = {
                                  n_ff_shexp=512),
     "qwen35moe-tiny": Preset("qwen35moe", 8, 256, 4, 2, 64, 16, 4, 128, 128, 2048, n_ctx=4096, n_rot=16,
                              ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=32, n_ff_shexp=192),
+    "qwen3next-tiny": Preset("qwen3next", 8, 256, 4, 2, 64, 16, 4, 128, 128, 2048, n_ctx=4096, n_rot=16,
+                             ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=32, n_ff_shexp=192),
     "deepseek2-tiny": Preset("deepseek2", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
                              q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
                              n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True),

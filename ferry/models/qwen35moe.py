@@ -20,11 +20,11 @@ from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
 from ferry.models.llama import Block, attention, dense_ffn, sparse_moe
 
 
-def rows(w: Weight, picked: list[int], name: str) -> Weight:
-    """Some rows of a matrix, in the order given, as a weight of their own (a copy)."""
+def rows(w: Weight, picked: list[int]) -> Weight:
+    """Some rows of a matrix, in the order given, as a weight of their own (a copy, under the matrix's name)."""
     size = row_bytes(w.qtype, w.ne[0])
     data = np.concatenate([w.data[r * size:(r + 1) * size] for r in picked])
-    return Weight(name, w.qtype, (w.ne[0], len(picked)), data)
+    return Weight(w.name, w.qtype, (w.ne[0], len(picked)), data)
 
 
 def beta_alpha(w: WeightLoader, a: ModelArgs, i: int) -> tuple[Weight, Weight]:
@@ -34,8 +34,9 @@ def beta_alpha(w: WeightLoader, a: ModelArgs, i: int) -> tuple[Weight, Weight]:
     if not w.has(p + "ssm_ba.weight"):
         return w.weight(p + "ssm_beta.weight", hv, a.n_embd), w.weight(p + "ssm_alpha.weight", hv, a.n_embd)
     ba, r = w.weight(p + "ssm_ba.weight", 2 * hv, a.n_embd), hv // hk
-    return (rows(ba, [g * 2 * r + j for g in range(hk) for j in range(r)], p + "ssm_beta.weight"),
-            rows(ba, [g * 2 * r + r + j for g in range(hk) for j in range(r)], p + "ssm_alpha.weight"))
+    # both keep the file tensor's name: placement (-ngl, -ot) finds them by it
+    return (rows(ba, [g * 2 * r + j for g in range(hk) for j in range(r)]),
+            rows(ba, [g * 2 * r + r + j for g in range(hk) for j in range(r)]))
 
 
 def delta_net(w: WeightLoader, a: ModelArgs, i: int) -> GatedDeltaNet:
