@@ -38,10 +38,6 @@ class GatedDeltaNet:
     norm_eps: float
     tiled: bool = True  # value head h reads key head h % n_k_heads; else h // (n_v_heads / n_k_heads) (qwen3next)
 
-    @property
-    def channels(self) -> int:
-        return (2 * self.n_k_heads + self.n_v_heads) * self.head_dim
-
     def __call__(self, ops, x, norm: torch.Tensor | None = None, eps: float = 0.0):
         """The layer's output for x, or for RMSNorm(x) * norm when norm is given (Attention's signature)."""
         d, hk, hv = self.head_dim, self.n_k_heads, self.n_v_heads
