@@ -335,7 +335,7 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     for i in range(args.n_layer):
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)
-        need(kv_device).kv_cache += per_state if state and i in state.layers else per_layer
+        need(kv_device).kv_cache += per_state if state and i in state.layers else per_layer + n_ctx * cache.index_bytes(i, kb)
     # a GPU replays prompt u-batches (and batches of them) up to Settings.prompt_graph_max tokens as CUDA graphs, whose
     # memory pool is a second set of their activations beside the eager one
     replayed = n_ubatch <= settings().prompt_graph_max

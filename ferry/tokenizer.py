@@ -241,7 +241,8 @@ BUILTIN_TEMPLATES = {
              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
 }
 FAMILY_TEMPLATES = {"gemma3": "gemma", "llama": "llama3", "qwen2": "chatml", "qwen3": "chatml", "qwen3moe": "chatml",
-                    "qwen35": "chatml", "qwen35moe": "chatml", "qwen3next": "chatml", "deepseek2": "deepseek3", "glm4moe": "glm4"}
+                    "qwen35": "chatml", "qwen35moe": "chatml", "qwen3next": "chatml", "deepseek2": "deepseek3", "glm4moe": "glm4",
+                    "deepseek32": "deepseek3", "glm-dsa": "glm4"}
 
 
 def chat_template(tok: Tokenizer, arch: str, flag: str | None = None) -> tuple[str, str]:

@@ -21,7 +21,8 @@ from tests.fixtures.hf import VOCAB, save_tiny_tokenizer, tiny_hf_model
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3moe", "mixtral", "gemma3", "glm4moe", "glm4moe-grouped", "deepseek2",
             "deepseek2-lite", "deepseek2-yarn", "deepseek2-grouped", "deepseek2-wide", "deepseek3", "glm4moe-lite",
-            "gpt-oss", "minimax-m2", "qwen35", "qwen35moe", "qwen3next"]
+            "gpt-oss", "minimax-m2", "qwen35", "qwen35moe", "qwen3next", "deepseek32", "glm-dsa"]
+SPARSE = ("deepseek32", "glm-dsa")  # DeepSeek sparse attention: the indexer's top 8 of the 40 positions
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def converted(tmp_path_factory, llamacpp_tree):
         hf = tiny_hf_model(family)
         folder = root / family
         hf.save_pretrained(folder)
-        save_tiny_tokenizer(folder)
+        save_tiny_tokenizer(folder, add_bos=family == "deepseek32")
         models[family] = root / f"{family}.gguf", hf
         args += [str(folder), str(root / f"{family}.gguf")]
     run = subprocess.run([sys.executable, str(ROOT / "tests/fixtures/llamacpp_convert.py"), str(llamacpp_tree), *args],
@@ -45,17 +46,19 @@ def converted(tmp_path_factory, llamacpp_tree):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_converters_files_give_transformers_logits(family, converted, backend):
-    """A 30-token prompt in u-batches of 16, then 10 tokens one by one (every MLA mode for deepseek2 files), f32
-    cache: only float32 rounding may differ (measured: KL at most 2e-7, gemma3's GELU table; 1e-12 elsewhere)."""
+    """A 30-token prompt in u-batches of 16, then 10 tokens one by one (every MLA mode for deepseek2 files, and for
+    the sparse ones in ggml's graph and op by op), f32 cache: only float32 rounding may differ (measured: KL at most
+    2e-7, gemma3's GELU table; 1e-12 elsewhere)."""
     path, hf = converted[family]
     tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor(tokens)[None]).logits[0].double()
-    latent = GGUFFile(path).architecture == "deepseek2"
+    latent = GGUFFile(path).architecture in ("deepseek2", *SPARSE)
     # gpt-oss's sinks, biases, router and activation, minimax-m2's norms across heads, the delta-nets: in ggml's graph
     # and in torch's op-by-op path (the GPU's too)
     both = ("gpt-oss", "minimax-m2", "qwen35", "qwen35moe", "qwen3next")
-    for mla, graph in ([(m, True) for m in (0, 1, 2, 3)] if latent else
+    for mla, graph in ([(m, g) for m in (0, 1, 2, 3) for g in (True, False)] if family in SPARSE else
+                       [(m, True) for m in (0, 1, 2, 3)] if latent else
                        [(None, True), (None, False)] if family in both else [(None, True)]):
         model = load_model(GGUFFile(path), **({} if mla is None else {"mla": mla}))
         engine = Engine(model, backend, n_ctx=64, n_ubatch=16, type_k="f32", type_v="f32", graph=graph)
@@ -65,6 +68,24 @@ def test_the_converters_files_give_transformers_logits(family, converted, backen
         kl = (lp.exp() * (lp - lq)).sum(-1)
         assert kl.max() < 1e-5, f"{family} -mla {mla} graph {graph}: KL max {kl.max():.2e}"
         assert (ref.argmax(-1) == got.argmax(-1)).all(), f"{family} -mla {mla} graph {graph}: top-1 differs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SPARSE)
+def test_sparse_attention_holds_where_the_latents_are_expanded(family, converted, backend):
+    """-mla 3 expands the cached latents for a u-batch of at least 32 tokens at these shapes: the whole 40-token
+    sequence as one u-batch attends to each query's top 8 through that form too, in ggml's graph and op by op."""
+    path, hf = converted[family]
+    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)[None]).logits[0].double()
+    for graph in (True, False):
+        model = load_model(GGUFFile(path), mla=3)
+        assert model.latent_layers()[0].expand_from <= len(tokens)
+        engine = Engine(model, backend, n_ctx=64, n_ubatch=64, type_k="f32", type_v="f32", graph=graph)
+        got = engine.decode(tokens, all_logits=True).double()
+        lp, lq = ref.log_softmax(-1), got.log_softmax(-1)
+        assert (lp.exp() * (lp - lq)).sum(-1).max() < 1e-5 and (ref.argmax(-1) == got.argmax(-1)).all()
 
 
 @pytest.mark.slow

@@ -35,6 +35,17 @@ def tiny_mla(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_dsa(tmp_path_factory):
+    """A glm-dsa-tiny synthetic GGUF: sparse attention with a top-k of 16 (layers 1 and 3 sharing the layer before's
+    selection), its indexer keys cached beside the latent rows."""
+    from ferry.cli import main
+
+    path = tmp_path_factory.mktemp("synth") / "glm-dsa-tiny.gguf"
+    assert main(["synth", "glm-dsa-tiny", "-o", str(path), "-q"]) == 0
+    return path
+
+
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
@@ -165,11 +176,12 @@ def test_health_is_503_while_the_model_loads_then_the_loaded_app_answers(tiny):
 
 
 @pytest.mark.parametrize("model,flags", [("tiny", []), ("tiny", ["-ctk", "q8_0", "-ctv", "q8_0"]),
-                                         ("tiny_mla", [])])
+                                         ("tiny_mla", []), ("tiny_dsa", [])])
 def test_a_conversation_reuses_its_slots_cache_and_generates_the_same_tokens(model, flags, request):
     """Turn 2 of a conversation starts with turn 1's prompt and answer: it reuses that prefix from the slot's cache
     (timings.cache_n, only the rest prefilled, as llama-server's cache_prompt) and generates, greedy, exactly what it
-    generates with cache_prompt false. f16 and q8_0 caches, and an MLA model's latent cache."""
+    generates with cache_prompt false. f16 and q8_0 caches, an MLA model's latent cache, and a sparse-attention
+    model's (its indexer keys beside it, read past the top-k of 16)."""
     url, srv, thread = serve(["-m", str(request.getfixturevalue(model)), "-np", "2", "-c", "1024", "-t", "1", *flags])
     try:
         def ask(prompt, **kw):
@@ -288,7 +300,7 @@ def test_the_same_answers_with_one_slot_or_two_and_any_batch_sizes(server, tiny)
 
 
 @pytest.mark.parametrize("model,flags", [("tiny", []), ("tiny", ["-ctk", "q8_0", "-ctv", "q8_0"]),
-                                         ("tiny_mla", [])])
+                                         ("tiny_mla", []), ("tiny_dsa", [])])
 def test_a_conversation_written_over_in_its_slot_comes_back_from_the_ram_cache(model, flags, request):
     """One slot: turn 1 of conversation A, then B's prompt writes over the slot's cache; A's turn 2 finds A's tokens
     in the RAM prompt cache (--cache-ram), copied back into the slot, and reuses exactly as many (timings.cache_n) and

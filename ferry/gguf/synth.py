@@ -94,6 +94,12 @@ class Preset:
     ssm_kernel: int = 4
     full_attention_interval: int = 4
     n_ff_shexp: int = 0
+    # deepseek32 / glm-dsa: DeepSeek sparse attention's indexer (heads of indexer_dim, each query's indexer_top_k
+    # positions), in every layer or (indexer_every > 1, GLM-5.2's pattern) every indexer_every-th, the others sharing
+    indexer_heads: int = 0
+    indexer_dim: int = 0
+    indexer_top_k: int = 0
+    indexer_every: int = 1
 
 
 PRESETS = {
@@ -153,6 +159,27 @@ PRESETS = {
                              ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=32, n_ff_shexp=192),
     "qwen3next-tiny": Preset("qwen3next", 8, 256, 4, 2, 64, 16, 4, 128, 128, 2048, n_ctx=4096, n_rot=16,
                              ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=32, n_ff_shexp=192),
+    # DeepSeek-V3.2's shapes (671B-A37B, 61 layers: about 360 GB with Q4_0 experts; --layers cuts it): DeepSeek-V3's
+    # layers with the lightning indexer (64 heads of 128, each query's top 2048 positions)
+    "deepseek-v3.2": Preset("deepseek32", 61, 7168, 128, 128, 128, 256, 8, 2048, 18432, 129280, n_ctx=163840,
+                            rope_base=10000.0, q_lora_rank=1536, kv_lora_rank=512, head_dim_rope=64, head_dim_v=128,
+                            n_expert_shared=1, n_layer_dense_lead=3, gating=2, expert_weights_scale=2.5,
+                            expert_weights_norm=True, indexer_heads=64, indexer_dim=128, indexer_top_k=2048),
+    # GLM-5's shapes (744B-A40B, 78 layers: about 420 GB with Q4_0 experts; --layers cuts it): heads of 192 + 64, values
+    # of 256, an indexer of 32 heads in every layer
+    "glm-5": Preset("glm-dsa", 78, 6144, 64, 64, 192, 256, 8, 2048, 12288, 154880, n_ctx=202752, rope_base=10000.0,
+                    q_lora_rank=2048, kv_lora_rank=512, head_dim_rope=64, head_dim_v=256, n_expert_shared=1,
+                    n_layer_dense_lead=3, gating=2, expert_weights_scale=2.5, expert_weights_norm=True,
+                    indexer_heads=32, indexer_dim=128, indexer_top_k=2048),
+    # a few MB of each, with a top-k of 16 that short tests pass; glm-dsa-tiny's layers 1 and 3 share the selection
+    "deepseek32-tiny": Preset("deepseek32", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
+                              q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
+                              n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True,
+                              indexer_heads=8, indexer_dim=32, indexer_top_k=16),
+    "glm-dsa-tiny": Preset("glm-dsa", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
+                           q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
+                           n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True,
+                           indexer_heads=8, indexer_dim=32, indexer_top_k=16, indexer_every=2),
     "deepseek2-tiny": Preset("deepseek2", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
                              q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
                              n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True),
@@ -254,6 +281,13 @@ def _mla_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, othe
                   mat(b + "attn_v_b.weight", other_type, (p.kv_lora_rank, p.head_dim_v, h))]
     specs += [mat(b + "attn_output.weight", other_type, (h * p.head_dim_v, d), OUTPUT_PROJECTION_SCALE),
               named(ones(d), b + "ffn_norm.weight")]
+    if p.indexer_heads and i % p.indexer_every == 0:  # the lightning indexer (f32 vectors as llama.cpp keeps them)
+        zeros = lambda n: TensorSpec("", Q.F32, (n,), lambda: np.zeros(n, np.float32))  # noqa: E731
+        specs += [mat(b + "indexer.attn_q_b.weight", other_type, (p.q_lora_rank, p.indexer_heads * p.indexer_dim)),
+                  mat(b + "indexer.attn_k.weight", other_type, (d, p.indexer_dim)),
+                  named(ones(p.indexer_dim), b + "indexer.k_norm.weight"),
+                  named(zeros(p.indexer_dim), b + "indexer.k_norm.bias"),
+                  mat(b + "indexer.proj.weight", other_type, (d, p.indexer_heads))]
     return specs + _ffn(p, b, i, mat, experts, other_type, rng)
 
 
@@ -436,7 +470,7 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
         "tokenizer.ggml.padding_token_id": len(tokens) - 3,
         "tokenizer.ggml.add_bos_token": False,
     }
-    mla = a == "deepseek2"
+    mla = a in ("deepseek2", "deepseek32", "glm-dsa")
     if a == "gpt-oss":
         metadata.update({f"{a}.attention.sliding_window": p.sliding_window, f"{a}.rope.scaling.type": "yarn",
                          f"{a}.rope.scaling.factor": 32.0, f"{a}.rope.scaling.original_context_length": 4096})
@@ -466,6 +500,12 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
                          f"{a}.expert_weights_norm": p.expert_weights_norm})
         if p.q_lora_rank:
             metadata[f"{a}.attention.q_lora_rank"] = p.q_lora_rank
+        if p.indexer_heads:
+            metadata.update({f"{a}.attention.indexer.head_count": p.indexer_heads,
+                             f"{a}.attention.indexer.key_length": p.indexer_dim,
+                             f"{a}.attention.indexer.top_k": p.indexer_top_k})
+            if p.indexer_every > 1:
+                metadata[f"{a}.attention.indexer.types"] = [i % p.indexer_every == 0 for i in range(n_layer)]
         if not legacy_mla:  # the cache's sizes are the latent's; the expanded per-head sizes apart (llama.cpp's MLA)
             metadata.update({f"{a}.attention.head_count_kv": 1,
                              f"{a}.attention.key_length": p.kv_lora_rank + p.head_dim_rope,

@@ -9,6 +9,7 @@ from dataclasses import InitVar, dataclass, field
 import numpy as np
 import torch
 
+from ferry.layers.indexer import Indexer
 from ferry.layers.rope import Rope
 from ferry.weight import Weight
 from ferry.quant import Q, row_bytes
@@ -134,6 +135,10 @@ class LatentAttention:
     norm_eps: float
     mla: int = 0
     max_batch_mib: int = 0  # -amb: bound on one head group's expanded keys and values in mode 3 (0: all heads at once)
+    # DeepSeek sparse attention: the layer's lightning indexer, which picks the positions each query attends to; or,
+    # without one, shares_selection: the last indexer's choice of this forward holds here too (GLM-5.2's shared layers)
+    indexer: Indexer | None = None
+    shares_selection: bool = False
     _kv_b_rows: dict = field(default_factory=dict, repr=False)  # (first head, heads) -> those heads' rows of kv_b
 
     def __post_init__(self, file_kv_b: Weight | None) -> None:
@@ -151,7 +156,10 @@ class LatentAttention:
         if self.wq is not None:
             q = ops.linear(x, self.wq)
         else:
-            q = ops.linear(ops.rms_norm(ops.linear(x, self.wq_a), self.q_a_norm, self.norm_eps), self.wq_b)
+            qr = ops.rms_norm(ops.linear(x, self.wq_a), self.q_a_norm, self.norm_eps)
+            q = ops.linear(qr, self.wq_b)
+        select = self.indexer.select(ops, x, qr) if self.indexer is not None else (
+            ops.selection if self.shares_selection else None)
         q_nope, q_pe = ops.split(ops.heads(q, h, nope + rot), [nope, rot])
         q_pe = ops.rope(q_pe, self.rope)
         latent, k_pe = ops.split(ops.linear(x, self.wkv_a), [lora, rot])
@@ -160,32 +168,34 @@ class LatentAttention:
         if self.mla == 0:  # the expanded keys and values are cached
             k_nope, v = self._expand(ops, latent)
             q, k = ops.concat(q_nope, q_pe), ops.concat(k_nope, ops.expand_heads(k_pe, h))
-            return ops.linear(ops.attention(self.layer, q, k, v, self.scale, 0), self.wo)
+            return ops.linear(ops.attention(self.layer, q, k, v, self.scale, 0, select=select), self.wo)
         row = ops.concat(ops.heads(latent, 1, lora), k_pe)  # what is cached: (n, 1, lora + rope)
         if self.mla == 3:  # the op set picks the form (TorchOps.mla3: by u-batch size; CudaOps.mla3: by measurement)
-            return ops.linear(ops.mla3(self, q_nope, q_pe, row), self.wo)
-        return ops.linear(self.absorbed(ops, q_nope, q_pe, row), self.wo)
+            return ops.linear(ops.mla3(self, q_nope, q_pe, row, select), self.wo)
+        return ops.linear(self.absorbed(ops, q_nope, q_pe, row, select), self.wo)
 
-    def by_size(self, ops, q_nope, q_pe, row):
+    def by_size(self, ops, q_nope, q_pe, row, select=None):
         """Mode 3 by the multiply-add count: expanded for u-batches of at least expand_from tokens, else absorbed."""
         form = self.expanded if ops.n_tokens >= self.expand_from else self.absorbed
-        return form(ops, q_nope, q_pe, row)
+        return form(ops, q_nope, q_pe, row, select)
 
-    def absorbed(self, ops, q_nope, q_pe, row):
+    def absorbed(self, ops, q_nope, q_pe, row, select=None):
         """Attention in latent space: each head's query taken in through k_b, this batch's rows into the cache, every
-        head against the one cached latent row, each head's output out through v_b: (n, heads * v)."""
+        head against the one cached latent row (or the positions `select` gives each query: Indexer), each head's
+        output out through v_b: (n, heads * v)."""
         q = ops.concat(ops.head_linear(q_nope, self.k_b), q_pe)  # (n, h, lora + rope)
-        out = ops.heads(ops.attention(self.layer, q, row, None, self.scale, 0), self.n_head, self.kv_lora_rank)
+        out = ops.heads(ops.attention(self.layer, q, row, None, self.scale, 0, select=select), self.n_head,
+                        self.kv_lora_rank)
         return ops.merge_heads(ops.head_linear(out, self.v_b))
 
-    def expanded(self, ops, q_nope, q_pe, row):
+    def expanded(self, ops, q_nope, q_pe, row, select=None):
         """Mode 3's prompt form: this batch's rows into the cache, every cached latent expanded through kv_b (a
         group of heads at a time under -amb), attention as usual: (n, heads * v). Its work grows with the cache
         length: on the GPU it runs between recorded graphs (ops.cache_sized)."""
-        return ops.cache_sized(lambda *a: self._expanded(ops, *a), (q_nope, q_pe, row),
-                               (ops.n_tokens, self.n_head * self.head_dim_v))
+        inputs = (q_nope, q_pe, row) + (() if select is None else (select,))  # a replay's own selection
+        return ops.cache_sized(lambda *a: self._expanded(ops, *a), inputs, (ops.n_tokens, self.n_head * self.head_dim_v))
 
-    def _expanded(self, ops, q_nope, q_pe, row):
+    def _expanded(self, ops, q_nope, q_pe, row, select=None):
         lora, rot, h = self.kv_lora_rank, self.head_dim_rope, self.n_head
         q = ops.concat(q_nope, q_pe)
         latents, k_pe = ops.split(ops.cached_rows(self.layer, row), [lora, rot])  # every cached position
@@ -196,7 +206,7 @@ class LatentAttention:
             count = min(group, h - first)
             k_nope, v = self._expand(ops, latents, first, count)
             k = ops.concat(k_nope, ops.expand_heads(k_pe, count))
-            part = ops.attend(q if count == h else ops.head_slice(q, first, count), k, v, self.scale)
+            part = ops.attend(q if count == h else ops.head_slice(q, first, count), k, v, self.scale, select)
             out = part if out is None else ops.concat(out, part)
         return out
 

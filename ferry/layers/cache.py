@@ -23,14 +23,28 @@ class CacheLayout:
     head_dim_k: int
     head_dim_v: int
     v_in_k: bool = False
+    index_dim: int = 0  # DeepSeek sparse attention: the indexer's key per position in index_layers (index_value_bytes)
+    index_layers: tuple[int, ...] = ()
 
     def bytes_per_position(self, key_bytes: float, value_bytes: float) -> float:
-        """One layer's bytes per position, at key_bytes / value_bytes per cached value."""
+        """One layer's bytes per position, at key_bytes / value_bytes per cached value (the indexer's key apart:
+        index_bytes)."""
         return self.n_head_kv * (self.head_dim_k * key_bytes + (0 if self.v_in_k else self.head_dim_v * value_bytes))
 
+    def index_bytes(self, layer: int, key_bytes: float) -> int:
+        """A layer's indexer key bytes per position where the layer runs an indexer (index_value_bytes)."""
+        return self.index_dim * index_value_bytes(key_bytes) if layer in self.index_layers else 0
+
     def bytes_per_token(self, n_layer: int, type_k: str = "f16", type_v: str = "f16") -> int:
-        return round(n_layer * self.bytes_per_position(bytes_per_weight(kv_type("-ctk", type_k)),
-                                                        bytes_per_weight(kv_type("-ctv", type_v))))
+        key_bytes = bytes_per_weight(kv_type("-ctk", type_k))
+        return round(n_layer * self.bytes_per_position(key_bytes, bytes_per_weight(kv_type("-ctv", type_v)))
+                     + self.index_dim * index_value_bytes(key_bytes) * len(self.index_layers))
+
+
+def index_value_bytes(key_bytes: float) -> int:
+    """Bytes per value of the indexer's cached keys: float32 under an f32 key cache, else float16 (llama.cpp keeps
+    them in the key cache's type, quantized ones rotated first; ferry keeps a quantized cache's in f16)."""
+    return 4 if key_bytes == 4 else 2
 
 
 @dataclass(frozen=True)
@@ -75,9 +89,10 @@ def mla_mode(args, flag: int | None) -> int:
 def cache_layout(args, mla: int) -> CacheLayout:
     """What a model's KV cache holds per position and layer (ModelArgs): in MLA modes 1-3, the latent (also the
     value) and the rope key."""
+    index = dict(index_dim=args.indexer_head_dim, index_layers=args.indexer_layers)
     if args.kv_lora_rank > 0 and mla:
-        return CacheLayout(1, args.kv_lora_rank + args.n_rot, args.kv_lora_rank, v_in_k=True)
-    return CacheLayout(args.n_head_kv, args.head_dim_k, args.head_dim_v)
+        return CacheLayout(1, args.kv_lora_rank + args.n_rot, args.kv_lora_rank, v_in_k=True, **index)
+    return CacheLayout(args.n_head_kv, args.head_dim_k, args.head_dim_v, **index)
 
 
 def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> tuple[int, str]:
@@ -93,6 +108,9 @@ def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> 
         what += ("; a prompt u-batch expands it where faster: on a GPU as timed on the first u-batches of each size "
                  f"and cache length (powers of two), on the CPU from {cpu_from} tokens (fewer multiply-adds); "
                  "generation attends in latent space")
+    if cache.index_layers:
+        what += (f"; with the sparse attention's indexer keys ({cache.index_dim} values per position in "
+                 f"{len(cache.index_layers)} layers): each query attends to its {args.indexer_top_k} best positions")
     state = state_layout(args)
     if state is not None:
         what = (f"{len(args.kv_layers)} attention layers; the {len(state.layers)} recurrent layers keep "

@@ -14,6 +14,8 @@ ARCHITECTURES = {
     "qwen3moe": qwen3moe.build,
     "gemma3": gemma3.build,
     "deepseek2": deepseek2.build,
+    "deepseek32": deepseek2.build,
+    "glm-dsa": deepseek2.build,
     "glm4moe": glm4moe.build,
     "gpt-oss": gptoss.build,
     "minimax-m2": minimax_m2.build,

@@ -20,7 +20,7 @@ from ferry.quant import dequantize
 from ferry.layers.cache import CacheLayout, StateLayout, cache_layout, mla_mode, state_layout
 
 MAX_LAYERS = 4096
-YARN_ARCHS = ("deepseek2", "gpt-oss")  # where YaRN is checked against transformers
+YARN_ARCHS = ("deepseek2", "deepseek32", "glm-dsa", "gpt-oss")  # where YaRN is checked against transformers
 # gpt-oss: transformers' attention factor 1 + 0.1 ln(factor) on cos / sin, its correction range not rounded
 # (llama.cpp rounds it: docs/decisions.md, "gpt-oss's YaRN as transformers computes it")
 YARN_DEFAULTS = {"gpt-oss": dict(log_mul=0.1, truncate=False)}
@@ -69,6 +69,12 @@ class ModelArgs:
     ssm_head_dim: int = 0
     ssm_n_k_heads: int = 0
     ssm_n_v_heads: int = 0
+    # DeepSeek sparse attention (deepseek32, glm-dsa): the lightning indexer's heads, their size and the positions each
+    # query attends to; the layers that run an indexer (GLM-5.2's others reuse the last one's selection)
+    indexer_n_head: int = 0
+    indexer_head_dim: int = 0
+    indexer_top_k: int = 0
+    indexer_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
@@ -144,6 +150,8 @@ class ModelArgs:
         args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
         if f.get(f"{arch}.ssm.inner_size") is not None:
             args.read_recurrent(f, key)
+        if f.get(f"{arch}.attention.indexer.head_count") is not None:
+            args.read_indexer(f, key)
         if f.get(f"{arch}.attention.key_length_mla") is not None:
             # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; the
             # args keep the per-head (expanded) sizes, and Model.cache_layout gives the latent cache's
@@ -169,6 +177,25 @@ class ModelArgs:
             raise FerryError(f"{f.path}: the recurrent layers are not given for all {self.n_layer} layers; the "
                              "file is corrupt, re-convert it")
         self.recurrent = tuple(bool(x) for x in list(flags)[:self.n_layer])
+
+    def read_indexer(self, f: GGUFFile, key) -> None:
+        """The lightning indexer's sizes, and its layers: those whose file has its tensors (as llama.cpp loads them),
+        checked against attention.indexer.types where the file gives it (GLM-5.2's full / shared layers)."""
+        self.indexer_n_head, self.indexer_head_dim = key("attention.indexer.head_count"), key("attention.indexer.key_length")
+        self.indexer_top_k = key("attention.indexer.top_k")
+        self.indexer_layers = tuple(i for i in range(self.n_layer) if f"blk.{i}.indexer.attn_k.weight" in f.tensors)
+        types = f.get(f"{self.arch}.attention.indexer.types")
+        if types is not None and [bool(t) for t in list(types)[:self.n_layer]] != [
+                i in self.indexer_layers for i in range(self.n_layer)]:
+            raise FerryError(f"{f.path}: attention.indexer.types does not match the layers whose indexer tensors the "
+                             "file holds; the file is corrupt, re-convert it")
+        if 0 not in self.indexer_layers:
+            raise FerryError(f"{f.path}: layer 0 has no indexer (blk.0.indexer.*), so the layers after it have no "
+                             "selection to share; the file is corrupt or truncated, re-convert it")
+        if min(self.indexer_n_head, self.indexer_head_dim, self.indexer_top_k) <= 0 or self.indexer_head_dim < self.n_rot:
+            raise FerryError(f"{f.path}: indexer sizes (heads {self.indexer_n_head}, size {self.indexer_head_dim}, top-k "
+                             f"{self.indexer_top_k}) must be positive with room for the rope's {self.n_rot} values; "
+                             "the file is corrupt, re-convert it")
 
     @property
     def kv_layers(self) -> list[int]:
@@ -204,11 +231,10 @@ class ModelArgs:
 
 
 def _default_gating(f: GGUFFile, arch: str) -> int:
-    """expert_gating_func where a file has none, as llama.cpp reads such files: glm4moe's and minimax-m2's routers are
-    sigmoid; a
-    deepseek2 file is DeepSeek-V2 / V2.5 (softmax), unless it has GLM-4.7-Flash's shape (47 or 48 blocks, a
+    """expert_gating_func where a file has none, as llama.cpp reads such files: glm4moe's, glm-dsa's and minimax-m2's
+    routers are sigmoid; a deepseek2 file is DeepSeek-V2 / V2.5 (softmax), unless it has GLM-4.7-Flash's shape (47 or 48 blocks, a
     vocabulary of 154880), whose converter wrote deepseek2 without the key."""
-    if arch in ("glm4moe", "minimax-m2"):
+    if arch in ("glm4moe", "minimax-m2", "glm-dsa"):
         return 2
     tokens = f.get("tokenizer.ggml.tokens")
     n_vocab = f.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0)

@@ -1,7 +1,8 @@
 """KV cache for one sequence: per layer, the keys and values of every position as rows of a ggml type
 (`-ctk` / `-ctv`: f16 by default, as in llama.cpp; q8_0 halves it again). In DeepSeek's latent attention
 (-mla 1/2/3) a position's key is its latent and rope key, and its value the latent: the first values of the key
-row, so no value rows are stored."""
+row, so no value rows are stored. DeepSeek sparse attention's layers also keep their indexer's key per position
+(`index`, float16)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ class KVCache:
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
                  type_k: str = "f16", type_v: str = "f16", device: str | list[str] | None = None,
-                 v_in_k: bool = False, state: StateLayout | None = None, n_seq: int = 1):
+                 v_in_k: bool = False, state: StateLayout | None = None, n_seq: int = 1, index_dim: int = 0,
+                 index_layers: tuple[int, ...] = ()):
         """device: None (host memory), a GPU, or each layer's GPU (layers split across GPUs). state: the recurrent
-        layers, which keep no KV rows but a state for each of n_seq sequences (`conv`, `delta`)."""
+        layers, which keep no KV rows but a state for each of n_seq sequences (`conv`, `delta`). index_layers: those
+        that also keep an indexer key of index_dim values per position (`index[i]`: (n_ctx, bytes) uint8 rows of
+        type_index: f32 under an f32 key cache, else f16; no rows elsewhere)."""
         self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
         self.v_in_k = v_in_k
         if v_in_k and self.type_v != self.type_k:  # the values are read from the key rows, in the keys' type
@@ -41,9 +45,14 @@ class KVCache:
         recurrent = set(state.layers) if state else set()
         rows = [0 if i in recurrent else n_ctx for i in range(n_layer)]
         self.state = state
+        self.index_dim = index_dim
+        self.type_index = Q.F32 if self.type_k == Q.F32 else Q.F16
+        ib = row_bytes(self.type_index, index_dim)
+        index_rows = [n_ctx if i in index_layers else 0 for i in range(n_layer)]
         if device is None:  # host memory: ggml's graphs read it by address
             self.k = [np.zeros((r, kb), dtype=np.uint8) for r in rows]
             self.v = [] if v_in_k else [np.zeros((r, vb), dtype=np.uint8) for r in rows]
+            self.index = [np.zeros((r, ib), dtype=np.uint8) for r in index_rows]
             self._states(state, n_layer, n_seq, lambda shape, i: np.zeros(shape, dtype=np.float32))
         else:  # a GPU: float types or q8_0, read by the GPU attention kernels
             for flag, qtype in (("-ctk", self.type_k), ("-ctv", self.type_v)):
@@ -54,6 +63,8 @@ class KVCache:
             self.device = per_layer[0]
             self.k = [torch.zeros(r, kb, dtype=torch.uint8, device=d) for r, d in zip(rows, per_layer)]
             self.v = [] if v_in_k else [torch.zeros(r, vb, dtype=torch.uint8, device=d) for r, d in zip(rows, per_layer)]
+            self.index = [torch.zeros(r, ib, dtype=torch.uint8, device=d)
+                          for r, d in zip(index_rows, per_layer)]
             self._states(state, n_layer, n_seq, lambda shape, i: torch.zeros(shape, device=per_layer[i]))
 
     def _states(self, state: StateLayout | None, n_layer: int, n_seq: int, zeros) -> None:
@@ -82,7 +93,11 @@ class KVCache:
     def n_bytes(self) -> int:
         states = [t.nbytes if isinstance(t, np.ndarray) else 4 * t.numel() for t in self.conv + self.delta
                   if t is not None]
-        return sum(a.nbytes if isinstance(a, np.ndarray) else a.numel() for a in self.k + self.v) + sum(states)
+        return sum(a.nbytes if isinstance(a, np.ndarray) else a.numel() for a in self._rows()) + sum(states)
+
+    def _rows(self) -> list:
+        """Every layer's per-position arrays: keys, values, indexer keys."""
+        return self.k + self.v + self.index
 
     def _float_view(self, rows: np.ndarray, qtype: Q, dim: int) -> torch.Tensor:
         if qtype not in TORCH_TYPES:
@@ -95,17 +110,17 @@ class KVCache:
     def of(cls, layout: CacheLayout, n_layer: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
            device: str | list[str] | None = None, state: StateLayout | None = None, n_seq: int = 1) -> "KVCache":
         return cls(n_layer, n_ctx, layout.n_head_kv, layout.head_dim_k, layout.head_dim_v, type_k, type_v, device,
-                   layout.v_in_k, state, n_seq)
+                   layout.v_in_k, state, n_seq, layout.index_dim, layout.index_layers)
 
     def copy_rows(self, start: int, n: int) -> list:
-        """Positions start..start + n - 1 of every layer (keys, then values), copied to host memory: what put_rows
-        writes back (the server's RAM prompt cache)."""
+        """Positions start..start + n - 1 of every layer (keys, values, indexer keys), copied to host memory: what
+        put_rows writes back (the server's RAM prompt cache)."""
         return [a[start:start + n].copy() if isinstance(a, np.ndarray) else a[start:start + n].to("cpu", copy=True)
-                for a in self.k + self.v]
+                for a in self._rows()]
 
     def put_rows(self, start: int, rows: list, n: int) -> None:
         """The first n positions of copy_rows' rows into positions start..start + n - 1."""
-        for a, r in zip(self.k + self.v, rows):
+        for a, r in zip(self._rows(), rows):
             if isinstance(a, np.ndarray):
                 a[start:start + n] = r[:n]
             else:
@@ -123,3 +138,11 @@ class KVCache:
         values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
         values[start:end] = v
         return keys[:end].float(), values[:end].float()
+
+    def store_index(self, layer: int, start: int, k: torch.Tensor) -> torch.Tensor:
+        """Write a layer's indexer keys k (n, index_dim) at `start`; return every one up to there, as float32."""
+        end = start + k.shape[0]
+        rows = self.index[layer]
+        keys = (torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows).view(TORCH_TYPES[self.type_index])
+        keys[start:end] = k.reshape(k.shape[0], -1)
+        return keys[:end].float()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ferry.layers.attention import with_sinks
 from ferry.layers.delta_net import delta_rule, short_conv
+from ferry.layers.indexer import scores, top_k_mask
 from ferry.layers.norm import rms_norm
 from ferry.layers.rope import Rope
 from ferry.weight import Weight
@@ -21,6 +22,7 @@ class TorchOps:
     def __init__(self, backend, batch: Batch, tokens: torch.Tensor):
         self.backend, self.batch, self.tokens = backend, batch, tokens
         self._moved: dict[tuple, torch.Tensor] = {}  # per-batch masks and rope angles, moved once per forward
+        self.selection = None  # the last lightning indexer's choice in this forward (dsa_select)
 
     def _on(self, key: tuple, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         """t on `device`: every layer of this forward shares one copy."""
@@ -50,6 +52,9 @@ class TorchOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, self.backend.vector(weight), eps)
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], self.backend.vector(weight), self.backend.vector(bias), eps)
 
     def add_rms_norm(self, x: torch.Tensor, dx: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,18 +123,19 @@ class TorchOps:
         return rope(x, self._on(("cos", rope), cos, x.device), self._on(("sin", rope), sin, x.device))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
-                  window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  window: int, sinks: torch.Tensor | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
         """Store k, v in the cache (v None: a cache whose values are the first of each key row, MLA's latent),
-        attend q (n, n_head, d) to every cached position: (n, n_head * d_v). sinks: Attention.sinks."""
+        attend q (n, n_head, d) to every cached position (or to those `select` gives each query: dsa_select):
+        (n, n_head * d_v). sinks: Attention.sinks."""
         if self.batch.seq is not None:
             raise NotImplementedError("batches of several sequences run through the ggml graph runner only")
         keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
-        return self._sdpa(q, keys, values, scale, window, sinks)
+        return self._sdpa(q, keys, values, scale, window, sinks, select)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int,
-              sinks: torch.Tensor | None = None):
+              sinks: torch.Tensor | None = None, select: torch.Tensor | None = None):
         n, n_head = q.shape[:2]
-        mask = self._on(("mask", window), self.batch.mask(window), q.device)
+        mask = self._on(("mask", window), self.batch.mask(window), q.device) if select is None else select
         q, keys, values = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
         if sinks is not None:
             group = n_head // keys.shape[0]
@@ -150,14 +156,30 @@ class TorchOps:
         """fn(*inputs): work whose shapes depend on the cache length (a recorded GPU step runs it between graphs)."""
         return fn(*inputs)
 
-    def mla3(self, attn, q_nope, q_pe, row):
+    def mla3(self, attn, q_nope, q_pe, row, select=None):
         """-mla 3's attention for this u-batch, by its size (LatentAttention.by_size): not measured on the CPU."""
-        return attn.by_size(self, q_nope, q_pe, row)
+        return attn.by_size(self, q_nope, q_pe, row, select)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               select: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q (n, heads, d) to keys and values of every cached position given here (n_kv, heads, d),
-        under this batch's causal mask: (n, heads * d_v)."""
-        return self._sdpa(q, k, v, scale, 0)
+        under this batch's causal mask (or `select`): (n, heads * d_v)."""
+        return self._sdpa(q, k, v, scale, 0, select=select)
+
+    def dsa_select(self, layer: int, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, top_k: int):
+        """DeepSeek sparse attention's choice (layers/indexer.py): this batch's indexer keys k (n, 1, d) into the
+        cache, then each query's top_k cached positions by the indexer's score of q (n, heads, d) with head weights
+        w (n, heads), as a (n, n_kv) bool mask within the causal one; None where no query sees more than top_k
+        positions (dense attention). Kept as `selection` for the layers that share it."""
+        if self.batch.seq is not None:
+            raise NotImplementedError("batches of several sequences run through the ggml graph runner only")
+        keys = self.batch.kv.store_index(layer, self.batch.start, k)
+        self.selection = None
+        if self.n_kv > top_k:
+            keys = keys.to(q.device)
+            allowed = self._on(("mask", 0), self.batch.mask(0), q.device)
+            self.selection = top_k_mask(scores(q.float(), keys, w.float()), allowed, top_k)
+        return self.selection
 
     def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(x)

@@ -13,6 +13,8 @@ import math
 import ggml
 import torch
 
+from gguf.constants import GGMLQuantizationType as Q
+
 from ferry.layers.rope import Rope
 from ferry.weight import Weight
 from ferry.backends.cpu import CpuBackend
@@ -42,13 +44,14 @@ class GraphOps:
         self.n_used = 1  # experts per token, of the MoE layers
         self._vectors: dict[int, object] = {}
         # the recurrent layers' states of the batch's sequence, bound at each run (GgmlGraphRunner.forward), and
-        # their new states written back: nodes nothing else reads
+        # their new states written back (`writes`: nodes nothing else reads, as the indexer keys of a dense run)
         self.states: dict[tuple[str, int], object] = {}
         for i in kv.state.layers if kv.state else ():
             conv, delta = kv.conv[i], kv.delta[i]
             self.states["conv", i] = g.input(F32, (conv.shape[2], conv.shape[1], 1))
             self.states["delta", i] = g.input(F32, (delta.shape[3] * delta.shape[2], delta.shape[1], 1))
-        self.state_writes: list = []
+        self.writes: list = []
+        self.selection = None  # the last lightning indexer's choice in this forward (dsa_select)
 
     def _vector(self, t: torch.Tensor):
         """A leaf over a float32 model tensor (norm weights, biases): the model keeps it alive."""
@@ -73,6 +76,12 @@ class GraphOps:
         if not ggml.ggml_is_contiguous(x):  # a piece of a split
             x = ggml.ggml_cont(self.c, x)
         return ggml.ggml_mul(self.c, ggml.ggml_rms_norm(self.c, x, eps), self._vector(weight))
+
+    def layer_norm(self, x, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+        if not ggml.ggml_is_contiguous(x):
+            x = ggml.ggml_cont(self.c, x)
+        return ggml.ggml_add(self.c, ggml.ggml_mul(self.c, ggml.ggml_norm(self.c, x, eps), self._vector(weight)),
+                             self._vector(bias))
 
     def add_rms_norm(self, x, dx, weight: torch.Tensor, eps: float):
         s = self.add(x, dx)
@@ -171,9 +180,11 @@ class GraphOps:
         self.cache_views.append(view)
         return view
 
-    def attention(self, layer: int, q, k, v, scale: float, window: int, sinks: torch.Tensor | None = None):
+    def attention(self, layer: int, q, k, v, scale: float, window: int, sinks: torch.Tensor | None = None,
+                  select=None):
         """Store k and v (v None: a cache whose values are the first of each key row, MLA's latent) and attend;
-        `sinks` (n_head,): each head's sink logit, in the softmax's denominator only (gpt-oss)."""
+        `sinks` (n_head,): each head's sink logit, in the softmax's denominator only (gpt-oss); `select`: the mask of
+        the positions each query attends to (dsa_select), in place of the causal one."""
         c, kv = self.c, self.kv
         keys = self._store(kv.k[layer], k, kv.head_dim_k, kv.type_k)
         if v is None:
@@ -182,7 +193,7 @@ class GraphOps:
             self.cache_views.append(values)
         else:
             values = self._store(kv.v[layer], v, kv.head_dim_v, kv.type_v)
-        return self._flash(q, keys, values, scale, self._mask(window), sinks)
+        return self._flash(q, keys, values, scale, self._mask(window) if select is None else select, sinks)
 
     def _flash(self, q, keys, values, scale: float, mask, sinks: torch.Tensor | None = None):
         """q (d, heads, n) against keys and values (d, n_kv, heads): (d_v * heads, n). ferry's attention kernel where
@@ -213,18 +224,50 @@ class GraphOps:
         """fn(*inputs): a graph per cache length holds it (per_length)."""
         return fn(*inputs)
 
-    def mla3(self, attn, q_nope, q_pe, row):
+    def mla3(self, attn, q_nope, q_pe, row, select=None):
         """-mla 3 by u-batch size (LatentAttention.by_size): the form is fixed when the graph is built."""
-        return attn.by_size(self, q_nope, q_pe, row)
+        return attn.by_size(self, q_nope, q_pe, row, select)
 
-    def attend(self, q, k, v, scale: float):
+    def attend(self, q, k, v, scale: float, select=None):
         """q (d, heads, n) to keys and values of every cached position (d, heads, n_kv) given here, under the
-        causal mask: (d_v * heads, n). Keys and values go in as f16, as a cache would hold them (f32 under an f32
-        cache)."""
+        causal mask (or `select`): (d_v * heads, n). Keys and values go in as f16, as a cache would hold them (f32
+        under an f32 cache)."""
         c = self.c
         qtype = F32 if self.kv.type_k.value == F32 else F16
         keys, values = (ggml.ggml_cast(c, ggml.ggml_permute(c, t, 0, 2, 1, 3), qtype) for t in (k, v))
-        return self._flash(q, keys, values, scale, self._mask(0))
+        return self._flash(q, keys, values, scale, self._mask(0) if select is None else select)
+
+    def dsa_select(self, layer: int, q, k, w, top_k: int):
+        """DeepSeek sparse attention's choice (layers/indexer.py): this batch's indexer keys k (d, 1, n) into the
+        cache; where the graph's cache length passes top_k, each query's top_k positions by the indexer's score of q
+        (d, heads, n) with head weights w (heads, n), as an f16 mask (n_kv, n) that also holds the causal one (0
+        where attended, -inf elsewhere), else None (dense attention). The scores have the cache length: such a graph
+        serves one length (GgmlGraphRunner runs it at powers of two, the positions past the cache masked)."""
+        c, kv = self.c, self.kv
+        d, heads, n = q.contents.ne[0], q.contents.ne[1], self.n
+        stored = self._write(kv.index[layer], k, d, kv.type_index)
+        self.selection = None
+        if self.n_kv <= top_k:  # dense: nothing reads the keys yet, but later runs will
+            self.writes.append(stored)
+            return None
+        keys = ggml.ggml_view_2d(c, stored, d, self.n_kv, stored.contents.nb[1], 0)
+        if kv.type_index != Q.F32:  # f16 keys against f32 queries: ggml would round the queries to f16
+            keys = ggml.ggml_cast(c, keys, F32)
+        if not ggml.ggml_is_contiguous(q):
+            q = ggml.ggml_cont(c, q)
+        per_head = ggml.ggml_relu(c, ggml.ggml_mul_mat(c, keys, ggml.ggml_reshape_2d(c, q, d, heads * n)))
+        weighted = ggml.ggml_mul(c, ggml.ggml_reshape_3d(c, per_head, self.n_kv, heads, n),
+                                 ggml.ggml_reshape_3d(c, w, 1, heads, n))  # (n_kv, heads, n)
+        summed = ggml.ggml_sum_rows(c, ggml.ggml_cont(c, ggml.ggml_permute(c, weighted, 1, 0, 2, 3)))  # (1, n_kv, n)
+        # the causal mask input as the runs fill it: (n_kv, n) contiguous (set_cache_length's strides)
+        causal = ggml.ggml_cast(c, ggml.ggml_view_2d(c, self._mask(0), self.n_kv, n, 2 * self.n_kv, 0), F32)
+        score = ggml.ggml_add(c, ggml.ggml_reshape_2d(c, summed, self.n_kv, n), causal)
+        top = ggml.ggml_top_k(c, score, top_k)  # (top_k, n) int32
+        unseen = ggml.ggml_reshape_3d(c, ggml.ggml_fill(c, score, -math.inf), 1, self.n_kv, n)
+        zeros = ggml.ggml_fill(c, ggml.ggml_reshape_3d(c, ggml.ggml_cast(c, top, F32), 1, top_k, n), 0.0)
+        chosen = ggml.ggml_reshape_2d(c, ggml.ggml_set_rows(c, unseen, zeros, top), self.n_kv, n)
+        self.selection = ggml.ggml_cast(c, ggml.ggml_add(c, chosen, causal), F16)
+        return self.selection
 
     def sigmoid(self, x):
         return ggml.ggml_sigmoid(self.c, x)
@@ -253,7 +296,7 @@ class GraphOps:
         joined = ggml.ggml_concat(c, kept, ggml.ggml_transpose(c, x), 0)  # (kernel - 1 + n, channels, 1)
         t = joined.contents
         last = ggml.ggml_view_3d(c, joined, state.shape[2], state.shape[1], 1, t.nb[1], t.nb[2], self.n * t.nb[0])
-        self.state_writes.append(ggml.ggml_cpy(c, last, kept))
+        self.writes.append(ggml.ggml_cpy(c, last, kept))
         out = ggml.ggml_ssm_conv(c, joined, self._vector(weight))  # (channels, n, 1)
         return ggml.ggml_silu(c, ggml.ggml_reshape_2d(c, out, state.shape[1], self.n))
 
@@ -278,7 +321,7 @@ class GraphOps:
         y = ggml.ggml_gated_delta_net(c, *qkv, g4, b4, ggml.ggml_reshape_4d(c, kept, d, d, heads, 1), 1)
         nb0 = y.contents.nb[0]
         new = ggml.ggml_view_1d(c, y, d * d * heads, d * heads * n * nb0)
-        self.state_writes.append(ggml.ggml_cpy(c, new, ggml.ggml_reshape_1d(c, kept, d * d * heads)))
+        self.writes.append(ggml.ggml_cpy(c, new, ggml.ggml_reshape_1d(c, kept, d * d * heads)))
         return ggml.ggml_view_3d(c, y, d, heads, n, d * nb0, d * heads * nb0, 0)
 
     def ffn(self, x, gate: Weight, up: Weight, down: Weight, act: str):
@@ -324,7 +367,7 @@ class GgmlGraphRunner:
         g = _Graph(self.backend, n, max_nodes=n_nodes)
         ops = GraphOps(self.backend, g, n, kv, logit_rows, n_kv)
         logits = model.forward(ops)
-        g.finish(logits, *ops.expert_ids, *ops.state_writes)
+        g.finish(logits, *ops.expert_ids, *ops.writes)
         return g, ops
 
     layer_first = False  # a u-batch is one graph: nothing crosses PCIe to save
@@ -338,6 +381,11 @@ class GgmlGraphRunner:
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         n, kv, n_kv = batch.n_tokens, batch.kv, batch.n_kv
         key = (n, batch.logit_rows, id(kv))
+        top_k = model.args.indexer_top_k
+        if top_k and n_kv > top_k:  # sparse attention past its top-k: the indexer's scores have the cache length; a
+            # graph per power of two serves the lengths up to it (the cells past n_kv masked)
+            n_kv = min(kv.n_ctx, 1 << (n_kv - 1).bit_length())
+            key += ("dsa", n_kv)
         if key in self.per_length:  # a graph whose nodes have the cache length (MLA's expanded latents)
             key += (n_kv,)
         if key not in self.graphs:
