@@ -33,6 +33,9 @@
 #           into .build/ik; it outlives the call (about 13 minutes): a later call, while the machine is warm, uses it
 #   cpu     CPU only, GPU hidden: ferry against ik_llama.cpp -rtr 1 (benchmarks/cpu_vs_ik.py) on the big model at
 #           CPU_THREADS (default 16), pp512 / pp2048 / tg64; waits for the ik build (CPU_ARGS: more options)
+#   dsa     DeepSeek sparse attention with depth (benchmarks/dsa_depth.py) on PRESET (a deepseek32 / glm-dsa one):
+#           all on the GPU (DSA_GPU=0 leaves it out), then with DSA_HYBRID=1 the experts in RAM too; DSA_ARGS: its options (default
+#           "-d 4096,32768 -p 512 -n 32 -r 2"); with the llama stage, llama.cpp's too
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite; SYNTH_ARGS:
 #   more options of its `ferry synth` (e.g. PRESET=gpt-oss-20b SYNTH_ARGS="--expert-type mxfp4")
 set -euo pipefail
@@ -74,7 +77,7 @@ fi
 wait_build() { if [ -n "${BUILD:-}" ]; then wait "$BUILD" || true; BUILD=; fi; }
 PRESET=${PRESET:-qwen3-30b-a3b}
 BIG=/tmp/$PRESET.gguf
-if has big || has llama || has hybrid || has ab || has cpu || { has small && [ -z "${SKEW_ONLY:-}" ]; }; then
+if has big || has llama || has hybrid || has ab || has cpu || has dsa || { has small && [ -z "${SKEW_ONLY:-}" ]; }; then
     [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" ${SYNTH_ARGS:-} -o "$BIG" -q &
     SYNTH=$!
 fi
@@ -125,6 +128,15 @@ if has big; then
     wait_build
     python3 benchmarks/gpu_vs_llamacpp.py $LB -m "$BIG" ${BIG_ARGS:-} --out "$OUT/gpu_vs_llamacpp.json" \
         | tee "$OUT/gpu_vs_llamacpp.md"
+fi
+if has dsa; then
+    wait_synth
+    wait_build
+    [ "${DSA_GPU:-1}" = 1 ] && python3 benchmarks/dsa_depth.py $LB -m "$BIG" ${DSA_ARGS:--d 4096,32768 -p 512 -n 32 -r 2} \
+        --out "$OUT/dsa_depth_gpu.json" 2> "$OUT/dsa_depth_gpu.log" | tee "$OUT/dsa_depth_gpu.md"
+    [ "${DSA_HYBRID:-0}" = 1 ] && python3 benchmarks/dsa_depth.py $LB -m "$BIG" --hybrid \
+        ${DSA_ARGS:--d 4096,32768 -p 512 -n 32 -r 2} --out "$OUT/dsa_depth_hybrid.json" 2> "$OUT/dsa_depth_hybrid.log" \
+        | tee "$OUT/dsa_depth_hybrid.md"
 fi
 if has ab; then
     wait_synth

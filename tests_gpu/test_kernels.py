@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.gguf.synth import random_tensor
 from ferry.kernels.activations import GLU
-from ferry.kernels.cuda import attention, gemv, kquant, layout, moe, norm_rope, route
+from ferry.kernels.cuda import attention, gemv, indexer, kquant, layout, moe, norm_rope, route
 from ferry.quant import dequantize as reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -449,6 +449,63 @@ def test_unpack_experts_fills_the_slots_split_of_makes(qtype, chosen):
             assert torch.equal(g.qs, f.qs) and torch.equal(g.d.view(torch.uint8), f.d.view(torch.uint8))
         else:
             assert not g.qs.any() and not g.d.view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("key_type", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("n,heads,d,cells", [(1, 8, 32, 100), (3, 5, 17, 70), (2, 64, 128, 300), (4, 20, 64, 1)])
+def test_indexer_scores_and_top_k_match_float64(key_type, n, heads, d, cells):
+    """Each token's scores of the cells base .. base + pos (sum over heads of w * relu(q . k)), -inf elsewhere; its
+    top-k cells by them, -1 in the slots of a token that sees fewer."""
+    rng = np.random.default_rng(n * heads + d + cells)
+    q = torch.from_numpy(rng.standard_normal((n, heads, d)))
+    w = torch.from_numpy(rng.standard_normal((n, heads)))
+    keys = torch.from_numpy(rng.standard_normal((cells, d))).to(key_type)
+    pos = torch.from_numpy(rng.integers(0, max(cells // 2, 1), n))
+    base = torch.from_numpy(rng.integers(0, max(cells // 2, 1), n)) if cells > 1 else torch.zeros(n, dtype=torch.int64)
+    want = torch.full((n, cells), float("-inf"), dtype=torch.float64)
+    for t in range(n):
+        seen = torch.arange(int(base[t]), int(base[t] + pos[t]) + 1)
+        relu = (keys.double()[seen] @ q[t].T).clamp(min=0)  # (cells seen, heads)
+        want[t, seen] = relu @ w[t]
+    dev = lambda x: x.to(DEV)  # noqa: E731
+    got = indexer.indexer_scores(dev(q.float()), dev(w.float()), dev(keys), dev(pos), dev(base), cells).double().cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    live = ~torch.isinf(want)
+    assert (got[live] - want[live]).abs().max() <= 1e-5 * max(want[live].abs().max().item(), 1.0)
+    top_k = max(1, cells // 4)
+    ids = indexer.indexer_top_k(dev(q.float()), dev(w.float()), dev(keys), dev(pos), dev(base), top_k, cells).cpu()
+    assert ids.shape == (n, top_k) and ids.dtype == torch.int32
+    for t in range(n):
+        picked = ids[t][ids[t] >= 0].long()
+        seen = int(pos[t]) + 1
+        assert len(picked) == min(top_k, seen) and len(set(picked.tolist())) == len(picked)
+        assert live[t, picked].all()
+        left = live[t].clone()
+        left[picked] = False
+        assert not left.any() or want[t, picked].min() >= want[t][left].max() - 1e-6
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("ktype", [Q.F16, Q.Q8_0], ids=str)
+@pytest.mark.parametrize("n,heads,dk,dv,top_k", [(1, 16, 96, 64, 24), (3, 4, 64, 64, 7), (2, 8, 576, 512, 40)])
+def test_attention_decode_over_selected_cells_matches_float64(splits, ktype, n, heads, dk, dv, top_k):
+    """DeepSeek sparse attention's decode: each token over the cells it was given (some slots empty, -1) of one
+    shared key head whose values are the first dv of each key row (MLA's latent), only those rows read."""
+    rng = np.random.default_rng(heads + dk + n + top_k)
+    cells = 100
+    kraw, k = _cache(rng, ktype, cells, dk)
+    q = torch.from_numpy(rng.standard_normal((n, heads, dk)))
+    ids = torch.from_numpy(np.stack([rng.permutation(cells)[:top_k] for _ in range(n)])).int()
+    ids[:, top_k // 2 + 1:][torch.from_numpy(rng.random((n, top_k - top_k // 2 - 1)) < 0.5)] = -1
+    want = torch.empty(n, heads, dv, dtype=torch.float64)
+    for t in range(n):
+        cell = ids[t][ids[t] >= 0].long()
+        weights = torch.softmax(k[cell] @ q[t].T * dk ** -0.5, 0)  # (cells, heads)
+        want[t] = weights.T @ k[cell][:, :dv]
+    zeros = torch.zeros(n, dtype=torch.int64, device=DEV)
+    got = attention.attention_decode(q.float().to(DEV), kraw, kraw, ktype == Q.Q8_0, ktype == Q.Q8_0, zeros, zeros, 1,
+                                     dv, dk ** -0.5, 0, (32, 4), splits=splits, select=ids.to(DEV))
+    _close(got, want.view(n, -1), 1e-5)
 
 
 def test_attention_splits_fill_the_gpu_only_for_long_caches():

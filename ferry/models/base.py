@@ -324,8 +324,9 @@ class Model:
         return [b.attn for b in self.blocks if isinstance(b.attn, LatentAttention)]
 
     def ropes(self) -> set:
-        """The rotary embeddings its attention layers use (a GPU keeps a table of each's angles)."""
-        return {b.attn.rope for b in self.blocks if isinstance(b.attn, (Attention, LatentAttention))}
+        """The rotary embeddings its attention layers and their indexers use (a GPU keeps a table of each's angles)."""
+        attns = [b.attn for b in self.blocks if isinstance(b.attn, (Attention, LatentAttention))]
+        return {a.rope for a in attns} | {a.indexer.rope for a in attns if getattr(a, "indexer", None) is not None}
 
     def use_mla(self, mode: int | None, max_batch_mib: int = 0) -> int:
         """Set the latent attention mode (-mla, ik_llama.cpp's meaning; None: ferry's choice, 3) and -amb (MiB; 0:

@@ -81,14 +81,15 @@ def _cache_row(cache, cell, col, row_stride, mask, Q8: tl.constexpr):
 
 
 @triton.jit
-def _attn_decode(q, kc, vc, pos, base, out, part, sinks, n_heads, group, dk, dv, k_row, v_row, scale, window, chunk,
-                 K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PARTIAL: tl.constexpr,
-                 SINKS: tl.constexpr):
+def _attn_decode(q, kc, vc, pos, base, sel, n_sel, out, part, sinks, n_heads, group, dk, dv, k_row, v_row, scale,
+                 window, chunk, K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                 PARTIAL: tl.constexpr, SINKS: tl.constexpr, SELECT: tl.constexpr):
     """One query head of one token: softmax(q . k * scale) v over the cache cells base[t] + 0 .. pos[t] (the
     last `window` of them when window > 0), online over blocks of BN cells; SINKS: the head's sink logit joins the
-    denominator (gpt-oss). PARTIAL (flash-decoding): program s of axis 2 takes only positions s * chunk .. (s + 1) *
-    chunk - 1 (chunk a multiple of BN) and leaves its unnormalised sum in out, its running max and denominator in
-    part, for _attn_combine (which adds the sink)."""
+    denominator (gpt-oss). SELECT (DeepSeek sparse attention): over the cells sel[t, 0 .. n_sel - 1] instead (-1: no
+    cell), only those rows read. PARTIAL (flash-decoding): program s of axis 2 takes only positions (slots of sel)
+    s * chunk .. (s + 1) * chunk - 1 (chunk a multiple of BN) and leaves its unnormalised sum in out, its running max
+    and denominator in part, for _attn_combine (which adds the sink)."""
     h = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     kvh = h // group
@@ -99,6 +100,9 @@ def _attn_decode(q, kc, vc, pos, base, out, part, sinks, n_heads, group, dk, dv,
     lo = tl.where(window > 0, tl.maximum(p - window + 1, 0), 0)
     begin = (lo // BN) * BN
     end = p + 1
+    if SELECT:
+        begin = 0
+        end = n_sel
     if PARTIAL:
         begin = tl.maximum(begin, tl.program_id(2) * chunk)
         end = tl.minimum(end, (tl.program_id(2) + 1) * chunk)
@@ -107,15 +111,20 @@ def _attn_decode(q, kc, vc, pos, base, out, part, sinks, n_heads, group, dk, dv,
     acc = tl.zeros((BD,), dtype=tl.float32)
     for n0 in range(begin, end, BN):
         j = n0 + tl.arange(0, BN)
-        live = (j >= lo) & (j <= p)
+        if SELECT:
+            cell = tl.load(sel + t * n_sel + j, mask=j < end, other=-1)
+            live = cell >= 0
+        else:
+            cell = b0 + j
+            live = (j >= lo) & (j <= p)
         kmask = live[:, None] & (d < dk)[None, :]
-        k = _cache_row(kc, b0 + j, kvh * dk + d, k_row, kmask, K_Q8)
+        k = _cache_row(kc, cell, kvh * dk + d, k_row, kmask, K_Q8)
         s = tl.where(live, tl.sum(k * qv[None, :], axis=1), -1e30)
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         w = tl.where(live, tl.exp(s - m_new), 0.0)
         alpha = tl.exp(m_i - m_new)
         vmask = live[:, None] & (d < dv)[None, :]
-        v = _cache_row(vc, b0 + j, kvh * dv + d, v_row, vmask, V_Q8)
+        v = _cache_row(vc, cell, kvh * dv + d, v_row, vmask, V_Q8)
         acc = acc * alpha + tl.sum(w[:, None] * v, axis=0)
         l_i = l_i * alpha + tl.sum(w, axis=0)
         m_i = m_new
@@ -205,11 +214,13 @@ def attention_splits(n_cells: int, programs: int, bn: int) -> int:
 def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_q8: bool, v_q8: bool,
                      pos: torch.Tensor, base: torch.Tensor, n_head_kv: int, dv: int, scale: float,
                      window: int, config: tuple[int, int] | None = None, n_cells: int = 0,
-                     splits: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     splits: int | None = None, sinks: torch.Tensor | None = None,
+                     select: torch.Tensor | None = None) -> torch.Tensor:
     """q (n, heads, dk) against cache rows (cells, bytes) of f16 or q8_0: (n, heads * dv) float32. config: (cells
     per step, warps). n_cells: the longest context a token may have (the cache's size; fixed for a recorded
     graph): long ones are cut into `splits` parts (attention_splits) computed side by side, then merged. sinks:
-    (heads,) float32 on the GPU, each head's sink logit in the softmax's denominator (gpt-oss)."""
+    (heads,) float32 on the GPU, each head's sink logit in the softmax's denominator (gpt-oss). select: (n, top_k)
+    int32 cell ids (-1: none) each token attends to instead of its whole context (kernels/cuda/indexer.py)."""
     q = q.float().contiguous()
     n, heads, dk = q.shape
     width = triton.next_power_of_2(max(dk, dv))
@@ -217,6 +228,9 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # and DeepSeek-V2-Lite's generation halved (125.7 against 229.5 t/s at 32 cells)
     bn, warps = config or ATTENTION_DECODE_CONFIG
     bn = min(bn, max(32, 16384 // width))
+    if select is not None:
+        select = select.to(torch.int32).contiguous()
+        n_cells = select.shape[1]
     if splits is None:
         splits = attention_splits(n_cells, heads * n, bn)
     if splits > 1 and n_cells < 1:
@@ -228,9 +242,10 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         torch.empty(n, heads, splits, dv, dtype=torch.float32, device=q.device),
         torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q.device))
     sink_ptr = q if sinks is None else sinks.float().contiguous()
-    _attn_decode[(heads, n, splits)](q, kc, vc, pos, base, acc, part, sink_ptr, heads, heads // n_head_kv, dk, dv,
-                                     kc.shape[1], vc.shape[1], scale, window, chunk, K_Q8=k_q8, V_Q8=v_q8, BN=bn,
-                                     BD=width, PARTIAL=splits > 1, SINKS=sinks is not None, num_warps=warps)
+    _attn_decode[(heads, n, splits)](q, kc, vc, pos, base, pos if select is None else select, n_cells, acc, part,
+                                     sink_ptr, heads, heads // n_head_kv, dk, dv, kc.shape[1], vc.shape[1], scale,
+                                     window, chunk, K_Q8=k_q8, V_Q8=v_q8, BN=bn, BD=width, PARTIAL=splits > 1,
+                                     SINKS=sinks is not None, SELECT=select is not None, num_warps=warps)
     if splits > 1:
         _attn_combine[(heads, n)](acc, part, out, sink_ptr, heads, splits, dv, SP=triton.next_power_of_2(splits),
                                   BD=triton.next_power_of_2(dv), SINKS=sinks is not None)

@@ -127,9 +127,9 @@ class CudaOps(TorchOps):
         return self._decode_attention(attn.layer, q, attn.scale, attn.window, attn.sinks)
 
     def _decode_attention(self, layer: int, q: torch.Tensor, scale: float, window: int,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q (n, heads, dk) of a decode-sized batch against the cache up to each token's position (the decode
-        kernel, which reads f16 or q8_0 rows in place)."""
+                          sinks: torch.Tensor | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
+        """q (n, heads, dk) of a decode-sized batch against the cache up to each token's position, or the cells
+        `select` gives each (dsa_select): the decode kernel, which reads f16 or q8_0 rows in place."""
         from ferry.kernels.cuda.attention import attention_decode
 
         kv = self.batch.kv
@@ -137,7 +137,7 @@ class CudaOps(TorchOps):
         return attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
                                 kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
                                 kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx,
-                                sinks=None if sinks is None else self.backend.vector(sinks))
+                                sinks=None if sinks is None else self.backend.vector(sinks), select=select)
 
     def l2_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(sum x^2 + eps): the RMSNorm kernel with eps / n and a weight of n^-1/2 (one launch)."""
@@ -221,22 +221,42 @@ class CudaOps(TorchOps):
                     0, self.cells, x.reshape(n, -1).to(TORCH_TYPES[qtype]))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
-                  window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  window: int, sinks: torch.Tensor | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
         kv, n = self.batch.kv, q.shape[0]
         self._store(layer, k, v)
         if n <= DECODE_MAX:
-            return self._decode_attention(layer, q, scale, window, sinks)
+            return self._decode_attention(layer, q, scale, window, sinks, select)
 
-        def over_cache(q):  # a prompt: flash / memory-efficient attention over the cache as f16
+        def over_cache(q, *select):  # a prompt: flash / memory-efficient attention over the cache as f16
             n_kv = self.batch.n_kv
             keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
             if kv.v_in_k:  # MLA: the values are the first of each key row
                 values = keys[..., :kv.head_dim_v]
             else:
                 values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
-            return self._sdpa_f16(q, keys, values, scale, window, sinks)
+            return self._sdpa_f16(q, keys, values, scale, window, sinks, *select)
 
-        return self.cache_sized(over_cache, (q,), (n, q.shape[1] * kv.head_dim_v))
+        inputs = (q,) if select is None else (q, select)
+        return self.cache_sized(over_cache, inputs, (n, q.shape[1] * kv.head_dim_v))
+
+    def dsa_select(self, layer: int, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, top_k: int) -> torch.Tensor:
+        """DeepSeek sparse attention's choice (layers/indexer.py) on the GPU: this batch's indexer keys into cache
+        rows `cells`, then each token's top_k cells (kernels/cuda/indexer.py) as (n, top_k) cell ids, -1 in the slots
+        of a token that sees fewer. A decode step scores the whole cache's width, each token up to its position only
+        (a recorded graph serves every length); a prompt u-batch the cells up to the batch's last, between graphs.
+        Kept as `selection` for the layers that share it."""
+        from ferry.kernels.cuda.indexer import indexer_top_k
+
+        kv, n = self.batch.kv, q.shape[0]
+        rows = kv.index[layer].view(TORCH_TYPES[kv.type_index]).view(kv.n_ctx, kv.index_dim)
+        rows.index_copy_(0, self.cells, k.reshape(n, -1).to(rows.dtype))
+        pos, base = self.pos, self._cell_base()
+        if n <= DECODE_MAX:
+            self.selection = indexer_top_k(q, w, rows, pos, base, top_k, kv.n_ctx)
+        else:  # a deferred step's result comes back as float32: exact cell ids below 2^24
+            self.selection = self.cache_sized(lambda q, w: indexer_top_k(q, w, rows, pos, base, top_k, self.batch.n_kv),
+                                              (q, w), (n, top_k))
+        return self.selection
 
     def cache_sized(self, fn, inputs: tuple[torch.Tensor, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """fn(*inputs), whose shapes depend on the cache length: while a prompt step is recorded as CUDA graphs,
@@ -247,9 +267,9 @@ class CudaOps(TorchOps):
         return recorder.defer(fn, shape, self.tokens.device, inputs=inputs, shared="cache_sized")
 
     def _sdpa_f16(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                  window: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  window: int, sinks: torch.Tensor | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
         """q (n, heads, d) to keys and values (n_kv, heads_kv, d) of every attended cell, in f16: (n, heads * d_v).
-        sinks: Attention.sinks (with_sinks' one more key, under the mask)."""
+        sinks: Attention.sinks (with_sinks' one more key, under the mask). select: dsa_select's cells, the mask."""
         n = q.shape[0]
         keys = keys.to(torch.float16)
         # (1, heads, tokens, dim): torch's flash and memory-efficient kernels take only 4-D inputs (3-D ones fall
@@ -266,7 +286,12 @@ class CudaOps(TorchOps):
             q, keys, values, mask = with_sinks(q[0], keys[0], values[0], mask, self.backend.vector(sinks), scale)
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)
             return out[0].transpose(0, 1).reshape(n, -1).float()
-        if self.batch.seq is None and not window and self.batch.start == 0:  # causal from cell 0: flash
+        if select is not None:  # sparse attention: the selected cells (within the causal mask) as the mask
+            from ferry.kernels.cuda.indexer import selected_mask
+
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=selected_mask(select, keys.shape[2]),
+                                                 scale=scale)
+        elif self.batch.seq is None and not window and self.batch.start == 0:  # causal from cell 0: flash
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
         elif self.batch.seq is None and not window:  # one sequence's next positions: causal to the cache's end, flash
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(n, keys.shape[2]),
@@ -308,23 +333,25 @@ class CudaOps(TorchOps):
         v = _mm(x, v_b.permute(2, 0, 1).reshape(lora, -1))  # (lora, count * v)
         return k.view(rows, count, -1), v.view(rows, count, -1)
 
-    def mla3(self, attn, q_nope, q_pe, row) -> torch.Tensor:
+    def mla3(self, attn, q_nope, q_pe, row, select=None) -> torch.Tensor:
         """-mla 3: decode steps absorbed (the decode kernel); a prompt u-batch in the form measured faster for its
         size and the cache length (LatentForms), decided at each run: a recorded prompt graph serves every cache
         length, so the whole latent attention runs between graphs."""
         n = self.n_tokens
         if n <= DECODE_MAX:
-            return attn.absorbed(self, q_nope, q_pe, row)
+            return attn.absorbed(self, q_nope, q_pe, row, select)
 
-        def faster(q_nope, q_pe, row):
-            forms = {"absorbed": lambda: attn.absorbed(self, q_nope, q_pe, row),
-                     "expanded": lambda: attn.expanded(self, q_nope, q_pe, row)}
+        def faster(q_nope, q_pe, row, select=None):
+            forms = {"absorbed": lambda: attn.absorbed(self, q_nope, q_pe, row, select),
+                     "expanded": lambda: attn.expanded(self, q_nope, q_pe, row, select)}
             return self.latent_forms.run(n, self.batch.n_kv, forms)
 
-        return self.cache_sized(faster, (q_nope, q_pe, row), (n, attn.n_head * attn.head_dim_v))
+        inputs = (q_nope, q_pe, row) + (() if select is None else (select,))
+        return self.cache_sized(faster, inputs, (n, attn.n_head * attn.head_dim_v))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return self._sdpa_f16(q, k, v, scale, 0)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               select: torch.Tensor | None = None) -> torch.Tensor:
+        return self._sdpa_f16(q, k, v, scale, 0, select=select)
 
 
 def _typed(rows: torch.Tensor, qtype: Q) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""DeepSeek sparse attention's lightning indexer on the GPU (layers/indexer.py): every cached position's score for each
+query, then each query's top-k positions, as cell ids the attention kernels read (attention_decode's `select`).
+
+The scores kernel reads each token's sequence only up to its position (pos, base: device tensors), so a recorded CUDA
+graph serves every cache length: a block of cells past it only writes -inf."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SCORE_CELLS = 64  # cells per program
+SCORE_HEADS = 16  # heads per tl.dot
+
+
+@triton.jit
+def _indexer_scores(q, w, keys, pos, base, out, n_heads, d, key_row, n_cols, BN: tl.constexpr, BD: tl.constexpr,
+                    BH: tl.constexpr):
+    """Token t's scores of cells blk * BN ..: sum over heads of w[t, h] * relu(q[t, h] . key[cell]), for the cells of
+    its sequence up to its position (base[t] .. base[t] + pos[t]); -inf for the others. Float32 products (ieee), as
+    the CPU's, so that both pick the same positions."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    b0 = tl.load(base + t)
+    last = b0 + tl.load(pos + t)
+    live = (j >= b0) & (j <= last) & (j < n_cols)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    if tl.program_id(1) * BN <= last:
+        dd = tl.arange(0, BD)
+        k = tl.load(keys + j.to(tl.int64)[:, None] * key_row + dd[None, :], mask=live[:, None] & (dd < d)[None, :],
+                    other=0.0).to(tl.float32)
+        for h0 in range(0, n_heads, BH):
+            hh = h0 + tl.arange(0, BH)
+            qh = tl.load(q + (t * n_heads + hh)[None, :] * d + dd[:, None],
+                         mask=(hh < n_heads)[None, :] & (dd < d)[:, None], other=0.0)
+            s = tl.dot(k, qh, input_precision="ieee")  # (BN, BH)
+            wh = tl.load(w + t * n_heads + hh, mask=hh < n_heads, other=0.0)
+            acc += tl.sum(tl.maximum(s, 0.0) * wh[None, :], axis=1)
+    tl.store(out + t * n_cols + j, tl.where(live, acc, float("-inf")), mask=j < n_cols)
+
+
+def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, base: torch.Tensor,
+                   n_cols: int) -> torch.Tensor:
+    """q (n, heads, d), w (n, heads) float, keys (cells, d) f16 or f32 cache rows, pos / base (n,) device integers ->
+    (n, n_cols) float32 scores, -inf where a token does not see the cell."""
+    q, w = q.float().contiguous(), w.float().contiguous()
+    n, heads, d = q.shape
+    out = torch.empty(n, n_cols, dtype=torch.float32, device=q.device)
+    _indexer_scores[(n, triton.cdiv(n_cols, SCORE_CELLS))](
+        q, w, keys, pos, base, out, heads, d, keys.stride(0), n_cols, BN=SCORE_CELLS,
+        BD=max(16, triton.next_power_of_2(d)), BH=SCORE_HEADS)
+    return out
+
+
+def indexer_top_k(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, base: torch.Tensor,
+                  top_k: int, n_cols: int) -> torch.Tensor:
+    """Each token's top_k cells by score among the first n_cols (indexer_scores), as (n, top_k) int32 cell ids; -1 in
+    the slots of a token that sees fewer (it then attends to all it sees: dense attention)."""
+    scores = indexer_scores(q, w, keys, pos, base, n_cols)
+    vals, ids = scores.topk(min(top_k, n_cols), dim=1)
+    ids = torch.where(vals > float("-inf"), ids, -1).to(torch.int32)
+    if ids.shape[1] < top_k:
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], top_k - ids.shape[1]), -1)], 1)
+    return ids
+
+
+def selected_mask(select: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """(n, top_k) cell ids (-1: none) -> (n, n_kv) bool, True at the selected cells."""
+    ids = select.long()
+    mask = torch.zeros(ids.shape[0], n_kv + 1, dtype=torch.bool, device=ids.device)
+    mask.scatter_(1, torch.where(ids >= 0, ids, n_kv), True)  # the empty slots land on a column dropped here
+    return mask[:, :n_kv]
