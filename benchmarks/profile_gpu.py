@@ -2,7 +2,8 @@
 (torch.profiler), for a model all on the GPU. Both are profiled eagerly (the kernels a CUDA graph replays are the
 same; the graph removes the launch gaps); prompts are timed as they run by default (replayed up to
 PROMPT_GRAPH_MAX tokens), decode steps both ways.
-  python benchmarks/profile_gpu.py -m model.gguf [-ub 128,2048] [-n 16] [--top 15] [--syncs]
+  python benchmarks/profile_gpu.py -m model.gguf [-ub 128,2048] [-n 16] [--top 15] [--syncs] [--depth D]
+--depth: the u-batch and the decode steps come after a cache of D tokens (filled untimed, u-batches of 512).
 --syncs: also list every call of an eager prompt u-batch that makes the host wait for the GPU (torch's sync debug
 mode), by the ferry line that made it: each one leaves the GPU idle while the host catches up.
 """
@@ -63,26 +64,36 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=16, help="decode steps")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--syncs", action="store_true", help="list the host syncs of an eager prompt u-batch")
+    ap.add_argument("--depth", type=int, default=0, help="tokens in the cache before the profiled work")
     a = ap.parse_args()
     loaded = load(RunConfig(a.model, n_threads=1, quiet=True, n_gpu_layers=999))
     backend, model = loaded.backend, loaded.model
     vocab = model.args.n_vocab
+    fill = torch.randint(0, vocab, (a.depth,)).tolist()
+
+    def deep(e):  # the cache filled to the depth, untimed
+        e.reset()
+        for i in range(0, a.depth, 512):
+            e.decode(fill[i:i + 512])
+
     for ub in [int(v) for v in a.ub.split(",")]:
         tokens = torch.randint(0, vocab, (ub,)).tolist()
-        e = Engine(model, backend, n_ctx=ub + 1, n_batch=ub, n_ubatch=ub)
+        e = Engine(model, backend, n_ctx=a.depth + ub + 1, n_batch=max(ub, 512), n_ubatch=max(ub, 512))
         for _ in range(2):  # an eager run, then (up to PROMPT_GRAPH_MAX tokens) the graphs' capture
+            deep(e)
             e.decode(tokens)
-            e.reset()
+        deep(e)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         e.decode(tokens)
         torch.cuda.synchronize()
         ms = 1e3 * (time.perf_counter() - t0)
         recorded = "graphs" if ub <= PROMPT_GRAPH_MAX else "eager"
-        eager = Engine(model, backend, n_ctx=ub + 1, n_batch=ub, n_ubatch=ub)
+        eager = Engine(model, backend, n_ctx=a.depth + ub + 1, n_batch=max(ub, 512), n_ubatch=max(ub, 512))
         eager.runner = CudaGraphRunner(backend, graphs=False)  # the kernels a replay runs, one launch each
+        deep(eager)
         eager.decode(tokens)
-        eager.reset()
+        deep(eager)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             eager.decode(tokens)
@@ -96,8 +107,9 @@ def main() -> None:
             for where, count in syncs.most_common():
                 print(f"  {count:5d}  {where}")
     for graphs in (False, True):
-        e = Engine(model, backend, n_ctx=2 * a.n + 70, n_batch=64, n_ubatch=64)
+        e = Engine(model, backend, n_ctx=a.depth + 2 * a.n + 70, n_batch=512, n_ubatch=512)
         e.runner = CudaGraphRunner(backend, graphs=graphs)
+        deep(e)
         e.decode(torch.randint(0, vocab, (64,)).tolist())
         for _ in range(3):
             e.decode([1])

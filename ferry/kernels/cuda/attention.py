@@ -1,5 +1,6 @@
 """Attention of a decode-sized batch over the KV cache (f16 or q8_0 rows read in place; flash-decoding over long caches),
-and the cache stores: a fused q|k|v projection's keys and values normed, rotated and written, q8_0 row quantization."""
+DeepSeek sparse attention's prompts over each token's selected cells (attention_selected), and the cache stores: a
+fused q|k|v projection's keys and values normed, rotated and written, q8_0 row quantization."""
 from __future__ import annotations
 
 import torch
@@ -249,6 +250,60 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if splits > 1:
         _attn_combine[(heads, n)](acc, part, out, sink_ptr, heads, splits, dv, SP=triton.next_power_of_2(splits),
                                   BD=triton.next_power_of_2(dv), SINKS=sinks is not None)
+    return out.view(n, heads * dv)
+
+
+@triton.jit
+def _attn_selected(q, kc, sel, out, n_heads, n_sel, dk, dv, k_row, scale, BH: tl.constexpr, BN: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr):
+    """Heads hb * BH .. of token t against the one key head of the cells sel[t, :] (-1: none), whose values are the
+    first dv of each key row (MLA's latent): online softmax over blocks of BN selected cells, the scores and the
+    weighted values as tensor-core products (f16 in, float32 sums), dk in pieces of BK."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = h < n_heads
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BV)
+    m_i = tl.full((BH,), -1e30, dtype=tl.float32)
+    l_i = tl.zeros((BH,), dtype=tl.float32)
+    acc = tl.zeros((BH, BV), dtype=tl.float32)
+    for n0 in range(0, n_sel, BN):
+        j = n0 + tl.arange(0, BN)
+        cell = tl.load(sel + t * n_sel + j, mask=j < n_sel, other=-1).to(tl.int64)
+        live = cell >= 0
+        s = tl.zeros((BH, BN), dtype=tl.float32)
+        for k0 in range(0, dk, BK):
+            qc = tl.load(q + (t * n_heads + h)[:, None] * dk + (k0 + kk)[None, :],
+                         mask=hm[:, None] & (k0 + kk < dk)[None, :], other=0.0)
+            kt = tl.load(kc + cell[None, :] * k_row + (k0 + kk)[:, None], mask=live[None, :] & (k0 + kk < dk)[:, None],
+                         other=0.0)
+            s += tl.dot(qc, kt)
+        s = tl.where(live[None, :], s * scale, -1e30)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.where(live[None, :], tl.exp(s - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(kc + cell[:, None] * k_row + vv[None, :], mask=live[:, None] & (vv < dv)[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out + (t * n_heads + h)[:, None] * dv + vv[None, :], o, mask=hm[:, None] & (vv < dv)[None, :])
+
+
+def attention_selected(q: torch.Tensor, cache: torch.Tensor, select: torch.Tensor, dv: int,
+                       scale: float) -> torch.Tensor:
+    """q (n, heads, dk) of a prompt u-batch against one shared key head of f16 cache rows (cells, dk), the values
+    the first dv of each row (MLA's latent cache), each token over its selected cells only (select: (n, top_k) cell
+    ids, -1 none; kernels/cuda/indexer.py): (n, heads * dv) float32. Reads top_k rows per token instead of the
+    whole cache."""
+    n, heads, dk = q.shape
+    q = q.to(torch.float16).contiguous()
+    select = select.to(torch.int32).contiguous()
+    cache = cache.view(torch.float16)
+    out = torch.empty(n, heads, dv, dtype=torch.float32, device=q.device)
+    bh = 16
+    _attn_selected[(n, triton.cdiv(heads, bh))](q, cache, select, out, heads, select.shape[1], dk, dv, cache.shape[1],
+                                               scale, BH=bh, BN=32, BK=64, BV=triton.next_power_of_2(dv), num_warps=8)
     return out.view(n, heads * dv)
 
 

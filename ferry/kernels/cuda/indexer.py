@@ -40,16 +40,49 @@ def _indexer_scores(q, w, keys, pos, base, out, n_heads, d, key_row, n_cols, BN:
     tl.store(out + t * n_cols + j, tl.where(live, acc, float("-inf")), mask=j < n_cols)
 
 
+@triton.jit
+def _indexer_scores_tiled(q, w, keys, pos, base, out, n, n_heads, d, key_row, n_cols, BT: tl.constexpr,
+                          BN: tl.constexpr, BD: tl.constexpr):
+    """A prompt's form of _indexer_scores: tokens tb * BT .. against cells blk * BN .., the block of keys read once for
+    all of them, each head's scores one tensor-core product of f16 queries and keys (float32 sums)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = t < n
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    b0 = tl.load(base + t, mask=tm, other=0)
+    last = b0 + tl.load(pos + t, mask=tm, other=-1)
+    live = (j[None, :] >= b0[:, None]) & (j[None, :] <= last[:, None]) & (j < n_cols)[None, :] & tm[:, None]
+    acc = tl.zeros((BT, BN), dtype=tl.float32)
+    if tl.program_id(1) * BN <= tl.max(last, axis=0):
+        dd = tl.arange(0, BD)
+        kt = tl.load(keys + j.to(tl.int64)[None, :] * key_row + dd[:, None],
+                     mask=(j < n_cols)[None, :] & (dd < d)[:, None], other=0.0).to(tl.float16)  # (BD, BN)
+        for h in range(0, n_heads):
+            qh = tl.load(q + (t.to(tl.int64)[:, None] * n_heads + h) * d + dd[None, :],
+                         mask=tm[:, None] & (dd < d)[None, :], other=0.0).to(tl.float16)
+            wh = tl.load(w + t * n_heads + h, mask=tm, other=0.0)
+            acc += tl.maximum(tl.dot(qh, kt), 0.0) * wh[:, None]
+    tl.store(out + t.to(tl.int64)[:, None] * n_cols + j[None, :], tl.where(live, acc, float("-inf")),
+             mask=tm[:, None] & (j < n_cols)[None, :])
+
+
+PROMPT_FROM = 9  # tokens from which the scores take the tiled form (f16 products): a decode step's stay float32
+
+
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, base: torch.Tensor,
                    n_cols: int) -> torch.Tensor:
     """q (n, heads, d), w (n, heads) float, keys (cells, d) f16 or f32 cache rows, pos / base (n,) device integers ->
-    (n, n_cols) float32 scores, -inf where a token does not see the cell."""
+    (n, n_cols) float32 scores, -inf where a token does not see the cell. A prompt's (PROMPT_FROM tokens or more)
+    in the tiled kernel: each block of keys read once per 16 tokens, the products f16 on the tensor cores."""
     q, w = q.float().contiguous(), w.float().contiguous()
     n, heads, d = q.shape
     out = torch.empty(n, n_cols, dtype=torch.float32, device=q.device)
+    bd = max(16, triton.next_power_of_2(d))
+    if n >= PROMPT_FROM:
+        _indexer_scores_tiled[(triton.cdiv(n, 16), triton.cdiv(n_cols, SCORE_CELLS))](
+            q, w, keys, pos, base, out, n, heads, d, keys.stride(0), n_cols, BT=16, BN=SCORE_CELLS, BD=bd, num_warps=4)
+        return out
     _indexer_scores[(n, triton.cdiv(n_cols, SCORE_CELLS))](
-        q, w, keys, pos, base, out, heads, d, keys.stride(0), n_cols, BN=SCORE_CELLS,
-        BD=max(16, triton.next_power_of_2(d)), BH=SCORE_HEADS)
+        q, w, keys, pos, base, out, heads, d, keys.stride(0), n_cols, BN=SCORE_CELLS, BD=bd, BH=SCORE_HEADS)
     return out
 
 

@@ -226,6 +226,11 @@ class CudaOps(TorchOps):
         self._store(layer, k, v)
         if n <= DECODE_MAX:
             return self._decode_attention(layer, q, scale, window, sinks, select)
+        if select is not None and kv.v_in_k and kv.type_k == Q.F16:  # sparse attention over a latent cache: the
+            # selected rows only (the kernel's shapes do not depend on the cache length: no cut in a recorded graph)
+            from ferry.kernels.cuda.attention import attention_selected
+
+            return attention_selected(q, kv.k[layer], select, kv.head_dim_v, scale)
 
         def over_cache(q, *select):  # a prompt: flash / memory-efficient attention over the cache as f16
             n_kv = self.batch.n_kv
