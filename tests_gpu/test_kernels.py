@@ -453,11 +453,11 @@ def test_unpack_experts_fills_the_slots_split_of_makes(qtype, chosen):
 
 @pytest.mark.parametrize("key_type", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("n,heads,d,cells", [(1, 8, 32, 100), (3, 5, 17, 70), (2, 64, 128, 300), (4, 20, 64, 1),
-                                             (9, 7, 48, 90), (37, 8, 128, 200)])
+                                             (1, 100, 64, 130), (9, 7, 48, 90), (37, 8, 128, 200)])
 def test_indexer_scores_and_top_k_match_float64(key_type, n, heads, d, cells):
     """Each token's scores of the cells base .. base + pos (sum over heads of w * relu(q . k)), -inf elsewhere; its
-    top-k cells by them, -1 in the slots of a token that sees fewer. From 9 tokens the tiled prompt form, whose
-    products take f16 queries (and keys): compared with the reference of those."""
+    top-k cells by them, -1 in the slots of a token that sees fewer. f16 keys: products of f16 queries (a decode
+    step's heads as rows, from 9 tokens tiled over tokens), compared with the reference of those."""
     rng = np.random.default_rng(n * heads + d + cells)
     q = torch.from_numpy(rng.standard_normal((n, heads, d)))
     w = torch.from_numpy(rng.standard_normal((n, heads)))
@@ -465,11 +465,10 @@ def test_indexer_scores_and_top_k_match_float64(key_type, n, heads, d, cells):
     pos = torch.from_numpy(rng.integers(0, max(cells // 2, 1), n))
     base = torch.from_numpy(rng.integers(0, max(cells // 2, 1), n)) if cells > 1 else torch.zeros(n, dtype=torch.int64)
     want = torch.full((n, cells), float("-inf"), dtype=torch.float64)
-    tiled = n >= indexer.PROMPT_FROM
-    qr, kr = (q.half().double(), keys.half().double()) if tiled else (q, keys.double())
+    qr = q.half().double() if key_type == torch.float16 else q
     for t in range(n):
         seen = torch.arange(int(base[t]), int(base[t] + pos[t]) + 1)
-        relu = (kr[seen] @ qr[t].T).clamp(min=0)  # (cells seen, heads)
+        relu = (keys.double()[seen] @ qr[t].T).clamp(min=0)  # (cells seen, heads)
         want[t, seen] = relu @ w[t]
     dev = lambda x: x.to(DEV)  # noqa: E731
     got = indexer.indexer_scores(dev(q.float()), dev(w.float()), dev(keys), dev(pos), dev(base), cells).double().cpu()
@@ -512,11 +511,13 @@ def test_attention_decode_over_selected_cells_matches_float64(splits, ktype, n, 
     _close(got, want.view(n, -1), 1e-5)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("n,heads,dk,dv,top_k", [(1, 16, 96, 64, 24), (5, 20, 64, 32, 7), (3, 128, 576, 512, 40),
-                                                 (2, 3, 100, 60, 33)])
-def test_attention_over_selected_cells_of_a_prompt_matches_float64(n, heads, dk, dv, top_k):
-    """Sparse attention's prompt kernel: each token's heads over the cells it was given (some slots empty, one token
-    given none of them but one) of one shared f16 key head, values the first dv of each row (MLA's latent)."""
+                                                 (2, 3, 100, 60, 70)])
+def test_attention_over_selected_cells_matches_float64(splits, n, heads, dk, dv, top_k):
+    """Sparse attention's kernel over a latent cache: each token's heads over the cells it was given (some slots
+    empty, one token given but one) of one shared f16 key head, values the first dv of each row; in one part or cut
+    into parts merged after (a part may see no cell)."""
     rng = np.random.default_rng(heads + dk + n + top_k)
     cells = 100
     kraw, k = _cache(rng, Q.F16, cells, dk)
@@ -530,7 +531,7 @@ def test_attention_over_selected_cells_of_a_prompt_matches_float64(n, heads, dk,
         qt = q[t].half().double()  # the kernel's products take f16 queries
         weights = torch.softmax(k[cell] @ qt.T * dk ** -0.5, 0)
         want[t] = weights.T @ k[cell][:, :dv]
-    got = attention.attention_selected(q.float().to(DEV), kraw, ids.to(DEV), dv, dk ** -0.5)
+    got = attention.attention_selected(q.float().to(DEV), kraw, ids.to(DEV), dv, dk ** -0.5, splits)
     _close(got, want.view(n, -1), 2e-3)  # the softmax weights go into the value product as f16
 
 

@@ -254,11 +254,13 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 @triton.jit
-def _attn_selected(q, kc, sel, out, n_heads, n_sel, dk, dv, k_row, scale, BH: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr, BV: tl.constexpr):
+def _attn_selected(q, kc, sel, out, part, n_heads, n_sel, dk, dv, k_row, scale, chunk, BH: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PARTIAL: tl.constexpr):
     """Heads hb * BH .. of token t against the one key head of the cells sel[t, :] (-1: none), whose values are the
     first dv of each key row (MLA's latent): online softmax over blocks of BN selected cells, the scores and the
-    weighted values as tensor-core products (f16 in, float32 sums), dk in pieces of BK."""
+    weighted values as tensor-core products (f16 in, float32 sums), dk in pieces of BK. PARTIAL (flash-decoding):
+    program s of axis 2 takes slots s * chunk .. (s + 1) * chunk - 1 only and leaves its unnormalised sum in out, its
+    running max and denominator in part (_attn_combine's layout)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = h < n_heads
@@ -267,9 +269,13 @@ def _attn_selected(q, kc, sel, out, n_heads, n_sel, dk, dv, k_row, scale, BH: tl
     m_i = tl.full((BH,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((BH,), dtype=tl.float32)
     acc = tl.zeros((BH, BV), dtype=tl.float32)
-    for n0 in range(0, n_sel, BN):
+    begin, end = 0, n_sel
+    if PARTIAL:
+        begin = tl.program_id(2) * chunk
+        end = tl.minimum(n_sel, begin + chunk)
+    for n0 in range(begin, end, BN):
         j = n0 + tl.arange(0, BN)
-        cell = tl.load(sel + t * n_sel + j, mask=j < n_sel, other=-1).to(tl.int64)
+        cell = tl.load(sel + t * n_sel + j, mask=j < end, other=-1).to(tl.int64)
         live = cell >= 0
         s = tl.zeros((BH, BN), dtype=tl.float32)
         for k0 in range(0, dk, BK):
@@ -286,24 +292,45 @@ def _attn_selected(q, kc, sel, out, n_heads, n_sel, dk, dv, k_row, scale, BH: tl
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out + (t * n_heads + h)[:, None] * dv + vv[None, :], o, mask=hm[:, None] & (vv < dv)[None, :])
+    keep = hm[:, None] & (vv < dv)[None, :]
+    if PARTIAL:
+        at = (t * n_heads + h) * tl.num_programs(2) + tl.program_id(2)
+        tl.store(out + at[:, None] * dv + vv[None, :], acc, mask=keep)
+        tl.store(part + at * 2, m_i, mask=hm)
+        tl.store(part + at * 2 + 1, l_i, mask=hm)
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out + (t * n_heads + h)[:, None] * dv + vv[None, :], o, mask=keep)
 
 
-def attention_selected(q: torch.Tensor, cache: torch.Tensor, select: torch.Tensor, dv: int,
-                       scale: float) -> torch.Tensor:
-    """q (n, heads, dk) of a prompt u-batch against one shared key head of f16 cache rows (cells, dk), the values
-    the first dv of each row (MLA's latent cache), each token over its selected cells only (select: (n, top_k) cell
-    ids, -1 none; kernels/cuda/indexer.py): (n, heads * dv) float32. Reads top_k rows per token instead of the
-    whole cache."""
+SELECTED_HEADS, SELECTED_CELLS = 16, 32  # heads per program (tl.dot's least rows), selected cells per step
+
+
+def attention_selected(q: torch.Tensor, cache: torch.Tensor, select: torch.Tensor, dv: int, scale: float,
+                       splits: int | None = None) -> torch.Tensor:
+    """q (n, heads, dk) against one shared key head of f16 cache rows (cells, dk), the values the first dv of each row
+    (MLA's latent cache), each token over its selected cells only (select: (n, top_k) cell ids, -1 none;
+    kernels/cuda/indexer.py): (n, heads * dv) float32. Reads top_k rows per token and block of 16 heads instead of
+    the whole cache; a few tokens' (decode) cut into `splits` parts of the selection side by side, then merged
+    (attention_splits' rule: the GPU filled)."""
     n, heads, dk = q.shape
     q = q.to(torch.float16).contiguous()
     select = select.to(torch.int32).contiguous()
     cache = cache.view(torch.float16)
+    n_sel, blocks = select.shape[1], triton.cdiv(heads, SELECTED_HEADS)
+    if splits is None:
+        splits = attention_splits(n_sel, n * blocks, SELECTED_CELLS // 4)
+    chunk = triton.cdiv(triton.cdiv(n_sel, splits), SELECTED_CELLS) * SELECTED_CELLS
     out = torch.empty(n, heads, dv, dtype=torch.float32, device=q.device)
-    bh = 16
-    _attn_selected[(n, triton.cdiv(heads, bh))](q, cache, select, out, heads, select.shape[1], dk, dv, cache.shape[1],
-                                               scale, BH=bh, BN=32, BK=64, BV=triton.next_power_of_2(dv), num_warps=8)
+    acc, part = (out, out) if splits == 1 else (
+        torch.empty(n, heads, splits, dv, dtype=torch.float32, device=q.device),
+        torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q.device))
+    _attn_selected[(n, blocks, splits)](q, cache, select, acc, part, heads, n_sel, dk, dv, cache.shape[1], scale, chunk,
+                                        BH=SELECTED_HEADS, BN=SELECTED_CELLS, BK=64, BV=triton.next_power_of_2(dv),
+                                        PARTIAL=splits > 1, num_warps=8)
+    if splits > 1:
+        _attn_combine[(heads, n)](acc, part, out, q, heads, splits, dv, SP=triton.next_power_of_2(splits),
+                                  BD=triton.next_power_of_2(dv), SINKS=False)
     return out.view(n, heads * dv)
 
 

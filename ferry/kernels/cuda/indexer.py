@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 SCORE_CELLS = 64  # cells per program
-SCORE_HEADS = 16  # heads per tl.dot
+SCORE_HEADS = 16  # heads per tl.dot (float32 keys)
+TILED_FROM = 9  # tokens from which f16 scores take 16 tokens per program (the heads looped) rather than one
 
 
 @triton.jit
@@ -41,6 +42,30 @@ def _indexer_scores(q, w, keys, pos, base, out, n_heads, d, key_row, n_cols, BN:
 
 
 @triton.jit
+def _indexer_scores_heads(q, w, keys, pos, base, out, n_heads, d, key_row, n_cols, BN: tl.constexpr,
+                          BD: tl.constexpr, BH: tl.constexpr):
+    """A decode step's form of the f16 scores: token t's heads as the rows of one tensor-core product with a block of
+    BN keys, relu, weighted and summed over the heads."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BN + tl.arange(0, BN)
+    b0 = tl.load(base + t)
+    last = b0 + tl.load(pos + t)
+    live = (j >= b0) & (j <= last) & (j < n_cols)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    if tl.program_id(1) * BN <= last:
+        dd = tl.arange(0, BD)
+        hh = tl.arange(0, BH)
+        kt = tl.load(keys + j.to(tl.int64)[None, :] * key_row + dd[:, None],
+                     mask=live[None, :] & (dd < d)[:, None], other=0.0).to(tl.float16)  # (BD, BN)
+        for h0 in range(0, n_heads, BH):
+            qh = tl.load(q + (t * n_heads + h0 + hh)[:, None] * d + dd[None, :],
+                         mask=(h0 + hh < n_heads)[:, None] & (dd < d)[None, :], other=0.0).to(tl.float16)
+            wh = tl.load(w + t * n_heads + h0 + hh, mask=h0 + hh < n_heads, other=0.0)
+            acc += tl.sum(tl.maximum(tl.dot(qh, kt), 0.0) * wh[:, None], axis=0)
+    tl.store(out + t * n_cols + j, tl.where(live, acc, float("-inf")), mask=j < n_cols)
+
+
+@triton.jit
 def _indexer_scores_tiled(q, w, keys, pos, base, out, n, n_heads, d, key_row, n_cols, BT: tl.constexpr,
                           BN: tl.constexpr, BD: tl.constexpr):
     """A prompt's form of _indexer_scores: tokens tb * BT .. against cells blk * BN .., the block of keys read once for
@@ -65,19 +90,22 @@ def _indexer_scores_tiled(q, w, keys, pos, base, out, n, n_heads, d, key_row, n_
              mask=tm[:, None] & (j < n_cols)[None, :])
 
 
-PROMPT_FROM = 9  # tokens from which the scores take the tiled form (f16 products): a decode step's stay float32
-
-
 def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, base: torch.Tensor,
                    n_cols: int) -> torch.Tensor:
     """q (n, heads, d), w (n, heads) float, keys (cells, d) f16 or f32 cache rows, pos / base (n,) device integers ->
-    (n, n_cols) float32 scores, -inf where a token does not see the cell. A prompt's (PROMPT_FROM tokens or more)
-    in the tiled kernel: each block of keys read once per 16 tokens, the products f16 on the tensor cores."""
+    (n, n_cols) float32 scores, -inf where a token does not see the cell. Products in the keys' precision: f16 keys
+    (an f16 or quantized cache) on the tensor cores, f16 queries (a prompt's tiled over 16 tokens, each block of keys
+    read once for them; a decode step's with its heads as the rows); f32 keys (an f32 cache) in float32 (ieee)."""
     q, w = q.float().contiguous(), w.float().contiguous()
     n, heads, d = q.shape
     out = torch.empty(n, n_cols, dtype=torch.float32, device=q.device)
     bd = max(16, triton.next_power_of_2(d))
-    if n >= PROMPT_FROM:
+    if keys.dtype == torch.float16 and n < TILED_FROM:  # a decode step: the heads are the product's rows
+        _indexer_scores_heads[(n, triton.cdiv(n_cols, SCORE_CELLS))](
+            q, w, keys, pos, base, out, heads, d, keys.stride(0), n_cols, BN=SCORE_CELLS, BD=bd,
+            BH=min(64, max(16, triton.next_power_of_2(heads))), num_warps=4)
+        return out
+    if keys.dtype == torch.float16:
         _indexer_scores_tiled[(triton.cdiv(n, 16), triton.cdiv(n_cols, SCORE_CELLS))](
             q, w, keys, pos, base, out, n, heads, d, keys.stride(0), n_cols, BT=16, BN=SCORE_CELLS, BD=bd, num_warps=4)
         return out

@@ -133,6 +133,11 @@ class CudaOps(TorchOps):
         from ferry.kernels.cuda.attention import attention_decode
 
         kv = self.batch.kv
+        if select is not None and kv.v_in_k and kv.type_k == Q.F16:  # sparse attention over a latent cache: heads in
+            # blocks over the selected rows (the per-head kernel would read them once per head)
+            from ferry.kernels.cuda.attention import attention_selected
+
+            return attention_selected(q, kv.k[layer], select, kv.head_dim_v, scale)
         v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
         return attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
                                 kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
