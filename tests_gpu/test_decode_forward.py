@@ -158,24 +158,23 @@ def test_gpu_delta_net_matches_the_cpu(tmp_path, monkeypatch, preset):
     ("deepseek32-tiny", 3), ("deepseek32-tiny", 0), ("deepseek32-tiny", 1)]))
 def test_gpu_sparse_attention_matches_the_cpu(tmp_path, preset, mla):
     """DeepSeek sparse attention (top-k 16; glm-dsa-tiny's layer 1 shares layer 0's selection) through the GPU
-    executor, recorded as a run records it: a 24-token prompt expanded (mode 3), 12 more absorbed over the cache with
-    the selection as its mask, then decode steps whose kernel reads only the selected cells; against the CPU's ggml
-    graph."""
+    executor, recorded as a run records it: a 20-token prompt expanded (mode 3), 10 more absorbed (the prompt kernel
+    over the selected rows), then decode steps (the decode form of it); against the CPU's ggml graph."""
     path = tmp_path / "dsa.gguf"
     assert main(["synth", preset, "-o", str(path), "-q", "--layers", "2"]) == 0
     cpu, model = place(path, 2, mla=mla)
-    tokens = np.random.default_rng(5).integers(0, model.args.n_vocab, 40).tolist()
+    tokens = np.random.default_rng(5).integers(0, model.args.n_vocab, 32).tolist()
     backend = CudaBackend(DEV)
     backend.prepare(model.weights(), model.fusable())
     runs = []
     for b in (cpu, backend):
-        e = Engine(model, b, n_ctx=64, n_ubatch=24, type_k="f16", type_v="f16")
+        e = Engine(model, b, n_ctx=48, n_ubatch=20, type_k="f16", type_v="f16")
         if b is backend:
             e.runner = CudaGraphRunner(backend, graphs=DEV != "cpu")
-            e.runner.latent_forms.fixed = lambda n, n_kv: "expanded" if n >= 20 else "absorbed"
-        first = e.decode(tokens[:24], all_logits=True)
-        second = e.decode(tokens[24:36], all_logits=True)
-        steps = [e.decode([t], all_logits=True) for t in tokens[36:]]
+            e.runner.latent_forms.fixed = lambda n, n_kv: "expanded" if n >= 16 else "absorbed"
+        first = e.decode(tokens[:20], all_logits=True)
+        second = e.decode(tokens[20:30], all_logits=True)
+        steps = [e.decode([t], all_logits=True) for t in tokens[30:]]
         runs.append(torch.cat([first, second] + steps).cpu())
     kl, top1 = kl_top1(*runs)
     print(f"GPU {preset} (-mla {mla}) vs CPU: KL max {kl.max():.2e} (row {int(kl.argmax())}), median "
