@@ -17,35 +17,10 @@ TILED_FROM = 9  # tokens from which f16 scores take 16 tokens per program (the h
 
 @triton.jit
 def _indexer_scores(q, w, keys, pos, base, out, n_heads, d, key_row, n_cols, BN: tl.constexpr, BD: tl.constexpr,
-                    BH: tl.constexpr):
+                    BH: tl.constexpr, HALF: tl.constexpr):
     """Token t's scores of cells blk * BN ..: sum over heads of w[t, h] * relu(q[t, h] . key[cell]), for the cells of
-    its sequence up to its position (base[t] .. base[t] + pos[t]); -inf for the others. Float32 products (ieee), as
-    the CPU's, so that both pick the same positions."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BN + tl.arange(0, BN)
-    b0 = tl.load(base + t)
-    last = b0 + tl.load(pos + t)
-    live = (j >= b0) & (j <= last) & (j < n_cols)
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    if tl.program_id(1) * BN <= last:
-        dd = tl.arange(0, BD)
-        k = tl.load(keys + j.to(tl.int64)[:, None] * key_row + dd[None, :], mask=live[:, None] & (dd < d)[None, :],
-                    other=0.0).to(tl.float32)
-        for h0 in range(0, n_heads, BH):
-            hh = h0 + tl.arange(0, BH)
-            qh = tl.load(q + (t * n_heads + hh)[None, :] * d + dd[:, None],
-                         mask=(hh < n_heads)[None, :] & (dd < d)[:, None], other=0.0)
-            s = tl.dot(k, qh, input_precision="ieee")  # (BN, BH)
-            wh = tl.load(w + t * n_heads + hh, mask=hh < n_heads, other=0.0)
-            acc += tl.sum(tl.maximum(s, 0.0) * wh[None, :], axis=1)
-    tl.store(out + t * n_cols + j, tl.where(live, acc, float("-inf")), mask=j < n_cols)
-
-
-@triton.jit
-def _indexer_scores_heads(q, w, keys, pos, base, out, n_heads, d, key_row, n_cols, BN: tl.constexpr,
-                          BD: tl.constexpr, BH: tl.constexpr):
-    """A decode step's form of the f16 scores: token t's heads as the rows of one tensor-core product with a block of
-    BN keys, relu, weighted and summed over the heads."""
+    its sequence up to its position (base[t] .. base[t] + pos[t]); -inf for the others. BH heads at a time as the rows
+    of one product with the block of keys: HALF, f16 on the tensor cores; else float32 (ieee), as the CPU's."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BN + tl.arange(0, BN)
     b0 = tl.load(base + t)
@@ -55,13 +30,17 @@ def _indexer_scores_heads(q, w, keys, pos, base, out, n_heads, d, key_row, n_col
     if tl.program_id(1) * BN <= last:
         dd = tl.arange(0, BD)
         hh = tl.arange(0, BH)
-        kt = tl.load(keys + j.to(tl.int64)[None, :] * key_row + dd[:, None],
-                     mask=live[None, :] & (dd < d)[:, None], other=0.0).to(tl.float16)  # (BD, BN)
+        kt = tl.load(keys + j.to(tl.int64)[None, :] * key_row + dd[:, None], mask=live[None, :] & (dd < d)[:, None],
+                     other=0.0)  # (BD, BN)
         for h0 in range(0, n_heads, BH):
             qh = tl.load(q + (t * n_heads + h0 + hh)[:, None] * d + dd[None, :],
-                         mask=(h0 + hh < n_heads)[:, None] & (dd < d)[None, :], other=0.0).to(tl.float16)
+                         mask=(h0 + hh < n_heads)[:, None] & (dd < d)[None, :], other=0.0)
+            if HALF:
+                s = tl.dot(qh.to(tl.float16), kt.to(tl.float16))  # (BH, BN)
+            else:
+                s = tl.dot(qh, kt.to(tl.float32), input_precision="ieee")
             wh = tl.load(w + t * n_heads + h0 + hh, mask=h0 + hh < n_heads, other=0.0)
-            acc += tl.sum(tl.maximum(tl.dot(qh, kt), 0.0) * wh[:, None], axis=0)
+            acc += tl.sum(tl.maximum(s, 0.0) * wh[:, None], axis=0)
     tl.store(out + t * n_cols + j, tl.where(live, acc, float("-inf")), mask=j < n_cols)
 
 
@@ -100,17 +79,14 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, pos: to
     n, heads, d = q.shape
     out = torch.empty(n, n_cols, dtype=torch.float32, device=q.device)
     bd = max(16, triton.next_power_of_2(d))
-    if keys.dtype == torch.float16 and n < TILED_FROM:  # a decode step: the heads are the product's rows
-        _indexer_scores_heads[(n, triton.cdiv(n_cols, SCORE_CELLS))](
-            q, w, keys, pos, base, out, heads, d, keys.stride(0), n_cols, BN=SCORE_CELLS, BD=bd,
-            BH=min(64, max(16, triton.next_power_of_2(heads))), num_warps=4)
-        return out
-    if keys.dtype == torch.float16:
+    half = keys.dtype == torch.float16
+    if half and n >= TILED_FROM:
         _indexer_scores_tiled[(triton.cdiv(n, 16), triton.cdiv(n_cols, SCORE_CELLS))](
             q, w, keys, pos, base, out, n, heads, d, keys.stride(0), n_cols, BT=16, BN=SCORE_CELLS, BD=bd, num_warps=4)
         return out
     _indexer_scores[(n, triton.cdiv(n_cols, SCORE_CELLS))](
-        q, w, keys, pos, base, out, heads, d, keys.stride(0), n_cols, BN=SCORE_CELLS, BD=bd, BH=SCORE_HEADS)
+        q, w, keys, pos, base, out, heads, d, keys.stride(0), n_cols, BN=SCORE_CELLS, BD=bd,
+        BH=min(64, max(16, triton.next_power_of_2(heads))) if half else SCORE_HEADS, HALF=half, num_warps=4)
     return out
 
 
