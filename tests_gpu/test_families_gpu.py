@@ -1,7 +1,8 @@
 """glm4moe (q/k/v biases, rope on half of each head, sigmoid routing with a correction bias, a shared expert),
 deepseek2 (latent attention, group-free sigmoid routing), minimax-m2 (q/k norms across all heads, rope on half of
-each head, sigmoid routing with a correction bias) and qwen35moe (gated delta-net layers with their recurrent state,
-gated attention, a gated shared expert) on the GPU and in the hybrid runtime, against the all-CPU
+each head, sigmoid routing with a correction bias), qwen35moe (gated delta-net layers with their recurrent state,
+gated attention, a gated shared expert) and deepseek32 / glm-dsa (sparse attention, top-k 16 of the 220 positions)
+on the GPU and in the hybrid runtime, against the all-CPU
 result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs."""
 
 import numpy as np
@@ -19,7 +20,7 @@ N_PROMPT, N_GEN = 200, 20
 
 
 @pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny",
-                                                    "qwen3next-tiny"])
+                                                    "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny"])
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("f") / f"{request.param}.gguf"
     assert main(["synth", request.param, "-o", str(path), "-q"]) == 0
