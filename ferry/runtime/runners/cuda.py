@@ -129,15 +129,11 @@ class CudaOps(TorchOps):
     def _decode_attention(self, layer: int, q: torch.Tensor, scale: float, window: int,
                           sinks: torch.Tensor | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
         """q (n, heads, dk) of a decode-sized batch against the cache up to each token's position, or the cells
-        `select` gives each (dsa_select): the decode kernel, which reads f16 or q8_0 rows in place."""
+        `select` gives each (dsa_select; a q8_0 or expanded cache's): the decode kernel, which reads f16 or q8_0 rows
+        in place."""
         from ferry.kernels.cuda.attention import attention_decode
 
         kv = self.batch.kv
-        if select is not None and kv.v_in_k and kv.type_k == Q.F16:  # sparse attention over a latent cache: heads in
-            # blocks over the selected rows (the per-head kernel would read them once per head)
-            from ferry.kernels.cuda.attention import attention_selected
-
-            return attention_selected(q, kv.k[layer], select, kv.head_dim_v, scale)
         v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
         return attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
                                 kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
@@ -229,13 +225,14 @@ class CudaOps(TorchOps):
                   window: int, sinks: torch.Tensor | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
         kv, n = self.batch.kv, q.shape[0]
         self._store(layer, k, v)
-        if n <= DECODE_MAX:
-            return self._decode_attention(layer, q, scale, window, sinks, select)
         if select is not None and kv.v_in_k and kv.type_k == Q.F16:  # sparse attention over a latent cache: the
-            # selected rows only (the kernel's shapes do not depend on the cache length: no cut in a recorded graph)
+            # selected rows only, heads in blocks (a prompt's or a decode step's; its shapes do not depend on the cache
+            # length: no cut in a recorded graph)
             from ferry.kernels.cuda.attention import attention_selected
 
             return attention_selected(q, kv.k[layer], select, kv.head_dim_v, scale)
+        if n <= DECODE_MAX:
+            return self._decode_attention(layer, q, scale, window, sinks, select)
 
         def over_cache(q, *select):  # a prompt: flash / memory-efficient attention over the cache as f16
             n_kv = self.batch.n_kv
