@@ -81,6 +81,19 @@ def test_ggmls_graph_selects_as_torch_does_past_the_top_k(name, mla, sparse, bac
     assert (eager.argmax(-1) == graph.argmax(-1)).all()
 
 
+def test_the_graph_scores_a_prompt_in_pieces_of_tokens_as_it_does_whole(sparse, backend, monkeypatch):
+    """ggml's graph holds a prompt's per-head scores in pieces of tokens (SCORE_FLOATS): at a budget of 3 tokens a
+    piece (8 heads of 128 cells) it selects as torch's path does."""
+    from ferry.runtime.runners import ggml_graph
+
+    monkeypatch.setattr(ggml_graph, "SCORE_FLOATS", 3 * 8 * 128)
+    tokens = torch.randint(0, 2000, (80,), generator=torch.Generator().manual_seed(6)).tolist()
+    path = sparse["glm-dsa-tiny"]
+    graph = _logits(path, backend, tokens, 70, True, n_ubatch=32)
+    eager = _logits(path, backend, tokens, 70, False, n_ubatch=32)
+    assert _kl(eager, graph).max() < 1e-10 and (eager.argmax(-1) == graph.argmax(-1)).all()
+
+
 @pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
 def test_below_the_top_k_sparse_attention_is_dense(graph, sparse, backend):
     """Up to 16 positions (the top-k) every query attends to all it sees: the logits are exactly those of the same

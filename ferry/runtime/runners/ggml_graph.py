@@ -24,6 +24,7 @@ from ferry.runtime.kv_cache import KVCache
 
 F32, F16, I32 = ggml.GGML_TYPE_F32, ggml.GGML_TYPE_F16, ggml.GGML_TYPE_I32
 _MAX_GRAPHS = 16
+SCORE_FLOATS = 1 << 25  # the sparse attention indexer's per-head scores held at once (128 MiB; a prompt's in pieces)
 
 
 class GraphOps:
@@ -255,19 +256,33 @@ class GraphOps:
             keys = ggml.ggml_cast(c, keys, F32)
         if not ggml.ggml_is_contiguous(q):
             q = ggml.ggml_cont(c, q)
-        per_head = ggml.ggml_relu(c, ggml.ggml_mul_mat(c, keys, ggml.ggml_reshape_2d(c, q, d, heads * n)))
-        weighted = ggml.ggml_mul(c, ggml.ggml_reshape_3d(c, per_head, self.n_kv, heads, n),
-                                 ggml.ggml_reshape_3d(c, w, 1, heads, n))  # (n_kv, heads, n)
-        summed = ggml.ggml_sum_rows(c, ggml.ggml_cont(c, ggml.ggml_permute(c, weighted, 1, 0, 2, 3)))  # (1, n_kv, n)
         # the causal mask input as the runs fill it: (n_kv, n) contiguous (set_cache_length's strides)
         causal = ggml.ggml_cast(c, ggml.ggml_view_2d(c, self._mask(0), self.n_kv, n, 2 * self.n_kv, 0), F32)
-        score = ggml.ggml_add(c, ggml.ggml_reshape_2d(c, summed, self.n_kv, n), causal)
-        top = ggml.ggml_top_k(c, score, top_k)  # (top_k, n) int32
-        unseen = ggml.ggml_reshape_3d(c, ggml.ggml_fill(c, score, -math.inf), 1, self.n_kv, n)
-        zeros = ggml.ggml_fill(c, ggml.ggml_reshape_3d(c, ggml.ggml_cast(c, top, F32), 1, top_k, n), 0.0)
-        chosen = ggml.ggml_reshape_2d(c, ggml.ggml_set_rows(c, unseen, zeros, top), self.n_kv, n)
-        self.selection = ggml.ggml_cast(c, ggml.ggml_add(c, chosen, causal), F16)
+        chunk = max(1, min(n, SCORE_FLOATS // (heads * self.n_kv)))  # tokens whose per-head scores are held at once
+        chosen = None
+        for t0 in range(0, n, chunk):
+            part = self._select_rows(keys, q, w, causal, t0, min(chunk, n - t0), top_k)
+            chosen = part if chosen is None else ggml.ggml_concat(c, chosen, part, 1)
+        self.selection = ggml.ggml_cast(c, chosen, F16)
         return self.selection
+
+    def _select_rows(self, keys, q, w, causal, t0: int, m: int, top_k: int):
+        """dsa_select's mask for tokens t0 .. t0 + m - 1 (their (n_kv, heads, m) per-head scores held at once):
+        (n_kv, m) float32, 0 where attended, -inf elsewhere."""
+        c, n_kv = self.c, self.n_kv
+        d, heads = q.contents.ne[0], q.contents.ne[1]
+        qm = ggml.ggml_view_2d(c, q, d, heads * m, q.contents.nb[1], t0 * q.contents.nb[2])
+        wm = ggml.ggml_view_3d(c, w, 1, heads, m, w.contents.nb[0], w.contents.nb[1], t0 * w.contents.nb[1])
+        cm = ggml.ggml_view_2d(c, causal, n_kv, m, causal.contents.nb[1], t0 * causal.contents.nb[1])
+        per_head = ggml.ggml_relu(c, ggml.ggml_mul_mat(c, keys, qm))  # (n_kv, heads * m)
+        weighted = ggml.ggml_mul(c, ggml.ggml_reshape_3d(c, per_head, n_kv, heads, m), wm)  # (n_kv, heads, m)
+        summed = ggml.ggml_sum_rows(c, ggml.ggml_cont(c, ggml.ggml_permute(c, weighted, 1, 0, 2, 3)))  # (1, n_kv, m)
+        score = ggml.ggml_add(c, ggml.ggml_reshape_2d(c, summed, n_kv, m), cm)
+        top = ggml.ggml_top_k(c, score, top_k)  # (top_k, m) int32
+        unseen = ggml.ggml_reshape_3d(c, ggml.ggml_fill(c, score, -math.inf), 1, n_kv, m)
+        zeros = ggml.ggml_fill(c, ggml.ggml_reshape_3d(c, ggml.ggml_cast(c, top, F32), 1, top_k, m), 0.0)
+        chosen = ggml.ggml_reshape_2d(c, ggml.ggml_set_rows(c, unseen, zeros, top), n_kv, m)
+        return ggml.ggml_add(c, chosen, cm)
 
     def sigmoid(self, x):
         return ggml.ggml_sigmoid(self.c, x)
@@ -364,6 +379,9 @@ class GgmlGraphRunner:
     def _build(self, model, n: int, kv: KVCache, logit_rows: int, n_kv: int) -> tuple[_Graph, GraphOps]:
         a = model.args
         n_nodes = (128 + 4 * max(a.n_expert_used, 1)) * a.n_layer + 256
+        if a.indexer_top_k:  # the indexer's scores in pieces of tokens (GraphOps.dsa_select): 32 nodes a piece
+            fewest = max(1, SCORE_FLOATS // (a.indexer_n_head * kv.n_ctx))  # tokens a piece at the longest cache
+            n_nodes += 32 * -(-n // fewest) * len(a.indexer_layers)
         g = _Graph(self.backend, n, max_nodes=n_nodes)
         ops = GraphOps(self.backend, g, n, kv, logit_rows, n_kv)
         logits = model.forward(ops)
