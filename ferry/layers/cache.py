@@ -41,9 +41,14 @@ class CacheLayout:
                      + self.index_dim * index_value_bytes(key_bytes) * len(self.index_layers))
 
 
+def index_type(type_k: Q) -> Q:
+    """The type of the indexer's cached keys: float32 under an f32 key cache, else float16 (llama.cpp keeps them in
+    the key cache's type, quantized ones rotated first; ferry keeps a quantized cache's in f16)."""
+    return Q.F32 if type_k == Q.F32 else Q.F16
+
+
 def index_value_bytes(key_bytes: float) -> int:
-    """Bytes per value of the indexer's cached keys: float32 under an f32 key cache, else float16 (llama.cpp keeps
-    them in the key cache's type, quantized ones rotated first; ferry keeps a quantized cache's in f16)."""
+    """Bytes per value of index_type's keys, from the key cache's bytes per value (the memory plan's terms)."""
     return 4 if key_bytes == 4 else 2
 
 

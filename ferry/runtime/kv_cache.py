@@ -2,7 +2,7 @@
 (`-ctk` / `-ctv`: f16 by default, as in llama.cpp; q8_0 halves it again). In DeepSeek's latent attention
 (-mla 1/2/3) a position's key is its latent and rope key, and its value the latent: the first values of the key
 row, so no value rows are stored. DeepSeek sparse attention's layers also keep their indexer's key per position
-(`index`, float16)."""
+(`index`, in layers/cache.py's index_type)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.errors import FerryError
-from ferry.layers.cache import CacheLayout, StateLayout, kv_type
+from ferry.layers.cache import CacheLayout, StateLayout, index_type, kv_type
 from ferry.quant import row_bytes
 
 TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # types torch reads directly
@@ -46,7 +46,7 @@ class KVCache:
         rows = [0 if i in recurrent else n_ctx for i in range(n_layer)]
         self.state = state
         self.index_dim = index_dim
-        self.type_index = Q.F32 if self.type_k == Q.F32 else Q.F16
+        self.type_index = index_type(self.type_k)
         ib = row_bytes(self.type_index, index_dim)
         index_rows = [n_ctx if i in index_layers else 0 for i in range(n_layer)]
         if device is None:  # host memory: ggml's graphs read it by address
