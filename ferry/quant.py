@@ -90,6 +90,62 @@ def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.nda
     return out.reshape(tuple(reversed(ne)))
 
 
+# The ik_llama.cpp types ferry runs, and the llama.cpp type each is rewritten into at load (ik_to_q8_0): Q6_0's values
+# are Q8_0's exactly; IQ4_KS's come out as its table values under each sub-block's scale (the row's float32 times the
+# sub-block's integer), which Q8_0 keeps in fp16: a relative rounding of at most 2^-11 per 32 weights.
+IK_RUN_AS = {133: Q.Q8_0, 144: Q.Q8_0}
+IK_NOTE = {"Q6_0": "the same values", "IQ4_KS": "each 32 values' scale rounded to fp16, at most 2^-11 of a value"}
+
+
+def ik_name(raw_type: int) -> str:
+    return IK_TYPES[raw_type][0] if raw_type in IK_TYPES else str(raw_type)
+
+
+def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
+    """A tensor of ik_llama.cpp's Q6_0 or IQ4_KS as Q8_0 blocks (an fp16 scale and 32 int8 values each), the same
+    weights in the same order: by ferry's C file on every core where it builds, else by numpy
+    (ik_to_q8_0_reference); raises FerryError where a scale leaves fp16's range."""
+    from ferry.kernels.cpu import native
+
+    if raw_type in IK_RUN_AS:
+        rows = int(np.prod(ne[1:], dtype=np.int64))
+        fast = native.ik_to_q8_0(raw, raw_type, rows, ne[0])
+        if fast is not None:
+            return fast
+    return ik_to_q8_0_reference(raw, raw_type, ne)
+
+
+def ik_to_q8_0_reference(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
+    """ik_to_q8_0 in numpy."""
+    name = ik_name(raw_type)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if name == "Q6_0":
+        b = raw.reshape(-1, 26)
+        d = b[:, :2]
+        qh, qs = b[:, 2:10], b[:, 10:26]
+        h = np.concatenate([qh, qh >> 4], axis=1)  # byte j (j < 16): weight j's and j + 16's high bits
+        lo = (qs & 0x0F) | ((h << 4) & 0x30)
+        hi = (qs >> 4) | ((h << 2) & 0x30)
+        q = (np.concatenate([lo, hi], axis=1).astype(np.int16) - 32).astype(np.int8)
+        return np.concatenate([d, q.view(np.uint8)], axis=1).reshape(-1)
+    if name == "IQ4_KS":
+        rows = int(np.prod(ne[1:], dtype=np.int64))
+        r = raw.reshape(rows, 4 + ne[0] // QK_K * 136)
+        d = r[:, :4].copy().view(np.float32)  # (rows, 1)
+        b = r[:, 4:].reshape(rows, -1, 136)
+        scales, qs = b[:, :, :8].astype(np.int32), b[:, :, 8:].reshape(rows, -1, 8, 16)
+        with np.errstate(over="ignore"):
+            d8 = (d[:, :, None].astype(np.float64) * ((scales & 254) - 127)).astype(np.float16)
+        if not np.isfinite(d8).all():
+            raise FerryError("an IQ4_KS scale is beyond fp16's range; the file is corrupt, re-download it")
+        table = IQ4K_VALUES.astype(np.int8)[((scales & 1) * 16)[..., None] + np.arange(16)]  # (rows, blocks, 8, 16)
+        lo = np.take_along_axis(table, (qs & 0x0F).astype(np.intp), axis=-1)
+        hi = np.take_along_axis(table, (qs >> 4).astype(np.intp), axis=-1)
+        q = np.concatenate([lo, hi], axis=-1)  # (rows, super-blocks, 8, 32)
+        return np.concatenate([d8[..., None].view(np.uint8), q.view(np.uint8)], axis=-1).reshape(-1)
+    raise FerryError(f"{name} (type {raw_type}) is an ik_llama.cpp quant type ferry does not read yet")
+
+
 def parse_qtype(name: str) -> GGMLQuantizationType:
     """'q4_k' or 'Q4_K' -> GGMLQuantizationType.Q4_K, with an error that lists the valid names."""
     try:

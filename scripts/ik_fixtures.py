@@ -3,10 +3,16 @@ llama-quantize (built from ../shared/anchors' tarball, CPU only, into ~/.cache/f
 `ferry synth qwen3-moe-tiny` F16 file to each of ik's types below, then quantizes that back to F32 (ik's own
 dequantization); for one tensor per type (its smallest of that type), its bytes and ik's float32 values go to
 tests/fixtures/ik/TYPE.npz.
+It also writes a whole model as ik_llama.cpp users have them: a one-layer `qwen3-moe-tiny` quantized by ik to IQ4_KS
+(its recipe) with Q6_0 for the attention and output tensors (tests/fixtures/ik/qwen3moe-iq4ks.gguf, 2.7 MB), a text,
+and ik's llama-perplexity on it and on the F16 file it came from (qwen3moe-iq4ks.json).
   python scripts/ik_fixtures.py [--tarball PATH] [--types Q6_0,IQ4_KS]
 The build takes about 10 minutes on 2 cores the first time; CI only reads the fixtures."""
 
 import argparse
+import json
+import random
+import re
 import subprocess
 import sys
 import tarfile
@@ -24,9 +30,9 @@ from ferry.quant import dequantize  # noqa: E402
 
 
 def build(tarball: Path, where: Path) -> Path:
-    """ik_llama.cpp's llama-quantize, built once (CPU only)."""
+    """ik_llama.cpp's llama-quantize and llama-perplexity, built once (CPU only)."""
     exe = where / "build" / "bin" / "llama-quantize"
-    if exe.exists():
+    if exe.exists() and exe.with_name("llama-perplexity").exists():
         return exe
     if not (where / "CMakeLists.txt").exists():
         where.mkdir(parents=True, exist_ok=True)
@@ -38,8 +44,42 @@ def build(tarball: Path, where: Path) -> Path:
                     tf.extract(m, where, filter="data")
     subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF"], cwd=where, check=True)
-    subprocess.run(["cmake", "--build", "build", "-j2", "--target", "llama-quantize"], cwd=where, check=True)
+    subprocess.run(["cmake", "--build", "build", "-j2", "--target", "llama-quantize", "llama-perplexity"], cwd=where,
+                   check=True)
     return exe
+
+
+MODEL_CUSTOM_Q = "attn_k=q6_0,attn_v=q6_0,attn_output=q6_0,output=q6_0"
+PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]
+
+
+def ik_ppl(perplexity: Path, model: Path, text: Path) -> list[float]:
+    """ik's llama-perplexity: the running estimate after each chunk, as it prints them."""
+    with tempfile.TemporaryDirectory() as cwd:  # where it writes its llama.log
+        r = subprocess.run([str(perplexity), "-m", str(model), "-f", str(text), *PPL_ARGS], capture_output=True,
+                           text=True, check=True, cwd=cwd)
+    return [float(v) for v in re.findall(r"\[\d+\]([0-9.]+),", r.stdout + r.stderr)]
+
+
+def model_fixture(quantize: Path, f16: Path, out: Path, tmp: Path) -> None:
+    """A one-layer tiny MoE as ik quantizes it to IQ4_KS with Q6_0 beside, a text, and ik's perplexity on both files."""
+    one = tmp / "one-f16.gguf"
+    subprocess.run([sys.executable, "-m", "ferry", "synth", "qwen3-moe-tiny", "--layers", "1", "--type", "f16",
+                    "--expert-type", "f16", "-o", str(one), "-q"], check=True, cwd=ROOT)
+    model = out / "qwen3moe-iq4ks.gguf"
+    subprocess.run([str(quantize), "--custom-q", MODEL_CUSTOM_Q, str(one), str(model), "IQ4_KS", "1"], check=True,
+                   capture_output=True)
+    rng = random.Random(1)
+    words = ("the a of and to in is was for on that with as by at from it his an were are which be this has or had not "
+             "but first one their its new after who they have her she two been other when there all during into school "
+             "time may years more most only over city some world would where later up such used many can").split()
+    text = out / "qwen3moe-iq4ks.txt"
+    text.write_text(" ".join(rng.choice(words) for _ in range(3000)))
+    perplexity = quantize.with_name("llama-perplexity")
+    ref = {"args": PPL_ARGS, "custom_q": MODEL_CUSTOM_Q, "ppl": ik_ppl(perplexity, model, text),
+           "ppl_f16": ik_ppl(perplexity, one, text)}
+    (out / "qwen3moe-iq4ks.json").write_text(json.dumps(ref, indent=1) + "\n")
+    print(f"model: {model} ({model.stat().st_size} bytes), ik's ppl {ref['ppl'][-1]} (F16: {ref['ppl_f16'][-1]})")
 
 
 def main() -> None:
@@ -68,6 +108,7 @@ def main() -> None:
             np.savez_compressed(out / f"{name}.npz", raw=np.array(data), raw_type=raw_type, ne=np.array(ne),
                                 ik_values=theirs.astype(np.float32))
             print(f"{name}: {tensor} {list(ne)}, {data.nbytes} bytes -> {out / (name + '.npz')}")
+        model_fixture(quantize, f16, out, Path(tmp))
 
 
 if __name__ == "__main__":

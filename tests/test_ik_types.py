@@ -1,7 +1,10 @@
 """ik_llama.cpp's own quant types against ik_llama.cpp itself: scripts/ik_fixtures.py had its llama-quantize write a
 tensor of each type and dequantize it back to F32; ferry's float64 reference (ferry.quant.dequantize_ik) must give
-those values, to float32's rounding of ik's two-step products (its scale times the sub-block's, then the value)."""
+those values, to float32's rounding of ik's two-step products (its scale times the sub-block's, then the value).
+The types ferry reads (Q6_0, IQ4_KS) are rewritten at load as Q8_0 (quant.ik_to_q8_0), checked against that
+reference; a whole model as ik quantized it must give ik's llama-perplexity."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +12,8 @@ import pytest
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.quant import IK_TYPES, dequantize_ik, ik_type_bytes
+from ferry.kernels.cpu import native
+from ferry.quant import IK_TYPES, Q, dequantize, dequantize_ik, ik_to_q8_0, ik_to_q8_0_reference, ik_type_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ik"
 
@@ -40,10 +44,70 @@ def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
     from tests.test_gguf_file import _patch, _valid
 
     path = _valid(tmp_path / "m.gguf", n_tensors=2)
-    _patch(path, "t0", 4 + 16, "<I", 133)  # Q8_0 (34 bytes a block) -> Q6_0 (26): the data still fits
+    _patch(path, "t0", 4 + 16, "<I", 134)  # Q8_0 (34 bytes a block) -> IQ1_BN (13 a block + 2 a row): still fits
     f = GGUFFile(path, ik=True)
     assert f.ik_tensors() == ["t0"] and "t0" not in f.tensors and "t1" in f.tensors
     raw_type, ne, data = f.ik_tensor("t0")
-    assert raw_type == 133 and ne == (64, 3) and data.nbytes == 3 * 2 * 26
-    with pytest.raises(FerryError, match="Q6_0 \\(type 133\\), one of ik_llama.cpp's own quant types"):
+    assert raw_type == 134 and ne == (64, 3) and data.nbytes == 3 * (2 + 13)
+    with pytest.raises(FerryError, match=r"IQ1_BN \(type 134\), one of ik_llama.cpp's own quant types, which ferry "
+                                         r"does not read yet \(of ik's types it reads Q6_0 and IQ4_KS\)"):
         GGUFFile(path)
+
+
+def _fixture(name):
+    f = np.load(FIXTURES / f"{name}.npz")
+    return int(f["raw_type"]), tuple(int(v) for v in f["ne"]), f["raw"]
+
+
+@pytest.mark.parametrize("name, rel", [("Q6_0", 0.0), ("IQ4_KS", 2.0 ** -11)])
+def test_a_tensor_ferry_reads_is_rewritten_as_q8_0_with_its_values(name, rel):
+    """Q6_0's values are Q8_0's exactly; IQ4_KS's sub-block scale (float32 row scale times an integer) is kept in
+    Q8_0's fp16: at most half an fp16 step (2^-11 of the value) away."""
+    raw_type, ne, raw = _fixture(name)
+    q8 = ik_to_q8_0(raw, raw_type, ne)
+    assert q8.nbytes == int(np.prod(ne)) // 32 * 34
+    got, ref = dequantize(q8, Q.Q8_0, ne).astype(np.float64), dequantize_ik(raw, raw_type, ne)
+    assert np.all(np.abs(got - ref) <= rel * np.abs(ref))
+    assert np.array_equal(q8, ik_to_q8_0_reference(raw, raw_type, ne))
+
+
+@pytest.mark.parametrize("raw_type, rows, blocks", [(133, 1, 1), (133, 7, 5), (144, 3, 1), (144, 5, 3)])
+def test_the_c_rewrite_equals_numpys_on_random_bytes(raw_type, rows, blocks):
+    """Odd row counts and lengths, every byte value; IQ4_KS's row scales spread over fp16's normal and subnormal
+    ranges (a sub-block scale of 2^-30 rounds to fp16's smallest steps)."""
+    assert native.compiled() is not None, "the test machine has a C compiler"
+    rng = np.random.default_rng(raw_type + rows)
+    if raw_type == 133:
+        n, raw = 32 * blocks, rng.integers(0, 256, rows * blocks * 26, dtype=np.uint8)
+        raw.reshape(-1, 26)[:, :2] = np.float16(rng.uniform(-1, 1, (rows * blocks, 1))).view(np.uint8)
+    else:
+        n = 256 * blocks
+        raw = rng.integers(0, 256, (rows, 4 + blocks * 136), dtype=np.uint8)
+        raw[:, :4] = (np.float32(2.0) ** rng.integers(-36, 8, (rows, 1)).astype(np.float32)
+                      * rng.uniform(1, 2, (rows, 1)).astype(np.float32)).view(np.uint8)
+        raw = raw.reshape(-1)
+    assert np.array_equal(native.ik_to_q8_0(raw, raw_type, rows, n), ik_to_q8_0_reference(raw, raw_type, (n, rows)))
+
+
+def test_a_file_of_ik_types_opens_with_them_run_as_q8_0():
+    f = GGUFFile(FIXTURES / "qwen3moe-iq4ks.gguf")
+    stored = f.ik_stored
+    assert set(stored) == {"IQ4_KS", "Q6_0"} and stored["IQ4_KS"][0] == 5 and stored["Q6_0"][0] == 4
+    t = f.tensor("blk.0.ffn_up_exps.weight")
+    assert t.qtype == Q.Q8_0 and t.stored_as == "IQ4_KS" and t.file_bytes == 16 * 256 * (4 + 136)
+    assert f.data(t).nbytes == t.nbytes == 16 * 256 * 8 * 34 and f.data(t) is f.data(t)  # rewritten once
+
+
+def test_ferry_ppl_on_ik_llama_cpps_file_equals_its_llama_perplexity(capsys):
+    """The issue's bar: within 0.2% of ik's llama-perplexity, after every chunk. The same model in F16 lies 0.9% away
+    from ik's IQ4_KS figure, so the bar tells the file's weights from others."""
+    from ferry.cli import main
+
+    ref = json.loads((FIXTURES / "qwen3moe-iq4ks.json").read_text())
+    ik, f16 = np.array(ref["ppl"]), np.array(ref["ppl_f16"])
+    assert np.abs(f16[-1] / ik[-1] - 1) > 0.005
+    code = main(["ppl", "-m", str(FIXTURES / "qwen3moe-iq4ks.gguf"), "-f", str(FIXTURES / "qwen3moe-iq4ks.txt"),
+                 "-c", "128", "--chunks", "8", "-t", "2", "-o", "json"])
+    assert code == 0
+    mine = np.array(json.loads(capsys.readouterr().out)["chunk_ppl"])
+    assert mine.shape == ik.shape and np.abs(mine / ik - 1).max() < 0.002

@@ -3,7 +3,10 @@ deepseek2 (latent attention, group-free sigmoid routing), minimax-m2 (q/k norms 
 each head, sigmoid routing with a correction bias), qwen35moe (gated delta-net layers with their recurrent state,
 gated attention, a gated shared expert) and deepseek32 / glm-dsa (sparse attention, top-k 16 of the 220 positions)
 on the GPU and in the hybrid runtime, against the all-CPU
-result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs."""
+result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs. Also
+a file as ik_llama.cpp quantized it (IQ4_KS with Q6_0, rewritten at load as Q8_0: tests/fixtures/ik)."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,10 +23,13 @@ N_PROMPT, N_GEN = 200, 20
 
 
 @pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny",
-                                                    "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny"])
+                                                    "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny", "ik-iq4ks"])
 def family(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp("f") / f"{request.param}.gguf"
-    assert main(["synth", request.param, "-o", str(path), "-q"]) == 0
+    if request.param == "ik-iq4ks":
+        path = Path(__file__).parents[1] / "tests" / "fixtures" / "ik" / "qwen3moe-iq4ks.gguf"
+    else:
+        path = tmp_path_factory.mktemp("f") / f"{request.param}.gguf"
+        assert main(["synth", request.param, "-o", str(path), "-q"]) == 0
     cpu, model = place(path, 8)
     tokens = np.random.default_rng(1).integers(0, model.args.n_vocab, N_PROMPT + N_GEN).tolist()
     e = Engine(model, cpu, n_ctx=256)

@@ -20,10 +20,11 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ferry.errors import FerryError
-from ferry.quant import IK_TYPES, ik_type_bytes
+from ferry.quant import IK_RUN_AS, IK_TYPES, ik_to_q8_0, ik_type_bytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
+_IK_READ = " and ".join(IK_TYPES[t][0] for t in IK_RUN_AS)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_KEY_BYTES = 1 << 16
@@ -60,8 +61,19 @@ class TensorInfo:
     ne: tuple[int, ...]
     qtype: GGMLQuantizationType
     offset: int  # absolute byte offset inside its part's file
-    nbytes: int
+    nbytes: int  # its bytes as qtype
     part: int
+    ik_type: int = 0  # ik_llama.cpp's type it is stored in, rewritten as qtype when read (0: stored as qtype)
+    file_bytes: int = 0  # its bytes in the file, where ik_type is set
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.file_bytes or self.nbytes
+
+    @property
+    def stored_as(self) -> str:
+        """The type the file holds it in: qtype's name, or ik_llama.cpp's."""
+        return IK_TYPES[self.ik_type][0] if self.ik_type else self.qtype.name
 
     @property
     def n_elements(self) -> int:
@@ -225,6 +237,12 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
             qtype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
+            if raw_type in IK_RUN_AS and part.foreign is None:  # read as a llama.cpp type (quant.ik_to_q8_0)
+                if ne[0] % IK_TYPES[raw_type][1]:
+                    raise cur.fail(f"tensor '{name}' row length {ne[0]} is not a multiple of the "
+                                   f"{IK_TYPES[raw_type][0]} block size {IK_TYPES[raw_type][1]}") from None
+                foreign.append((name, ne, raw_type, cur.u64(f"data offset of tensor '{name}'")))
+                continue
             if raw_type in IK_TYPES and part.foreign is not None:  # kept apart, for a reader that asked for them
                 if ne[0] % IK_TYPES[raw_type][1]:
                     raise cur.fail(f"tensor '{name}' row length {ne[0]} is not a multiple of the "
@@ -234,8 +252,9 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
             if raw_type in IK_TYPES:  # a valid file, of the other engine: not "corrupt"
                 raise FerryError(
                     f"{cur.path}: tensor '{name}' is {IK_TYPES[raw_type][0]} (type {raw_type}), one of ik_llama.cpp's "
-                    "own quant types, which ferry does not read yet; run this file with ik_llama.cpp, or requantize "
-                    "the model to a llama.cpp type (e.g. Q4_K_M) with llama-quantize") from None
+                    f"own quant types, which ferry does not read yet (of ik's types it reads {_IK_READ}); run this "
+                    "file with ik_llama.cpp, or requantize the model to a llama.cpp type (e.g. Q4_K_M) with "
+                    "llama-quantize") from None
             raise cur.fail(f"tensor '{name}' has unknown quant type {raw_type}; this file needs a newer reader than gguf-py provides here") from None
         if ne[0] % block:
             raise cur.fail(f"tensor '{name}' row length {ne[0]} is not a multiple of the {qtype.name} block size {block}")
@@ -249,7 +268,14 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
         if data_start + offset + nbytes > part.size:
             raise FerryError(f"{part.path}: file is truncated: '{name}' needs bytes up to "
                              f"{data_start + offset + nbytes}, the file has {part.size}; re-download the model")
-        part.foreign[name] = (raw_type, ne, data_start + offset, nbytes)
+        if part.foreign is not None:
+            part.foreign[name] = (raw_type, ne, data_start + offset, nbytes)
+        else:
+            qtype = IK_RUN_AS[raw_type]
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_elements = int(np.prod(ne, dtype=np.int64))
+            part.tensors.append(TensorInfo(name, ne, qtype, data_start + offset, n_elements // block * type_size,
+                                           index, raw_type, nbytes))
     for name, ne, qtype, offset, nbytes in raw_infos:
         start = data_start + offset
         if start + nbytes > part.size:
@@ -259,7 +285,7 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
         part.tensors.append(TensorInfo(name, ne, qtype, start, nbytes, index))
     by_offset = sorted(part.tensors, key=lambda t: t.offset)
     for a, b in zip(by_offset, by_offset[1:]):
-        if b.offset < a.offset + a.nbytes:
+        if b.offset < a.offset + a.stored_bytes:
             raise FerryError(f"{part.path}: tensors '{a.name}' and '{b.name}' overlap in the file; the file is corrupt, re-convert it")
 
 
@@ -294,6 +320,7 @@ class GGUFFile:
         self.metadata: dict[str, Any] = self._parts[0].metadata
         self.version = self._parts[0].version
         self.tensors: dict[str, TensorInfo] = {}
+        self._rewritten: dict[str, np.ndarray] = {}
         for part in self._parts:
             for t in part.tensors:
                 if t.name in self.tensors:
@@ -361,10 +388,26 @@ class GGUFFile:
         raise KeyError(name)
 
     def data(self, t: TensorInfo | str) -> np.ndarray:
-        """The tensor's raw bytes as a read-only uint8 array over the mmap (no copy)."""
+        """The tensor's raw bytes as a read-only uint8 array over the mmap (no copy); a tensor stored in one of
+        ik_llama.cpp's types comes as its qtype's blocks, rewritten once (quant.ik_to_q8_0) and kept."""
         if isinstance(t, str):
             t = self.tensor(t)
-        return np.frombuffer(self._parts[t.part].mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        stored = np.frombuffer(self._parts[t.part].mm, dtype=np.uint8, count=t.stored_bytes, offset=t.offset)
+        if not t.ik_type:
+            return stored
+        if t.name not in self._rewritten:
+            self._rewritten[t.name] = ik_to_q8_0(stored, t.ik_type, t.ne)
+        return self._rewritten[t.name]
+
+    @property
+    def ik_stored(self) -> dict[str, tuple[int, int, int]]:
+        """ik_llama.cpp's types this file stores tensors in: name -> (tensor count, bytes in the file, bytes as run)."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for t in self.tensors.values():
+            if t.ik_type:
+                n, stored, run = out.get(t.stored_as, (0, 0, 0))
+                out[t.stored_as] = (n + 1, stored + t.file_bytes, run + t.nbytes)
+        return out
 
     @property
     def n_bytes(self) -> int:

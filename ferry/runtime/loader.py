@@ -13,6 +13,7 @@ from ferry.backends.base import Backend
 from ferry.config import Settings, settings as current_settings
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
+from ferry.quant import IK_NOTE
 from ferry.models.base import Model
 from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
 from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB, Fit, gpu_room, placed
@@ -172,6 +173,7 @@ def load(cfg: RunConfig) -> Loaded:
 
     t0 = time.perf_counter()
     f = GGUFFile(cfg.model_path)
+    _check_ik_rewrite(f, cfg.quiet)
     model = load_model(f, cfg.mla, cfg.amb)
     cfg, fitted = placed(cfg, f, model.args, model.cache_layout(), gpu_room(cfg.gpu_caps))
     if fitted is not None and not cfg.quiet:
@@ -209,6 +211,24 @@ def _prepare(backend, model, quiet: bool) -> None:
 
 def _n_ctx(model, cfg: RunConfig) -> int:
     return cfg.n_ctx if cfg.n_ctx > 0 else model.args.n_ctx_train
+
+
+def _check_ik_rewrite(f, quiet: bool) -> None:
+    """Tensors in ik_llama.cpp's types are rewritten as Q8_0 into RAM at load: say so, and refuse where they would not
+    fit in the RAM available."""
+    stored = f.ik_stored
+    if not stored:
+        return
+    need = sum(run for _, _, run in stored.values())
+    available = host_memory()
+    if available is not None and need > available:
+        raise FerryError(f"{f.path.name}: its tensors in ik_llama.cpp's {' and '.join(stored)} are rewritten as Q8_0 "
+                         f"at load, {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of RAM available; "
+                         "run this file with ik_llama.cpp, or requantize it to a llama.cpp type")
+    if not quiet:
+        for name, (count, in_file, run) in stored.items():
+            print(f"ferry: {count} tensors in ik_llama.cpp's {name} ({in_file / 2**30:.2f} GiB) run as Q8_0 "
+                  f"({run / 2**30:.2f} GiB of RAM; {IK_NOTE[name]})", file=sys.stderr)
 
 
 def _check_host_memory(f, model, cfg: RunConfig) -> None:

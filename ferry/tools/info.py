@@ -7,6 +7,7 @@ import re
 from collections import defaultdict
 
 from ferry.gguf.file import GGUFFile
+from ferry.quant import IK_NOTE
 from ferry.models.base import ModelArgs
 from ferry.kernels.capabilities import cpu_repack
 from ferry.placement import place
@@ -20,7 +21,10 @@ def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides, repac
         group = re.sub(r"^blk\.\d+\.", "blk.*.", t.name)
         device = place(t.name, n_layer, n_gpu_layers, overrides)
         layout = "" if device != "CPU" else "repacked" if repack and cpu_repack(t.qtype, t.ne) else "mmap"
-        g = groups.setdefault((group, t.qtype.name, device), {"group": group, "type": t.qtype.name, "device": device,
+        if t.ik_type:
+            layout = "rewritten"
+        kind = t.qtype.name if not t.ik_type else f"{t.stored_as} as {t.qtype.name}"
+        g = groups.setdefault((group, kind, device), {"group": group, "type": kind, "device": device,
                                                                "cpu_layout": layout, "count": 0, "bytes": 0,
                                                                "shape": list(reversed(t.ne))})
         g["count"] += 1
@@ -67,6 +71,9 @@ def info(cfg, as_json: bool) -> dict:
     if any(g["cpu_layout"] == "repacked" for g in groups):
         console.print("repacked: copied at load into ggml's interleaved CPU layout, which the CPU's kernels read (a GPU "
                       "that takes them streams them from the mmap); --no-repack keeps the mmap alone", soft_wrap=True)
+    for name, (count, stored, run) in f.ik_stored.items():
+        console.print(f"{name}: {count} tensors in ik_llama.cpp's type, rewritten at load as Q8_0 ({stored / 2**20:.1f} "
+                      f"MiB in the file, {run / 2**20:.1f} MiB in RAM; {IK_NOTE[name]})", soft_wrap=True)
     console.print("placement: " + ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in sorted(by_device.items())) +
                   f"  (-ngl {n_gpu_layers}" + "".join(f" -ot {s}" for s in override_specs) + ")")
     return report

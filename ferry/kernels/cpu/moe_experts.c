@@ -1099,6 +1099,68 @@ void ferry_repack_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t c
         }
 }
 
+/* x rounded to fp16's nearest (ties to even) as its bits; x is finite and below 65520 in magnitude (the caller
+ * checks). Written out, not by F16C, so that it builds for any CPU: the transcoding below runs wherever C does. */
+static uint16_t half_bits(double x) {
+    const uint16_t sign = x < 0 ? 0x8000 : 0;
+    const double a = fabs(x);
+    int e;
+    frexp(a, &e); /* a = f 2^e, f in [0.5, 1) */
+    e -= 1;       /* a = 1.m 2^e */
+    if (a == 0.0) return sign;
+    if (e < -14) return sign | (uint16_t)rint(a * 16777216.0); /* subnormal: steps of 2^-24 (may round up to 2^-14) */
+    double m = rint(ldexp(a, 10 - e));                             /* 1024..2048 */
+    if (m == 2048.0) m = 1024.0, e++;
+    return sign | (uint16_t)(((e + 15) << 10) | ((int)m - 1024));
+}
+
+/* ik_llama.cpp's Q6_0 (type 133) or IQ4_KS (144) rows of n values as Q8_0 blocks, the same weights: Q6_0's exactly,
+ * IQ4_KS's table values with each sub-block's scale (the row's float times the sub-block's integer) rounded to fp16.
+ * Returns the count of scales at or past fp16's largest (a corrupt file; their blocks are left unwritten). */
+int64_t ferry_ik_to_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n, int type, int n_threads) {
+    static const int8_t iq4k[32] = {-127, -104, -83, -65, -49, -35, -22, -10, 1,   13,  25,  38,  53,  69,  89,  113,
+                                    -123, -100, -79, -61, -45, -31, -18, -6,  5,   17,  29,  42,  57,  73,  93,  117};
+    const int64_t blocks = n / QK4_0;
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(+ : bad)
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *o = dst + r * blocks * 34;
+        if (type == 133) {
+            const uint8_t *blk = src + r * blocks * 26;
+            for (int64_t b = 0; b < blocks; b++, blk += 26, o += 34) {
+                memcpy(o, blk, 2);
+                for (int j = 0; j < 16; j++) {
+                    const int h = blk[2 + j % 8] >> (4 * (j / 8)), q = blk[10 + j];
+                    o[2 + j] = (uint8_t)(int8_t)(((q & 0x0f) | ((h << 4) & 0x30)) - 32);
+                    o[18 + j] = (uint8_t)(int8_t)(((q >> 4) | ((h << 2) & 0x30)) - 32);
+                }
+            }
+        } else {
+            const uint8_t *row = src + r * (4 + blocks / 8 * 136);
+            float d;
+            memcpy(&d, row, 4);
+            for (int64_t sb = 0; sb < blocks / 8; sb++) {
+                const uint8_t *scales = row + 4 + sb * 136, *qs = scales + 8;
+                for (int s = 0; s < 8; s++, o += 34) {
+                    const double scale = (double)d * ((scales[s] & 254) - 127);
+                    if (!(fabs(scale) < 65520.0)) {
+                        bad++;
+                        continue;
+                    }
+                    const uint16_t h = half_bits(scale);
+                    memcpy(o, &h, 2);
+                    const int8_t *table = iq4k + 16 * (scales[s] & 1);
+                    for (int j = 0; j < 16; j++) {
+                        o[2 + j] = (uint8_t)table[qs[16 * s + j] & 0x0f];
+                        o[18 + j] = (uint8_t)table[qs[16 * s + j] >> 4];
+                    }
+                }
+            }
+        }
+    }
+    return bad;
+}
+
 /* y = W x for n rows of x: W m rows of k columns of type in the kernel's layout (Q4_0 / Q4_K: ggml's repacked, Q8_0:
  * ferry_repack_q8_0's, Q6_K: plain), x rows x_stride floats apart, y rows out_stride apart */
 typedef struct {

@@ -99,8 +99,9 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             lib.ferry_attention.restype = ctypes.c_int
             lib.ferry_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i, i, i, i, i, i, i,
                                             i, ctypes.c_float, i]
-            _built[key] = lib if lib.ferry_moe_fast() else (
-                "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for")
+            lib.ferry_ik_to_q8_0.restype = i64
+            lib.ferry_ik_to_q8_0.argtypes = [p, p, i64, i64, i, i]
+            _built[key] = lib
         except (OSError, subprocess.SubprocessError) as e:
             _built[key] = f"ferry's CPU kernels did not build ({e})"
     return _built[key]
@@ -169,6 +170,13 @@ class _Scratch:
 def library(s: Settings | None = None) -> ctypes.CDLL | None:
     """The compiled kernels, or None (why_not() says why): with Settings.native_kernels off (FERRY_NATIVE=0), where no
     C compiler works, or where the CPU lacks the instructions they are written for."""
+    lib = compiled(s)
+    return lib if lib is not None and lib.ferry_moe_fast() else None
+
+
+def compiled(s: Settings | None = None) -> ctypes.CDLL | None:
+    """The compiled C file whatever this CPU's instructions (its portable functions: ik_to_q8_0), or None with
+    Settings.native_kernels off or no working C compiler."""
     s = s or settings()
     lib = _load(s) if s.native_kernels else None
     return lib if isinstance(lib, ctypes.CDLL) else None
@@ -189,7 +197,22 @@ def why_not(s: Settings | None = None) -> str:
     if not s.native_kernels:
         return "FERRY_NATIVE=0"
     lib = _load(s)
-    return "" if isinstance(lib, ctypes.CDLL) else lib
+    if not isinstance(lib, ctypes.CDLL):
+        return lib
+    return "" if lib.ferry_moe_fast() else "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for"
+
+
+def ik_to_q8_0(raw: np.ndarray, raw_type: int, rows: int, n: int, s: Settings | None = None) -> np.ndarray | None:
+    """ik_llama.cpp's Q6_0 / IQ4_KS rows as Q8_0 blocks by moe_experts.c, on every core (None where it did not
+    build; quant.ik_to_q8_0 is the reference it is tested against, 20-50x slower). Returns None too where a scale is
+    beyond fp16, for the reference to name."""
+    lib = compiled(s)
+    if lib is None:
+        return None
+    out = np.empty(rows * (n // 32) * 34, dtype=np.uint8)
+    raw = np.ascontiguousarray(raw)
+    bad = lib.ferry_ik_to_q8_0(raw.ctypes.data, out.ctypes.data, rows, n, raw_type, torch.get_num_threads())
+    return out if bad == 0 else None
 
 
 class MoeExperts:
