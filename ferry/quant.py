@@ -52,49 +52,127 @@ def ik_type_bytes(raw_type: int, ne: tuple[int, ...]) -> int:
     return rows * (meta + ne[0] // block * size)
 
 
-# ik_llama.cpp's non-linear 4-bit values (its iq4k_values): IQ4_KS's two tables, a sub-block's low scale bit picks one
+# ik_llama.cpp's value tables (its ggml-common.h); in each, the second half is the first shifted up by a constant, and
+# a bit per 32 values picks the half
+IQ2NL_VALUES = np.array([-31, -13, 1, 17, -26, -8, 6, 22], dtype=np.int8)
+IQ3NL_VALUES = np.array([-63, -40, -23, -10, 1, 13, 28, 47, -59, -36, -19, -6, 5, 17, 32, 51], dtype=np.int8)
 IQ4K_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-                        -123, -100, -79, -61, -45, -31, -18, -6, 5, 17, 29, 42, 57, 73, 93, 117], dtype=np.float64)
+                        -123, -100, -79, -61, -45, -31, -18, -6, 5, 17, 29, 42, 57, 73, 93, 117], dtype=np.int8)
+IQ5NL_VALUES = np.array([-126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -36, -30, -24, -18, -12, -6, -1, 5, 11, 17,
+                         23, 29, 36, 43, 51, 59, 68, 77, 87, 97, 109, 121, -124, -112, -101, -90, -81, -72, -63, -55,
+                         -48, -41, -34, -28, -22, -16, -10, -4, 1, 7, 13, 19, 25, 31, 38, 45, 53, 61, 70, 79, 89, 99,
+                         111, 123], dtype=np.int8)
+# IQ2_KL's 32 pairs of values (each byte one of IQ3NL_VALUES' first half; the low byte is the first of the pair)
+IQ2KL_PAIRS = np.array([0xe9c1, 0x0dc1, 0xc1d8, 0xf6d8, 0x0dd8, 0x2fd8, 0xd8e9, 0xe9e9, 0x01e9, 0x0de9, 0x1ce9, 0xc1f6,
+                        0x01f6, 0x0df6, 0x2ff6, 0xe901, 0xf601, 0x0101, 0x0d01, 0x1c01, 0xd80d, 0xe90d, 0xf60d, 0x010d,
+                        0x0d0d, 0xc11c, 0xe91c, 0x011c, 0x1c1c, 0x2f1c, 0xe92f, 0x0d2f],
+                       dtype="<u2").view(np.int8).reshape(32, 2)
 
 
-def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
-    """ik_llama.cpp's quant types to float64 in torch order (reversed ne), the reference the rest is tested against:
-    Q6_0 (per 32 values an fp16 scale, 8 bytes of high bit pairs, 16 of nibbles: w = d (q - 32)) and IQ4_KS (a
-    float32 scale before each row, then per 256 values 8 sub-block scales and 128 bytes of nibbles indexing
-    IQ4K_VALUES: w = d ((s & 254) - 127) table[s & 1][q])."""
-    name = IK_TYPES[raw_type][0] if raw_type in IK_TYPES else str(raw_type)
+def _row_scale(r: np.ndarray, meta: int) -> np.ndarray:
+    """Each row's scale, the `meta` bytes before its blocks (float32 or fp16), as float64 (rows, 1)."""
+    return r[:, :meta].copy().view(np.float32 if meta == 4 else np.float16).astype(np.float64)
+
+
+def _bits(a: np.ndarray, shift, n: int) -> np.ndarray:
+    return (a.astype(np.int32) >> shift) & ((1 << n) - 1)
+
+
+def _ik_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The ik_llama.cpp types whose 32 consecutive weights share one scale, as (scale (rows, n / 32) float64, values
+    (rows, n / 32, 32) int8): w = scale values, exactly as ik dequantizes (its layouts in ggml-common.h, its
+    dequantize_row_* in iqk_quantize.cpp).
+    - Q6_0: per 32 an fp16 d, 8 bytes of high bit pairs, 16 of nibbles: d (q - 32).
+    - IQ4_KS / IQ5_KS: a float32 d before each row; per 256 eight scale bytes S (s = (S & 254) - 127, the half of the
+      table S & 1), then 4- (and 5th-) bit indices into IQ4K_VALUES / IQ5NL_VALUES.
+    - IQ4_KSS: as IQ4_KS with the scale bits and indices folded into 16-bit words (w & 0xfffe, then x ^ (x >> 1)).
+    - IQ3_KS / IQ2_KS: an fp16 d a row; per 256 a 16-bit `extra` (5th scale bits, table halves), 4 bytes of scale
+      nibbles (s = ls - 16), 2-bit indices (and 3rd bits) into IQ3NL / IQ2NL_VALUES.
+    - IQ2_KL: an fp16 d a row; per 256 6-bit scales (s = ls - 32), 5-bit indices of IQ2KL_PAIRS, two values each."""
+    name = ik_name(raw_type)
+    if raw_type not in IK_RUN_AS:
+        raise FerryError(f"{name} (type {raw_type}) is an ik_llama.cpp quant type ferry does not read yet")
+    _, block, size, meta = IK_TYPES[raw_type]
     rows = int(np.prod(ne[1:], dtype=np.int64))
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if name == "Q6_0":
-        b = raw.reshape(-1, 26)
-        d = b[:, :2].copy().view(np.float16).astype(np.float64)  # (blocks, 1)
-        qh, qs = b[:, 2:10].astype(np.int32), b[:, 10:26].astype(np.int32)
-        j = np.arange(16)
-        h = qh[:, j % 8] >> (4 * (j // 8))
+        b = raw.reshape(rows, -1, 26)
+        d = b[..., :2].copy().view(np.float16).astype(np.float64)[..., 0]
+        qh, qs = b[..., 2:10], b[..., 10:26]
+        h = np.concatenate([qh, qh >> 4], axis=-1)  # byte j (j < 16): weight j's and j + 16's high bits
         lo = (qs & 0x0F) | ((h << 4) & 0x30)
         hi = (qs >> 4) | ((h << 2) & 0x30)
-        out = (np.concatenate([lo, hi], axis=1) - 32) * d
-    elif name == "IQ4_KS":
-        per_row = 4 + ne[0] // QK_K * 136
-        r = raw.reshape(rows, per_row)
-        d = r[:, :4].copy().view(np.float32).astype(np.float64)  # (rows, 1)
-        b = r[:, 4:].reshape(rows, -1, 136)
-        scales, qs = b[:, :, :8].astype(np.int32), b[:, :, 8:].reshape(rows, -1, 8, 16).astype(np.int32)
-        dl = d[:, :, None] * ((scales & 254) - 127)  # (rows, super-blocks, 8)
-        table = (scales & 1) * 16  # each sub-block's table
-        lo = IQ4K_VALUES[table[..., None] + (qs & 0x0F)]
-        hi = IQ4K_VALUES[table[..., None] + (qs >> 4)]
-        out = np.concatenate([lo, hi], axis=-1) * dl[..., None]
-    else:
-        raise FerryError(f"{name} (type {raw_type}) is an ik_llama.cpp quant type ferry does not dequantize yet")
-    return out.reshape(tuple(reversed(ne)))
+        return d, (np.concatenate([lo, hi], axis=-1).astype(np.int16) - 32).astype(np.int8)
+    r = raw.reshape(rows, meta + ne[0] // block * size)
+    d = _row_scale(r, meta)
+    b = r[:, meta:].reshape(rows, -1, size)
+    nb = b.shape[1]
+    sub = np.arange(8)
+    if name in ("IQ4_KS", "IQ5_KS", "IQ4_KSS"):
+        if name == "IQ4_KSS":
+            w = b.copy().view("<u2").reshape(rows, nb, 8, 8).astype(np.int32)  # sub-block, word
+            ls = ((w & 1) << np.arange(8)).sum(axis=-1)
+            x = w & 0xFFFE
+            v = (x ^ (x >> 1)) & 0xFFFF
+            qs = np.stack([v & 0xFF, v >> 8], axis=-1).reshape(rows, nb, 8, 16)
+            idx = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        else:
+            ls = b[:, :, :8].astype(np.int32)
+            if name == "IQ4_KS":
+                qs = b[:, :, 8:].reshape(rows, nb, 8, 16).astype(np.int32)
+                idx = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+            else:
+                qs = b[:, :, 8:136].reshape(rows, nb, 4, 1, 32)  # a 64's bytes: sub-block 2k low nibbles, 2k + 1 high
+                low = _bits(qs, np.array([0, 4]).reshape(1, 1, 1, 2, 1), 4).reshape(rows, nb, 8, 32)
+                qh = b[:, :, 136:168].reshape(rows, nb, 1, 32)
+                idx = low | (_bits(qh, sub.reshape(1, 1, 8, 1), 1) << 4)
+        table = IQ4K_VALUES if name != "IQ5_KS" else IQ5NL_VALUES
+        half = len(table) // 2
+        values = table[(ls & 1)[..., None] * half + idx]
+        s = (ls & 254) - 127
+    elif name in ("IQ3_KS", "IQ2_KS"):
+        extra = b[:, :, :2].copy().view("<u2")[..., 0].astype(np.int32)[..., None]  # (rows, nb, 1)
+        sc = b[:, :, 2:6].astype(np.int32)
+        if name == "IQ3_KS":  # scales[k]: sub-block k low nibble, k + 4 high; extra: 5th scale bits 0-7, halves 8-15
+            ls = _bits(sc[:, :, sub % 4], 4 * (sub // 4), 4) | (_bits(extra, sub, 1) << 4)
+            half = _bits(extra, 8 + sub, 1)
+            qs = b[:, :, 6:70].reshape(rows, nb, 2, 1, 32)
+            q = _bits(qs, 2 * np.arange(4).reshape(1, 1, 1, 4, 1), 2).reshape(rows, nb, 8, 32)
+            q = q | (_bits(b[:, :, 70:102].reshape(rows, nb, 1, 32), sub.reshape(1, 1, 8, 1), 1) << 2)
+            values = IQ3NL_VALUES[half[..., None] * 8 + q]
+        else:  # scales[k]: sub-block 2k low nibble, 2k + 1 high; extra: halves bits 0-7, 5th scale bits 8-15
+            ls = _bits(sc[:, :, sub // 2], 4 * (sub % 2), 4) | (_bits(extra, 8 + sub, 1) << 4)
+            half = _bits(extra, sub, 1)
+            qs = b[:, :, 6:70].reshape(rows, nb, 2, 1, 32)
+            q = _bits(qs, 2 * np.arange(4).reshape(1, 1, 1, 4, 1), 2).reshape(rows, nb, 8, 32)
+            values = IQ2NL_VALUES[half[..., None] * 4 + q]
+        s = ls - 16
+    else:  # IQ2_KL
+        scales_h = b[:, :, :2].copy().view("<u2")[..., 0].astype(np.int32)[..., None]
+        ls = _bits(b[:, :, 2:6][:, :, sub % 4], 4 * (sub // 4), 4) | (_bits(scales_h, 2 * sub, 2) << 4)
+        qs = b[:, :, 6:70].reshape(rows, nb, 4, 1, 16)
+        low = _bits(qs, np.array([0, 4]).reshape(1, 1, 1, 2, 1), 4).reshape(rows, nb, 8, 16)
+        idx = low | (_bits(b[:, :, 70:86].reshape(rows, nb, 1, 16), sub.reshape(1, 1, 8, 1), 1) << 4)
+        values = IQ2KL_PAIRS[idx].reshape(rows, nb, 8, 32)
+        s = ls - 32
+    return (d * s.reshape(rows, -1)), values.reshape(rows, -1, 32).astype(np.int8)
 
 
-# The ik_llama.cpp types ferry runs, and the llama.cpp type each is rewritten into at load (ik_to_q8_0): Q6_0's values
-# are Q8_0's exactly; IQ4_KS's come out as its table values under each sub-block's scale (the row's float32 times the
-# sub-block's integer), which Q8_0 keeps in fp16: a relative rounding of at most 2^-11 per 32 weights.
-IK_RUN_AS = {133: Q.Q8_0, 144: Q.Q8_0}
-IK_NOTE = {"Q6_0": "the same values", "IQ4_KS": "each 32 values' scale rounded to fp16, at most 2^-11 of a value"}
+def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
+    """ik_llama.cpp's quant types to float64 in torch order (reversed ne), the reference the rest is tested against
+    (_ik_parts says which and how)."""
+    scale, values = _ik_parts(raw, raw_type, ne)
+    return (scale[..., None] * values).reshape(tuple(reversed(ne)))
+
+
+# The ik_llama.cpp types ferry runs, each rewritten at load as Q8_0 (ik_to_q8_0): 32 int8 values under one scale, as
+# they are stored; Q6_0's scale is Q8_0's fp16 already, the others' (the row's scale times the sub-block's integer)
+# is rounded to fp16: a relative error of at most 2^-11 per 32 weights.
+IK_RUN_AS = {t: Q.Q8_0 for t, v in IK_TYPES.items() if v[0] in ("Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS",
+                                                                  "IQ2_KS", "IQ2_KL")}
+IK_NOTE = {IK_TYPES[t][0]: "each 32 values' scale rounded to fp16, at most 2^-11 of a value" for t in IK_RUN_AS}
+IK_NOTE["Q6_0"] = "the same values"
+_IK_FAST = (133, 144)  # the types moe_experts.c's ferry_ik_to_q8_0 rewrites; numpy the rest
 
 
 def ik_name(raw_type: int) -> str:
@@ -102,12 +180,12 @@ def ik_name(raw_type: int) -> str:
 
 
 def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
-    """A tensor of ik_llama.cpp's Q6_0 or IQ4_KS as Q8_0 blocks (an fp16 scale and 32 int8 values each), the same
-    weights in the same order: by ferry's C file on every core where it builds, else by numpy
-    (ik_to_q8_0_reference); raises FerryError where a scale leaves fp16's range."""
+    """A tensor of one of ik_llama.cpp's types IK_RUN_AS names as Q8_0 blocks (an fp16 scale and 32 int8 values
+    each), the same weights in the same order: by ferry's C file on every core where it builds (Q6_0, IQ4_KS), else
+    by numpy (ik_to_q8_0_reference); raises FerryError where a scale leaves fp16's range."""
     from ferry.kernels.cpu import native
 
-    if raw_type in IK_RUN_AS:
+    if raw_type in _IK_FAST:
         rows = int(np.prod(ne[1:], dtype=np.int64))
         fast = native.ik_to_q8_0(raw, raw_type, rows, ne[0])
         if fast is not None:
@@ -115,35 +193,22 @@ def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarra
     return ik_to_q8_0_reference(raw, raw_type, ne)
 
 
-def ik_to_q8_0_reference(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
-    """ik_to_q8_0 in numpy."""
-    name = ik_name(raw_type)
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if name == "Q6_0":
-        b = raw.reshape(-1, 26)
-        d = b[:, :2]
-        qh, qs = b[:, 2:10], b[:, 10:26]
-        h = np.concatenate([qh, qh >> 4], axis=1)  # byte j (j < 16): weight j's and j + 16's high bits
-        lo = (qs & 0x0F) | ((h << 4) & 0x30)
-        hi = (qs >> 4) | ((h << 2) & 0x30)
-        q = (np.concatenate([lo, hi], axis=1).astype(np.int16) - 32).astype(np.int8)
-        return np.concatenate([d, q.view(np.uint8)], axis=1).reshape(-1)
-    if name == "IQ4_KS":
-        rows = int(np.prod(ne[1:], dtype=np.int64))
-        r = raw.reshape(rows, 4 + ne[0] // QK_K * 136)
-        d = r[:, :4].copy().view(np.float32)  # (rows, 1)
-        b = r[:, 4:].reshape(rows, -1, 136)
-        scales, qs = b[:, :, :8].astype(np.int32), b[:, :, 8:].reshape(rows, -1, 8, 16)
+def ik_to_q8_0_reference(raw: np.ndarray, raw_type: int, ne: tuple[int, ...], rows_at_once: int = 4096) -> np.ndarray:
+    """ik_to_q8_0 in numpy, so many rows at a time (its intermediates are several times the rows' bytes)."""
+    rows = int(np.prod(ne[1:], dtype=np.int64))
+    per_row = ik_type_bytes(raw_type, (ne[0], 1))
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, per_row)
+    out = np.empty((rows, ne[0] // 32, 34), dtype=np.uint8)
+    for r0 in range(0, rows, rows_at_once):
+        part = raw[r0:r0 + rows_at_once]
+        scale, values = _ik_parts(part, raw_type, (ne[0], len(part)))
         with np.errstate(over="ignore"):
-            d8 = (d[:, :, None].astype(np.float64) * ((scales & 254) - 127)).astype(np.float16)
-        if not np.isfinite(d8).all():
-            raise FerryError("an IQ4_KS scale is beyond fp16's range; the file is corrupt, re-download it")
-        table = IQ4K_VALUES.astype(np.int8)[((scales & 1) * 16)[..., None] + np.arange(16)]  # (rows, blocks, 8, 16)
-        lo = np.take_along_axis(table, (qs & 0x0F).astype(np.intp), axis=-1)
-        hi = np.take_along_axis(table, (qs >> 4).astype(np.intp), axis=-1)
-        q = np.concatenate([lo, hi], axis=-1)  # (rows, super-blocks, 8, 32)
-        return np.concatenate([d8[..., None].view(np.uint8), q.view(np.uint8)], axis=-1).reshape(-1)
-    raise FerryError(f"{name} (type {raw_type}) is an ik_llama.cpp quant type ferry does not read yet")
+            d = scale.astype(np.float16)
+        if not np.isfinite(d).all():
+            raise FerryError(f"an {ik_name(raw_type)} scale is beyond fp16's range; the file is corrupt, re-download it")
+        out[r0:r0 + len(part), :, :2] = d[..., None].view(np.uint8)
+        out[r0:r0 + len(part), :, 2:] = values.view(np.uint8)
+    return out.reshape(-1)
 
 
 def parse_qtype(name: str) -> GGMLQuantizationType:

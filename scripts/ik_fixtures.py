@@ -1,12 +1,12 @@
 """Rebuild the ik_llama.cpp oracle and regenerate the fixtures tests/test_ik_types.py checks ferry against: ik's own
 llama-quantize (built from ../shared/anchors' tarball, CPU only, into ~/.cache/ferry-anchors/ik) quantizes a
 `ferry synth qwen3-moe-tiny` F16 file to each of ik's types below, then quantizes that back to F32 (ik's own
-dequantization); for one tensor per type (its smallest of that type), its bytes and ik's float32 values go to
-tests/fixtures/ik/TYPE.npz.
+dequantization); for one tensor per type (the first 64 rows of its smallest of that type), its bytes and ik's float32
+values go to tests/fixtures/ik/TYPE.npz.
 It also writes a whole model as ik_llama.cpp users have them: a one-layer `qwen3-moe-tiny` quantized by ik to IQ4_KS
-(its recipe) with Q6_0 for the attention and output tensors (tests/fixtures/ik/qwen3moe-iq4ks.gguf, 2.7 MB), a text,
-and ik's llama-perplexity on it and on the F16 file it came from (qwen3moe-iq4ks.json).
-  python scripts/ik_fixtures.py [--tarball PATH] [--types Q6_0,IQ4_KS]
+with every other type ferry reads in some tensor (MODEL_CUSTOM_Q; tests/fixtures/ik/qwen3moe-ik.gguf), a text, and
+ik's llama-perplexity on it and on the F16 file it came from (qwen3moe-ik.json).
+  python scripts/ik_fixtures.py [--tarball PATH] [--types Q6_0,IQ4_KS,...]
 The build takes about 10 minutes on 2 cores the first time; CI only reads the fixtures."""
 
 import argparse
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ferry.gguf.file import GGUFFile  # noqa: E402
-from ferry.quant import dequantize  # noqa: E402
+from ferry.quant import IK_TYPES, dequantize, ik_type_bytes  # noqa: E402
 
 
 
@@ -49,7 +49,10 @@ def build(tarball: Path, where: Path) -> Path:
     return exe
 
 
-MODEL_CUSTOM_Q = "attn_k=q6_0,attn_v=q6_0,attn_output=q6_0,output=q6_0"
+MODEL_CUSTOM_Q = ("ffn_gate_exps=iq2_ks,ffn_up_exps=iq3_ks,ffn_down_exps=iq4_kss,attn_q=iq5_ks,attn_output=iq2_kl,"
+                  "attn_k=q6_0,attn_v=q6_0,output=q6_0")
+TYPES = "Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL"
+ROWS = 64
 PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]
 
 
@@ -66,26 +69,26 @@ def model_fixture(quantize: Path, f16: Path, out: Path, tmp: Path) -> None:
     one = tmp / "one-f16.gguf"
     subprocess.run([sys.executable, "-m", "ferry", "synth", "qwen3-moe-tiny", "--layers", "1", "--type", "f16",
                     "--expert-type", "f16", "-o", str(one), "-q"], check=True, cwd=ROOT)
-    model = out / "qwen3moe-iq4ks.gguf"
+    model = out / "qwen3moe-ik.gguf"
     subprocess.run([str(quantize), "--custom-q", MODEL_CUSTOM_Q, str(one), str(model), "IQ4_KS", "1"], check=True,
                    capture_output=True)
     rng = random.Random(1)
     words = ("the a of and to in is was for on that with as by at from it his an were are which be this has or had not "
              "but first one their its new after who they have her she two been other when there all during into school "
              "time may years more most only over city some world would where later up such used many can").split()
-    text = out / "qwen3moe-iq4ks.txt"
+    text = out / "qwen3moe-ik.txt"
     text.write_text(" ".join(rng.choice(words) for _ in range(3000)))
     perplexity = quantize.with_name("llama-perplexity")
     ref = {"args": PPL_ARGS, "custom_q": MODEL_CUSTOM_Q, "ppl": ik_ppl(perplexity, model, text),
            "ppl_f16": ik_ppl(perplexity, one, text)}
-    (out / "qwen3moe-iq4ks.json").write_text(json.dumps(ref, indent=1) + "\n")
+    (out / "qwen3moe-ik.json").write_text(json.dumps(ref, indent=1) + "\n")
     print(f"model: {model} ({model.stat().st_size} bytes), ik's ppl {ref['ppl'][-1]} (F16: {ref['ppl_f16'][-1]})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tarball", default=str(ROOT.parent / "shared" / "anchors" / "ik_llama.cpp-8337e4c.tar.gz"))
-    ap.add_argument("--types", default="Q6_0,IQ4_KS")
+    ap.add_argument("--types", default=TYPES)
     a = ap.parse_args()
     quantize = build(Path(a.tarball), Path.home() / ".cache" / "ferry-anchors" / "ik")
     out = ROOT / "tests" / "fixtures" / "ik"
@@ -100,11 +103,14 @@ def main() -> None:
             subprocess.run([str(quantize), "--allow-requantize", str(quantized), str(back), "F32", "1"], check=True,
                            capture_output=True)
             f = GGUFFile(quantized, ik=True)
-            tensor = min(f.ik_tensors(), key=lambda n: np.prod(f.ik_tensor(n)[1]))
+            of_type = [n for n in f.ik_tensors() if IK_TYPES[f.ik_tensor(n)[0]][0] == name]
+            tensor = min(of_type, key=lambda n: np.prod(f.ik_tensor(n)[1]))
             raw_type, ne, data = f.ik_tensor(tensor)
             g = GGUFFile(back)
             t = g.tensor(tensor)
             theirs = dequantize(g.data(t), t.qtype, t.ne)
+            data, theirs = data[:ROWS * ik_type_bytes(raw_type, (ne[0], 1))], theirs.reshape(-1, ne[0])[:ROWS]
+            ne = (ne[0], ROWS)
             np.savez_compressed(out / f"{name}.npz", raw=np.array(data), raw_type=raw_type, ne=np.array(ne),
                                 ik_values=theirs.astype(np.float32))
             print(f"{name}: {tensor} {list(ne)}, {data.nbytes} bytes -> {out / (name + '.npz')}")

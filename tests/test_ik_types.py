@@ -18,7 +18,10 @@ from ferry.quant import IK_TYPES, Q, dequantize, dequantize_ik, ik_to_q8_0, ik_t
 FIXTURES = Path(__file__).parent / "fixtures" / "ik"
 
 
-@pytest.mark.parametrize("name", ["Q6_0", "IQ4_KS"])
+TYPES = ["Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS", "IQ2_KS", "IQ2_KL"]
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
     f = np.load(FIXTURES / f"{name}.npz")
     raw_type, ne, raw = int(f["raw_type"]), tuple(int(v) for v in f["ne"]), f["raw"]
@@ -27,7 +30,7 @@ def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
     mine = dequantize_ik(raw, raw_type, ne)
     assert mine.shape == theirs.shape == tuple(reversed(ne))
     assert np.abs(mine - theirs).max() <= 2e-7 * np.abs(theirs).max()
-    assert np.abs(theirs).max() > 0 and len(np.unique(theirs)) > 100  # real values, not a constant
+    assert np.abs(theirs).max() > 0 and len(np.unique(theirs)) > 50  # real values, not a constant
     # flipped nibble bits move values: the comparison can fail
     broken = raw.copy()
     broken[::97] ^= 0x11
@@ -35,8 +38,8 @@ def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
 
 
 def test_a_type_not_yet_dequantized_is_named():
-    with pytest.raises(FerryError, match=r"IQ2_KL \(type 157\) is an ik_llama.cpp quant type"):
-        dequantize_ik(np.zeros(88, np.uint8), 157, (256, 1))
+    with pytest.raises(FerryError, match=r"IQ4_KT \(type 155\) is an ik_llama.cpp quant type ferry does not read"):
+        dequantize_ik(np.zeros(132, np.uint8), 155, (256, 1))
 
 
 def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
@@ -50,7 +53,7 @@ def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
     raw_type, ne, data = f.ik_tensor("t0")
     assert raw_type == 134 and ne == (64, 3) and data.nbytes == 3 * (2 + 13)
     with pytest.raises(FerryError, match=r"IQ1_BN \(type 134\), one of ik_llama.cpp's own quant types, which ferry "
-                                         r"does not read yet \(of ik's types it reads Q6_0 and IQ4_KS\)"):
+                                         r"does not read yet \(of ik's types it reads Q6_0, IQ4_KS, IQ2_KS, IQ4_KSS, IQ5_KS, IQ3_KS, IQ2_KL\)"):
         GGUFFile(path)
 
 
@@ -59,10 +62,11 @@ def _fixture(name):
     return int(f["raw_type"]), tuple(int(v) for v in f["ne"]), f["raw"]
 
 
-@pytest.mark.parametrize("name, rel", [("Q6_0", 0.0), ("IQ4_KS", 2.0 ** -11)])
-def test_a_tensor_ferry_reads_is_rewritten_as_q8_0_with_its_values(name, rel):
-    """Q6_0's values are Q8_0's exactly; IQ4_KS's sub-block scale (float32 row scale times an integer) is kept in
+@pytest.mark.parametrize("name", TYPES)
+def test_a_tensor_ferry_reads_is_rewritten_as_q8_0_with_its_values(name):
+    """Q6_0's values are Q8_0's exactly; the others' sub-block scale (the row's scale times an integer) is kept in
     Q8_0's fp16: at most half an fp16 step (2^-11 of the value) away."""
+    rel = 0.0 if name == "Q6_0" else 2.0 ** -11
     raw_type, ne, raw = _fixture(name)
     q8 = ik_to_q8_0(raw, raw_type, ne)
     assert q8.nbytes == int(np.prod(ne)) // 32 * 34
@@ -90,23 +94,24 @@ def test_the_c_rewrite_equals_numpys_on_random_bytes(raw_type, rows, blocks):
 
 
 def test_a_file_of_ik_types_opens_with_them_run_as_q8_0():
-    f = GGUFFile(FIXTURES / "qwen3moe-iq4ks.gguf")
-    stored = f.ik_stored
-    assert set(stored) == {"IQ4_KS", "Q6_0"} and stored["IQ4_KS"][0] == 5 and stored["Q6_0"][0] == 4
+    f = GGUFFile(FIXTURES / "qwen3moe-ik.gguf")
+    assert {name: n for name, (n, _, _) in f.ik_stored.items()} == {
+        "IQ4_KS": 1, "IQ2_KS": 1, "IQ3_KS": 1, "IQ4_KSS": 1, "IQ5_KS": 1, "IQ2_KL": 1, "Q6_0": 3}
     t = f.tensor("blk.0.ffn_up_exps.weight")
-    assert t.qtype == Q.Q8_0 and t.stored_as == "IQ4_KS" and t.file_bytes == 16 * 256 * (4 + 136)
+    assert t.qtype == Q.Q8_0 and t.stored_as == "IQ3_KS" and t.file_bytes == 16 * 256 * (2 + 102)
     assert f.data(t).nbytes == t.nbytes == 16 * 256 * 8 * 34 and f.data(t) is f.data(t)  # rewritten once
 
 
 def test_ferry_ppl_on_ik_llama_cpps_file_equals_its_llama_perplexity(capsys):
-    """The issue's bar: within 0.2% of ik's llama-perplexity, after every chunk. The same model in F16 lies 0.9% away
-    from ik's IQ4_KS figure, so the bar tells the file's weights from others."""
+    """The issue's bar: within 0.2% of ik's llama-perplexity, after every chunk, on a file with a tensor of each type
+    ferry reads. The same model in F16 lies 1.2% away from ik's figure, so the bar tells the file's weights from
+    others."""
     from ferry.cli import main
 
-    ref = json.loads((FIXTURES / "qwen3moe-iq4ks.json").read_text())
+    ref = json.loads((FIXTURES / "qwen3moe-ik.json").read_text())
     ik, f16 = np.array(ref["ppl"]), np.array(ref["ppl_f16"])
     assert np.abs(f16[-1] / ik[-1] - 1) > 0.005
-    code = main(["ppl", "-m", str(FIXTURES / "qwen3moe-iq4ks.gguf"), "-f", str(FIXTURES / "qwen3moe-iq4ks.txt"),
+    code = main(["ppl", "-m", str(FIXTURES / "qwen3moe-ik.gguf"), "-f", str(FIXTURES / "qwen3moe-ik.txt"),
                  "-c", "128", "--chunks", "8", "-t", "2", "-o", "json"])
     assert code == 0
     mine = np.array(json.loads(capsys.readouterr().out)["chunk_ppl"])

@@ -24,7 +24,7 @@ from ferry.quant import IK_RUN_AS, IK_TYPES, ik_to_q8_0, ik_type_bytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
-_IK_READ = " and ".join(IK_TYPES[t][0] for t in IK_RUN_AS)
+_IK_READ = ", ".join(IK_TYPES[t][0] for t in IK_RUN_AS)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_KEY_BYTES = 1 << 16
