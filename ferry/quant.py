@@ -172,7 +172,6 @@ IK_RUN_AS = {t: Q.Q8_0 for t, v in IK_TYPES.items() if v[0] in ("Q6_0", "IQ4_KS"
                                                                   "IQ2_KS", "IQ2_KL")}
 IK_NOTE = {IK_TYPES[t][0]: "each 32 values' scale rounded to fp16, at most 2^-11 of a value" for t in IK_RUN_AS}
 IK_NOTE["Q6_0"] = "the same values"
-_IK_FAST = (133, 144)  # the types moe_experts.c's ferry_ik_to_q8_0 rewrites; numpy the rest
 
 
 def ik_name(raw_type: int) -> str:
@@ -181,11 +180,11 @@ def ik_name(raw_type: int) -> str:
 
 def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
     """A tensor of one of ik_llama.cpp's types IK_RUN_AS names as Q8_0 blocks (an fp16 scale and 32 int8 values
-    each), the same weights in the same order: by ferry's C file on every core where it builds (Q6_0, IQ4_KS), else
-    by numpy (ik_to_q8_0_reference); raises FerryError where a scale leaves fp16's range."""
+    each), the same weights in the same order: by ferry's C file on every core where it builds, else by numpy
+    (ik_to_q8_0_reference, 10-50x slower); raises FerryError where a scale leaves fp16's range."""
     from ferry.kernels.cpu import native
 
-    if raw_type in _IK_FAST:
+    if raw_type in IK_RUN_AS:
         rows = int(np.prod(ne[1:], dtype=np.int64))
         fast = native.ik_to_q8_0(raw, raw_type, rows, ne[0])
         if fast is not None:

@@ -75,21 +75,24 @@ def test_a_tensor_ferry_reads_is_rewritten_as_q8_0_with_its_values(name):
     assert np.array_equal(q8, ik_to_q8_0_reference(raw, raw_type, ne))
 
 
-@pytest.mark.parametrize("raw_type, rows, blocks", [(133, 1, 1), (133, 7, 5), (144, 3, 1), (144, 5, 3)])
-def test_the_c_rewrite_equals_numpys_on_random_bytes(raw_type, rows, blocks):
-    """Odd row counts and lengths, every byte value; IQ4_KS's row scales spread over fp16's normal and subnormal
-    ranges (a sub-block scale of 2^-30 rounds to fp16's smallest steps)."""
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows, blocks", [(1, 1), (7, 3)])
+def test_the_c_rewrite_equals_numpys_on_random_bytes(name, rows, blocks):
+    """Odd row counts and lengths, every byte value; the row scales spread over fp16's normal and subnormal ranges
+    (a sub-block scale of 2^-30 rounds to fp16's smallest steps)."""
     assert native.compiled() is not None, "the test machine has a C compiler"
+    raw_type = next(t for t, v in IK_TYPES.items() if v[0] == name)
+    _, block, size, meta = IK_TYPES[raw_type]
     rng = np.random.default_rng(raw_type + rows)
-    if raw_type == 133:
-        n, raw = 32 * blocks, rng.integers(0, 256, rows * blocks * 26, dtype=np.uint8)
-        raw.reshape(-1, 26)[:, :2] = np.float16(rng.uniform(-1, 1, (rows * blocks, 1))).view(np.uint8)
+    n = block * blocks
+    if name == "Q6_0":
+        raw = rng.integers(0, 256, (rows * blocks, size), dtype=np.uint8)
+        raw[:, :2] = np.float16(rng.uniform(-1, 1, (rows * blocks, 1))).view(np.uint8)
     else:
-        n = 256 * blocks
-        raw = rng.integers(0, 256, (rows, 4 + blocks * 136), dtype=np.uint8)
-        raw[:, :4] = (np.float32(2.0) ** rng.integers(-36, 8, (rows, 1)).astype(np.float32)
-                      * rng.uniform(1, 2, (rows, 1)).astype(np.float32)).view(np.uint8)
-        raw = raw.reshape(-1)
+        raw = rng.integers(0, 256, (rows, meta + blocks * size), dtype=np.uint8)
+        scale = 2.0 ** rng.integers(-36 if meta == 4 else -20, 8, (rows, 1)) * rng.uniform(1, 2, (rows, 1))
+        raw[:, :meta] = scale.astype(np.float32 if meta == 4 else np.float16).view(np.uint8)
+    raw = raw.reshape(-1)
     assert np.array_equal(native.ik_to_q8_0(raw, raw_type, rows, n), ik_to_q8_0_reference(raw, raw_type, (n, rows)))
 
 

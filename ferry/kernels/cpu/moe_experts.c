@@ -1114,47 +1114,126 @@ static uint16_t half_bits(double x) {
     return sign | (uint16_t)(((e + 15) << 10) | ((int)m - 1024));
 }
 
-/* ik_llama.cpp's Q6_0 (type 133) or IQ4_KS (144) rows of n values as Q8_0 blocks, the same weights: Q6_0's exactly,
- * IQ4_KS's table values with each sub-block's scale (the row's float times the sub-block's integer) rounded to fp16.
- * Returns the count of scales at or past fp16's largest (a corrupt file; their blocks are left unwritten). */
-int64_t ferry_ik_to_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n, int type, int n_threads) {
-    static const int8_t iq4k[32] = {-127, -104, -83, -65, -49, -35, -22, -10, 1,   13,  25,  38,  53,  69,  89,  113,
-                                    -123, -100, -79, -61, -45, -31, -18, -6,  5,   17,  29,  42,  57,  73,  93,  117};
-    const int64_t blocks = n / QK4_0;
+static double half_value(uint16_t h) { /* fp16 bits to their value */
+    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    const double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
+    return h & 0x8000 ? -v : v;
+}
+
+static const int8_t iq2nl[8] = {-31, -13, 1, 17, -26, -8, 6, 22};
+static const int8_t iq3nl[16] = {-63, -40, -23, -10, 1, 13, 28, 47, -59, -36, -19, -6, 5, 17, 32, 51};
+static const int8_t iq4k[32] = {-127, -104, -83, -65, -49, -35, -22, -10, 1,  13, 25, 38, 53, 69, 89, 113,
+                                -123, -100, -79, -61, -45, -31, -18, -6,  5,  17, 29, 42, 57, 73, 93, 117};
+static const int8_t iq5nl[64] = {-126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -36, -30, -24, -18, -12, -6,
+                                 -1,   5,    11,   17,  23,  29,  36,  43,  51,  59,  68,  77,  87,  97,  109, 121,
+                                 -124, -112, -101, -90, -81, -72, -63, -55, -48, -41, -34, -28, -22, -16, -10, -4,
+                                 1,    7,    13,   19,  25,  31,  38,  45,  53,  61,  70,  79,  89,  99,  111, 123};
+static const uint16_t iq2kl[32] = {0xe9c1, 0x0dc1, 0xc1d8, 0xf6d8, 0x0dd8, 0x2fd8, 0xd8e9, 0xe9e9, 0x01e9, 0x0de9, 0x1ce9,
+                                   0xc1f6, 0x01f6, 0x0df6, 0x2ff6, 0xe901, 0xf601, 0x0101, 0x0d01, 0x1c01, 0xd80d, 0xe90d,
+                                   0xf60d, 0x010d, 0x0d0d, 0xc11c, 0xe91c, 0x011c, 0x1c1c, 0x2f1c, 0xe92f, 0x0d2f};
+enum { IK_Q6_0 = 133, IK_IQ2_KS = 145, IK_IQ4_KSS = 146, IK_IQ4_KS = 144, IK_IQ5_KS = 152, IK_IQ3_KS = 156,
+       IK_IQ2_KL = 157 }; /* ik_llama.cpp's numbers */
+
+/* sub-block ib (32 values) of one 256-value block of an ik_llama.cpp type: its integer scale, and its 32 table values
+ * (quant._ik_parts describes each layout) */
+static int ik_sub_block(int type, const uint8_t *b, int ib, int8_t *t) {
+    int s = 0;
+    if (type == IK_IQ4_KS || type == IK_IQ5_KS) {
+        const int S = b[ib];
+        s = (S & 254) - 127;
+        for (int j = 0; j < 32; j++) {
+            if (type == IK_IQ4_KS) {
+                const int q = b[8 + 16 * ib + j % 16] >> (4 * (j / 16)) & 0xf;
+                t[j] = iq4k[16 * (S & 1) + q];
+            } else {
+                const int q = (b[8 + 32 * (ib / 2) + j] >> (4 * (ib % 2)) & 0xf) | (b[136 + j] >> ib & 1) << 4;
+                t[j] = iq5nl[32 * (S & 1) + q];
+            }
+        }
+    } else if (type == IK_IQ4_KSS) {
+        uint8_t a[16];
+        int ls = 0;
+        for (int k = 0; k < 8; k++) {
+            const unsigned w = b[16 * ib + 2 * k] | (unsigned)b[16 * ib + 2 * k + 1] << 8, x = w & 0xfffe;
+            const unsigned v = (x ^ (x >> 1)) & 0xffff;
+            ls |= (int)(w & 1) << k;
+            a[2 * k] = (uint8_t)(v & 0xff);
+            a[2 * k + 1] = (uint8_t)(v >> 8);
+        }
+        s = (ls & 254) - 127;
+        for (int j = 0; j < 16; j++) {
+            t[j] = iq4k[16 * (ls & 1) + (a[j] & 0xf)];
+            t[16 + j] = iq4k[16 * (ls & 1) + (a[j] >> 4)];
+        }
+    } else if (type == IK_IQ3_KS || type == IK_IQ2_KS) {
+        const int extra = b[0] | b[1] << 8;
+        if (type == IK_IQ3_KS) { /* scales[k]: sub-block k low nibble, k + 4 high; extra: 5th bits 0-7, halves 8-15 */
+            s = ((b[2 + ib % 4] >> (4 * (ib / 4)) & 0xf) | (extra >> ib & 1) << 4) - 16;
+            const int8_t *table = iq3nl + 8 * (extra >> (8 + ib) & 1);
+            for (int j = 0; j < 32; j++)
+                t[j] = table[(b[6 + 32 * (ib / 4) + j] >> (2 * (ib % 4)) & 3) | (b[70 + j] >> ib & 1) << 2];
+        } else { /* scales[k]: sub-block 2k low nibble, 2k + 1 high; extra: halves bits 0-7, 5th bits 8-15 */
+            s = ((b[2 + ib / 2] >> (4 * (ib % 2)) & 0xf) | (extra >> (8 + ib) & 1) << 4) - 16;
+            const int8_t *table = iq2nl + 4 * (extra >> ib & 1);
+            for (int j = 0; j < 32; j++) t[j] = table[b[6 + 32 * (ib / 4) + j] >> (2 * (ib % 4)) & 3];
+        }
+    } else { /* IQ2_KL: 6-bit scales, 5-bit indices of pairs */
+        const int scales_h = b[0] | b[1] << 8;
+        s = ((b[2 + ib % 4] >> (4 * (ib / 4)) & 0xf) | (scales_h >> (2 * ib) & 3) << 4) - 32;
+        for (int p = 0; p < 16; p++) {
+            const int idx = (b[6 + 16 * (ib / 2) + p] >> (4 * (ib % 2)) & 0xf) | (b[70 + p] >> ib & 1) << 4;
+            t[2 * p] = (int8_t)(iq2kl[idx] & 0xff);
+            t[2 * p + 1] = (int8_t)(iq2kl[idx] >> 8);
+        }
+    }
+    return s;
+}
+
+/* ik_llama.cpp's Q6_0, IQ4_KS, IQ5_KS, IQ4_KSS, IQ3_KS, IQ2_KS or IQ2_KL rows of n values (row_meta bytes of row
+ * scale, then blocks of block_bytes) as Q8_0 blocks, the same weights: Q6_0's exactly, the others' table values with
+ * each sub-block's scale (the row's times the sub-block's integer) rounded to fp16. Returns the count of scales at or
+ * past fp16's largest (a corrupt file; their blocks are left unwritten). */
+int64_t ferry_ik_to_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n, int type, int row_meta,
+                         int block_bytes, int n_threads) {
+    const int64_t blocks = n / QK4_0, row_bytes = row_meta + n / (type == IK_Q6_0 ? QK4_0 : QK_K) * block_bytes;
     int64_t bad = 0;
 #pragma omp parallel for num_threads(n_threads) schedule(static) reduction(+ : bad)
     for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = src + r * row_bytes;
         uint8_t *o = dst + r * blocks * 34;
-        if (type == 133) {
-            const uint8_t *blk = src + r * blocks * 26;
-            for (int64_t b = 0; b < blocks; b++, blk += 26, o += 34) {
-                memcpy(o, blk, 2);
+        if (type == IK_Q6_0) {
+            for (int64_t b = 0; b < blocks; b++, row += 26, o += 34) {
+                memcpy(o, row, 2);
                 for (int j = 0; j < 16; j++) {
-                    const int h = blk[2 + j % 8] >> (4 * (j / 8)), q = blk[10 + j];
+                    const int h = row[2 + j % 8] >> (4 * (j / 8)), q = row[10 + j];
                     o[2 + j] = (uint8_t)(int8_t)(((q & 0x0f) | ((h << 4) & 0x30)) - 32);
                     o[18 + j] = (uint8_t)(int8_t)(((q >> 4) | ((h << 2) & 0x30)) - 32);
                 }
             }
+            continue;
+        }
+        double d;
+        if (row_meta == 4) {
+            float f;
+            memcpy(&f, row, 4);
+            d = f;
         } else {
-            const uint8_t *row = src + r * (4 + blocks / 8 * 136);
-            float d;
-            memcpy(&d, row, 4);
-            for (int64_t sb = 0; sb < blocks / 8; sb++) {
-                const uint8_t *scales = row + 4 + sb * 136, *qs = scales + 8;
-                for (int s = 0; s < 8; s++, o += 34) {
-                    const double scale = (double)d * ((scales[s] & 254) - 127);
-                    if (!(fabs(scale) < 65520.0)) {
-                        bad++;
-                        continue;
-                    }
-                    const uint16_t h = half_bits(scale);
-                    memcpy(o, &h, 2);
-                    const int8_t *table = iq4k + 16 * (scales[s] & 1);
-                    for (int j = 0; j < 16; j++) {
-                        o[2 + j] = (uint8_t)table[qs[16 * s + j] & 0x0f];
-                        o[18 + j] = (uint8_t)table[qs[16 * s + j] >> 4];
-                    }
+            uint16_t h;
+            memcpy(&h, row, 2);
+            d = half_value(h);
+        }
+        for (int64_t sb = 0; sb < blocks / 8; sb++) {
+            const uint8_t *b = row + row_meta + sb * block_bytes;
+            for (int ib = 0; ib < 8; ib++, o += 34) {
+                int8_t t[32];
+                const double scale = d * ik_sub_block(type, b, ib, t);
+                if (!(fabs(scale) < 65520.0)) {
+                    bad++;
+                    continue;
                 }
+                const uint16_t h = half_bits(scale);
+                memcpy(o, &h, 2);
+                memcpy(o + 2, t, 32);
             }
         }
     }

@@ -100,7 +100,7 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             lib.ferry_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i, i, i, i, i, i, i,
                                             i, ctypes.c_float, i]
             lib.ferry_ik_to_q8_0.restype = i64
-            lib.ferry_ik_to_q8_0.argtypes = [p, p, i64, i64, i, i]
+            lib.ferry_ik_to_q8_0.argtypes = [p, p, i64, i64, i, i, i, i]
             _built[key] = lib
         except (OSError, subprocess.SubprocessError) as e:
             _built[key] = f"ferry's CPU kernels did not build ({e})"
@@ -203,15 +203,19 @@ def why_not(s: Settings | None = None) -> str:
 
 
 def ik_to_q8_0(raw: np.ndarray, raw_type: int, rows: int, n: int, s: Settings | None = None) -> np.ndarray | None:
-    """ik_llama.cpp's Q6_0 / IQ4_KS rows as Q8_0 blocks by moe_experts.c, on every core (None where it did not
-    build; quant.ik_to_q8_0 is the reference it is tested against, 20-50x slower). Returns None too where a scale is
+    """ik_llama.cpp's rows (a type quant.IK_RUN_AS names) as Q8_0 blocks by moe_experts.c, on every core (None where
+    it did not build; quant.ik_to_q8_0_reference is what it is tested against). Returns None too where a scale is
     beyond fp16, for the reference to name."""
+    from ferry.quant import IK_TYPES
+
     lib = compiled(s)
     if lib is None:
         return None
+    _, _, block_bytes, meta = IK_TYPES[raw_type]
     out = np.empty(rows * (n // 32) * 34, dtype=np.uint8)
     raw = np.ascontiguousarray(raw)
-    bad = lib.ferry_ik_to_q8_0(raw.ctypes.data, out.ctypes.data, rows, n, raw_type, torch.get_num_threads())
+    bad = lib.ferry_ik_to_q8_0(raw.ctypes.data, out.ctypes.data, rows, n, raw_type, meta, block_bytes,
+                               torch.get_num_threads())
     return out if bad == 0 else None
 
 
