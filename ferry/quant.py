@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import enum
 
 import numpy as np
 from gguf import quants as gguf_quants
@@ -174,26 +175,32 @@ IK_NOTE = {IK_TYPES[t][0]: "each 32 values' scale rounded to fp16, at most 2^-11
 IK_NOTE["Q6_0"] = "the same values"
 
 
+class IkQuant(enum.IntEnum):
+    """ik_llama.cpp's types that ferry's kernels read in place (routed experts, where ferry's CPU kernels run): a
+    Weight's qtype beside gguf-py's GGMLQuantizationType (none of these ids is one of its)."""
+
+    IQ4_KS = 144
+
+
+def block_size(qtype) -> int:
+    """Values per block of a type (gguf-py's or IkQuant)."""
+    return IK_TYPES[qtype][1] if isinstance(qtype, IkQuant) else GGML_QUANT_SIZES[qtype][0]
+
+
+def qtype_named(name: str):
+    """A type by its name: gguf-py's, or ik_llama.cpp's that ferry's kernels read (IkQuant)."""
+    return IkQuant[name] if name in IkQuant.__members__ else Q[name]
+
+
 def ik_name(raw_type: int) -> str:
     return IK_TYPES[raw_type][0] if raw_type in IK_TYPES else str(raw_type)
 
 
-def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
+def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...], rows_at_once: int = 4096) -> np.ndarray:
     """A tensor of one of ik_llama.cpp's types IK_RUN_AS names as Q8_0 blocks (an fp16 scale and 32 int8 values
-    each), the same weights in the same order: by ferry's C file on every core where it builds, else by numpy
-    (ik_to_q8_0_reference, 10-50x slower); raises FerryError where a scale leaves fp16's range."""
-    from ferry.kernels.cpu import native
-
-    if raw_type in IK_RUN_AS:
-        rows = int(np.prod(ne[1:], dtype=np.int64))
-        fast = native.ik_to_q8_0(raw, raw_type, rows, ne[0])
-        if fast is not None:
-            return fast
-    return ik_to_q8_0_reference(raw, raw_type, ne)
-
-
-def ik_to_q8_0_reference(raw: np.ndarray, raw_type: int, ne: tuple[int, ...], rows_at_once: int = 4096) -> np.ndarray:
-    """ik_to_q8_0 in numpy, so many rows at a time (its intermediates are several times the rows' bytes)."""
+    each), the same weights in the same order, so many rows at a time (the intermediates are several times the rows'
+    bytes); raises FerryError where a scale leaves fp16's range. kernels/cpu/native.py's ik_to_q8_0 does it in C, on
+    every core, 10-50x faster (GGUFFile.data takes that one where it builds)."""
     rows = int(np.prod(ne[1:], dtype=np.int64))
     per_row = ik_type_bytes(raw_type, (ne[0], 1))
     raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, per_row)
@@ -220,12 +227,16 @@ def parse_qtype(name: str) -> GGMLQuantizationType:
 
 
 def bytes_per_weight(qtype: GGMLQuantizationType) -> float:
-    """Bytes one value takes in a type's blocks (Q4_0: 18 / 32)."""
+    """Bytes one value takes in a type's blocks (Q4_0: 18 / 32; a row's metadata left out)."""
+    if isinstance(qtype, IkQuant):
+        return IK_TYPES[qtype][2] / IK_TYPES[qtype][1]
     block, type_size = GGML_QUANT_SIZES[qtype]
     return type_size / block
 
 
 def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
+    if isinstance(qtype, IkQuant):
+        return ik_type_bytes(qtype, (n, 1))
     block, type_size = GGML_QUANT_SIZES[qtype]
     if n % block:
         raise ValueError(f"row length {n} is not a multiple of the {qtype.name} block size {block}")
@@ -235,6 +246,8 @@ def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, ne: tuple[int, ...]) -> np.ndarray:
     """Reference dequantization (gguf-py, numpy) to float32 in torch order (reversed ne)."""
     shape = tuple(reversed(ne))
+    if isinstance(qtype, IkQuant):
+        return dequantize_ik(raw, qtype, ne).astype(np.float32)
     if qtype in NUMPY_TYPES:
         return raw.view(NUMPY_TYPES[qtype]).astype(np.float32).reshape(shape)
     rows = raw.reshape(-1, row_bytes(qtype, ne[0]))

@@ -4,8 +4,9 @@ llama-quantize (built from ../shared/anchors' tarball, CPU only, into ~/.cache/f
 dequantization); for one tensor per type (the first 64 rows of its smallest of that type), its bytes and ik's float32
 values go to tests/fixtures/ik/TYPE.npz.
 It also writes a whole model as ik_llama.cpp users have them: a one-layer `qwen3-moe-tiny` quantized by ik to IQ4_KS
-with every other type ferry reads in some tensor (MODEL_CUSTOM_Q; tests/fixtures/ik/qwen3moe-ik.gguf), a text, and
-ik's llama-perplexity on it and on the F16 file it came from (qwen3moe-ik.json).
+(the routed experts) with every other type ferry reads in some other tensor (MODEL_CUSTOM_Q;
+tests/fixtures/ik/qwen3moe-ik.gguf, 2.5 MB), a text, and ik's llama-perplexity on it, on its weights as F32 (ik's dequantization) and on the F16 file it came from
+(qwen3moe-ik.json).
   python scripts/ik_fixtures.py [--tarball PATH] [--types Q6_0,IQ4_KS,...]
 The build takes about 10 minutes on 2 cores the first time; CI only reads the fixtures."""
 
@@ -49,8 +50,7 @@ def build(tarball: Path, where: Path) -> Path:
     return exe
 
 
-MODEL_CUSTOM_Q = ("ffn_gate_exps=iq2_ks,ffn_up_exps=iq3_ks,ffn_down_exps=iq4_kss,attn_q=iq5_ks,attn_output=iq2_kl,"
-                  "attn_k=q6_0,attn_v=q6_0,output=q6_0")
+MODEL_CUSTOM_Q = "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,attn_output=iq2_kl,output=iq4_kss,token_embd=q6_0"
 TYPES = "Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL"
 ROWS = 64
 PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]
@@ -79,8 +79,11 @@ def model_fixture(quantize: Path, f16: Path, out: Path, tmp: Path) -> None:
     text = out / "qwen3moe-ik.txt"
     text.write_text(" ".join(rng.choice(words) for _ in range(3000)))
     perplexity = quantize.with_name("llama-perplexity")
+    f32 = tmp / "model-f32.gguf"  # the file's weights as ik dequantizes them: the figure without activation rounding
+    subprocess.run([str(quantize), "--allow-requantize", str(model), str(f32), "F32", "1"], check=True,
+                   capture_output=True)
     ref = {"args": PPL_ARGS, "custom_q": MODEL_CUSTOM_Q, "ppl": ik_ppl(perplexity, model, text),
-           "ppl_f16": ik_ppl(perplexity, one, text)}
+           "ppl_f32": ik_ppl(perplexity, f32, text), "ppl_f16": ik_ppl(perplexity, one, text)}
     (out / "qwen3moe-ik.json").write_text(json.dumps(ref, indent=1) + "\n")
     print(f"model: {model} ({model.stat().st_size} bytes), ik's ppl {ref['ppl'][-1]} (F16: {ref['ppl_f16'][-1]})")
 

@@ -12,7 +12,7 @@ from ferry.kernels import capabilities as caps
 from ferry.offload.cost import Calibration
 from ferry.offload.policy import parse_policy
 from ferry.offload.work import ExpertsWork, dense_decision
-from ferry.quant import Q, bytes_per_weight
+from ferry.quant import IkQuant, Q, bytes_per_weight
 from ferry.weight import Weight
 
 MACHINE = Calibration(h2d_bytes_per_s=50e9, h2d_latency_s=2e-5, cpu_bytes_per_s=50e9, cpu_flops=1e12,
@@ -48,7 +48,12 @@ def _layer(rng, up_type, down_type=None, n_expert=4, n_embd=256, n_ff=256):
 
 
 def test_the_cpu_kernel_column_is_what_ferrys_kernel_reads():
-    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}
+    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, IkQuant.IQ4_KS}
+    # ik_llama.cpp's IQ4_KS: routed experts only, read plain; ggml never sees it (no repack probe, no graph leaf)
+    assert caps.can(IkQuant.IQ4_KS).cpu_native == "plain" and not caps.can(IkQuant.IQ4_KS).cpu_linear
+    assert not caps.can_ggml(IkQuant.IQ4_KS) and caps.can_ggml(Q.IQ4_XS)
+    assert not caps.cpu_repack(IkQuant.IQ4_KS, (2048, 768, 8))
+    assert caps.cpu_native_experts(*_layer(np.random.default_rng(1), IkQuant.IQ4_KS), "silu") == ""
     # ggml has no x86 repacked layout for Q5_K, Q6_K and IQ4_XS, and one for MXFP4 that the kernel need not read: the
     # kernel reads their plain rows, and a CPU backend leaves MXFP4 unrepacked where its kernels run
     assert {q for q in Q if caps.can(q).cpu_native == "plain"} == {Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}

@@ -9,7 +9,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.kernels.cuda.dequant import SUPPORTED, dequantize
-from ferry.quant import dequantize as reference
+from ferry.quant import IkQuant, dequantize as reference, ik_type_bytes
 
 # where each type keeps its scale: (byte offset, f16 or the E8M0 byte); random bytes elsewhere are valid
 _SCALE = {Q.Q4_K: [(0, "f16"), (2, "f16")], Q.Q5_K: [(0, "f16"), (2, "f16")], Q.Q2_K: [(80, "f16"), (82, "f16")],
@@ -32,12 +32,16 @@ def _random_blocks(rng, qtype, n_values):
 SHAPES = [(1, 256), (7, 512), (33, 256), (129, 2048), (1000, 768)]
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)  # IkQuant.IQ4_KS among them
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gpu_dequantize_matches_the_reference(qtype, rows, cols, dtype):
     rng = np.random.default_rng(rows * 31 + cols)
-    if qtype in _SCALE:
+    if isinstance(qtype, IkQuant):  # ik_llama.cpp's IQ4_KS: every byte random but each row's float32 scale
+        raw = rng.integers(0, 256, size=(rows, ik_type_bytes(qtype, (cols, 1))), dtype=np.uint8)
+        raw[:, :4] = rng.uniform(1e-4, 1e-3, (rows, 1)).astype(np.float32).view(np.uint8)
+        raw = raw.reshape(-1)
+    elif qtype in _SCALE:
         raw = _random_blocks(rng, qtype, rows * cols)
     else:
         values = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 10)).astype(np.float32)

@@ -16,7 +16,7 @@ import torch
 from ferry.config import settings
 from ferry.errors import FerryError
 from ferry.kernels.activations import SWIGLU_OAI
-from ferry.kernels.capabilities import can, cpu_native_experts, cpu_native_linear, cpu_reads_plain
+from ferry.kernels.capabilities import can, can_ggml, cpu_native_experts, cpu_native_linear, cpu_reads_plain
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
 from ferry.weight import Weight
@@ -197,6 +197,9 @@ class CpuBackend:
     def _weight_leaf(self, g: _Graph, w: Weight, rows: bool = False):
         """The weight as a matmul operand: its repacked copy, else a leaf over the mmap bytes; types without
         a ggml CPU matmul get a float32 copy, made once. `rows`: for get_rows, which cannot read a repacked copy."""
+        if not can_ggml(w.qtype):  # a path that would hand ggml a type it lacks (ferry's kernels read it alone)
+            raise FerryError(f"tensor '{w.name}' is ik_llama.cpp's {w.qtype.name}, which only ferry's CPU expert kernel "
+                             "reads, and this path would run it on ggml; run with FERRY_NATIVE unset (the kernel on)")
         if not rows and self.repack(w):
             return w.repacked.tensor
         if ggml.ggml_get_type_traits_cpu(w.qtype.value).contents.vec_dot:
@@ -459,11 +462,16 @@ class CpuBackend:
         ids = ids.to(torch.int32).contiguous()
         n, n_embd = x.shape
         j = ids.shape[1]
-        kernel = self.native_experts(n, weights is not None, up, gate, down, act)
+        one = weights is None and j == 1  # each slot's output, one slot a token: its weighted sum at weight 1
+        kernel = self.native_experts(n, weights is not None or one, up, gate, down, act)
         if kernel is not None:
-            out = torch.empty(n, n_embd, dtype=torch.float32) if out is None else out
-            return kernel(x, ids, weights.contiguous().float(), *map(_kernel_layout, (up, gate, down)), gate.ne[2], out,
-                          _biases(up, gate, down))
+            if one:
+                weights = torch.ones(n, 1)
+                out = None if out is None else out.view(n, n_embd)
+            y = torch.empty(n, n_embd, dtype=torch.float32) if out is None else out
+            y = kernel(x, ids, weights.contiguous().float(), *map(_kernel_layout, (up, gate, down)), gate.ne[2], y,
+                       _biases(up, gate, down))
+            return y.view(n, 1, n_embd) if one else y
 
         def build() -> _Graph:
             g = _Graph(self, n)

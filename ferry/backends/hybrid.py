@@ -18,7 +18,7 @@ import torch
 
 from ferry.weight import Weight
 from ferry.backends.cuda import CudaBackend, gpu_route
-from ferry.kernels.capabilities import can, gpu_holds, gpu_reads
+from ferry.kernels.capabilities import can, can_ggml, gpu_holds, gpu_reads
 from ferry.placement import EXPERTS_RE
 from ferry.offload.cost import Calibration
 from ferry.offload.policy import Explorer, Policy, experts_fixed_side
@@ -425,6 +425,9 @@ class HybridBackend:
         if split.halves and gate.bias is not None:  # ggml's halves add no biases
             split = replace(work.split(counts, self.calib, SIDES["cpu"]),
                             why="moe_up_gate and moe_down apart: not for biased experts, the CPU's")
+        if split.halves and not all(can_ggml(w.qtype) for w in (up, gate, down)):  # the CPU's half is ggml's
+            split = replace(work.split(counts, self.calib, SIDES["cpu"]),
+                            why="moe_up_gate and moe_down apart: not for ik_llama.cpp's types, which ggml lacks")
         if split.halves:
             out = self._halves_moe(x, x_host, ids, ids_host, weights, weights_host, split, up, gate, down, act,
                                    parts)

@@ -12,7 +12,7 @@ import mmap
 import os
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ferry.errors import FerryError
-from ferry.quant import IK_RUN_AS, IK_TYPES, ik_to_q8_0, ik_type_bytes
+from ferry.quant import IK_RUN_AS, IK_TYPES, IkQuant, ik_to_q8_0, ik_type_bytes, row_bytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -81,8 +81,7 @@ class TensorInfo:
 
     @property
     def row_bytes(self) -> int:
-        block, type_size = GGML_QUANT_SIZES[self.qtype]
-        return self.ne[0] // block * type_size
+        return row_bytes(self.qtype, self.ne[0])
 
 
 @dataclass
@@ -168,7 +167,10 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def _parse_part(path: Path, index: int, ik: bool = False) -> _Part:
+ROUTED_EXPERTS = re.compile(r"\.ffn_(up|gate|down)_exps\.weight$")  # where ik_in_place applies
+
+
+def _parse_part(path: Path, index: int, ik: bool = False, ik_in_place: frozenset[int] = frozenset()) -> _Part:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -193,14 +195,14 @@ def _parse_part(path: Path, index: int, ik: bool = False) -> _Part:
         mm.close()
         raise FerryError(f"{path}: unsupported GGUF version {part.version} (ferry reads versions 2 and 3); re-convert the model with a current llama.cpp")
     try:
-        _parse_header(cur, part, index)
+        _parse_header(cur, part, index, ik_in_place)
     except FerryError:
         mm.close()
         raise
     return part
 
 
-def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
+def _parse_header(cur: _Cursor, part: _Part, index: int, ik_in_place: frozenset[int]) -> None:
     n_tensors = cur.u64("tensor count")
     n_kv = cur.u64("metadata count")
     left = part.size - cur.pos
@@ -270,6 +272,8 @@ def _parse_header(cur: _Cursor, part: _Part, index: int) -> None:
                              f"{data_start + offset + nbytes}, the file has {part.size}; re-download the model")
         if part.foreign is not None:
             part.foreign[name] = (raw_type, ne, data_start + offset, nbytes)
+        elif raw_type in ik_in_place and ROUTED_EXPERTS.search(name):
+            part.tensors.append(TensorInfo(name, ne, IkQuant(raw_type), data_start + offset, nbytes, index))
         else:
             qtype = IK_RUN_AS[raw_type]
             block, type_size = GGML_QUANT_SIZES[qtype]
@@ -303,8 +307,10 @@ def split_paths(path: Path) -> list[Path]:
 class GGUFFile:
     """A validated, memory-mapped GGUF model: metadata from the first part, tensors from all parts."""
 
-    def __init__(self, path: str | os.PathLike, ik: bool = False):
-        """ik: keep tensors of ik_llama.cpp's quant types apart (ik_tensor) instead of refusing the file."""
+    def __init__(self, path: str | os.PathLike, ik: bool = False, ik_in_place: frozenset[int] = frozenset()):
+        """Tensors of ik_llama.cpp's quant types ferry reads are rewritten as Q8_0 when read (data), but routed experts
+        of the types in ik_in_place, which stay as they are (qtype an IkQuant; kernels/cpu/native.ik_in_place says which
+        ferry's kernels read here). ik: keep every such tensor apart (ik_tensor) instead."""
         self.path = Path(path)
         paths = split_paths(self.path)
         self._parts: list[_Part] = []
@@ -312,7 +318,7 @@ class GGUFFile:
             for i, p in enumerate(paths):
                 if not p.exists() and len(paths) > 1:
                     raise FerryError(f"{p}: missing part {i + 1} of a split model ({len(paths)} parts); put all parts in one folder")
-                self._parts.append(_parse_part(p, i, ik))
+                self._parts.append(_parse_part(p, i, ik, ik_in_place))
             self._check_split()
         except BaseException:
             self.close()
@@ -327,6 +333,24 @@ class GGUFFile:
                     self.close()
                     raise FerryError(f"{part.path}: tensor '{t.name}' appears twice; the file is corrupt, re-convert it")
                 self.tensors[t.name] = t
+        self._rewrite_mixed_layers()
+
+    def _rewrite_mixed_layers(self) -> None:
+        """A layer's routed experts stay in ik_llama.cpp's type only where all three matrices do (ferry's kernel takes
+        a layer's experts whole); the others of such a layer are rewritten as Q8_0 too."""
+        layers: dict[str, list[TensorInfo]] = {}
+        for t in self.tensors.values():
+            m = ROUTED_EXPERTS.search(t.name)
+            if m:
+                layers.setdefault(t.name[:m.start()], []).append(t)
+        for experts in layers.values():
+            if len(experts) == 3 and all(isinstance(t.qtype, IkQuant) for t in experts):
+                continue
+            for t in experts:
+                if isinstance(t.qtype, IkQuant):
+                    block, type_size = GGML_QUANT_SIZES[IK_RUN_AS[t.qtype]]
+                    self.tensors[t.name] = replace(t, qtype=IK_RUN_AS[t.qtype], nbytes=t.n_elements // block *
+                                                   type_size, ik_type=int(t.qtype), file_bytes=t.nbytes)
 
     def _check_split(self) -> None:
         n = len(self._parts)
@@ -396,7 +420,11 @@ class GGUFFile:
         if not t.ik_type:
             return stored
         if t.name not in self._rewritten:
-            self._rewritten[t.name] = ik_to_q8_0(stored, t.ik_type, t.ne)
+            from ferry.kernels.cpu import native  # the rewrite in C where it builds
+
+            rows = t.n_elements // t.ne[0]
+            fast = native.ik_to_q8_0(stored, t.ik_type, rows, t.ne[0])
+            self._rewritten[t.name] = fast if fast is not None else ik_to_q8_0(stored, t.ik_type, t.ne)
         return self._rewritten[t.name]
 
     @property

@@ -18,7 +18,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ferry.gguf.writer import TensorSpec, write_gguf
-from ferry.quant import FLOAT_TYPES, Q, quantize
+from ferry.quant import FLOAT_TYPES, IkQuant, Q, ik_type_bytes, quantize
 
 OUTPUT_PROJECTION_SCALE = 0.1
 
@@ -217,6 +217,12 @@ def random_tensor(qtype: GGMLQuantizationType, ne: tuple[int, ...], std: float, 
         if qtype == Q.F16:
             return values.astype(np.float16).view(np.uint8)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16: the top half of f32
+    if isinstance(qtype, IkQuant):  # ik_llama.cpp's IQ4_KS: random bytes under each row's float32 scale (random
+        # sub-block scales and table values have rms 73 and 65: their product 4800)
+        rows = n // ne[0]
+        raw = np.frombuffer(rng.bytes(ik_type_bytes(qtype, ne)), dtype=np.uint8).reshape(rows, -1).copy()
+        raw[:, :4] = np.frombuffer(np.float32(std / 4800).tobytes(), np.uint8)
+        return raw.reshape(-1)
     if qtype == Q.MXFP4:  # random nibbles under one E8M0 exponent: ggml's values (twice e2m1's) have rms 5.85
         blocks = np.frombuffer(rng.bytes(n // 32 * 17), dtype=np.uint8).reshape(-1, 17).copy()
         blocks[:, 0] = np.uint8(np.clip(round(128 + np.log2(std / MXFP4_UNIT_STD)), 2, 254))

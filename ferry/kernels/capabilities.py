@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.constants import GGMLQuantizationType as Q
+
+from ferry.quant import IkQuant, block_size
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ _TABLE = {
     Q.IQ4_XS: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_NL: Can(gpu_expand=True),
     Q.MXFP4: Can(gpu_gemv=True, gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
+    IkQuant.IQ4_KS: Can(gpu_expand=True, cpu_native="plain"),
 }
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block
@@ -56,12 +59,17 @@ CPU_ACTS = ("silu", "swiglu_oai")  # the activations ferry's CPU expert kernel c
 def cpu_block(qtype: Q) -> int:
     """The columns a row of this type must be a multiple of for ferry's CPU kernels: its block, or two of MXFP4's (one
     512-bit vector of int8 activations)."""
-    return _CPU_BLOCK.get(qtype, GGML_QUANT_SIZES[qtype][0])
+    return _CPU_BLOCK.get(qtype, block_size(qtype))
 
 
 def can(qtype: Q) -> Can:
     """The type's abilities (a type not in the table can do none of them: ggml runs it on the CPU)."""
     return _TABLE.get(qtype, _NONE)
+
+
+def can_ggml(qtype) -> bool:
+    """Whether ggml knows the type (every one but ik_llama.cpp's, which ferry's own kernels read)."""
+    return not isinstance(qtype, IkQuant)
 
 
 def gpu_gemv_types() -> frozenset[Q]:

@@ -19,7 +19,7 @@ from ferry.gguf.synth import random_tensor
 from ferry.kernels.capabilities import can
 from ferry.kernels.cpu import native
 from ferry.offload.cost import Calibration
-from ferry.quant import Q
+from ferry.quant import Q, qtype_named
 from ferry.weight import Weight
 
 def default_path() -> Path:
@@ -129,7 +129,7 @@ def measure_experts(backend, qtypes, quick: bool = False, on_step=None) -> dict:
     rng = np.random.default_rng(0)
     tables, token = {}, {}
     for done, name in enumerate(qtypes):
-        q = Q[name]
+        q = qtype_named(name)
         # one random expert per matrix, copied to every slot of every layer: the rate depends on the bytes read, not
         # their values, and types without a scale field to set are quantized from floats, slowly (IQ4_XS: 100 s
         # for 64 experts)
@@ -187,7 +187,7 @@ def missing_experts(path: Path, qtypes) -> list[str]:
     tables, token = _tables(cpu.get("cpu_moe")), cpu.get("cpu_moe_token") or {}
     kernel = native.library() is not None
     return sorted(q for q in set(qtypes)
-                  if q not in tables or (kernel and can(Q[q]).cpu_native and q not in token))
+                  if q not in tables or (kernel and can(qtype_named(q)).cpu_native and q not in token))
 
 
 def add_experts(path: Path, backend, qtypes) -> None:

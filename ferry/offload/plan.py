@@ -231,7 +231,7 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     from ferry.placement import (GIB, expanded_layers, expanding_layers, format_gpu_experts, host_memory, kv_bytes,
                                  memory_plan, tensor_split)
 
-    f = GGUFFile(cfg.model_path)
+    f = GGUFFile(cfg.model_path, ik_in_place=native.ik_in_place())
     margs = ModelArgs.from_gguf(f)
     mla = mla_mode(margs, cfg.mla)
     cache = cache_layout(margs, mla)

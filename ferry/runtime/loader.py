@@ -13,7 +13,8 @@ from ferry.backends.base import Backend
 from ferry.config import Settings, settings as current_settings
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.quant import IK_NOTE
+from ferry.kernels.cpu import native
+from ferry.quant import IK_NOTE, IkQuant
 from ferry.models.base import Model
 from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
 from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB, Fit, gpu_room, placed
@@ -172,7 +173,7 @@ def load(cfg: RunConfig) -> Loaded:
     from ferry.models import load_model
 
     t0 = time.perf_counter()
-    f = GGUFFile(cfg.model_path)
+    f = GGUFFile(cfg.model_path, ik_in_place=native.ik_in_place(cfg.settings))
     _check_ik_rewrite(f, cfg.quiet)
     model = load_model(f, cfg.mla, cfg.amb)
     cfg, fitted = placed(cfg, f, model.args, model.cache_layout(), gpu_room(cfg.gpu_caps))
@@ -217,6 +218,11 @@ def _check_ik_rewrite(f, quiet: bool) -> None:
     """Tensors in ik_llama.cpp's types are rewritten as Q8_0 into RAM at load: say so, and refuse where they would not
     fit in the RAM available."""
     stored = f.ik_stored
+    in_place = [t for t in f.tensors.values() if isinstance(t.qtype, IkQuant)]
+    if in_place and not quiet:
+        print(f"ferry: {len(in_place)} routed-expert tensors in ik_llama.cpp's "
+              f"{', '.join(sorted({t.qtype.name for t in in_place}))} ({sum(t.nbytes for t in in_place) / 2**30:.2f} "
+              "GiB) read in place by ferry's CPU kernel", file=sys.stderr)
     if not stored:
         return
     need = sum(run for _, _, run in stored.values())

@@ -7,6 +7,7 @@ import re
 from collections import defaultdict
 
 from ferry.gguf.file import GGUFFile
+from ferry.kernels.cpu import native
 from ferry.quant import IK_NOTE
 from ferry.models.base import ModelArgs
 from ferry.kernels.capabilities import cpu_repack
@@ -37,7 +38,7 @@ def info(cfg, as_json: bool) -> dict:
     from ferry.layers.cache import describe_cache, mla_mode
 
     n_gpu_layers, override_specs, repack, mla = cfg.n_gpu_layers, cfg.override_tensor, cfg.repack, cfg.mla
-    f = GGUFFile(cfg.model_path)
+    f = GGUFFile(cfg.model_path, ik_in_place=native.ik_in_place())
     args = ModelArgs.from_gguf(f)
     mode = mla_mode(args, mla)
     kv_per_token, kv_line = describe_cache(args, mode)  # f16, llama.cpp's default

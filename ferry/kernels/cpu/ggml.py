@@ -144,7 +144,7 @@ def _repack_buffer_type():
 def has_repack_layout(qtype, ne: tuple[int, ...]) -> bool:
     """Whether ggml has an interleaved CPU layout for this type and shape (matrices only): its CPU_REPACK
     buffer's init gives the tensor repack traits. Probed once per (type, shape) on an untouched allocation."""
-    if len(ne) not in (2, 3):
+    if len(ne) not in (2, 3) or qtype.value >= ggml.GGML_TYPE_COUNT:  # ik_llama.cpp's types: ggml has none
         return False
     ggml.ggml_cpu_init()
     buft = _repack_buffer_type()

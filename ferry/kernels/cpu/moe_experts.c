@@ -51,6 +51,7 @@
 
 #define GROUP 8 /* rows interleaved */
 enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39 }; /* ggml's numbers */
+enum { IQ4_KS = 144 }; /* ik_llama.cpp's number */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
@@ -61,6 +62,8 @@ enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23
                          * 128 of low nibbles */
 #define IQ4_XS_BYTES 136 /* one row's super-block: fp16 d, 2 bytes of the scales' high bits, 4 of their low nibbles,
                           * 128 of nibbles indexing IQ4_NL's table */
+#define IQ4_KS_BYTES 136 /* one row's super-block: 8 scale bytes, 128 of nibbles indexing IQ4K's tables (the row's
+                          * float32 scale before its first) */
 #define MXFP4_BYTES 17 /* one row's block of 32: the E8M0 exponent, 16 bytes of nibbles indexing the FP4 table */
 #define QK_MX 64       /* MXFP4's activation block: two weight blocks, one 512-bit vector of int8 */
 #define MX_OFFSET 12   /* added to MXFP4's table (-12..12) so that its values are unsigned for VNNI */
@@ -103,7 +106,7 @@ int ferry_moe_fast(void) { return FAST; }
 
 static int block_of(int type) {
     return type == Q4_0 || type == Q8_0 ? QK4_0
-         : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS ? QK_K
+         : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == IQ4_KS ? QK_K
          : type == MXFP4 ? QK_MX : 0;
 }
 
@@ -118,6 +121,7 @@ static size_t group_bytes(int type, int n) {
          : type == Q8_0 ? (size_t)Q8_0_BYTES * (n / QK4_0)
          : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K)
          : type == MXFP4 ? (size_t)GROUP * MXFP4_BYTES * (n / QK4_0)
+         : type == IQ4_KS ? (size_t)GROUP * (4 + (size_t)IQ4_KS_BYTES * (n / QK_K))
          : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : IQ4_XS_BYTES) * (n / QK_K);
 }
 
@@ -196,7 +200,7 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
             for (int i = 0; i < QK_K; i++) a[b].q[type == Q5_K ? q5_k_order(i) : i] = q[i];
         }
     } else {
-        const int iq4 = type == IQ4_XS;
+        const int iq4 = type == IQ4_XS || type == IQ4_KS; /* the same nibble order */
         act_q6_k *a = (act_q6_k *)dst;
         int8_t q[QK_K];
         for (int b = 0; b < n / QK_K; b++) {
@@ -539,6 +543,63 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
     }
 }
 
+/* the 8 IQ4_KS rows at g (plain, one after another, each after its float32 scale d) against up to 4 tokens: as
+ * IQ4_XS, with a sub-block's scale byte S giving its scale (S & 254) - 127 and its table (S & 1: IQ4K's second half,
+ * the first plus 4), one table per 128-bit lane (one sub-block): w = d ((S & 254) - 127) table[S & 1][q] */
+static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, const uint8_t *const *act, int n,
+                                                               float *const *out, const int T) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    const __m512i first = _mm512_broadcast_i32x4(_mm_setr_epi8((char)1, (char)24, (char)45, (char)63, (char)79,
+                                                               (char)93, (char)106, (char)118, (char)129, (char)141,
+                                                               (char)153, (char)166, (char)181, (char)197, (char)217,
+                                                               (char)241));
+    const __m512i second = _mm512_add_epi8(first, _mm512_set1_epi8(4));
+    __m512i lane_of[2];
+    for (int h = 0; h < 2; h++) lane_of[h] = groups_of_16(h);
+    const int blocks = n / QK_K;
+    const size_t row_bytes = 4 + (size_t)blocks * IQ4_KS_BYTES;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * row_bytes;
+        float d;
+        memcpy(&d, row, 4);
+        row += 4;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += IQ4_KS_BYTES) {
+            for (int line = 0; line < 192; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            const __m128i S = _mm_loadl_epi64((const __m128i *)row);
+            const __m512i scales = _mm512_castsi256_si512(_mm256_sub_epi32(
+                _mm256_and_si256(_mm256_cvtepu8_epi32(S), _mm256_set1_epi32(254)), _mm256_set1_epi32(127)));
+            /* bit s of `shifted`: sub-block s takes the second table; lanes of load h: sub-blocks 4h..4h + 3 */
+            const unsigned shifted = (unsigned)_mm_movemask_epi8(_mm_slli_epi16(S, 7)) & 0xff;
+            __m512i w[4], sc[2];
+            for (int h = 0; h < 2; h++) {
+                const unsigned four = shifted >> (4 * h);
+                const __mmask8 pick = (__mmask8)((four & 1) * 3 | (four >> 1 & 1) * 12 | (four >> 2 & 1) * 48 |
+                                                 (four >> 3 & 1) * 192);
+                const __m512i table = _mm512_mask_blend_epi64(pick, first, second);
+                const __m512i v = _mm512_loadu_si512(row + 8 + 64 * h);
+                w[2 * h] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, nibble));
+                w[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+                sc[h] = _mm512_permutexvar_epi32(lane_of[h], scales);
+            }
+            for (int t = 0; t < T; t++) {
+                const act_q6_k *a = (const act_q6_k *)act[t] + b;
+                __m512i isum = _mm512_setzero_si512();
+                for (int h = 0; h < 2; h++) {
+                    const __m512i lo = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h), w[2 * h],
+                                                           _mm512_loadu_si512(a->q + 128 * h));
+                    const __m512i hi = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h + 16), w[2 * h + 1],
+                                                           _mm512_loadu_si512(a->q + 128 * h + 64));
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[h]));
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+
 /* the 8 MXFP4 rows at g (plain, one after another) against up to 4 tokens: two blocks (34 bytes) at a time, their
  * 2 x 16 bytes of nibbles each spread over two 128-bit lanes, the second lane's shifted to its high nibbles, so that
  * one lookup in the FP4 table (stored + MX_OFFSET) gives the 64 weights in column order; each 32-bit lane's dot
@@ -605,6 +666,8 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
             K_TILE(tile_q5_k)
         } else if (type == IQ4_XS) {
             K_TILE(tile_iq4_xs)
+        } else if (type == IQ4_KS) {
+            K_TILE(tile_iq4_ks)
         } else if (type == MXFP4) {
             K_TILE(tile_mxfp4)
         } else {

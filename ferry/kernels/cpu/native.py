@@ -202,10 +202,18 @@ def why_not(s: Settings | None = None) -> str:
     return "" if lib.ferry_moe_fast() else "this CPU lacks AVX512-VNNI, which ferry's expert kernel is written for"
 
 
+def ik_in_place(s: Settings | None = None) -> frozenset[int]:
+    """ik_llama.cpp's types a file's routed experts stay in (GGUFFile's ik_in_place): those the expert kernel reads
+    (quant.IkQuant), where it runs; every other tensor of ik's types is rewritten at load as Q8_0."""
+    from ferry.quant import IkQuant
+
+    return frozenset(int(t) for t in IkQuant) if library(s) is not None else frozenset()
+
+
 def ik_to_q8_0(raw: np.ndarray, raw_type: int, rows: int, n: int, s: Settings | None = None) -> np.ndarray | None:
     """ik_llama.cpp's rows (a type quant.IK_RUN_AS names) as Q8_0 blocks by moe_experts.c, on every core (None where
-    it did not build; quant.ik_to_q8_0_reference is what it is tested against). Returns None too where a scale is
-    beyond fp16, for the reference to name."""
+    it did not build; quant.ik_to_q8_0, numpy, is what it is tested against). Returns None too where a scale is
+    beyond fp16, for numpy to name."""
     from ferry.quant import IK_TYPES
 
     lib = compiled(s)

@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+from ferry.quant import IK_TYPES, IQ4K_VALUES, IkQuant
+
 _BLOCKS = 64  # quant blocks per program
 
 
@@ -81,13 +83,19 @@ def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.cons
 
 
 @triton.jit
-def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
-                 BLOCKS: tl.constexpr):
-    """The K-quants (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats)."""
+def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                 BLOCKS: tl.constexpr, ROW_META: tl.constexpr):
+    """The K-quants (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats) and
+    ik_llama.cpp's IQ4_KS (`lut`: its 32; ROW_META bytes of row scale before each row's per_row blocks)."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     live = b < n_blocks
     m2 = live[:, None]
-    base1 = b.to(tl.int64) * BLOCK_BYTES
+    if ROW_META:
+        row = b.to(tl.int64) // per_row
+        row_start = row * (ROW_META + per_row * BLOCK_BYTES)
+        base1 = row_start + ROW_META + (b.to(tl.int64) % per_row) * BLOCK_BYTES
+    else:
+        base1 = b.to(tl.int64) * BLOCK_BYTES
     base = base1[:, None]
     i = tl.arange(0, VALUES)[None, :]
     if KIND == 0:  # Q4_K: d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks, 128 bytes of nibbles
@@ -145,6 +153,14 @@ def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constex
         hi = (tl.load(src + base + 128 + h * 32 + ll, mask=m2, other=0).to(tl.int32) >> (2 * qq)) & 3
         sc = tl.load(src + base + 192 + h * 8 + ll // 16 + 2 * qq, mask=m2, other=0).to(tl.int8, bitcast=True)
         out = d * sc.to(tl.float32) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    elif KIND == 8:  # IQ4_KS: the row's float32 d; 8 scale bytes S (s = (S & 254) - 127, table half S & 1), nibbles
+        d = _u32_at(src, row_start, live).to(tl.float32, bitcast=True)[:, None]
+        ib = i // 32
+        w = i % 32
+        sb = tl.load(src + base + ib, mask=m2, other=0).to(tl.int32)
+        byte = tl.load(src + base + 8 + ib * 16 + (w % 16), mask=m2, other=0).to(tl.int32)
+        idx = tl.where(w < 16, byte & 0xF, byte >> 4) + 16 * (sb & 1)
+        out = d * ((sb & 254) - 127).to(tl.float32) * tl.load(lut + idx)
     elif KIND == 2:  # IQ4_XS: d, 16 bits of scale highs, 4 bytes of scale lows, 128 bytes of table indices
         d = _f16_at(src, base1, live)[:, None]
         ib = i // 32
@@ -171,8 +187,9 @@ def _dequant_lut(src, dst, lut, n_blocks, KIND: tl.constexpr, VALUES: tl.constex
 
 
 _LEGACY = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 3, Q.Q5_1: 4}
-_LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4, Q.Q5_K: 5, Q.Q2_K: 6, Q.Q3_K: 7}
-_IQ4 = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+_LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4, Q.Q5_K: 5, Q.Q2_K: 6, Q.Q3_K: 7,
+              IkQuant.IQ4_KS: 8}
+_IQ4 = IQ4K_VALUES.tolist()  # IQ4_NL's table is its first half
 _E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 _TABLES: dict[tuple, torch.Tensor] = {}
 SUPPORTED = tuple(_LEGACY) + tuple(_LUT_KINDS)
@@ -185,18 +202,27 @@ def _table(qtype: Q, device) -> torch.Tensor:
     return _TABLES[key]
 
 
+def _sizes(qtype) -> tuple[int, int, int]:
+    """(values a block, bytes a block, bytes of row metadata)."""
+    if isinstance(qtype, IkQuant):
+        _, block, size, meta = IK_TYPES[qtype]
+        return block, size, meta
+    return (*GGML_QUANT_SIZES[qtype], 0)
+
+
 def dequantize(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], dtype: torch.dtype = torch.float16,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """raw: the tensor's bytes (uint8, on the GPU); returns (reversed ne) floats of `dtype`, or fills `out`."""
     if qtype not in SUPPORTED:
         raise NotImplementedError(f"no GPU dequantization kernel for {qtype.name} yet")
-    block, size = GGML_QUANT_SIZES[qtype]
+    block, size, meta = _sizes(qtype)
     n = 1
     for v in ne:
         n *= v
     n_blocks = n // block
-    if raw.numel() != n_blocks * size:
-        raise ValueError(f"{qtype.name} tensor of {n} values needs {n_blocks * size} bytes, got {raw.numel()}")
+    if raw.numel() != n_blocks * size + n // ne[0] * meta:
+        raise ValueError(f"{qtype.name} tensor of {n} values needs {n_blocks * size + n // ne[0] * meta} bytes, got "
+                         f"{raw.numel()}")
     if out is None:
         out = torch.empty(tuple(reversed(ne)), dtype=dtype, device=raw.device)
     if qtype in _LEGACY:
@@ -204,7 +230,7 @@ def dequantize(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], dtype: torch.dt
         _dequant_legacy[grid](raw, out, n_blocks, KIND=_LEGACY[qtype], BLOCK_BYTES=size, BLOCKS=_BLOCKS)
     else:
         blocks = _BLOCKS * 32 // block
-        _dequant_lut[(triton.cdiv(n_blocks, blocks),)](raw, out, _table(qtype, raw.device), n_blocks,
+        _dequant_lut[(triton.cdiv(n_blocks, blocks),)](raw, out, _table(qtype, raw.device), n_blocks, ne[0] // block,
                                                        KIND=_LUT_KINDS[qtype], VALUES=block, BLOCK_BYTES=size,
-                                                       BLOCKS=blocks)
+                                                       BLOCKS=blocks, ROW_META=meta)
     return out
