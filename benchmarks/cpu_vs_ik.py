@@ -44,23 +44,19 @@ def read_bandwidth(threads: int) -> float:
 
 
 def token_bytes(path: Path) -> int:
-    """Bytes of weights one generated token reads: every tensor but the routed experts, and of those n_used of
-    n_expert (even routing)."""
-    from gguf import GGUFReader
+    """Bytes of weights one generated token reads, as the file stores them (ik_llama.cpp's types too): every tensor
+    but the routed experts, and of those n_used of n_expert (even routing)."""
+    from ferry.gguf.file import GGUFFile
+    from ferry.kernels.cpu import native
 
-    r = GGUFReader(str(path))
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    n_used = n_expert = 1
-    for key, f in r.fields.items():
-        if key == f"{arch}.expert_used_count":
-            n_used = int(f.parts[-1][0])
-        if key == f"{arch}.expert_count":
-            n_expert = int(f.parts[-1][0])
+    f = GGUFFile(path, ik_in_place=native.ik_in_place())
+    arch = f.architecture
+    n_used, n_expert = f.get(f"{arch}.expert_used_count", 1), f.get(f"{arch}.expert_count", 1)
     total = 0
-    for t in r.tensors:
-        if t.name == "token_embd.weight" and any(u.name == "output.weight" for u in r.tensors):
+    for t in f.tensors.values():
+        if t.name == "token_embd.weight" and "output.weight" in f.tensors:
             continue  # a lookup: one row a token
-        total += t.n_bytes * n_used // n_expert if "_exps" in t.name else t.n_bytes
+        total += t.stored_bytes * n_used // n_expert if "_exps" in t.name else t.stored_bytes
     return total
 
 

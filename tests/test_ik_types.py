@@ -113,25 +113,30 @@ def test_routed_experts_of_a_type_ferrys_kernel_reads_stay_as_they_are():
     assert f.tensor("blk.0.attn_q.weight").qtype == Q.Q8_0  # not a routed expert: rewritten
 
 
-@pytest.mark.parametrize("in_ik", [("up", "gate", "down"), ("up", "gate")])
-def test_a_layer_keeps_its_experts_in_place_only_whole(tmp_path, in_ik):
-    """ferry's kernel takes a layer's three expert matrices together: a layer with one of them in another type has
-    its IQ4_KS ones rewritten too."""
+@pytest.mark.parametrize("in_ik, down, kept", [(("up", "gate", "down"), Q.Q8_0, True),
+                                               (("up", "gate"), Q.Q8_0, False), (("up", "gate"), Q.Q6_K, True),
+                                               (("up", "down"), Q.Q8_0, False)])
+def test_a_layer_keeps_its_experts_in_place_only_where_the_kernel_reads_them_all(tmp_path, in_ik, down, kept):
+    """ferry's kernel takes a layer's three expert matrices together (up and gate of one type, each a type it reads:
+    IQ4_KS up and gate with a Q6_K down, as ik's recipes give some layers, stay; beside a Q8_0 down, or with up and
+    gate apart, the layer's IQ4_KS ones are rewritten)."""
     from ferry.gguf.writer import TensorSpec, write_gguf
+    from ferry.quant import row_bytes
     from tests.test_gguf_file import _patch
 
     rng = np.random.default_rng(0)
     names = [f"blk.0.ffn_{m}_exps.weight" for m in ("up", "gate", "down")]
-    specs = [TensorSpec(n, Q.Q8_0, (256, 8, 2), lambda: rng.integers(0, 127, 16 * 8 * 34, dtype=np.uint8))
-             for n in names]
+    types = [Q.Q8_0, Q.Q8_0, down]
+    specs = [TensorSpec(n, q, (256, 8, 2), lambda q=q: rng.integers(0, 127, 16 * row_bytes(q, 256), dtype=np.uint8))
+             for n, q in zip(names, types)]
     path = tmp_path / "m.gguf"
     write_gguf(path, "qwen3moe", {"qwen3moe.block_count": 1}, specs)
     for m in in_ik:  # type field: after the name, 4 bytes of dimension count and 3 x 8 of dimensions
         _patch(path, f"blk.0.ffn_{m}_exps.weight", 4 + 24, "<I", 144)
     f = GGUFFile(path, ik_in_place=frozenset({144}))
-    kept = {n.split("_")[1]: isinstance(f.tensor(n).qtype, IkQuant) for n in names}
-    assert kept == {m: len(in_ik) == 3 and m in in_ik for m in ("up", "gate", "down")}
-    assert {n.split("_")[1] for n in names if f.tensor(n).ik_type} == (set() if len(in_ik) == 3 else set(in_ik))
+    in_place = {n.split("_")[1] for n in names if isinstance(f.tensor(n).qtype, IkQuant)}
+    rewritten = {n.split("_")[1] for n in names if f.tensor(n).ik_type}
+    assert in_place == (set(in_ik) if kept else set()) and rewritten == (set() if kept else set(in_ik))
 
 
 @pytest.mark.parametrize("native_kernels", ["1", "0"])

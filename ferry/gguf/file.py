@@ -20,6 +20,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ferry.errors import FerryError
+from ferry.kernels.capabilities import can
 from ferry.quant import IK_RUN_AS, IK_TYPES, IkQuant, ik_to_q8_0, ik_type_bytes, row_bytes
 
 GGUF_MAGIC = b"GGUF"
@@ -336,15 +337,17 @@ class GGUFFile:
         self._rewrite_mixed_layers()
 
     def _rewrite_mixed_layers(self) -> None:
-        """A layer's routed experts stay in ik_llama.cpp's type only where all three matrices do (ferry's kernel takes
-        a layer's experts whole); the others of such a layer are rewritten as Q8_0 too."""
+        """A layer's routed experts stay in ik_llama.cpp's type only where ferry's kernel reads all three matrices (it
+        takes a layer's experts whole: up and gate of one type, each a type it reads, as IQ4_KS with a Q5_K down);
+        elsewhere they are rewritten as Q8_0."""
         layers: dict[str, list[TensorInfo]] = {}
         for t in self.tensors.values():
             m = ROUTED_EXPERTS.search(t.name)
             if m:
                 layers.setdefault(t.name[:m.start()], []).append(t)
         for experts in layers.values():
-            if len(experts) == 3 and all(isinstance(t.qtype, IkQuant) for t in experts):
+            by = {ROUTED_EXPERTS.search(t.name).group(1): t.qtype for t in experts}
+            if len(by) == 3 and by["up"] == by["gate"] and all(can(q).cpu_native for q in by.values()):
                 continue
             for t in experts:
                 if isinstance(t.qtype, IkQuant):
