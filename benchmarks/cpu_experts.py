@@ -6,7 +6,7 @@ few experts quantized from random numbers, repeated to fill the layer (the bytes
 values repeat). Per type and token count: the median ms of the layer, ferry / ggml, and at one token the GB/s of
 expert bytes read (8 experts' up, gate and down). Both through CpuBackend.moe_experts, ggml's with the weights
 repacked where it has a layout for them (Q4_0, Q4_K, MXFP4), as it runs them.
-  python benchmarks/cpu_experts.py [-t 2] [-n 1,512] [--types Q4_0,Q4_K,Q5_K,Q6_K,IQ4_XS] [--json FILE]
+  python benchmarks/cpu_experts.py [-t 2] [-n 1,512] [--types Q4_0,Q4_K,Q5_K,Q6_K,IQ4_XS,IQ4_KS] [--json FILE]
 A type given as UP/DOWN (Q4_K/Q6_K) gives the down matrices another type. gpt-oss-20b's layer:
   python benchmarks/cpu_experts.py --gpt-oss  (= --types MXFP4 --embd 2880 --ff 2880 --experts 32 --used 4
                                                --act swiglu_oai --biases)
@@ -23,13 +23,19 @@ import torch
 
 from ferry.backends.cpu import CpuBackend
 from ferry.kernels.cpu import native
-from ferry.quant import parse_qtype, quantize
+from ferry.gguf.synth import random_tensor
+from ferry.kernels.capabilities import can_ggml
+from ferry.quant import IkQuant, parse_qtype, quantize
 from ferry.weight import Weight
 
 
 def stacked(rng, qtype, n_expert: int, rows: int, cols: int, distinct: int) -> Weight:
-    """n_expert experts of rows x cols: `distinct` of them quantized from random numbers, repeated."""
-    raw = quantize(rng.standard_normal((distinct, rows, cols)).astype(np.float32), qtype).reshape(distinct, -1)
+    """n_expert experts of rows x cols: `distinct` of them quantized from random numbers (ik_llama.cpp's IQ4_KS: random
+    bytes under a row scale), repeated."""
+    if isinstance(qtype, IkQuant):
+        raw = random_tensor(qtype, (cols, rows, distinct), 1.0, rng).reshape(distinct, -1)
+    else:
+        raw = quantize(rng.standard_normal((distinct, rows, cols)).astype(np.float32), qtype).reshape(distinct, -1)
     data = np.ascontiguousarray(np.tile(raw, (n_expert // distinct + 1, 1))[:n_expert]).reshape(-1)
     return Weight("exps", qtype, (cols, rows, n_expert), data)
 
@@ -69,7 +75,9 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for spec in a.types.split(","):
         up_name, _, down_name = spec.partition("/")
-        up_t, down_t = parse_qtype(up_name), parse_qtype(down_name or up_name)
+        up_t, down_t = (IkQuant[n] if n in IkQuant.__members__ else parse_qtype(n)
+                        for n in (up_name, down_name or up_name))
+        engines = (("ferry", ours), ("ggml", ggml)) if can_ggml(up_t) and can_ggml(down_t) else (("ferry", ours),)
         up = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
         gate = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
         down = stacked(rng, down_t, a.experts, a.embd, a.ff, 4)
@@ -84,7 +92,7 @@ def main() -> None:
             weights = torch.full((n, a.used), 1.0 / a.used)
             out = torch.empty(n, a.embd)
             ms = {}
-            for name, cpu in (("ferry", ours), ("ggml", ggml)):
+            for name, cpu in engines:
                 up, gate, down = layers[name]
                 if name == "ferry" and cpu.native_experts(n, True, up, gate, down, a.act) is None:
                     raise SystemExit(f"ferry's kernel does not take {spec} experts")
@@ -98,9 +106,9 @@ def main() -> None:
                 ms[name] = statistics.median(times)
             rate = {k: read / v / 1e6 if n == 1 else None for k, v in ms.items()}
             rows.append({"experts": spec, "tokens": n, "threads": a.threads, "ms": ms, "gb_s": rate})
-            gbs = [f"{rate[k]:.1f}" if rate[k] else "" for k in ("ferry", "ggml")]
-            print(f"| {spec} | {n} | {ms['ferry']:.2f} | {ms['ggml']:.2f} | {ms['ggml'] / ms['ferry']:.2f} | "
-                  f"{gbs[0]} | {gbs[1]} |", flush=True)
+            gbs = [f"{rate[k]:.1f}" if rate.get(k) else "" for k in ("ferry", "ggml")]
+            theirs = f"{ms['ggml']:.2f} | {ms['ggml'] / ms['ferry']:.2f}" if "ggml" in ms else "(no ggml kernel) |"
+            print(f"| {spec} | {n} | {ms['ferry']:.2f} | {theirs} | {gbs[0]} | {gbs[1]} |", flush=True)
     with open(a.json, "w") as fh:
         json.dump(rows, fh, indent=1)
 

@@ -545,7 +545,8 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
 
 /* the 8 IQ4_KS rows at g (plain, one after another, each after its float32 scale d) against up to 4 tokens: as
  * IQ4_XS, with a sub-block's scale byte S giving its scale (S & 254) - 127 and its table (S & 1: IQ4K's second half,
- * the first plus 4), one table per 128-bit lane (one sub-block): w = d ((S & 254) - 127) table[S & 1][q] */
+ * the first plus 4, added to each 128-bit lane's looked-up values; a blend of two tables by a mask made the tile
+ * twice as slow, benchmarks/cpu_experts.py): w = d ((S & 254) - 127) table[S & 1][q] */
 static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, const uint8_t *const *act, int n,
                                                                float *const *out, const int T) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
@@ -553,9 +554,14 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
                                                                (char)93, (char)106, (char)118, (char)129, (char)141,
                                                                (char)153, (char)166, (char)181, (char)197, (char)217,
                                                                (char)241));
-    const __m512i second = _mm512_add_epi8(first, _mm512_set1_epi8(4));
-    __m512i lane_of[2];
-    for (int h = 0; h < 2; h++) lane_of[h] = groups_of_16(h);
+    __m512i lane_of[2], lane_byte[2]; /* lane_byte[h]: byte 4h + k in every byte of 128-bit lane k */
+    for (int h = 0; h < 2; h++) {
+        lane_of[h] = groups_of_16(h);
+        lane_byte[h] = _mm512_set_epi64(0x0101010101010101LL * (4 * h + 3), 0x0101010101010101LL * (4 * h + 3),
+                                        0x0101010101010101LL * (4 * h + 2), 0x0101010101010101LL * (4 * h + 2),
+                                        0x0101010101010101LL * (4 * h + 1), 0x0101010101010101LL * (4 * h + 1),
+                                        0x0101010101010101LL * (4 * h), 0x0101010101010101LL * (4 * h));
+    }
     const int blocks = n / QK_K;
     const size_t row_bytes = 4 + (size_t)blocks * IQ4_KS_BYTES;
     for (int r = 0; r < GROUP; r++) {
@@ -570,17 +576,16 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
             const __m128i S = _mm_loadl_epi64((const __m128i *)row);
             const __m512i scales = _mm512_castsi256_si512(_mm256_sub_epi32(
                 _mm256_and_si256(_mm256_cvtepu8_epi32(S), _mm256_set1_epi32(254)), _mm256_set1_epi32(127)));
-            /* bit s of `shifted`: sub-block s takes the second table; lanes of load h: sub-blocks 4h..4h + 3 */
-            const unsigned shifted = (unsigned)_mm_movemask_epi8(_mm_slli_epi16(S, 7)) & 0xff;
+            /* 4 where a sub-block takes the second table (its values the first's plus 4), spread over its 16 bytes:
+             * lane k of load h is sub-block 4h + k */
+            const __m512i four = _mm512_broadcast_i32x4(_mm_and_si128(_mm_slli_epi16(S, 2), _mm_set1_epi8(4)));
             __m512i w[4], sc[2];
             for (int h = 0; h < 2; h++) {
-                const unsigned four = shifted >> (4 * h);
-                const __mmask8 pick = (__mmask8)((four & 1) * 3 | (four >> 1 & 1) * 12 | (four >> 2 & 1) * 48 |
-                                                 (four >> 3 & 1) * 192);
-                const __m512i table = _mm512_mask_blend_epi64(pick, first, second);
+                const __m512i shift = _mm512_shuffle_epi8(four, lane_byte[h]);
                 const __m512i v = _mm512_loadu_si512(row + 8 + 64 * h);
-                w[2 * h] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, nibble));
-                w[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+                w[2 * h] = _mm512_add_epi8(_mm512_shuffle_epi8(first, _mm512_and_si512(v, nibble)), shift);
+                w[2 * h + 1] = _mm512_add_epi8(
+                    _mm512_shuffle_epi8(first, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)), shift);
                 sc[h] = _mm512_permutexvar_epi32(lane_of[h], scales);
             }
             for (int t = 0; t < T; t++) {
