@@ -488,6 +488,20 @@ static inline __attribute__((always_inline)) void tile_q5_k(const uint8_t *g, co
     }
 }
 
+/* one IQ4_XS / IQ4_KS super-block's 4 vectors of table values w (stored + 128) against a token's activation block:
+ * each 32-bit lane's dot product times its sub-block's scale sc */
+static inline __attribute__((always_inline)) __m512i iq4_dots(const act_q6_k *a, const __m512i *w, const __m512i *sc) {
+    __m512i isum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+        const __m512i lo = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h), w[2 * h],
+                                               _mm512_loadu_si512(a->q + 128 * h));
+        const __m512i hi = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h + 16), w[2 * h + 1],
+                                               _mm512_loadu_si512(a->q + 128 * h + 64));
+        isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[h]));
+    }
+    return isum;
+}
+
 /* the 8 IQ4_XS rows at g (plain, one after another) against up to 4 tokens: each super-block's nibbles looked up in
  * IQ4_NL's table once for all (stored + 128, unsigned for VNNI; the activation's corr takes the 128 back), its 6-bit
  * scales less 32 per 32-bit lane: w = d (ls - 32) table[q] */
@@ -528,15 +542,7 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
             const float d = _cvtsh_ss(dh);
             for (int t = 0; t < T; t++) {
                 const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                __m512i isum = _mm512_setzero_si512();
-                for (int h = 0; h < 2; h++) {
-                    const __m512i lo = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h), w[2 * h],
-                                                           _mm512_loadu_si512(a->q + 128 * h));
-                    const __m512i hi = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h + 16), w[2 * h + 1],
-                                                           _mm512_loadu_si512(a->q + 128 * h + 64));
-                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[h]));
-                }
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc)), _mm512_set1_ps(d * a->d), acc[t]);
             }
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
@@ -590,15 +596,7 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
             }
             for (int t = 0; t < T; t++) {
                 const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                __m512i isum = _mm512_setzero_si512();
-                for (int h = 0; h < 2; h++) {
-                    const __m512i lo = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h), w[2 * h],
-                                                           _mm512_loadu_si512(a->q + 128 * h));
-                    const __m512i hi = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h + 16), w[2 * h + 1],
-                                                           _mm512_loadu_si512(a->q + 128 * h + 64));
-                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[h]));
-                }
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc)), _mm512_set1_ps(d * a->d), acc[t]);
             }
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
