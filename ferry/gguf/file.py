@@ -21,7 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ferry.errors import FerryError
 from ferry.kernels.capabilities import can
-from ferry.quant import IK_RUN_AS, IK_TYPES, IkQuant, ik_to_q8_0, ik_type_bytes, row_bytes
+from ferry.quant import IK_NOTE, IK_RUN_AS, IK_TYPES, IkQuant, ik_to_q8_0, ik_type_bytes, row_bytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -168,6 +168,14 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def _rewritten(t: TensorInfo) -> TensorInfo:
+    """A tensor stored in one of ik_llama.cpp's types (qtype its raw type or IkQuant, nbytes its bytes in the file) as
+    the llama.cpp type it is rewritten into when read (quant.IK_RUN_AS)."""
+    qtype = IK_RUN_AS[int(t.qtype)]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    return replace(t, qtype=qtype, nbytes=t.n_elements // block * type_size, ik_type=int(t.qtype), file_bytes=t.nbytes)
+
+
 ROUTED_EXPERTS = re.compile(r"\.ffn_(up|gate|down)_exps\.weight$")  # where ik_in_place applies
 
 
@@ -276,11 +284,7 @@ def _parse_header(cur: _Cursor, part: _Part, index: int, ik_in_place: frozenset[
         elif raw_type in ik_in_place and ROUTED_EXPERTS.search(name):
             part.tensors.append(TensorInfo(name, ne, IkQuant(raw_type), data_start + offset, nbytes, index))
         else:
-            qtype = IK_RUN_AS[raw_type]
-            block, type_size = GGML_QUANT_SIZES[qtype]
-            n_elements = int(np.prod(ne, dtype=np.int64))
-            part.tensors.append(TensorInfo(name, ne, qtype, data_start + offset, n_elements // block * type_size,
-                                           index, raw_type, nbytes))
+            part.tensors.append(_rewritten(TensorInfo(name, ne, raw_type, data_start + offset, nbytes, index)))
     for name, ne, qtype, offset, nbytes in raw_infos:
         start = data_start + offset
         if start + nbytes > part.size:
@@ -351,9 +355,7 @@ class GGUFFile:
                 continue
             for t in experts:
                 if isinstance(t.qtype, IkQuant):
-                    block, type_size = GGML_QUANT_SIZES[IK_RUN_AS[t.qtype]]
-                    self.tensors[t.name] = replace(t, qtype=IK_RUN_AS[t.qtype], nbytes=t.n_elements // block *
-                                                   type_size, ik_type=int(t.qtype), file_bytes=t.nbytes)
+                    self.tensors[t.name] = _rewritten(t)
 
     def _check_split(self) -> None:
         n = len(self._parts)
@@ -429,6 +431,18 @@ class GGUFFile:
             fast = native.ik_to_q8_0(stored, t.ik_type, rows, t.ne[0])
             self._rewritten[t.name] = fast if fast is not None else ik_to_q8_0(stored, t.ik_type, t.ne)
         return self._rewritten[t.name]
+
+    def ik_lines(self) -> list[str]:
+        """What happens to this file's tensors of ik_llama.cpp's types, one line per type (for the load and `ferry
+        info`): rewritten as Q8_0 (bytes in the file, in RAM) or read in place by ferry's CPU kernel."""
+        lines = [f"{count} tensors in ik_llama.cpp's {name} ({in_file / 2**30:.2f} GiB) run as Q8_0 "
+                 f"({run / 2**30:.2f} GiB of RAM; {IK_NOTE[name]})" for name, (count, in_file, run) in self.ik_stored.items()]
+        in_place = [t for t in self.tensors.values() if isinstance(t.qtype, IkQuant)]
+        for name in sorted({t.qtype.name for t in in_place}):
+            of = [t for t in in_place if t.qtype.name == name]
+            lines.append(f"{len(of)} routed-expert tensors in ik_llama.cpp's {name} "
+                         f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB) read in place by ferry's CPU kernel")
+        return lines
 
     @property
     def ik_stored(self) -> dict[str, tuple[int, int, int]]:

@@ -14,7 +14,6 @@ from ferry.config import Settings, settings as current_settings
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 from ferry.kernels.cpu import native
-from ferry.quant import IK_NOTE, IkQuant
 from ferry.models.base import Model
 from ferry.offload.policy import DEFAULT_MIN_BATCH, Policy, parse_policy
 from ferry.offload.fit import FIT_CTX, FIT_TARGET_MIB, Fit, gpu_room, placed
@@ -215,26 +214,18 @@ def _n_ctx(model, cfg: RunConfig) -> int:
 
 
 def _check_ik_rewrite(f, quiet: bool) -> None:
-    """Tensors in ik_llama.cpp's types are rewritten as Q8_0 into RAM at load: say so, and refuse where they would not
-    fit in the RAM available."""
+    """Tensors in ik_llama.cpp's types are rewritten as Q8_0 into RAM at load (but IQ4_KS experts ferry's kernel
+    reads): say so, and refuse where the rewrite would not fit in the RAM available."""
     stored = f.ik_stored
-    in_place = [t for t in f.tensors.values() if isinstance(t.qtype, IkQuant)]
-    if in_place and not quiet:
-        print(f"ferry: {len(in_place)} routed-expert tensors in ik_llama.cpp's "
-              f"{', '.join(sorted({t.qtype.name for t in in_place}))} ({sum(t.nbytes for t in in_place) / 2**30:.2f} "
-              "GiB) read in place by ferry's CPU kernel", file=sys.stderr)
-    if not stored:
-        return
     need = sum(run for _, _, run in stored.values())
     available = host_memory()
-    if available is not None and need > available:
+    if stored and available is not None and need > available:
         raise FerryError(f"{f.path.name}: its tensors in ik_llama.cpp's {' and '.join(stored)} are rewritten as Q8_0 "
                          f"at load, {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of RAM available; "
                          "run this file with ik_llama.cpp, or requantize it to a llama.cpp type")
     if not quiet:
-        for name, (count, in_file, run) in stored.items():
-            print(f"ferry: {count} tensors in ik_llama.cpp's {name} ({in_file / 2**30:.2f} GiB) run as Q8_0 "
-                  f"({run / 2**30:.2f} GiB of RAM; {IK_NOTE[name]})", file=sys.stderr)
+        for line in f.ik_lines():
+            print(f"ferry: {line}", file=sys.stderr)
 
 
 def _check_host_memory(f, model, cfg: RunConfig) -> None:

@@ -8,7 +8,6 @@ from collections import defaultdict
 
 from ferry.gguf.file import GGUFFile
 from ferry.kernels.cpu import native
-from ferry.quant import IK_NOTE
 from ferry.models.base import ModelArgs
 from ferry.kernels.capabilities import cpu_repack
 from ferry.placement import place
@@ -72,9 +71,8 @@ def info(cfg, as_json: bool) -> dict:
     if any(g["cpu_layout"] == "repacked" for g in groups):
         console.print("repacked: copied at load into ggml's interleaved CPU layout, which the CPU's kernels read (a GPU "
                       "that takes them streams them from the mmap); --no-repack keeps the mmap alone", soft_wrap=True)
-    for name, (count, stored, run) in f.ik_stored.items():
-        console.print(f"{name}: {count} tensors in ik_llama.cpp's type, rewritten at load as Q8_0 ({stored / 2**20:.1f} "
-                      f"MiB in the file, {run / 2**20:.1f} MiB in RAM; {IK_NOTE[name]})", soft_wrap=True)
+    for line in f.ik_lines():
+        console.print(line, soft_wrap=True)
     console.print("placement: " + ", ".join(f"{d} {b / 2**30:.2f} GiB" for d, b in sorted(by_device.items())) +
                   f"  (-ngl {n_gpu_layers}" + "".join(f" -ot {s}" for s in override_specs) + ")")
     return report

@@ -488,6 +488,13 @@ static inline __attribute__((always_inline)) void tile_q5_k(const uint8_t *g, co
     }
 }
 
+/* IQ4_NL's 16 values (IQ4_XS's table, IQ4_KS's first half) + 128, unsigned for VNNI, in every 128-bit lane */
+static inline __m512i iq4nl_table(void) {
+    return _mm512_broadcast_i32x4(_mm_setr_epi8((char)1, (char)24, (char)45, (char)63, (char)79, (char)93, (char)106,
+                                                (char)118, (char)129, (char)141, (char)153, (char)166, (char)181,
+                                                (char)197, (char)217, (char)241));
+}
+
 /* one IQ4_XS / IQ4_KS super-block's 4 vectors of table values w (stored + 128) against a token's activation block:
  * each 32-bit lane's dot product times its sub-block's scale sc */
 static inline __attribute__((always_inline)) __m512i iq4_dots(const act_q6_k *a, const __m512i *w, const __m512i *sc) {
@@ -508,10 +515,7 @@ static inline __attribute__((always_inline)) __m512i iq4_dots(const act_q6_k *a,
 static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, const uint8_t *const *act, int n,
                                                                float *const *out, const int T) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8((char)1, (char)24, (char)45, (char)63, (char)79,
-                                                               (char)93, (char)106, (char)118, (char)129, (char)141,
-                                                               (char)153, (char)166, (char)181, (char)197, (char)217,
-                                                               (char)241));
+    const __m512i table = iq4nl_table();
     const __m256i four_s = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), two_s = _mm256_setr_epi32(0, 2, 4, 6, 8, 10,
                                                                                                       12, 14);
     __m512i lane_of[2]; /* the sub-block of each 32-bit lane in load h (16 bytes each: as Q6_K's groups of 16) */
@@ -556,10 +560,7 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
 static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, const uint8_t *const *act, int n,
                                                                float *const *out, const int T) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    const __m512i first = _mm512_broadcast_i32x4(_mm_setr_epi8((char)1, (char)24, (char)45, (char)63, (char)79,
-                                                               (char)93, (char)106, (char)118, (char)129, (char)141,
-                                                               (char)153, (char)166, (char)181, (char)197, (char)217,
-                                                               (char)241));
+    const __m512i first = iq4nl_table();
     __m512i lane_of[2], lane_byte[2]; /* lane_byte[h]: byte 4h + k in every byte of 128-bit lane k */
     for (int h = 0; h < 2; h++) {
         lane_of[h] = groups_of_16(h);
