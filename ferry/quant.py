@@ -63,6 +63,12 @@ IQ5NL_VALUES = np.array([-126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -3
                          23, 29, 36, 43, 51, 59, 68, 77, 87, 97, 109, 121, -124, -112, -101, -90, -81, -72, -63, -55,
                          -48, -41, -34, -28, -22, -16, -10, -4, 1, 7, 13, 19, 25, 31, 38, 45, 53, 61, 70, 79, 89, 99,
                          111, 123], dtype=np.int8)
+# IQ6_K's 64 values as ik_llama.cpp's kernels use them (its reference dequantizer evaluates a cubic instead, which is
+# within half a step of these); the second half is the first plus 1
+IQ6NL_VALUES = np.array([-127, -121, -115, -109, -104, -98, -93, -88, -84, -79, -74, -70, -66, -62, -58, -54, -51, -47,
+                         -44, -40, -37, -34, -31, -28, -25, -22, -19, -16, -13, -11, -8, -5, -2, 0, 3, 6, 9, 12, 14, 17,
+                         20, 23, 27, 30, 33, 36, 40, 44, 47, 51, 55, 59, 63, 68, 72, 77, 82, 87, 92, 98, 103, 109, 115,
+                         121], dtype=np.int8)
 # IQ2_KL's 32 pairs of values (each byte one of IQ3NL_VALUES' first half; the low byte is the first of the pair)
 IQ2KL_PAIRS = np.array([0xe9c1, 0x0dc1, 0xc1d8, 0xf6d8, 0x0dd8, 0x2fd8, 0xd8e9, 0xe9e9, 0x01e9, 0x0de9, 0x1ce9, 0xc1f6,
                         0x01f6, 0x0df6, 0x2ff6, 0xe901, 0xf601, 0x0101, 0x0d01, 0x1c01, 0xd80d, 0xe90d, 0xf60d, 0x010d,
@@ -159,20 +165,104 @@ def _ik_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np.n
     return (d * s.reshape(rows, -1)), values.reshape(rows, -1, 32).astype(np.int8)
 
 
+IK_PER_16 = ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K")  # ik's types with a scale per 16 weights
+
+
+def _ik_k_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ik_llama.cpp's IQn_K types, whose 16 consecutive weights share one integer scale under a 256's fp16 d, as (d
+    (rows, n / 256) float64, s (rows, n / 16) int16, values (rows, n / 16, 16) int8): w = d s values, as ik's kernels
+    compute (its layouts in ggml-common.h, dequantize_row_* in iqk_quantize.cpp). Each 256 opens with d and a 16-bit
+    `extra` whose bit k takes the second half of the table for the k-th 16; then, per 32 (ib):
+    - IQ2_K: scale byte ib (nibbles less 8: first 16, second 16); indices 2 bits at 2 (ib % 4) of byte j of the
+      32-byte group ib / 4; IQ2NL_VALUES.
+    - IQ3_K: 16 sign bits (scales_h: bit 2 ib + h), a scale byte ib (nibble n: 2 n + 1); as IQ2_K's 2 bits, a third
+      from bit ib of 32 bytes of qh; IQ3NL_VALUES.
+    - IQ4_K: 2-bit highs (scales_h: byte ib / 2, nibble ib % 2, bits 2h) and a scale byte ib of low nibbles, less 32;
+      nibbles in IQ4_XS's order (byte 16 ib + j: low j, high 16 + j); IQ4K_VALUES.
+    - IQ5_K: IQ4_K's scales; nibble ib % 2 of byte j of the 32-byte group ib / 2, a fifth bit from bit ib of qh;
+      IQ5NL_VALUES.
+    - IQ6_K: 16 int8 scales; IQ5_K's nibbles, two bits more at 4 (ib / 2 % 2) + 2 (ib % 2) of byte j of qh's 32-byte
+      group ib / 4; IQ6NL_VALUES, plus 1 for the second half."""
+    name = ik_name(raw_type)
+    _, block, size, _ = IK_TYPES[raw_type]
+    rows = int(np.prod(ne[1:], dtype=np.int64))
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, ne[0] // block, size).astype(np.int32)
+    d = b[..., :2].astype(np.uint8).copy().view(np.float16).astype(np.float64)[..., 0]
+    extra = b[..., 2] | b[..., 3] << 8
+    j = np.arange(32)
+    scales, values = [], []
+    for ib in range(8):
+        if name == "IQ2_K":
+            sc = b[..., 4 + ib]
+            s = [(sc & 15) - 8, (sc >> 4) - 8]
+            q = b[..., 12 + 32 * (ib // 4) + j] >> 2 * (ib % 4) & 3
+            table, half = IQ2NL_VALUES.astype(np.int32), 4
+        elif name == "IQ3_K":
+            sign = (b[..., 4] | b[..., 5] << 8) >> 2 * ib
+            sc = b[..., 6 + ib]
+            s = [(2 * (sc & 15) + 1) * (1 - 2 * (sign & 1)), (2 * (sc >> 4) + 1) * (1 - 2 * (sign >> 1 & 1))]
+            q = (b[..., 14 + 32 * (ib // 4) + j] >> 2 * (ib % 4) & 3) | (b[..., 78 + j] >> ib & 1) << 2
+            table, half = IQ3NL_VALUES.astype(np.int32), 8
+        elif name in ("IQ4_K", "IQ5_K"):
+            high = b[..., 4 + ib // 2] >> 4 * (ib % 2)
+            sc = b[..., 8 + ib]
+            s = [((sc & 15) | (high << 4 & 0x30)) - 32, ((sc >> 4) | (high << 2 & 0x30)) - 32]
+            if name == "IQ4_K":
+                q = b[..., 16 + 16 * ib + j % 16] >> 4 * (j // 16) & 15
+                table, half = IQ4K_VALUES.astype(np.int32), 16
+            else:
+                q = (b[..., 16 + 32 * (ib // 2) + j] >> 4 * (ib % 2) & 15) | (b[..., 144 + j] >> ib & 1) << 4
+                table, half = IQ5NL_VALUES.astype(np.int32), 32
+        else:  # IQ6_K
+            sc = b[..., 4:20].astype(np.uint8).astype(np.int8).astype(np.int32)
+            s = [sc[..., 2 * ib], sc[..., 2 * ib + 1]]
+            qh = b[..., 148 + 32 * (ib // 4) + j] >> (4 * (ib // 2 % 2) + 2 * (ib % 2)) & 3
+            q = (b[..., 20 + 32 * (ib // 2) + j] >> 4 * (ib % 2) & 15) | qh << 4
+            table, half = np.concatenate([IQ6NL_VALUES, IQ6NL_VALUES + 1]).astype(np.int32), 64
+        for h in range(2):
+            scales.append(s[h])
+            values.append(table[(extra >> (2 * ib + h) & 1)[..., None] * half + q[..., 16 * h:16 * h + 16]])
+    s = np.stack(scales, axis=-1).reshape(rows, -1).astype(np.int16)
+    return d, s, np.stack(values, axis=-2).reshape(rows, -1, 16).astype(np.int8)
+
+
 def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
     """ik_llama.cpp's quant types to float64 in torch order (reversed ne), the reference the rest is tested against
-    (_ik_parts says which and how)."""
-    scale, values = _ik_parts(raw, raw_type, ne)
+    (_ik_parts and _ik_k_parts say which and how)."""
+    if ik_name(raw_type) in IK_PER_16:
+        d, s, values = _ik_k_parts(raw, raw_type, ne)
+        scale = np.repeat(d, 16, axis=-1) * s
+    else:
+        scale, values = _ik_parts(raw, raw_type, ne)
     return (scale[..., None] * values).reshape(tuple(reversed(ne)))
 
 
-# The ik_llama.cpp types ferry runs, each rewritten at load as Q8_0 (ik_to_q8_0): 32 int8 values under one scale, as
-# they are stored; Q6_0's scale is Q8_0's fp16 already, the others' (the row's scale times the sub-block's integer)
-# is rounded to fp16: a relative error of at most 2^-11 per 32 weights.
+# The ik_llama.cpp types ferry runs, each rewritten at load as Q8_0 (ik_to_q8_0). Where 32 int8 values share one
+# scale as they are stored, they are Q8_0's values: Q6_0's scale is Q8_0's fp16 already, the others' (the row's scale
+# times the sub-block's integer) is rounded to fp16, a relative error of at most 2^-11 per 32 weights. The IQn_K
+# types' 16-value sub-blocks have scales of their own, so a 32's products s t (beyond int8) are rounded to Q8_0's 255
+# levels: exact where they fit, else within 1/254 of the 32's largest weight (and 2^-11 more, the scale's fp16).
 IK_RUN_AS = {t: Q.Q8_0 for t, v in IK_TYPES.items() if v[0] in ("Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS",
-                                                                  "IQ2_KS", "IQ2_KL")}
+                                                                  "IQ2_KS", "IQ2_KL") + IK_PER_16}
 IK_NOTE = {IK_TYPES[t][0]: "each 32 values' scale rounded to fp16, at most 2^-11 of a value" for t in IK_RUN_AS}
 IK_NOTE["Q6_0"] = "the same values"
+IK_NOTE.update({name: "each 32 values rounded to 255 levels, within 0.45% of their largest" for name in IK_PER_16})
+
+
+def _per_16_as_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """An IQn_K tensor's 32s as Q8_0's (scale (rows, n / 32) float64, values (rows, n / 32, 32) int8): the products
+    p = s t of its two 16s, under d where all fit int8, else rounded (half away from zero, in integers) to 127 / m of
+    themselves, m the largest |p|, under d m / 127."""
+    d, s, t = _ik_k_parts(raw, raw_type, ne)
+    rows = d.shape[0]
+    p = (s.astype(np.int32)[..., None] * t).reshape(rows, -1, 32)
+    m = np.abs(p).max(axis=-1, keepdims=True)
+    fits = m <= 127
+    mm = np.where(fits, 1, m)
+    q = np.where(fits, p, np.sign(p) * ((2 * 127 * np.abs(p) + mm) // (2 * mm)))
+    d8 = np.repeat(d, 8, axis=-1)
+    scale = np.where(fits[..., 0], d8, d8 * m[..., 0] / 127.0)  # in C's order of operations
+    return scale, q.astype(np.int8)
 
 
 class IkQuant(enum.IntEnum):
@@ -207,7 +297,8 @@ def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...], rows_at_once
     out = np.empty((rows, ne[0] // 32, 34), dtype=np.uint8)
     for r0 in range(0, rows, rows_at_once):
         part = raw[r0:r0 + rows_at_once]
-        scale, values = _ik_parts(part, raw_type, (ne[0], len(part)))
+        parts = _per_16_as_q8_0 if ik_name(raw_type) in IK_PER_16 else _ik_parts
+        scale, values = parts(part, raw_type, (ne[0], len(part)))
         with np.errstate(over="ignore"):
             d = scale.astype(np.float16)
         if not np.isfinite(d).all():

@@ -3,11 +3,11 @@ llama-quantize (built from ../shared/anchors' tarball, CPU only, into ~/.cache/f
 `ferry synth qwen3-moe-tiny` F16 file to each of ik's types below, then quantizes that back to F32 (ik's own
 dequantization); for one tensor per type (the first 64 rows of its smallest of that type), its bytes and ik's float32
 values go to tests/fixtures/ik/TYPE.npz.
-It also writes a whole model as ik_llama.cpp users have them: a one-layer `qwen3-moe-tiny` quantized by ik to IQ4_KS
-(the routed experts) with every other type ferry reads in some other tensor (MODEL_CUSTOM_Q;
-tests/fixtures/ik/qwen3moe-ik.gguf, 2.5 MB), a text, and ik's llama-perplexity on it, on its weights as F32 (ik's dequantization) and on the F16 file it came from
-(qwen3moe-ik.json).
-  python scripts/ik_fixtures.py [--tarball PATH] [--types Q6_0,IQ4_KS,...]
+It also writes whole models as ik_llama.cpp users have them: a one-layer `qwen3-moe-tiny` quantized by ik with its
+routed experts in IQ4_KS (or IQ4_K) and every other type ferry reads in some other tensor (MODELS;
+tests/fixtures/ik/qwen3moe-ik.gguf and qwen3moe-ik-k.gguf, 2.5 MB each), a text, and ik's llama-perplexity on each,
+on its weights as F32 (ik's dequantization) and on the F16 file it came from (qwen3moe-ik.json, qwen3moe-ik-k.json).
+  python scripts/ik_fixtures.py [--tarball PATH] [--types Q6_0,IQ4_KS,...] [--models qwen3moe-ik,...]
 The build takes about 10 minutes on 2 cores the first time; CI only reads the fixtures."""
 
 import argparse
@@ -50,8 +50,13 @@ def build(tarball: Path, where: Path) -> Path:
     return exe
 
 
-MODEL_CUSTOM_Q = "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,attn_output=iq2_kl,output=iq4_kss,token_embd=q6_0"
-TYPES = "Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL"
+# the whole models: a one-layer tiny MoE with its routed experts in one type and every other type ferry reads in
+# some other tensor
+MODELS = {"qwen3moe-ik": ("IQ4_KS", "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,attn_output=iq2_kl,output=iq4_kss,"
+                                    "token_embd=q6_0"),
+          "qwen3moe-ik-k": ("IQ4_K", "attn_q=iq5_k,attn_k=iq3_k,attn_v=iq2_k,attn_output=iq6_k,output=iq4_k,"
+                                     "token_embd=iq5_k")}
+TYPES = "Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K"
 ROWS = 64
 PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]
 
@@ -64,13 +69,15 @@ def ik_ppl(perplexity: Path, model: Path, text: Path) -> list[float]:
     return [float(v) for v in re.findall(r"\[\d+\]([0-9.]+),", r.stdout + r.stderr)]
 
 
-def model_fixture(quantize: Path, f16: Path, out: Path, tmp: Path) -> None:
-    """A one-layer tiny MoE as ik quantizes it to IQ4_KS with Q6_0 beside, a text, and ik's perplexity on both files."""
+def model_fixture(quantize: Path, stem: str, out: Path, tmp: Path) -> None:
+    """A one-layer tiny MoE as ik quantizes it (MODELS[stem]), the text, and ik's perplexity on it, on its exact
+    weights and on the F16 file it came from."""
+    qtype, custom_q = MODELS[stem]
     one = tmp / "one-f16.gguf"
     subprocess.run([sys.executable, "-m", "ferry", "synth", "qwen3-moe-tiny", "--layers", "1", "--type", "f16",
                     "--expert-type", "f16", "-o", str(one), "-q"], check=True, cwd=ROOT)
-    model = out / "qwen3moe-ik.gguf"
-    subprocess.run([str(quantize), "--custom-q", MODEL_CUSTOM_Q, str(one), str(model), "IQ4_KS", "1"], check=True,
+    model = out / f"{stem}.gguf"
+    subprocess.run([str(quantize), "--custom-q", custom_q, str(one), str(model), qtype, "1"], check=True,
                    capture_output=True)
     rng = random.Random(1)
     words = ("the a of and to in is was for on that with as by at from it his an were are which be this has or had not "
@@ -82,9 +89,9 @@ def model_fixture(quantize: Path, f16: Path, out: Path, tmp: Path) -> None:
     f32 = tmp / "model-f32.gguf"  # the file's weights as ik dequantizes them: the figure without activation rounding
     subprocess.run([str(quantize), "--allow-requantize", str(model), str(f32), "F32", "1"], check=True,
                    capture_output=True)
-    ref = {"args": PPL_ARGS, "custom_q": MODEL_CUSTOM_Q, "ppl": ik_ppl(perplexity, model, text),
+    ref = {"args": PPL_ARGS, "type": qtype, "custom_q": custom_q, "ppl": ik_ppl(perplexity, model, text),
            "ppl_f32": ik_ppl(perplexity, f32, text), "ppl_f16": ik_ppl(perplexity, one, text)}
-    (out / "qwen3moe-ik.json").write_text(json.dumps(ref, indent=1) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(ref, indent=1) + "\n")
     print(f"model: {model} ({model.stat().st_size} bytes), ik's ppl {ref['ppl'][-1]} (F16: {ref['ppl_f16'][-1]})")
 
 
@@ -92,6 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tarball", default=str(ROOT.parent / "shared" / "anchors" / "ik_llama.cpp-8337e4c.tar.gz"))
     ap.add_argument("--types", default=TYPES)
+    ap.add_argument("--models", default=",".join(MODELS), help="the whole models to write ('' for none)")
     a = ap.parse_args()
     quantize = build(Path(a.tarball), Path.home() / ".cache" / "ferry-anchors" / "ik")
     out = ROOT / "tests" / "fixtures" / "ik"
@@ -117,7 +125,8 @@ def main() -> None:
             np.savez_compressed(out / f"{name}.npz", raw=np.array(data), raw_type=raw_type, ne=np.array(ne),
                                 ik_values=theirs.astype(np.float32))
             print(f"{name}: {tensor} {list(ne)}, {data.nbytes} bytes -> {out / (name + '.npz')}")
-        model_fixture(quantize, f16, out, Path(tmp))
+        for stem in filter(None, a.models.split(",")):
+            model_fixture(quantize, stem, out, Path(tmp))
 
 
 if __name__ == "__main__":

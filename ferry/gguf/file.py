@@ -435,7 +435,7 @@ class GGUFFile:
     def ik_lines(self) -> list[str]:
         """What happens to this file's tensors of ik_llama.cpp's types, one line per type (for the load and `ferry
         info`): rewritten as Q8_0 (bytes in the file, in RAM) or read in place by ferry's CPU kernel."""
-        lines = [f"{count} tensors in ik_llama.cpp's {name} ({in_file / 2**30:.2f} GiB) run as Q8_0 "
+        lines = [f"{count} tensor{'s' * (count != 1)} in ik_llama.cpp's {name} ({in_file / 2**30:.2f} GiB) run as Q8_0 "
                  f"({run / 2**30:.2f} GiB of RAM; {IK_NOTE[name]})" for name, (count, in_file, run) in self.ik_stored.items()]
         in_place = [t for t in self.tensors.values() if isinstance(t.qtype, IkQuant)]
         for name in sorted({t.qtype.name for t in in_place}):

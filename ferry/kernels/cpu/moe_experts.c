@@ -1198,8 +1198,44 @@ static const int8_t iq5nl[64] = {-126, -114, -103, -92, -83, -74, -65, -57, -50,
 static const uint16_t iq2kl[32] = {0xe9c1, 0x0dc1, 0xc1d8, 0xf6d8, 0x0dd8, 0x2fd8, 0xd8e9, 0xe9e9, 0x01e9, 0x0de9, 0x1ce9,
                                    0xc1f6, 0x01f6, 0x0df6, 0x2ff6, 0xe901, 0xf601, 0x0101, 0x0d01, 0x1c01, 0xd80d, 0xe90d,
                                    0xf60d, 0x010d, 0x0d0d, 0xc11c, 0xe91c, 0x011c, 0x1c1c, 0x2f1c, 0xe92f, 0x0d2f};
-enum { IK_Q6_0 = 133, IK_IQ2_KS = 145, IK_IQ4_KSS = 146, IK_IQ4_KS = 144, IK_IQ5_KS = 152, IK_IQ3_KS = 156,
+static const int8_t iq6nl[64] = {-127, -121, -115, -109, -104, -98, -93, -88, -84, -79, -74, -70, -66, -62, -58, -54,
+                                 -51,  -47,  -44,  -40,  -37,  -34, -31, -28, -25, -22, -19, -16, -13, -11, -8,  -5,
+                                 -2,   0,    3,    6,    9,    12,  14,  17,  20,  23,  27,  30,  33,  36,  40,  44,
+                                 47,   51,   55,   59,   63,   68,  72,  77,  82,  87,  92,  98,  103, 109, 115, 121};
+enum { IK_Q6_0 = 133, IK_IQ2_K = 137, IK_IQ3_K = 138, IK_IQ4_K = 139, IK_IQ5_K = 140, IK_IQ6_K = 141,
+       IK_IQ2_KS = 145, IK_IQ4_KSS = 146, IK_IQ4_KS = 144, IK_IQ5_KS = 152, IK_IQ3_KS = 156,
        IK_IQ2_KL = 157 }; /* ik_llama.cpp's numbers */
+
+/* sub-block ib (32 values) of one 256-value block of an IQn_K type: each value's scale (its 16's) times its table
+ * value, p[32] (quant._ik_k_parts describes each layout) */
+static void ik_k_products(int type, const uint8_t *b, int ib, int32_t *p) {
+    const int extra = (b[2] | b[3] << 8) >> (2 * ib);
+    int s[2];
+    for (int j = 0; j < 32; j++) {
+        const int h = j / 16, second = extra >> h & 1;
+        int v;
+        if (type == IK_IQ2_K) {
+            s[h] = (b[4 + ib] >> (4 * h) & 15) - 8;
+            v = iq2nl[4 * second + (b[12 + 32 * (ib / 4) + j] >> (2 * (ib % 4)) & 3)];
+        } else if (type == IK_IQ3_K) {
+            const int sign = (b[4] | b[5] << 8) >> (2 * ib + h) & 1;
+            s[h] = (2 * (b[6 + ib] >> (4 * h) & 15) + 1) * (sign ? -1 : 1);
+            v = iq3nl[8 * second + ((b[14 + 32 * (ib / 4) + j] >> (2 * (ib % 4)) & 3) | (b[78 + j] >> ib & 1) << 2)];
+        } else if (type == IK_IQ4_K || type == IK_IQ5_K) {
+            const int high = b[4 + ib / 2] >> (4 * (ib % 2));
+            s[h] = ((b[8 + ib] >> (4 * h) & 15) | (high << (4 - 2 * h) & 0x30)) - 32;
+            if (type == IK_IQ4_K)
+                v = iq4k[16 * second + (b[16 + 16 * ib + j % 16] >> (4 * h) & 15)];
+            else
+                v = iq5nl[32 * second + ((b[16 + 32 * (ib / 2) + j] >> (4 * (ib % 2)) & 15) | (b[144 + j] >> ib & 1) << 4)];
+        } else { /* IQ6_K */
+            s[h] = (int8_t)b[4 + 2 * ib + h];
+            const int qh = b[148 + 32 * (ib / 4) + j] >> (4 * (ib / 2 % 2) + 2 * (ib % 2)) & 3;
+            v = iq6nl[(b[20 + 32 * (ib / 2) + j] >> (4 * (ib % 2)) & 15) | qh << 4] + second;
+        }
+        p[j] = s[h] * v;
+    }
+}
 
 /* sub-block ib (32 values) of one 256-value block of an ik_llama.cpp type: its integer scale, and its 32 table values
  * (quant._ik_parts describes each layout) */
@@ -1258,7 +1294,8 @@ static int ik_sub_block(int type, const uint8_t *b, int ib, int8_t *t) {
 
 /* ik_llama.cpp's Q6_0, IQ4_KS, IQ5_KS, IQ4_KSS, IQ3_KS, IQ2_KS or IQ2_KL rows of n values (row_meta bytes of row
  * scale, then blocks of block_bytes) as Q8_0 blocks, the same weights: Q6_0's exactly, the others' table values with
- * each sub-block's scale (the row's times the sub-block's integer) rounded to fp16. Returns the count of scales at or
+ * each sub-block's scale (the row's times the sub-block's integer) rounded to fp16; the IQn_K types' products of
+ * scale and value, kept where a 32's fit int8, else rounded to 255 levels (quant._per_16_as_q8_0). Returns the count of scales at or
  * past fp16's largest (a corrupt file; their blocks are left unwritten). */
 int64_t ferry_ik_to_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t n, int type, int row_meta,
                          int block_bytes, int n_threads) {
@@ -1275,6 +1312,30 @@ int64_t ferry_ik_to_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t
                     const int h = row[2 + j % 8] >> (4 * (j / 8)), q = row[10 + j];
                     o[2 + j] = (uint8_t)(int8_t)(((q & 0x0f) | ((h << 4) & 0x30)) - 32);
                     o[18 + j] = (uint8_t)(int8_t)(((q >> 4) | ((h << 2) & 0x30)) - 32);
+                }
+            }
+            continue;
+        }
+        if (type >= IK_IQ2_K && type <= IK_IQ6_K) { /* 32 products rounded to 255 levels where they do not fit int8 */
+            for (int64_t sb = 0; sb < blocks / 8; sb++, row += block_bytes) {
+                uint16_t dh;
+                memcpy(&dh, row, 2);
+                const double d = half_value(dh);
+                for (int ib = 0; ib < 8; ib++, o += 34) {
+                    int32_t p[32], m = 0;
+                    ik_k_products(type, row, ib, p);
+                    for (int j = 0; j < 32; j++) m = abs(p[j]) > m ? abs(p[j]) : m;
+                    const double scale = m <= 127 ? d : d * m / 127.0;
+                    if (!(fabs(scale) < 65520.0)) {
+                        bad++;
+                        continue;
+                    }
+                    const uint16_t h = half_bits(scale);
+                    memcpy(o, &h, 2);
+                    for (int j = 0; j < 32; j++) {
+                        const int32_t a = abs(p[j]), q = m <= 127 ? a : (2 * 127 * a + m) / (2 * m);
+                        o[2 + j] = (uint8_t)(int8_t)(p[j] < 0 ? -q : q);
+                    }
                 }
             }
             continue;
