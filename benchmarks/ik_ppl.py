@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-TYPES = "IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL"
+TYPES = "IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K"
 
 
 def text(path: Path) -> Path:

@@ -641,7 +641,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_synth(args: argparse.Namespace) -> int:
     from ferry.gguf.synth import MIXES, PRESETS, synth
-    from ferry.quant import parse_qtype
+    from ferry.quant import IkQuant, parse_qtype
 
     if args.preset not in PRESETS:
         raise FerryError(f"unknown preset '{args.preset}'; presets: {', '.join(PRESETS)}")
@@ -652,11 +652,14 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if not 0 <= args.routing_skew <= 8:
         raise FerryError(f"--routing-skew must be 0 (even routing) to 8, got {args.routing_skew}")
     experts = args.expert_type.upper()
-    if experts not in MIXES:
+    if experts in IkQuant.__members__:  # ik_llama.cpp's types ferry's kernels read in place (random blocks)
+        experts = IkQuant[experts]
+    elif experts not in MIXES:
         try:
             experts = parse_qtype(experts)
         except FerryError as e:
-            raise FerryError(f"{e}; or a mix: {', '.join(m.lower() for m in MIXES)}") from None
+            raise FerryError(f"{e}; or a mix: {', '.join(m.lower() for m in MIXES)}; or one of ik_llama.cpp's: "
+                             f"{', '.join(t.name.lower() for t in IkQuant)}") from None
     out = Path(args.output)
     t0 = time.perf_counter()
     synth(PRESETS[args.preset], out, experts, parse_qtype(args.type), seed=args.seed,

@@ -244,9 +244,11 @@ def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.nda
 # levels: exact where they fit, else within 1/254 of the 32's largest weight (and 2^-11 more, the scale's fp16).
 IK_RUN_AS = {t: Q.Q8_0 for t, v in IK_TYPES.items() if v[0] in ("Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS",
                                                                   "IQ2_KS", "IQ2_KL") + IK_PER_16}
-IK_NOTE = {IK_TYPES[t][0]: "each 32 values' scale rounded to fp16, at most 2^-11 of a value" for t in IK_RUN_AS}
+IK_NOTE = {IK_TYPES[t][0]: "each 32 values' scale rounded to fp16: 2^-11 of a value, more below fp16's 6.1e-5"
+           for t in IK_RUN_AS}
 IK_NOTE["Q6_0"] = "the same values"
 IK_NOTE.update({name: "each 32 values rounded to 255 levels, within 0.45% of their largest" for name in IK_PER_16})
+# (a scale below fp16's normal range, 2^-14, keeps steps of 2^-24: as in any Q8_0 file)
 
 
 def _per_16_as_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -269,6 +271,7 @@ class IkQuant(enum.IntEnum):
     """ik_llama.cpp's types that ferry's kernels read in place (routed experts, where ferry's CPU kernels run): a
     Weight's qtype beside gguf-py's GGMLQuantizationType (none of these ids is one of its)."""
 
+    IQ4_K = 139
     IQ4_KS = 144
 
 

@@ -48,12 +48,15 @@ def _layer(rng, up_type, down_type=None, n_expert=4, n_embd=256, n_ff=256):
 
 
 def test_the_cpu_kernel_column_is_what_ferrys_kernel_reads():
-    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, IkQuant.IQ4_KS}
-    # ik_llama.cpp's IQ4_KS: routed experts only, read plain; ggml never sees it (no repack probe, no graph leaf)
-    assert caps.can(IkQuant.IQ4_KS).cpu_native == "plain" and not caps.can(IkQuant.IQ4_KS).cpu_linear
-    assert not caps.can_ggml(IkQuant.IQ4_KS) and caps.can_ggml(Q.IQ4_XS)
-    assert not caps.cpu_repack(IkQuant.IQ4_KS, (2048, 768, 8))
-    assert caps.cpu_native_experts(*_layer(np.random.default_rng(1), IkQuant.IQ4_KS), "silu") == ""
+    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, IkQuant.IQ4_KS,
+                                        IkQuant.IQ4_K}
+    # ik_llama.cpp's IQ4_KS and IQ4_K: routed experts only, read plain; ggml never sees them (no repack probe, no
+    # graph leaf)
+    for ik in IkQuant:
+        assert caps.can(ik).cpu_native == "plain" and not caps.can(ik).cpu_linear
+        assert not caps.can_ggml(ik) and not caps.cpu_repack(ik, (2048, 768, 8))
+        assert caps.cpu_native_experts(*_layer(np.random.default_rng(1), ik), "silu") == ""
+    assert caps.can_ggml(Q.IQ4_XS)
     # ggml has no x86 repacked layout for Q5_K, Q6_K and IQ4_XS, and one for MXFP4 that the kernel need not read: the
     # kernel reads their plain rows, and a CPU backend leaves MXFP4 unrepacked where its kernels run
     assert {q for q in Q if caps.can(q).cpu_native == "plain"} == {Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4}

@@ -8,11 +8,12 @@ from gguf.constants import LlamaFileType
 from ferry.gguf.file import GGUFFile
 from ferry.gguf.synth import PRESETS, _SCALE_FIELDS, more_bits, random_tensor, synth
 from ferry.models import load_model
-from ferry.quant import Q, dequantize
+from ferry.quant import IkQuant, Q, dequantize
 from ferry.runtime.engine import Engine
 
 
-@pytest.mark.parametrize("qtype", list(_SCALE_FIELDS) + [Q.F16, Q.BF16, Q.IQ4_NL, Q.MXFP4], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(_SCALE_FIELDS) + [Q.F16, Q.BF16, Q.IQ4_NL, Q.MXFP4] + list(IkQuant),
+                         ids=lambda q: q.name)
 def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
     ne = (256, 96)
     values = dequantize(random_tensor(qtype, ne, 0.05, np.random.default_rng(0)), qtype, ne)
@@ -124,3 +125,20 @@ def test_the_q4_k_m_mix_puts_down_in_q6_k_where_llama_quantize_does(tmp_path):
         assert f.tensor(f"blk.{i}.ffn_gate_exps.weight").qtype == f.tensor(f"blk.{i}.ffn_up_exps.weight").qtype == Q.Q4_K
         assert f.tensor(f"blk.{i}.ffn_down_exps.weight").qtype == (Q.Q6_K if i >= 2 else Q.Q4_K)
     assert f.tensor("blk.0.attn_q.weight").qtype == Q.Q8_0
+
+
+@pytest.mark.parametrize("ik", list(IkQuant), ids=lambda q: q.name)
+def test_experts_in_ik_llama_cpps_types_are_written_as_ik_llama_cpp_stores_them(tmp_path, ik):
+    """`ferry synth --expert-type iq4_ks` (the 30B model in ik's types, for benchmarks against it): the experts under
+    ik's type id, read in place where ferry's kernel runs, rewritten as Q8_0 with the same values where it does not."""
+    path = tmp_path / "m.gguf"
+    synth(PRESETS["qwen3-moe-tiny"], path, ik, Q.Q8_0, quiet=True)
+    name = "blk.1.ffn_down_exps.weight"
+    kept, rewritten = GGUFFile(path, ik_in_place=frozenset({int(ik)})).tensor(name), GGUFFile(path).tensor(name)
+    assert kept.qtype == ik and rewritten.qtype == Q.Q8_0 and rewritten.stored_as == ik.name
+    values = dequantize(GGUFFile(path, ik_in_place=frozenset({int(ik)})).data(kept), ik, kept.ne)
+    off = np.abs(dequantize(GGUFFile(path).data(rewritten), Q.Q8_0, rewritten.ne) - values).reshape(-1, 32)
+    largest = np.abs(values).reshape(-1, 32).max(axis=1, keepdims=True)  # IQ4_K's 32s rounded to 255 levels
+    bound = 2.0 ** -11 * np.abs(values).reshape(-1, 32) if ik == IkQuant.IQ4_KS else (1 / 254 + 2.0 ** -11) * largest
+    # and fp16's subnormal scales (below 2^-14: steps of 2^-24, half of one times up to 128), float32's rounding
+    assert np.all(off <= bound + 2.0 ** -25 * 128 + 2.0 ** -20 * largest)

@@ -32,14 +32,19 @@ def _random_blocks(rng, qtype, n_values):
 SHAPES = [(1, 256), (7, 512), (33, 256), (129, 2048), (1000, 768)]
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)  # IkQuant.IQ4_KS among them
+@pytest.mark.parametrize("qtype", SUPPORTED, ids=lambda q: q.name)  # IkQuant's among them
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gpu_dequantize_matches_the_reference(qtype, rows, cols, dtype):
     rng = np.random.default_rng(rows * 31 + cols)
-    if isinstance(qtype, IkQuant):  # ik_llama.cpp's IQ4_KS: every byte random but each row's float32 scale
+    if isinstance(qtype, IkQuant):  # ik_llama.cpp's types: every byte random but the scales (IQ4_KS: each row's
+        # float32 before it; IQ4_K: each block's fp16 d opening it)
         raw = rng.integers(0, 256, size=(rows, ik_type_bytes(qtype, (cols, 1))), dtype=np.uint8)
-        raw[:, :4] = rng.uniform(1e-4, 1e-3, (rows, 1)).astype(np.float32).view(np.uint8)
+        if qtype == IkQuant.IQ4_KS:
+            raw[:, :4] = rng.uniform(1e-4, 1e-3, (rows, 1)).astype(np.float32).view(np.uint8)
+        else:
+            raw = raw.reshape(-1, 144)
+            raw[:, :2] = rng.uniform(1e-4, 1e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
         raw = raw.reshape(-1)
     elif qtype in _SCALE:
         raw = _random_blocks(rng, qtype, rows * cols)

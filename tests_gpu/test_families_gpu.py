@@ -4,7 +4,8 @@ each head, sigmoid routing with a correction bias), qwen35moe (gated delta-net l
 gated attention, a gated shared expert) and deepseek32 / glm-dsa (sparse attention, top-k 16 of the 220 positions)
 on the GPU and in the hybrid runtime, against the all-CPU
 result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs. Also
-a file as ik_llama.cpp quantized it (IQ4_KS, IQ5_KS, IQ4_KSS, IQ3_KS, IQ2_KS, IQ2_KL and Q6_0, rewritten at load as
+files as ik_llama.cpp quantized them (IQ4_KS or IQ4_K experts read in place by the CPU kernel and expanded by the
+GPU's dequantizer; IQ5_KS, IQ4_KSS, IQ3_KS, IQ2_KS, IQ2_KL, Q6_0, IQ2_K, IQ3_K, IQ5_K and IQ6_K rewritten at load as
 Q8_0: tests/fixtures/ik)."""
 
 from pathlib import Path
@@ -24,10 +25,12 @@ N_PROMPT, N_GEN = 200, 20
 
 
 @pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny",
-                                                    "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny", "ik-types"])
+                                                    "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny", "ik-types",
+                                                    "ik-k-types"])
 def family(request, tmp_path_factory):
-    if request.param == "ik-types":
-        path = Path(__file__).parents[1] / "tests" / "fixtures" / "ik" / "qwen3moe-ik.gguf"
+    if request.param.startswith("ik-"):
+        ik = {"ik-types": "qwen3moe-ik.gguf", "ik-k-types": "qwen3moe-ik-k.gguf"}[request.param]
+        path = Path(__file__).parents[1] / "tests" / "fixtures" / "ik" / ik
     else:
         path = tmp_path_factory.mktemp("f") / f"{request.param}.gguf"
         assert main(["synth", request.param, "-o", str(path), "-q"]) == 0

@@ -217,11 +217,15 @@ def random_tensor(qtype: GGMLQuantizationType, ne: tuple[int, ...], std: float, 
         if qtype == Q.F16:
             return values.astype(np.float16).view(np.uint8)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16: the top half of f32
-    if isinstance(qtype, IkQuant):  # ik_llama.cpp's IQ4_KS: random bytes under each row's float32 scale (random
-        # sub-block scales and table values have rms 73 and 65: their product 4800)
+    if qtype == IkQuant.IQ4_KS:  # random bytes under each row's float32 scale (random sub-block scales and table
+        # values have rms 73 and 65: their product 4800)
         rows = n // ne[0]
         raw = np.frombuffer(rng.bytes(ik_type_bytes(qtype, ne)), dtype=np.uint8).reshape(rows, -1).copy()
         raw[:, :4] = np.frombuffer(np.float32(std / 4800).tobytes(), np.uint8)
+        return raw.reshape(-1)
+    if qtype == IkQuant.IQ4_K:  # random bytes under each block's fp16 d (scales' rms 18.5 times the table's: 1240)
+        raw = np.frombuffer(rng.bytes(ik_type_bytes(qtype, ne)), dtype=np.uint8).reshape(-1, 144).copy()
+        raw[:, :2] = np.frombuffer(np.float16(std / 1240).tobytes(), np.uint8)
         return raw.reshape(-1)
     if qtype == Q.MXFP4:  # random nibbles under one E8M0 exponent: ggml's values (twice e2m1's) have rms 5.85
         blocks = np.frombuffer(rng.bytes(n // 32 * 17), dtype=np.uint8).reshape(-1, 17).copy()

@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGUFWriter
 from gguf.constants import GGMLQuantizationType, GGUFValueType
 
-from ferry.quant import row_bytes
+from ferry.quant import IkQuant, row_bytes
 from ferry.files import atomic_file
 
 
@@ -59,6 +59,9 @@ def write_gguf(path: Path, arch: str, metadata: dict[str, Any], tensors: Iterabl
         for key, value in metadata.items():
             _add_value(w, key, value)
         for t in tensors:
+            if isinstance(t.qtype, IkQuant):  # a type gguf-py has no sizes for: its shape in values, not bytes
+                w.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+                continue
             byte_shape = (*reversed(t.ne[1:]), row_bytes(t.qtype, t.ne[0]))
             w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.qtype)
         w.write_header_to_file(tmp)

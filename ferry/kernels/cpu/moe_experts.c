@@ -42,7 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__BMI2__)
 #include <immintrin.h>
 #define FAST 1
 #else
@@ -51,7 +51,7 @@
 
 #define GROUP 8 /* rows interleaved */
 enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39 }; /* ggml's numbers */
-enum { IQ4_KS = 144 }; /* ik_llama.cpp's number */
+enum { IQ4_K = 139, IQ4_KS = 144 }; /* ik_llama.cpp's numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
@@ -62,6 +62,8 @@ enum { IQ4_KS = 144 }; /* ik_llama.cpp's number */
                          * 128 of low nibbles */
 #define IQ4_XS_BYTES 136 /* one row's super-block: fp16 d, 2 bytes of the scales' high bits, 4 of their low nibbles,
                           * 128 of nibbles indexing IQ4_NL's table */
+#define IQ4_K_BYTES 144 /* one row's super-block: fp16 d, 16 bits of table halves, 4 bytes of the scales' high bit pairs,
+                        * 8 of their low nibbles, 128 of nibbles indexing IQ4K's tables (as IQ4_XS's) */
 #define IQ4_KS_BYTES 136 /* one row's super-block: 8 scale bytes, 128 of nibbles indexing IQ4K's tables (the row's
                           * float32 scale before its first) */
 #define MXFP4_BYTES 17 /* one row's block of 32: the E8M0 exponent, 16 bytes of nibbles indexing the FP4 table */
@@ -106,7 +108,7 @@ int ferry_moe_fast(void) { return FAST; }
 
 static int block_of(int type) {
     return type == Q4_0 || type == Q8_0 ? QK4_0
-         : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == IQ4_KS ? QK_K
+         : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == IQ4_KS || type == IQ4_K ? QK_K
          : type == MXFP4 ? QK_MX : 0;
 }
 
@@ -122,7 +124,8 @@ static size_t group_bytes(int type, int n) {
          : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K)
          : type == MXFP4 ? (size_t)GROUP * MXFP4_BYTES * (n / QK4_0)
          : type == IQ4_KS ? (size_t)GROUP * (4 + (size_t)IQ4_KS_BYTES * (n / QK_K))
-         : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : IQ4_XS_BYTES) * (n / QK_K);
+         : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : type == IQ4_K ? IQ4_K_BYTES
+                                                                                                 : IQ4_XS_BYTES) * (n / QK_K);
 }
 
 static float scale_of(const float *v, int n) {
@@ -200,7 +203,7 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
             for (int i = 0; i < QK_K; i++) a[b].q[type == Q5_K ? q5_k_order(i) : i] = q[i];
         }
     } else {
-        const int iq4 = type == IQ4_XS || type == IQ4_KS; /* the same nibble order */
+        const int iq4 = type == IQ4_XS || type == IQ4_KS || type == IQ4_K; /* the same nibble order */
         act_q6_k *a = (act_q6_k *)dst;
         int8_t q[QK_K];
         for (int b = 0; b < n / QK_K; b++) {
@@ -495,16 +498,22 @@ static inline __m512i iq4nl_table(void) {
                                                 (char)197, (char)217, (char)241));
 }
 
-/* one IQ4_XS / IQ4_KS super-block's 4 vectors of table values w (stored + 128) against a token's activation block:
- * each 32-bit lane's dot product times its sub-block's scale sc */
-static inline __attribute__((always_inline)) __m512i iq4_dots(const act_q6_k *a, const __m512i *w, const __m512i *sc) {
+/* one IQ4_XS / IQ4_KS / IQ4_K super-block's 4 vectors of table values w (stored + 128) against a token's activation
+ * block: each 32-bit lane's dot product times its sub-block's scale: sc[h] for both vectors of load h (a scale per
+ * 32), or with per_16 sc[k] for vector k (a scale per 16) */
+static inline __attribute__((always_inline)) __m512i iq4_dots(const act_q6_k *a, const __m512i *w, const __m512i *sc,
+                                                              const int per_16) {
     __m512i isum = _mm512_setzero_si512();
     for (int h = 0; h < 2; h++) {
         const __m512i lo = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h), w[2 * h],
                                                _mm512_loadu_si512(a->q + 128 * h));
         const __m512i hi = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h + 16), w[2 * h + 1],
                                                _mm512_loadu_si512(a->q + 128 * h + 64));
-        isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[h]));
+        if (per_16)
+            isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(lo, sc[2 * h]),
+                                                           _mm512_mullo_epi32(hi, sc[2 * h + 1])));
+        else
+            isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[h]));
     }
     return isum;
 }
@@ -546,7 +555,7 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
             const float d = _cvtsh_ss(dh);
             for (int t = 0; t < T; t++) {
                 const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc)), _mm512_set1_ps(d * a->d), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc, 0)), _mm512_set1_ps(d * a->d), acc[t]);
             }
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
@@ -597,7 +606,61 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
             }
             for (int t = 0; t < T; t++) {
                 const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc)), _mm512_set1_ps(d * a->d), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc, 0)), _mm512_set1_ps(d * a->d), acc[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+
+/* the 8 IQ4_K rows at g (plain, one after another) against up to 4 tokens: as IQ4_XS with a scale per 16 (6 bits
+ * less 32: a nibble of the 8 bytes at 8, a bit pair of the 4 at 4) and a table per 16 (bit k of `extra`: IQ4K's
+ * second half, the first plus 4, added to the k-th 16's looked-up values under a mask):
+ * w = d s_k table[extra_k][q] */
+static inline __attribute__((always_inline)) void tile_iq4_k(const uint8_t *g, const uint8_t *const *act, int n,
+                                                              float *const *out, const int T) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), four = _mm512_set1_epi8(4), first = iq4nl_table();
+    const __m256i four_s = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), fifteen = _mm256_set1_epi32(15);
+    const __m256i three = _mm256_set1_epi32(3), thirty_two = _mm256_set1_epi32(32);
+    __m512i lane_of[2];
+    for (int h = 0; h < 2; h++) lane_of[h] = groups_of_16(h);
+    const int blocks = n / QK_K;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * blocks * IQ4_K_BYTES;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += IQ4_K_BYTES) {
+            for (int line = 0; line < 192; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            uint16_t dh, extra;
+            memcpy(&dh, row, 2);
+            memcpy(&extra, row + 2, 2);
+            /* 32 ib's bit pairs: bits 4 ib of the 4 bytes at 4 (byte ib / 2, nibble ib % 2); its nibbles: byte 8 + ib */
+            const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(row + 4)), four_s),
+                                                  fifteen);
+            const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(row + 8)));
+            const __m256i s_first = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(low, fifteen),
+                                                                     _mm256_slli_epi32(_mm256_and_si256(high, three), 4)),
+                                                     thirty_two);
+            const __m256i s_second = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(low, 4),
+                                                                      _mm256_slli_epi32(_mm256_srli_epi32(high, 2), 4)),
+                                                      thirty_two);
+            __m512i w[4], sc[4];
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_loadu_si512(row + 16 + 64 * h);
+                for (int p = 0; p < 2; p++) { /* p = 0: each 32's first 16 (low nibbles), 1: its second */
+                    /* extra's bits 2 (4h + k) + p, k = 0..3, each to the 16 bytes of lane k */
+                    const __mmask64 second = _pdep_u64(_pext_u32((uint32_t)extra >> (8 * h + p), 0x55),
+                                                       0x0001000100010001ULL) * 0xffff;
+                    const __m512i q = _mm512_and_si512(p ? _mm512_srli_epi16(v, 4) : v, nibble);
+                    const __m512i t = _mm512_shuffle_epi8(first, q);
+                    w[2 * h + p] = _mm512_mask_add_epi8(t, second, t, four);
+                    sc[2 * h + p] = _mm512_permutexvar_epi32(lane_of[h], _mm512_castsi256_si512(p ? s_second : s_first));
+                }
+            }
+            const float d = _cvtsh_ss(dh);
+            for (int t = 0; t < T; t++) {
+                const act_q6_k *a = (const act_q6_k *)act[t] + b;
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc, 1)), _mm512_set1_ps(d * a->d), acc[t]);
             }
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
@@ -672,6 +735,8 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
             K_TILE(tile_iq4_xs)
         } else if (type == IQ4_KS) {
             K_TILE(tile_iq4_ks)
+        } else if (type == IQ4_K) {
+            K_TILE(tile_iq4_k)
         } else if (type == MXFP4) {
             K_TILE(tile_mxfp4)
         } else {

@@ -86,7 +86,7 @@ def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.cons
 def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                  BLOCKS: tl.constexpr, ROW_META: tl.constexpr):
     """The K-quants (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats) and
-    ik_llama.cpp's IQ4_KS (`lut`: its 32; ROW_META bytes of row scale before each row's per_row blocks)."""
+    ik_llama.cpp's IQ4_KS and IQ4_K (`lut`: its 32; ROW_META bytes of row scale before each row's per_row blocks)."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     live = b < n_blocks
     m2 = live[:, None]
@@ -161,6 +161,18 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
         byte = tl.load(src + base + 8 + ib * 16 + (w % 16), mask=m2, other=0).to(tl.int32)
         idx = tl.where(w < 16, byte & 0xF, byte >> 4) + 16 * (sb & 1)
         out = d * ((sb & 254) - 127).to(tl.float32) * tl.load(lut + idx)
+    elif KIND == 9:  # IQ4_K: d, 16 bits of table halves (one a 16), 4 bytes of scale high pairs, 8 of low nibbles
+        d = _f16_at(src, base1, live)[:, None]
+        ib = i // 32
+        w = i % 32
+        k = i // 16
+        extra = tl.load(src + base + 2, mask=m2, other=0).to(tl.int32) | (
+            tl.load(src + base + 3, mask=m2, other=0).to(tl.int32) << 8)
+        high = (tl.load(src + base + 4 + ib // 2, mask=m2, other=0).to(tl.int32) >> (4 * (ib % 2) + 2 * (k % 2))) & 3
+        low = (tl.load(src + base + 8 + ib, mask=m2, other=0).to(tl.int32) >> (4 * (k % 2))) & 0xF
+        byte = tl.load(src + base + 16 + ib * 16 + (w % 16), mask=m2, other=0).to(tl.int32)
+        idx = tl.where(w < 16, byte & 0xF, byte >> 4) + 16 * ((extra >> k) & 1)
+        out = d * ((low | (high << 4)) - 32).to(tl.float32) * tl.load(lut + idx)
     elif KIND == 2:  # IQ4_XS: d, 16 bits of scale highs, 4 bytes of scale lows, 128 bytes of table indices
         d = _f16_at(src, base1, live)[:, None]
         ib = i // 32
@@ -188,7 +200,7 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
 
 _LEGACY = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 3, Q.Q5_1: 4}
 _LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4, Q.Q5_K: 5, Q.Q2_K: 6, Q.Q3_K: 7,
-              IkQuant.IQ4_KS: 8}
+              IkQuant.IQ4_KS: 8, IkQuant.IQ4_K: 9}
 _IQ4 = IQ4K_VALUES.tolist()  # IQ4_NL's table is its first half
 _E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 _TABLES: dict[tuple, torch.Tensor] = {}
