@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ferry.cli import main
+from ferry.quant import Q
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.backends.cuda import CudaBackend
@@ -24,21 +25,31 @@ from conftest import kl_top1, place
 N_PROMPT, N_GEN = 200, 20
 
 
-@pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny",
-                                                    "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny", "ik-types",
-                                                    "ik-k-types"])
-def family(request, tmp_path_factory):
-    if request.param.startswith("ik-"):
-        ik = {"ik-types": "qwen3moe-ik.gguf", "ik-k-types": "qwen3moe-ik-k.gguf"}[request.param]
-        path = Path(__file__).parents[1] / "tests" / "fixtures" / "ik" / ik
+IK_FILES = {"ik-types": "qwen3moe-ik.gguf", "ik-k-types": "qwen3moe-ik-k.gguf"}
+
+
+def _family(name, tmp_path_factory):
+    if name in IK_FILES:
+        path = Path(__file__).parents[1] / "tests" / "fixtures" / "ik" / IK_FILES[name]
     else:
-        path = tmp_path_factory.mktemp("f") / f"{request.param}.gguf"
-        assert main(["synth", request.param, "-o", str(path), "-q"]) == 0
+        path = tmp_path_factory.mktemp("f") / f"{name}.gguf"
+        assert main(["synth", name, "-o", str(path), "-q"]) == 0
     cpu, model = place(path, 8)
     tokens = np.random.default_rng(1).integers(0, model.args.n_vocab, N_PROMPT + N_GEN).tolist()
     e = Engine(model, cpu, n_ctx=256)
     want = torch.cat([e.decode(tokens[:N_PROMPT], all_logits=True)] + [e.decode([t]) for t in tokens[N_PROMPT:]])
-    return request.param, path, tokens, want
+    return name, path, tokens, want
+
+
+@pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny",
+                                        "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny", *IK_FILES])
+def family(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=list(IK_FILES))
+def ik_family(request, tmp_path_factory):
+    return _family(request.param, tmp_path_factory)
 
 
 def _run(engine, tokens):
@@ -64,3 +75,18 @@ def test_experts_in_ram_match_the_cpu(family, policy):
     name, path, tokens, want = family
     backend, model = place(path, 8, n_gpu_layers=999, override_tensor=["exps=CPU"], offload_policy=policy, n_ctx=256)
     _check(want, _run(Engine(model, backend, n_ctx=256, n_ubatch=64), tokens), f"{name} -ot exps=CPU {policy}")
+
+
+def test_ik_experts_all_on_the_gpu_are_rewritten_for_its_kernels(ik_family):
+    """A run with every routed expert on the GPU (-ngl 999) rewrites experts kept in ik_llama.cpp's types as Q8_0,
+    which the GPU's GEMVs and grouped GEMM read in place (the GPU only expands IQ4_KS / IQ4_K, every step); with them
+    in RAM (-ot exps=CPU) they stay in place for the CPU kernel. Both against the CPU."""
+    from ferry.quant import IkQuant
+
+    name, path, tokens, want = ik_family
+    backend, model = place(path, 8, n_gpu_layers=999, n_ctx=256)
+    experts = [w for w in model.weights() if "_exps" in w.name]
+    assert experts and all(w.qtype == Q.Q8_0 for w in experts)
+    _check(want, _run(Engine(model, backend, n_ctx=256, n_ubatch=64), tokens), f"{name} GPU, experts rewritten")
+    _, model = place(path, 8, n_gpu_layers=999, override_tensor=["exps=CPU"], n_ctx=256)
+    assert all(isinstance(w.qtype, IkQuant) for w in model.weights() if "_exps" in w.name)

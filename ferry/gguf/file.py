@@ -357,6 +357,14 @@ class GGUFFile:
                 if isinstance(t.qtype, IkQuant):
                     self.tensors[t.name] = _rewritten(t)
 
+    def rewrite(self, names) -> None:
+        """Tensors kept in ik_llama.cpp's types (routed experts ferry's CPU kernel reads in place) rewritten as Q8_0
+        after all, as the others are: those a placement puts on the GPU, whose kernels read Q8_0's blocks in place."""
+        for name in names:
+            t = self.tensors[name]
+            if isinstance(t.qtype, IkQuant):
+                self.tensors[name] = _rewritten(t)
+
     def _check_split(self) -> None:
         n = len(self._parts)
         declared = self._parts[0].metadata.get("split.count", 1 if n == 1 else None)
