@@ -6,7 +6,7 @@ few experts quantized from random numbers, repeated to fill the layer (the bytes
 values repeat). Per type and token count: the median ms of the layer, ferry / ggml, and at one token the GB/s of
 expert bytes read (8 experts' up, gate and down). Both through CpuBackend.moe_experts, ggml's with the weights
 repacked where it has a layout for them (Q4_0, Q4_K, MXFP4), as it runs them.
-  python benchmarks/cpu_experts.py [-t 2] [-n 1,512] [--types Q4_0,Q4_K,Q5_K,Q6_K,IQ4_XS,IQ4_KS] [--json FILE]
+  python benchmarks/cpu_experts.py [-t 2] [-n 1,512] [--types Q4_0,Q4_K,Q5_K,Q6_K,IQ4_XS,IQ4_KS,IQ4_K] [--json FILE]
 A type given as UP/DOWN (Q4_K/Q6_K) gives the down matrices another type. gpt-oss-20b's layer:
   python benchmarks/cpu_experts.py --gpt-oss  (= --types MXFP4 --embd 2880 --ff 2880 --experts 32 --used 4
                                                --act swiglu_oai --biases)
@@ -30,8 +30,8 @@ from ferry.weight import Weight
 
 
 def stacked(rng, qtype, n_expert: int, rows: int, cols: int, distinct: int) -> Weight:
-    """n_expert experts of rows x cols: `distinct` of them quantized from random numbers (ik_llama.cpp's IQ4_KS: random
-    bytes under a row scale), repeated."""
+    """n_expert experts of rows x cols: `distinct` of them quantized from random numbers (ik_llama.cpp's IQ4_KS / IQ4_K:
+    random bytes under their scales), repeated."""
     if isinstance(qtype, IkQuant):
         raw = random_tensor(qtype, (cols, rows, distinct), 1.0, rng).reshape(distinct, -1)
     else:

@@ -273,6 +273,8 @@ class IkQuant(enum.IntEnum):
 
     IQ4_K = 139
     IQ4_KS = 144
+    IQ2_KS = 145
+    IQ3_KS = 156
 
 
 def block_size(qtype) -> int:

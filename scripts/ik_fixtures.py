@@ -4,9 +4,10 @@ llama-quantize (built from ../shared/anchors' tarball, CPU only, into ~/.cache/f
 dequantization); for one tensor per type (the first 64 rows of its smallest of that type), its bytes and ik's float32
 values go to tests/fixtures/ik/TYPE.npz.
 It also writes whole models as ik_llama.cpp users have them: a one-layer `qwen3-moe-tiny` quantized by ik with its
-routed experts in IQ4_KS (or IQ4_K) and every other type ferry reads in some other tensor (MODELS;
-tests/fixtures/ik/qwen3moe-ik.gguf and qwen3moe-ik-k.gguf, 2.5 MB each), a text, and ik's llama-perplexity on each,
-on its weights as F32 (ik's dequantization) and on the F16 file it came from (qwen3moe-ik.json, qwen3moe-ik-k.json).
+routed experts in IQ4_KS (or IQ4_K) and every other type ferry reads in some other tensor, and one with IQ2_KS
+experts beside an IQ3_KS down (MODELS; tests/fixtures/ik/qwen3moe-ik*.gguf, 1.5-2.6 MB each), a text, and ik's
+llama-perplexity on each, on its weights as F32 (ik's dequantization) and on the F16 file it came from
+(qwen3moe-ik*.json).
   python scripts/ik_fixtures.py [--tarball PATH] [--types Q6_0,IQ4_KS,...] [--models qwen3moe-ik,...]
 The build takes about 10 minutes on 2 cores the first time; CI only reads the fixtures."""
 
@@ -55,7 +56,8 @@ def build(tarball: Path, where: Path) -> Path:
 MODELS = {"qwen3moe-ik": ("IQ4_KS", "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,attn_output=iq2_kl,output=iq4_kss,"
                                     "token_embd=q6_0"),
           "qwen3moe-ik-k": ("IQ4_K", "attn_q=iq5_k,attn_k=iq3_k,attn_v=iq2_k,attn_output=iq6_k,output=iq4_k,"
-                                     "token_embd=iq5_k")}
+                                     "token_embd=iq5_k"),
+          "qwen3moe-ik-low": ("IQ2_KS", "ffn_down_exps=iq3_ks,output=q6_0,token_embd=q6_0")}
 TYPES = "Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K"
 ROWS = 64
 PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]

@@ -48,9 +48,8 @@ def _layer(rng, up_type, down_type=None, n_expert=4, n_embd=256, n_ff=256):
 
 
 def test_the_cpu_kernel_column_is_what_ferrys_kernel_reads():
-    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, IkQuant.IQ4_KS,
-                                        IkQuant.IQ4_K}
-    # ik_llama.cpp's IQ4_KS and IQ4_K: routed experts only, read plain; ggml never sees them (no repack probe, no
+    assert caps.cpu_native_types() == {Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.MXFP4, *IkQuant}
+    # ik_llama.cpp's IQ4_KS, IQ4_K, IQ3_KS, IQ2_KS: routed experts only, read plain; ggml never sees them (no repack probe, no
     # graph leaf)
     for ik in IkQuant:
         assert caps.can(ik).cpu_native == "plain" and not caps.can(ik).cpu_linear

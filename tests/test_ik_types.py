@@ -155,18 +155,19 @@ def test_a_layer_keeps_its_experts_in_place_only_where_the_kernel_reads_them_all
 
 
 @pytest.mark.parametrize("native_kernels", ["1", "0"])
-@pytest.mark.parametrize("model, in_place, from_exact", [("qwen3moe-ik", True, 0.001), ("qwen3moe-ik-k", True, 0.003)])
+@pytest.mark.parametrize("model, in_place, from_exact", [("qwen3moe-ik", True, 0.001), ("qwen3moe-ik-k", True, 0.003),
+                                                         ("qwen3moe-ik-low", True, 0.001)])
 def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels, model, in_place, from_exact, capsys,
                                                                   monkeypatch):
     """A file with a tensor of each type ferry reads (qwen3moe-ik: IQ4_KS experts, read in place by ferry's kernel, or
     rewritten with FERRY_NATIVE=0; qwen3moe-ik-k: IQ4_K experts, read in place as well, and the other IQn_K types,
-    rewritten). ik's
+    rewritten; qwen3moe-ik-low: IQ2_KS experts with an IQ3_KS down, in place too). ik's
     llama-perplexity on the first lies 0.22% from its own figure for the file's exact weights (the F32
     dequantization, where ferry and ik agree to every printed digit): its rounding of activations. ferry's lies within
     0.1% of that figure after every chunk, and within 0.5% of ik's; on the IQn_K file, whose attention, embedding and
     output ferry rounds to Q8_0's levels, within 0.3% of it (measured 0.27%; on the F32 file of those weights ferry
-    gives ik's exact figure). The F16 model lies 1.7-4% away, so these bars tell the file's weights
-    from others."""
+    gives ik's exact figure). The F16 model lies 0.5-4% away, at least 4 times each bar, so these bars tell the file's
+    weights from others."""
     from ferry import config
     from ferry.cli import main
 
@@ -174,7 +175,7 @@ def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels,
     config.settings.cache_clear()
     ref = json.loads((FIXTURES / f"{model}.json").read_text())
     ik, exact, f16 = (np.array(ref[k]) for k in ("ppl", "ppl_f32", "ppl_f16"))
-    assert np.abs(f16[-1] / exact[-1] - 1) > 0.015
+    assert np.abs(f16[-1] / exact[-1] - 1) > 4 * from_exact
     code = main(["ppl", "-m", str(FIXTURES / f"{model}.gguf"), "-f", str(FIXTURES / "qwen3moe-ik.txt"),
                  "-c", "128", "--chunks", "8", "-t", "2", "-o", "json"])
     config.settings.cache_clear()

@@ -12,7 +12,8 @@ from ferry.weight import Weight
 from ferry.kernels.cpu import native
 from ferry.offload.plan import experts_kernel
 from ferry.backends.cpu import CpuBackend
-from ferry.quant import IkQuant, Q, dequantize, ik_type_bytes, quantize
+from ferry.gguf.synth import _IK_UNIT_RMS
+from ferry.quant import IK_TYPES, IkQuant, Q, dequantize, ik_type_bytes, quantize
 
 
 def _has_vnni() -> bool:
@@ -22,15 +23,14 @@ def _has_vnni() -> bool:
 
 def _weight(rng, qtype, *shape):
     ne = tuple(reversed(shape))
-    if isinstance(qtype, IkQuant):  # ik_llama.cpp's types: any bytes are valid, the scales kept sane (IQ4_KS: each
-        # row's float32 before it; IQ4_K: each block's fp16 d opening it)
+    if isinstance(qtype, IkQuant):  # ik_llama.cpp's types: any bytes are valid, the scales kept sane and apart
+        # (each row's float32 / fp16 before it, or each block's fp16 d opening it), about 0.05 rms
+        _, _, size, meta = IK_TYPES[qtype]
         rows = int(np.prod(shape[:-1]))
         raw = rng.integers(0, 256, (rows, ik_type_bytes(qtype, (shape[-1], 1))), dtype=np.uint8)
-        if qtype == IkQuant.IQ4_KS:
-            raw[:, :4] = rng.uniform(5e-5, 2e-4, (rows, 1)).astype(np.float32).view(np.uint8)
-        else:
-            raw = raw.reshape(-1, 144)
-            raw[:, :2] = rng.uniform(2e-4, 8e-4, (len(raw), 1)).astype(np.float16).view(np.uint8)
+        raw = raw if meta else raw.reshape(-1, size)
+        scale = rng.uniform(0.5, 2, (len(raw), 1)) * 0.05 / _IK_UNIT_RMS[qtype]
+        raw[:, :meta or 2] = scale.astype(np.float32 if meta == 4 else np.float16).view(np.uint8)
         raw = raw.reshape(-1)
         return Weight("w", qtype, ne, raw), dequantize(raw, qtype, ne).astype(np.float64)
     raw = quantize(rng.standard_normal(shape).astype(np.float32), qtype)
@@ -62,6 +62,7 @@ def test_the_kernel_is_there_exactly_where_the_cpu_has_avx512_vnni():
 # 96 = 3 blocks, 160 = 5; Q4_K and Q6_K: 768 = 3 super-blocks, 1280 = 5); one expert; the types mixed, either way
 # (Q4_K with Q6_K down: a Q4_K_M file's layers, Q5_K with Q6_K a Q5_K_M file's)
 Q40, Q4K, Q5K, Q6K, IQ4, IKS, IK4 = Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, IkQuant.IQ4_KS, IkQuant.IQ4_K
+I3S, I2S = IkQuant.IQ3_KS, IkQuant.IQ2_KS
 SHAPES = [(Q40, Q40, 2048, 768, 16, 8), (Q40, Q40, 96, 64, 3, 2), (Q40, Q40, 160, 96, 5, 1), (Q40, Q40, 64, 32, 1, 1),
           (Q40, Q40, 320, 224, 7, 5), (Q40, Q40, 256, 160, 9, 8),
           (Q4K, Q4K, 2048, 768, 16, 8), (Q4K, Q4K, 768, 256, 3, 2), (Q4K, Q4K, 1280, 768, 5, 1),
@@ -72,7 +73,9 @@ SHAPES = [(Q40, Q40, 2048, 768, 16, 8), (Q40, Q40, 96, 64, 3, 2), (Q40, Q40, 160
           (IQ4, IQ4, 2048, 768, 16, 8), (IQ4, IQ4, 768, 1280, 3, 2), (IQ4, Q6K, 1280, 256, 5, 1), (Q4K, IQ4, 256, 256, 1, 1),
           (IKS, IKS, 2048, 768, 16, 8), (IKS, IKS, 768, 1280, 3, 2), (IKS, IKS, 256, 256, 1, 1), (IKS, Q6K, 1280, 256, 5, 1),
           (IK4, IK4, 2048, 768, 16, 8), (IK4, IK4, 768, 1280, 3, 2), (IK4, IK4, 256, 256, 1, 1), (IK4, Q6K, 1280, 256, 5, 1),
-          (Q4K, IK4, 768, 256, 7, 5)]
+          (Q4K, IK4, 768, 256, 7, 5),
+          (I3S, I3S, 2048, 768, 16, 8), (I3S, I3S, 768, 1280, 3, 2), (I3S, I3S, 256, 256, 1, 1), (I2S, I3S, 1280, 256, 5, 1),
+          (I2S, I2S, 2048, 768, 16, 8), (I2S, I2S, 768, 1280, 3, 2), (I3S, IKS, 256, 768, 7, 5), (I2S, Q6K, 768, 256, 7, 5)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used", SHAPES)
@@ -100,8 +103,8 @@ def test_the_kernel_matches_float64_given_its_activation_rounding(up_type, down_
     # float32 accumulation: about 1e-7; one of h's roundings falling the other way would move it by about 3e-4
     assert np.abs(got - rounded).max() / np.abs(rounded).max() < 1e-3
     err = np.linalg.norm(got - exact) / np.linalg.norm(exact)
-    if {IKS, IK4} & {up_type, down_type}:  # ggml has no ik_llama.cpp types to compare with
-        assert err < 2e-2
+    if isinstance(up_type, IkQuant) or isinstance(down_type, IkQuant):  # ggml has no ik_llama.cpp types to compare
+        assert err < 3e-2  # with: the rounding of x and h to 8 bits alone (2.0% measured for 3-bit weights)
         return
     ggml = CpuBackend(3, repack=False)  # ggml's kernel on the same weights, read from their plain bytes
     for w in (up, gate, down):
@@ -113,7 +116,8 @@ def test_the_kernel_matches_float64_given_its_activation_rounding(up_type, down_
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used",
                          [(Q40, Q40, 2048, 768, 16, 8), (Q4K, Q6K, 1280, 768, 5, 3), (Q40, Q4K, 96, 1280, 9, 8),
-                          (IQ4, Q40, 256, 96, 4, 1), (IKS, IKS, 1280, 768, 5, 3), (IK4, IK4, 1280, 768, 5, 3)])
+                          (IQ4, Q40, 256, 96, 4, 1), (IKS, IKS, 1280, 768, 5, 3), (IK4, IK4, 1280, 768, 5, 3),
+                          (I3S, I2S, 1280, 768, 5, 3)])
 def test_one_token_gives_the_same_bits_at_any_thread_count_call_after_call(up_type, down_type, n_embd, n_ff, n_expert,
                                                                            n_used):
     """The threads take bundles of rows from one counter and hand h's chunks and out's rows on through counters: each
@@ -146,7 +150,9 @@ BATCHES = [(Q40, Q40, 2048, 768, 16, 8, 37, 3), (Q40, Q40, 96, 64, 3, 2, 2, 3), 
            (Q5K, Q5K, 2048, 768, 16, 8, 21, 3), (Q5K, Q6K, 768, 256, 5, 3, 7, 2), (IQ4, IQ4, 2048, 768, 16, 8, 13, 3),
            (IQ4, IQ4, 1280, 256, 1, 1, 6, 2), (Q5K, IQ4, 256, 768, 9, 4, 30, 3), (IKS, IKS, 2048, 768, 16, 8, 13, 3),
            (IKS, IKS, 1280, 256, 1, 1, 6, 2), (IKS, Q6K, 256, 768, 9, 4, 30, 3), (IK4, IK4, 2048, 768, 16, 8, 13, 3),
-           (IK4, IK4, 1280, 256, 1, 1, 6, 2), (IK4, Q6K, 256, 768, 9, 4, 30, 3), (Q40, IK4, 96, 512, 5, 2, 11, 2)]
+           (IK4, IK4, 1280, 256, 1, 1, 6, 2), (IK4, Q6K, 256, 768, 9, 4, 30, 3), (Q40, IK4, 96, 512, 5, 2, 11, 2),
+           (I3S, I3S, 2048, 768, 16, 8, 13, 3), (I2S, I2S, 1280, 256, 1, 1, 6, 2), (I2S, I3S, 256, 768, 9, 4, 30, 3),
+           (Q40, I3S, 96, 512, 5, 2, 11, 2)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n,threads", BATCHES)

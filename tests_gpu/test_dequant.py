@@ -9,7 +9,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.kernels.cuda.dequant import SUPPORTED, dequantize
-from ferry.quant import IkQuant, dequantize as reference, ik_type_bytes
+from ferry.quant import IK_TYPES, IkQuant, dequantize as reference, ik_type_bytes
 
 # where each type keeps its scale: (byte offset, f16 or the E8M0 byte); random bytes elsewhere are valid
 _SCALE = {Q.Q4_K: [(0, "f16"), (2, "f16")], Q.Q5_K: [(0, "f16"), (2, "f16")], Q.Q2_K: [(80, "f16"), (82, "f16")],
@@ -37,14 +37,13 @@ SHAPES = [(1, 256), (7, 512), (33, 256), (129, 2048), (1000, 768)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gpu_dequantize_matches_the_reference(qtype, rows, cols, dtype):
     rng = np.random.default_rng(rows * 31 + cols)
-    if isinstance(qtype, IkQuant):  # ik_llama.cpp's types: every byte random but the scales (IQ4_KS: each row's
-        # float32 before it; IQ4_K: each block's fp16 d opening it)
+    if isinstance(qtype, IkQuant):  # ik_llama.cpp's types: every byte random but the scales (each row's float32 /
+        # fp16 before it, or each block's fp16 d opening it)
+        _, _, size, meta = IK_TYPES[qtype]
         raw = rng.integers(0, 256, size=(rows, ik_type_bytes(qtype, (cols, 1))), dtype=np.uint8)
-        if qtype == IkQuant.IQ4_KS:
-            raw[:, :4] = rng.uniform(1e-4, 1e-3, (rows, 1)).astype(np.float32).view(np.uint8)
-        else:
-            raw = raw.reshape(-1, 144)
-            raw[:, :2] = rng.uniform(1e-4, 1e-3, (len(raw), 1)).astype(np.float16).view(np.uint8)
+        raw = raw if meta else raw.reshape(-1, size)
+        raw[:, :meta or 2] = rng.uniform(1e-4, 1e-3, (len(raw), 1)).astype(
+            np.float32 if meta == 4 else np.float16).view(np.uint8)
         raw = raw.reshape(-1)
     elif qtype in _SCALE:
         raw = _random_blocks(rng, qtype, rows * cols)

@@ -4,8 +4,8 @@ each head, sigmoid routing with a correction bias), qwen35moe (gated delta-net l
 gated attention, a gated shared expert) and deepseek32 / glm-dsa (sparse attention, top-k 16 of the 220 positions)
 on the GPU and in the hybrid runtime, against the all-CPU
 result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs. Also
-files as ik_llama.cpp quantized them (IQ4_KS or IQ4_K experts read in place by the CPU kernel and expanded by the
-GPU's dequantizer; IQ5_KS, IQ4_KSS, IQ3_KS, IQ2_KS, IQ2_KL, Q6_0, IQ2_K, IQ3_K, IQ5_K and IQ6_K rewritten at load as
+files as ik_llama.cpp quantized them (IQ4_KS, IQ4_K or IQ2_KS / IQ3_KS experts read in place by the CPU kernel and
+expanded by the GPU's dequantizer; IQ5_KS, IQ4_KSS, IQ3_KS, IQ2_KS, IQ2_KL, Q6_0, IQ2_K, IQ3_K, IQ5_K and IQ6_K rewritten at load as
 Q8_0: tests/fixtures/ik)."""
 
 from pathlib import Path
@@ -25,7 +25,7 @@ from conftest import kl_top1, place
 N_PROMPT, N_GEN = 200, 20
 
 
-IK_FILES = {"ik-types": "qwen3moe-ik.gguf", "ik-k-types": "qwen3moe-ik-k.gguf"}
+IK_FILES = {"ik-types": "qwen3moe-ik.gguf", "ik-k-types": "qwen3moe-ik-k.gguf", "ik-low-types": "qwen3moe-ik-low.gguf"}
 
 
 def _family(name, tmp_path_factory):

@@ -448,7 +448,7 @@ class GGUFFile:
         in_place = [t for t in self.tensors.values() if isinstance(t.qtype, IkQuant)]
         for name in sorted({t.qtype.name for t in in_place}):
             of = [t for t in in_place if t.qtype.name == name]
-            lines.append(f"{len(of)} routed-expert tensors in ik_llama.cpp's {name} "
+            lines.append(f"{len(of)} routed-expert tensor{'s' * (len(of) != 1)} in ik_llama.cpp's {name} "
                          f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB) read in place by ferry's CPU kernel")
         return lines
 

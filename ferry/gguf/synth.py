@@ -18,7 +18,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from ferry.gguf.writer import TensorSpec, write_gguf
-from ferry.quant import FLOAT_TYPES, IkQuant, Q, ik_type_bytes, quantize
+from ferry.quant import FLOAT_TYPES, IK_TYPES, IkQuant, Q, ik_type_bytes, quantize
 
 OUTPUT_PROJECTION_SCALE = 0.1
 
@@ -207,6 +207,12 @@ def _calibration(qtype: GGMLQuantizationType) -> tuple[float, float]:
     return ratio, float(values(1.0, ratio).std())
 
 
+# rms of a random block's values under a scale of 1, for ik_llama.cpp's types (random sub-block scales times random
+# table values: IQ4_KS's (S & 254) - 127 and IQ4K's 32, IQ4_K's 6 bits less 32 and the same table, IQ3_KS's and
+# IQ2_KS's 5 bits less 16 and IQ3NL's / IQ2NL's)
+_IK_UNIT_RMS = {IkQuant.IQ4_KS: 4975.0, IkQuant.IQ4_K: 1244.0, IkQuant.IQ3_KS: 316.0, IkQuant.IQ2_KS: 174.0}
+
+
 def random_tensor(qtype: GGMLQuantizationType, ne: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:
     """Raw bytes of a tensor whose dequantized values have mean ~0 and standard deviation ~std."""
     n = int(np.prod(ne, dtype=np.int64))
@@ -217,15 +223,13 @@ def random_tensor(qtype: GGMLQuantizationType, ne: tuple[int, ...], std: float, 
         if qtype == Q.F16:
             return values.astype(np.float16).view(np.uint8)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # BF16: the top half of f32
-    if qtype == IkQuant.IQ4_KS:  # random bytes under each row's float32 scale (random sub-block scales and table
-        # values have rms 73 and 65: their product 4800)
-        rows = n // ne[0]
-        raw = np.frombuffer(rng.bytes(ik_type_bytes(qtype, ne)), dtype=np.uint8).reshape(rows, -1).copy()
-        raw[:, :4] = np.frombuffer(np.float32(std / 4800).tobytes(), np.uint8)
-        return raw.reshape(-1)
-    if qtype == IkQuant.IQ4_K:  # random bytes under each block's fp16 d (scales' rms 18.5 times the table's: 1240)
-        raw = np.frombuffer(rng.bytes(ik_type_bytes(qtype, ne)), dtype=np.uint8).reshape(-1, 144).copy()
-        raw[:, :2] = np.frombuffer(np.float16(std / 1240).tobytes(), np.uint8)
+    if isinstance(qtype, IkQuant):  # random bytes under one scale: each row's (float32 or fp16, before it), or each
+        # block's fp16 d (opening it)
+        _, _, size, meta = IK_TYPES[qtype]
+        raw = np.frombuffer(rng.bytes(ik_type_bytes(qtype, ne)), dtype=np.uint8)
+        raw = (raw.reshape(n // ne[0], -1) if meta else raw.reshape(-1, size)).copy()
+        scale = std / _IK_UNIT_RMS[qtype]
+        raw[:, :meta or 2] = np.frombuffer((np.float32(scale) if meta == 4 else np.float16(scale)).tobytes(), np.uint8)
         return raw.reshape(-1)
     if qtype == Q.MXFP4:  # random nibbles under one E8M0 exponent: ggml's values (twice e2m1's) have rms 5.85
         blocks = np.frombuffer(rng.bytes(n // 32 * 17), dtype=np.uint8).reshape(-1, 17).copy()

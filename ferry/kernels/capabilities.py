@@ -51,6 +51,8 @@ _TABLE = {
     Q.MXFP4: Can(gpu_gemv=True, gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     IkQuant.IQ4_KS: Can(gpu_expand=True, cpu_native="plain"),
     IkQuant.IQ4_K: Can(gpu_expand=True, cpu_native="plain"),
+    IkQuant.IQ3_KS: Can(gpu_expand=True, cpu_native="plain"),
+    IkQuant.IQ2_KS: Can(gpu_expand=True, cpu_native="plain"),
 }
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block

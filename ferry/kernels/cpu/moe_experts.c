@@ -51,7 +51,7 @@
 
 #define GROUP 8 /* rows interleaved */
 enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39 }; /* ggml's numbers */
-enum { IQ4_K = 139, IQ4_KS = 144 }; /* ik_llama.cpp's numbers */
+enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ3_KS = 156 }; /* ik_llama.cpp's numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
@@ -64,6 +64,9 @@ enum { IQ4_K = 139, IQ4_KS = 144 }; /* ik_llama.cpp's numbers */
                           * 128 of nibbles indexing IQ4_NL's table */
 #define IQ4_K_BYTES 144 /* one row's super-block: fp16 d, 16 bits of table halves, 4 bytes of the scales' high bit pairs,
                         * 8 of their low nibbles, 128 of nibbles indexing IQ4K's tables (as IQ4_XS's) */
+#define IQ3_KS_BYTES 102 /* one row's super-block (after the row's fp16 d): 16 bits of fifth scale bits (0-7) and table
+                         * halves (8-15), 4 bytes of scale nibbles, 64 of 2-bit indices, 32 of their third bits */
+#define IQ2_KS_BYTES 70 /* as IQ3_KS without the third bits, the 16 bits' halves swapped (table halves 0-7) */
 #define IQ4_KS_BYTES 136 /* one row's super-block: 8 scale bytes, 128 of nibbles indexing IQ4K's tables (the row's
                           * float32 scale before its first) */
 #define MXFP4_BYTES 17 /* one row's block of 32: the E8M0 exponent, 16 bytes of nibbles indexing the FP4 table */
@@ -108,7 +111,8 @@ int ferry_moe_fast(void) { return FAST; }
 
 static int block_of(int type) {
     return type == Q4_0 || type == Q8_0 ? QK4_0
-         : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == IQ4_KS || type == IQ4_K ? QK_K
+         : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == IQ4_KS || type == IQ4_K
+                   || type == IQ3_KS || type == IQ2_KS ? QK_K
          : type == MXFP4 ? QK_MX : 0;
 }
 
@@ -124,6 +128,8 @@ static size_t group_bytes(int type, int n) {
          : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K)
          : type == MXFP4 ? (size_t)GROUP * MXFP4_BYTES * (n / QK4_0)
          : type == IQ4_KS ? (size_t)GROUP * (4 + (size_t)IQ4_KS_BYTES * (n / QK_K))
+         : type == IQ3_KS || type == IQ2_KS ? (size_t)GROUP * (2 + (size_t)(type == IQ3_KS ? IQ3_KS_BYTES : IQ2_KS_BYTES)
+                                                                  * (n / QK_K))
          : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : type == IQ4_K ? IQ4_K_BYTES
                                                                                                  : IQ4_XS_BYTES) * (n / QK_K);
 }
@@ -155,6 +161,12 @@ static int q5_k_order(int i) {
 static int iq4_xs_order(int i) {
     const int s = i / 32, high = i % 32 / 16;
     return 64 * (2 * (s / 4) + high) + 16 * (s % 4) + i % 16;
+}
+/* IQ3_KS / IQ2_KS: sub-block s's 2-bit indices are bits 2 (s % 4) of the 32 bytes of group s / 4; vector k (the two
+ * groups' bits 2k) holds sub-block k in its low 32 bytes and 4 + k in its high */
+static int iq_ks_order(int i) {
+    const int s = i / 32;
+    return 64 * (s % 4) + 32 * (s / 4) + i % 32;
 }
 
 /* x (n values) as the activation blocks that weights of `type` read */
@@ -204,12 +216,13 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
         }
     } else {
         const int iq4 = type == IQ4_XS || type == IQ4_KS || type == IQ4_K; /* the same nibble order */
+        const int low_bits = type == IQ3_KS || type == IQ2_KS;
         act_q6_k *a = (act_q6_k *)dst;
         int8_t q[QK_K];
         for (int b = 0; b < n / QK_K; b++) {
             a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
-            for (int i = 0; i < QK_K; i++) a[b].q[iq4 ? iq4_xs_order(i) : i] = q[i];
-            if (iq4) {
+            for (int i = 0; i < QK_K; i++) a[b].q[iq4 ? iq4_xs_order(i) : low_bits ? iq_ks_order(i) : i] = q[i];
+            if (iq4 || low_bits) {
                 for (int l = 0; l < QK_K / 4; l++) {
                     const int8_t *ql = a[b].q + 4 * l;
                     a[b].corr[l] = -128 * (ql[0] + ql[1] + ql[2] + ql[3]);
@@ -667,6 +680,85 @@ static inline __attribute__((always_inline)) void tile_iq4_k(const uint8_t *g, c
     }
 }
 
+/* the 8 IQ3_KS (three = 1) or IQ2_KS rows at g (plain, one after another, each after its fp16 d) against up to 4
+ * tokens: vector k of a super-block holds sub-blocks k and 4 + k (the 2-bit indices at bits 2k of its 64 bytes, and
+ * for IQ3_KS a third bit from bit k / 4 + k of the 32 bytes after), looked up in the first half of IQ3NL's / IQ2NL's
+ * table (stored + 128), the second half (the first plus 4 / 5) added where the sub-block's bit says; each sub-block's
+ * scale is its 5 bits less 16: w = d (ls - 16) table[half][q] */
+static inline __attribute__((always_inline)) void tile_iq_ks_low(const uint8_t *g, const uint8_t *const *act, int n,
+                                                                  float *const *out, const int T, const int three) {
+    const __m512i pair = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    const __m512i table = three ? _mm512_broadcast_i32x4(_mm_setr_epi8(65, 88, 105, 118, (char)129, (char)141,
+                                                                       (char)156, (char)175, 0, 0, 0, 0, 0, 0, 0, 0))
+                                : _mm512_broadcast_i32x4(_mm_setr_epi8(97, 115, (char)129, (char)145, 0, 0, 0, 0, 0, 0,
+                                                                       0, 0, 0, 0, 0, 0));
+    const __m512i shift = _mm512_set1_epi8(three ? 4 : 5);
+    /* the scale nibble of sub-block ib: IQ3_KS bits 8 (ib % 4) + 4 (ib / 4) of the 4 bytes, IQ2_KS 4 ib */
+    const __m256i nibble_at = three ? _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28)
+                                    : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i bit_at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), fifteen = _mm256_set1_epi32(15);
+    __m512i lane_of[4], third_at[4]; /* vector k: lanes 0-7 sub-block k, 8-15 sub-block 4 + k; qh's bit k, 4 + k */
+    for (int k = 0; k < 4; k++) {
+        lane_of[k] = _mm512_inserti64x4(_mm512_set1_epi32(k), _mm256_set1_epi32(4 + k), 1);
+        third_at[k] = _mm512_inserti64x4(_mm512_set1_epi16((short)k), _mm256_set1_epi16((short)(4 + k)), 1);
+    }
+    const int blocks = n / QK_K, bytes = three ? IQ3_KS_BYTES : IQ2_KS_BYTES;
+    const size_t row_bytes = 2 + (size_t)blocks * bytes;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * row_bytes;
+        uint16_t dh;
+        memcpy(&dh, row, 2);
+        const float d = _cvtsh_ss(dh);
+        row += 2;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += bytes) {
+            for (int line = 0; line < 128; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            uint16_t extra;
+            memcpy(&extra, row, 2);
+            const uint32_t fifth = three ? extra & 0xff : extra >> 8, halves = three ? extra >> 8 : extra & 0xff;
+            const __m256i ls = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(row + 2)), nibble_at), fifteen),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)fifth), bit_at),
+                                                   _mm256_set1_epi32(1)), 4));
+            const __m512i scales = _mm512_castsi256_si512(_mm256_sub_epi32(ls, _mm256_set1_epi32(16)));
+            const __m512i v = _mm512_loadu_si512(row + 6);
+            __m512i qh = _mm512_setzero_si512();
+            if (three) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 70)));
+            __m512i w[4], sc[4];
+            for (int k = 0; k < 4; k++) {
+                __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 2 * k), pair);
+                if (three)
+                    q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, third_at[k]), one),
+                                                             2));
+                const __m512i t = _mm512_shuffle_epi8(table, q);
+                const __mmask64 second = (halves >> k & 1 ? 0xffffffffULL : 0) | (halves >> (4 + k) & 1 ? ~0xffffffffULL : 0);
+                w[k] = _mm512_mask_add_epi8(t, second, t, shift);
+                sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
+            }
+            for (int t = 0; t < T; t++) {
+                const act_q6_k *a = (const act_q6_k *)act[t] + b;
+                __m512i isum = _mm512_setzero_si512();
+                for (int k = 0; k < 4; k++)
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(
+                                                      _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 16 * k), w[k],
+                                                                          _mm512_loadu_si512(a->q + 64 * k)),
+                                                      sc[k]));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+static inline __attribute__((always_inline)) void tile_iq3_ks(const uint8_t *g, const uint8_t *const *act, int n,
+                                                               float *const *out, const int T) {
+    tile_iq_ks_low(g, act, n, out, T, 1);
+}
+static inline __attribute__((always_inline)) void tile_iq2_ks(const uint8_t *g, const uint8_t *const *act, int n,
+                                                               float *const *out, const int T) {
+    tile_iq_ks_low(g, act, n, out, T, 0);
+}
+
 /* the 8 MXFP4 rows at g (plain, one after another) against up to 4 tokens: two blocks (34 bytes) at a time, their
  * 2 x 16 bytes of nibbles each spread over two 128-bit lanes, the second lane's shifted to its high nibbles, so that
  * one lookup in the FP4 table (stored + MX_OFFSET) gives the 64 weights in column order; each 32-bit lane's dot
@@ -737,6 +829,10 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
             K_TILE(tile_iq4_ks)
         } else if (type == IQ4_K) {
             K_TILE(tile_iq4_k)
+        } else if (type == IQ3_KS) {
+            K_TILE(tile_iq3_ks)
+        } else if (type == IQ2_KS) {
+            K_TILE(tile_iq2_ks)
         } else if (type == MXFP4) {
             K_TILE(tile_mxfp4)
         } else {

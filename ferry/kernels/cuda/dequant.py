@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from ferry.quant import IK_TYPES, IQ4K_VALUES, IkQuant
+from ferry.quant import IK_TYPES, IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IkQuant
 
 _BLOCKS = 64  # quant blocks per program
 
@@ -86,7 +86,8 @@ def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.cons
 def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                  BLOCKS: tl.constexpr, ROW_META: tl.constexpr):
     """The K-quants (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats) and
-    ik_llama.cpp's IQ4_KS and IQ4_K (`lut`: its 32; ROW_META bytes of row scale before each row's per_row blocks)."""
+    ik_llama.cpp's IQ4_KS and IQ4_K (`lut`: IQ4K's 32), IQ3_KS and IQ2_KS (IQ3NL's 16, IQ2NL's 8); ROW_META bytes of
+    row scale before each row's per_row blocks."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     live = b < n_blocks
     m2 = live[:, None]
@@ -173,6 +174,25 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
         byte = tl.load(src + base + 16 + ib * 16 + (w % 16), mask=m2, other=0).to(tl.int32)
         idx = tl.where(w < 16, byte & 0xF, byte >> 4) + 16 * ((extra >> k) & 1)
         out = d * ((low | (high << 4)) - 32).to(tl.float32) * tl.load(lut + idx)
+    elif KIND == 10 or KIND == 11:  # IQ3_KS / IQ2_KS: the row's fp16 d; 16 bits of fifth scale bits and table
+        # halves, 4 bytes of scale nibbles, 64 of 2-bit indices (bits 2 (ib % 4) of byte j of group ib / 4), IQ3_KS's
+        # 32 of third bits (bit ib of byte j)
+        d = _f16_at(src, row_start, live)[:, None]
+        ib = i // 32
+        w = i % 32
+        extra = tl.load(src + base, mask=m2, other=0).to(tl.int32) | (
+            tl.load(src + base + 1, mask=m2, other=0).to(tl.int32) << 8)
+        q = (tl.load(src + base + 6 + 32 * (ib // 4) + w, mask=m2, other=0).to(tl.int32) >> (2 * (ib % 4))) & 3
+        if KIND == 10:
+            nib = (tl.load(src + base + 2 + ib % 4, mask=m2, other=0).to(tl.int32) >> (4 * (ib // 4))) & 0xF
+            ls = nib | (((extra >> ib) & 1) << 4)
+            q = q | (((tl.load(src + base + 70 + w, mask=m2, other=0).to(tl.int32) >> ib) & 1) << 2)
+            idx = q + 8 * ((extra >> (8 + ib)) & 1)
+        else:
+            nib = (tl.load(src + base + 2 + ib // 2, mask=m2, other=0).to(tl.int32) >> (4 * (ib % 2))) & 0xF
+            ls = nib | (((extra >> (8 + ib)) & 1) << 4)
+            idx = q + 4 * ((extra >> ib) & 1)
+        out = d * (ls - 16).to(tl.float32) * tl.load(lut + idx)
     elif KIND == 2:  # IQ4_XS: d, 16 bits of scale highs, 4 bytes of scale lows, 128 bytes of table indices
         d = _f16_at(src, base1, live)[:, None]
         ib = i // 32
@@ -200,17 +220,19 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
 
 _LEGACY = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 3, Q.Q5_1: 4}
 _LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4, Q.Q5_K: 5, Q.Q2_K: 6, Q.Q3_K: 7,
-              IkQuant.IQ4_KS: 8, IkQuant.IQ4_K: 9}
-_IQ4 = IQ4K_VALUES.tolist()  # IQ4_NL's table is its first half
+              IkQuant.IQ4_KS: 8, IkQuant.IQ4_K: 9, IkQuant.IQ3_KS: 10, IkQuant.IQ2_KS: 11}
 _E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+_VALUES = {Q.MXFP4: _E2M1_X2, IkQuant.IQ3_KS: IQ3NL_VALUES.tolist(), IkQuant.IQ2_KS: IQ2NL_VALUES.tolist()}
+_IQ4 = IQ4K_VALUES.tolist()  # the rest: IQ4K's 32 (IQ4_NL's table is its first half)
 _TABLES: dict[tuple, torch.Tensor] = {}
 SUPPORTED = tuple(_LEGACY) + tuple(_LUT_KINDS)
 
 
 def _table(qtype: Q, device) -> torch.Tensor:
-    key = (qtype == Q.MXFP4, str(device))
+    values = _VALUES.get(qtype, _IQ4)
+    key = (tuple(values), str(device))
     if key not in _TABLES:
-        _TABLES[key] = torch.tensor(_E2M1_X2 if key[0] else _IQ4, dtype=torch.float32, device=device)
+        _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=device)
     return _TABLES[key]
 
 
