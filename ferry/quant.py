@@ -274,6 +274,7 @@ class IkQuant(enum.IntEnum):
     IQ4_K = 139
     IQ4_KS = 144
     IQ2_KS = 145
+    IQ5_KS = 152
     IQ3_KS = 156
 
 

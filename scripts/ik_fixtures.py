@@ -4,7 +4,7 @@ llama-quantize (built from ../shared/anchors' tarball, CPU only, into ~/.cache/f
 dequantization); for one tensor per type (the first 64 rows of its smallest of that type), its bytes and ik's float32
 values go to tests/fixtures/ik/TYPE.npz.
 It also writes whole models as ik_llama.cpp users have them: a one-layer `qwen3-moe-tiny` quantized by ik with its
-routed experts in IQ4_KS (or IQ4_K) and every other type ferry reads in some other tensor, and one with IQ2_KS
+routed experts in IQ4_KS beside an IQ5_KS down (or IQ4_K) and every other type ferry reads in some other tensor, and one with IQ2_KS
 experts beside an IQ3_KS down (MODELS; tests/fixtures/ik/qwen3moe-ik*.gguf, 1.5-2.6 MB each), a text, and ik's
 llama-perplexity on each, on its weights as F32 (ik's dequantization) and on the F16 file it came from
 (qwen3moe-ik*.json).
@@ -54,7 +54,7 @@ def build(tarball: Path, where: Path) -> Path:
 # the whole models: a one-layer tiny MoE with its routed experts in one type and every other type ferry reads in
 # some other tensor
 MODELS = {"qwen3moe-ik": ("IQ4_KS", "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,attn_output=iq2_kl,output=iq4_kss,"
-                                    "token_embd=q6_0"),
+                                    "token_embd=q6_0,ffn_down_exps=iq5_ks"),
           "qwen3moe-ik-k": ("IQ4_K", "attn_q=iq5_k,attn_k=iq3_k,attn_v=iq2_k,attn_output=iq6_k,output=iq4_k,"
                                      "token_embd=iq5_k"),
           "qwen3moe-ik-low": ("IQ2_KS", "ffn_down_exps=iq3_ks,output=q6_0,token_embd=q6_0")}

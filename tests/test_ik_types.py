@@ -114,18 +114,22 @@ def test_the_c_rewrite_equals_numpys_on_random_bytes(name, rows, blocks):
 def test_a_file_of_ik_types_opens_with_them_run_as_q8_0():
     f = GGUFFile(FIXTURES / "qwen3moe-ik.gguf")
     assert {name: n for name, (n, _, _) in f.ik_stored.items()} == {
-        "IQ4_KS": 3, "IQ5_KS": 1, "IQ3_KS": 1, "IQ2_KS": 1, "IQ2_KL": 1, "IQ4_KSS": 1, "Q6_0": 1}
+        "IQ4_KS": 2, "IQ5_KS": 2, "IQ3_KS": 1, "IQ2_KS": 1, "IQ2_KL": 1, "IQ4_KSS": 1, "Q6_0": 1}
     t = f.tensor("blk.0.ffn_up_exps.weight")
     assert t.qtype == Q.Q8_0 and t.stored_as == "IQ4_KS" and t.file_bytes == 16 * 256 * (4 + 136)
     assert f.data(t).nbytes == t.nbytes == 16 * 256 * 8 * 34 and f.data(t) is f.data(t)  # rewritten once
 
 
 def test_routed_experts_of_a_type_ferrys_kernel_reads_stay_as_they_are():
-    f = GGUFFile(FIXTURES / "qwen3moe-ik.gguf", ik_in_place=frozenset({144}))
-    t = f.tensor("blk.0.ffn_down_exps.weight")
+    f = GGUFFile(FIXTURES / "qwen3moe-ik.gguf", ik_in_place=frozenset({144, 152}))
+    t = f.tensor("blk.0.ffn_gate_exps.weight")
     assert t.qtype == IkQuant.IQ4_KS and not t.ik_type and t.nbytes == 16 * 256 * (4 + 136)
     assert f.data(t).nbytes == t.nbytes and "IQ4_KS" not in f.ik_stored  # the file's bytes, nothing rewritten
-    assert f.tensor("blk.0.attn_q.weight").qtype == Q.Q8_0  # not a routed expert: rewritten
+    assert f.tensor("blk.0.ffn_down_exps.weight").qtype == IkQuant.IQ5_KS
+    assert f.tensor("blk.0.attn_q.weight").qtype == Q.Q8_0  # IQ5_KS, not a routed expert: rewritten
+    # with IQ5_KS not among the kept types (its down rewritten), the layer's IQ4_KS experts are rewritten too
+    g = GGUFFile(FIXTURES / "qwen3moe-ik.gguf", ik_in_place=frozenset({144}))
+    assert all(g.tensor(f"blk.0.ffn_{m}_exps.weight").qtype == Q.Q8_0 for m in ("up", "gate", "down"))
 
 
 @pytest.mark.parametrize("in_ik, down, kept", [(("up", "gate", "down"), Q.Q8_0, True),
@@ -159,10 +163,10 @@ def test_a_layer_keeps_its_experts_in_place_only_where_the_kernel_reads_them_all
                                                          ("qwen3moe-ik-low", True, 0.001)])
 def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels, model, in_place, from_exact, capsys,
                                                                   monkeypatch):
-    """A file with a tensor of each type ferry reads (qwen3moe-ik: IQ4_KS experts, read in place by ferry's kernel, or
-    rewritten with FERRY_NATIVE=0; qwen3moe-ik-k: IQ4_K experts, read in place as well, and the other IQn_K types,
+    """A file with a tensor of each type ferry reads (qwen3moe-ik: IQ4_KS experts with an IQ5_KS down, read in place by
+    ferry's kernel, or rewritten with FERRY_NATIVE=0; qwen3moe-ik-k: IQ4_K experts, read in place as well, and the other IQn_K types,
     rewritten; qwen3moe-ik-low: IQ2_KS experts with an IQ3_KS down, in place too). ik's
-    llama-perplexity on the first lies 0.22% from its own figure for the file's exact weights (the F32
+    llama-perplexity on the first lies 0.21% from its own figure for the file's exact weights (the F32
     dequantization, where ferry and ik agree to every printed digit): its rounding of activations. ferry's lies within
     0.1% of that figure after every chunk, and within 0.5% of ik's; on the IQn_K file, whose attention, embedding and
     output ferry rounds to Q8_0's levels, within 0.3% of it (measured 0.27%; on the F32 file of those weights ferry

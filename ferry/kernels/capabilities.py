@@ -53,6 +53,7 @@ _TABLE = {
     IkQuant.IQ4_K: Can(gpu_expand=True, cpu_native="plain"),
     IkQuant.IQ3_KS: Can(gpu_expand=True, cpu_native="plain"),
     IkQuant.IQ2_KS: Can(gpu_expand=True, cpu_native="plain"),
+    IkQuant.IQ5_KS: Can(gpu_expand=True, cpu_native="plain"),
 }
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block

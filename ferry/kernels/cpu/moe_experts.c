@@ -51,7 +51,7 @@
 
 #define GROUP 8 /* rows interleaved */
 enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39 }; /* ggml's numbers */
-enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ3_KS = 156 }; /* ik_llama.cpp's numbers */
+enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ5_KS = 152, IQ3_KS = 156 }; /* ik_llama.cpp's numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
@@ -67,6 +67,8 @@ enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ3_KS = 156 }; /* ik_llama.cpp'
 #define IQ3_KS_BYTES 102 /* one row's super-block (after the row's fp16 d): 16 bits of fifth scale bits (0-7) and table
                          * halves (8-15), 4 bytes of scale nibbles, 64 of 2-bit indices, 32 of their third bits */
 #define IQ2_KS_BYTES 70 /* as IQ3_KS without the third bits, the 16 bits' halves swapped (table halves 0-7) */
+#define IQ5_KS_BYTES 168 /* one row's super-block (after the row's float32 d): 8 scale bytes, 128 of nibbles (byte j of
+                         * group g: sub-blocks 2g low, 2g + 1 high), 32 of their fifth bits (bit ib of byte j) */
 #define IQ4_KS_BYTES 136 /* one row's super-block: 8 scale bytes, 128 of nibbles indexing IQ4K's tables (the row's
                           * float32 scale before its first) */
 #define MXFP4_BYTES 17 /* one row's block of 32: the E8M0 exponent, 16 bytes of nibbles indexing the FP4 table */
@@ -112,7 +114,7 @@ int ferry_moe_fast(void) { return FAST; }
 static int block_of(int type) {
     return type == Q4_0 || type == Q8_0 ? QK4_0
          : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == IQ4_KS || type == IQ4_K
-                   || type == IQ3_KS || type == IQ2_KS ? QK_K
+                   || type == IQ3_KS || type == IQ2_KS || type == IQ5_KS ? QK_K
          : type == MXFP4 ? QK_MX : 0;
 }
 
@@ -127,7 +129,8 @@ static size_t group_bytes(int type, int n) {
          : type == Q8_0 ? (size_t)Q8_0_BYTES * (n / QK4_0)
          : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K)
          : type == MXFP4 ? (size_t)GROUP * MXFP4_BYTES * (n / QK4_0)
-         : type == IQ4_KS ? (size_t)GROUP * (4 + (size_t)IQ4_KS_BYTES * (n / QK_K))
+         : type == IQ4_KS || type == IQ5_KS ? (size_t)GROUP * (4 + (size_t)(type == IQ4_KS ? IQ4_KS_BYTES : IQ5_KS_BYTES)
+                                                                  * (n / QK_K))
          : type == IQ3_KS || type == IQ2_KS ? (size_t)GROUP * (2 + (size_t)(type == IQ3_KS ? IQ3_KS_BYTES : IQ2_KS_BYTES)
                                                                   * (n / QK_K))
          : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : type == IQ4_K ? IQ4_K_BYTES
@@ -167,6 +170,12 @@ static int iq4_xs_order(int i) {
 static int iq_ks_order(int i) {
     const int s = i / 32;
     return 64 * (s % 4) + 32 * (s / 4) + i % 32;
+}
+/* IQ5_KS: a load of 64 index bytes (h) holds sub-blocks 4h..4h + 3, its low nibbles (vector 2h) sub-blocks 4h and
+ * 4h + 2, its high nibbles (2h + 1) 4h + 1 and 4h + 3, each in 32 bytes */
+static int iq5_ks_order(int i) {
+    const int s = i / 32, r = s % 4;
+    return 64 * (2 * (s / 4) + r % 2) + 32 * (r / 2) + i % 32;
 }
 
 /* x (n values) as the activation blocks that weights of `type` read */
@@ -216,12 +225,13 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
         }
     } else {
         const int iq4 = type == IQ4_XS || type == IQ4_KS || type == IQ4_K; /* the same nibble order */
-        const int low_bits = type == IQ3_KS || type == IQ2_KS;
+        const int low_bits = type == IQ3_KS || type == IQ2_KS || type == IQ5_KS;
         act_q6_k *a = (act_q6_k *)dst;
         int8_t q[QK_K];
         for (int b = 0; b < n / QK_K; b++) {
             a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
-            for (int i = 0; i < QK_K; i++) a[b].q[iq4 ? iq4_xs_order(i) : low_bits ? iq_ks_order(i) : i] = q[i];
+            for (int i = 0; i < QK_K; i++)
+                a[b].q[iq4 ? iq4_xs_order(i) : type == IQ5_KS ? iq5_ks_order(i) : low_bits ? iq_ks_order(i) : i] = q[i];
             if (iq4 || low_bits) {
                 for (int l = 0; l < QK_K / 4; l++) {
                     const int8_t *ql = a[b].q + 4 * l;
@@ -750,6 +760,72 @@ static inline __attribute__((always_inline)) void tile_iq_ks_low(const uint8_t *
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
     }
 }
+/* the 8 IQ5_KS rows at g (plain, one after another, each after its float32 d) against up to 4 tokens: vector 2h + p
+ * holds sub-blocks 4h + p and 4h + 2 + p (nibble p of the 64 bytes of load h, a fifth bit from qh), looked up in IQ5NL's
+ * first half (stored + 128: two 16-value shuffles, the second where bit 4 is set), the second half (the first plus 2)
+ * added where the sub-block's scale byte S says (S & 1); w = d ((S & 254) - 127) table[S & 1][q] */
+static inline __attribute__((always_inline)) void tile_iq5_ks(const uint8_t *g, const uint8_t *const *act, int n,
+                                                               float *const *out, const int T) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10), two = _mm512_set1_epi8(2);
+    const __m512i low = _mm512_broadcast_i32x4(_mm_setr_epi8(2, 14, 25, 36, 45, 54, 63, 71, 78, 85, 92, 98, 104, 110,
+                                                              116, 122));
+    const __m512i high = _mm512_broadcast_i32x4(_mm_setr_epi8((char)127, (char)133, (char)139, (char)145, (char)151,
+                                                               (char)157, (char)164, (char)171, (char)179, (char)187,
+                                                               (char)196, (char)205, (char)215, (char)225, (char)237,
+                                                               (char)249));
+    __m512i lane_of[4], fifth_at[4]; /* vector 2h + p: sub-blocks 4h + p (lanes 0-7) and 4h + 2 + p (8-15) */
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 2; p++) {
+            const int s0 = 4 * h + p, s1 = 4 * h + 2 + p;
+            lane_of[2 * h + p] = _mm512_inserti64x4(_mm512_set1_epi32(s0), _mm256_set1_epi32(s1), 1);
+            fifth_at[2 * h + p] = _mm512_inserti64x4(_mm512_set1_epi16((short)s0), _mm256_set1_epi16((short)s1), 1);
+        }
+    const int blocks = n / QK_K;
+    const size_t row_bytes = 4 + (size_t)blocks * IQ5_KS_BYTES;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * row_bytes;
+        float d;
+        memcpy(&d, row, 4);
+        row += 4;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += IQ5_KS_BYTES) {
+            for (int line = 0; line < 192; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            const __m128i S = _mm_loadl_epi64((const __m128i *)row);
+            const __m512i scales = _mm512_castsi256_si512(_mm256_sub_epi32(
+                _mm256_and_si256(_mm256_cvtepu8_epi32(S), _mm256_set1_epi32(254)), _mm256_set1_epi32(127)));
+            const uint32_t halves = (uint32_t)_mm_movemask_epi8(_mm_slli_epi16(S, 7)); /* bit ib: S_ib & 1 */
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 136)));
+            __m512i w[4], sc[4];
+            for (int h = 0; h < 2; h++) {
+                const __m512i v = _mm512_loadu_si512(row + 8 + 64 * h);
+                for (int p = 0; p < 2; p++) {
+                    const int k = 2 * h + p;
+                    const __m512i q = _mm512_or_si512(
+                        _mm512_and_si512(p ? _mm512_srli_epi16(v, 4) : v, nibble),
+                        _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, fifth_at[k]), 4), bit4));
+                    const __m512i t = _mm512_mask_shuffle_epi8(_mm512_shuffle_epi8(low, q),
+                                                               _mm512_test_epi8_mask(q, bit4), high, q);
+                    const __mmask64 second = (halves >> (4 * h + p) & 1 ? 0xffffffffULL : 0)
+                                             | (halves >> (4 * h + 2 + p) & 1 ? ~0xffffffffULL : 0);
+                    w[k] = _mm512_mask_add_epi8(t, second, t, two);
+                    sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
+                }
+            }
+            for (int t = 0; t < T; t++) {
+                const act_q6_k *a = (const act_q6_k *)act[t] + b;
+                __m512i isum = _mm512_setzero_si512();
+                for (int k = 0; k < 4; k++)
+                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(
+                                                      _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 16 * k), w[k],
+                                                                          _mm512_loadu_si512(a->q + 64 * k)),
+                                                      sc[k]));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
+            }
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
 static inline __attribute__((always_inline)) void tile_iq3_ks(const uint8_t *g, const uint8_t *const *act, int n,
                                                                float *const *out, const int T) {
     tile_iq_ks_low(g, act, n, out, T, 1);
@@ -833,6 +909,8 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
             K_TILE(tile_iq3_ks)
         } else if (type == IQ2_KS) {
             K_TILE(tile_iq2_ks)
+        } else if (type == IQ5_KS) {
+            K_TILE(tile_iq5_ks)
         } else if (type == MXFP4) {
             K_TILE(tile_mxfp4)
         } else {

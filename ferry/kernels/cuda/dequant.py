@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from ferry.quant import IK_TYPES, IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IkQuant
+from ferry.quant import IK_TYPES, IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IkQuant
 
 _BLOCKS = 64  # quant blocks per program
 
@@ -86,7 +86,7 @@ def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.cons
 def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                  BLOCKS: tl.constexpr, ROW_META: tl.constexpr):
     """The K-quants (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats) and
-    ik_llama.cpp's IQ4_KS and IQ4_K (`lut`: IQ4K's 32), IQ3_KS and IQ2_KS (IQ3NL's 16, IQ2NL's 8); ROW_META bytes of
+    ik_llama.cpp's IQ4_KS and IQ4_K (`lut`: IQ4K's 32), IQ3_KS and IQ2_KS (IQ3NL's 16, IQ2NL's 8), IQ5_KS (IQ5NL's 64); ROW_META bytes of
     row scale before each row's per_row blocks."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     live = b < n_blocks
@@ -162,6 +162,15 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
         byte = tl.load(src + base + 8 + ib * 16 + (w % 16), mask=m2, other=0).to(tl.int32)
         idx = tl.where(w < 16, byte & 0xF, byte >> 4) + 16 * (sb & 1)
         out = d * ((sb & 254) - 127).to(tl.float32) * tl.load(lut + idx)
+    elif KIND == 12:  # IQ5_KS: the row's float32 d; 8 scale bytes S (as IQ4_KS), nibbles (byte j of group ib / 2:
+        # nibble ib % 2), fifth bits (bit ib of byte j of the 32 after)
+        d = _u32_at(src, row_start, live).to(tl.float32, bitcast=True)[:, None]
+        ib = i // 32
+        w = i % 32
+        sb = tl.load(src + base + ib, mask=m2, other=0).to(tl.int32)
+        lo = (tl.load(src + base + 8 + 32 * (ib // 2) + w, mask=m2, other=0).to(tl.int32) >> (4 * (ib % 2))) & 0xF
+        hi = (tl.load(src + base + 136 + w, mask=m2, other=0).to(tl.int32) >> ib) & 1
+        out = d * ((sb & 254) - 127).to(tl.float32) * tl.load(lut + (lo | (hi << 4)) + 32 * (sb & 1))
     elif KIND == 9:  # IQ4_K: d, 16 bits of table halves (one a 16), 4 bytes of scale high pairs, 8 of low nibbles
         d = _f16_at(src, base1, live)[:, None]
         ib = i // 32
@@ -220,9 +229,10 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
 
 _LEGACY = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 3, Q.Q5_1: 4}
 _LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4, Q.Q5_K: 5, Q.Q2_K: 6, Q.Q3_K: 7,
-              IkQuant.IQ4_KS: 8, IkQuant.IQ4_K: 9, IkQuant.IQ3_KS: 10, IkQuant.IQ2_KS: 11}
+              IkQuant.IQ4_KS: 8, IkQuant.IQ4_K: 9, IkQuant.IQ3_KS: 10, IkQuant.IQ2_KS: 11, IkQuant.IQ5_KS: 12}
 _E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
-_VALUES = {Q.MXFP4: _E2M1_X2, IkQuant.IQ3_KS: IQ3NL_VALUES.tolist(), IkQuant.IQ2_KS: IQ2NL_VALUES.tolist()}
+_VALUES = {Q.MXFP4: _E2M1_X2, IkQuant.IQ3_KS: IQ3NL_VALUES.tolist(), IkQuant.IQ2_KS: IQ2NL_VALUES.tolist(),
+           IkQuant.IQ5_KS: IQ5NL_VALUES.tolist()}
 _IQ4 = IQ4K_VALUES.tolist()  # the rest: IQ4K's 32 (IQ4_NL's table is its first half)
 _TABLES: dict[tuple, torch.Tensor] = {}
 SUPPORTED = tuple(_LEGACY) + tuple(_LUT_KINDS)
