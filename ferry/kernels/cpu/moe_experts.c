@@ -521,24 +521,42 @@ static inline __m512i iq4nl_table(void) {
                                                 (char)197, (char)217, (char)241));
 }
 
-/* one IQ4_XS / IQ4_KS / IQ4_K super-block's 4 vectors of table values w (stored + 128) against a token's activation
- * block: each 32-bit lane's dot product times its sub-block's scale: sc[h] for both vectors of load h (a scale per
- * 32), or with per_16 sc[k] for vector k (a scale per 16) */
-static inline __attribute__((always_inline)) __m512i iq4_dots(const act_q6_k *a, const __m512i *w, const __m512i *sc,
-                                                              const int per_16) {
+/* one super-block's 4 vectors of table values w (stored + 128; IQ4_XS, ik_llama.cpp's IQ4_KS, IQ4_K, IQ5_KS, IQ3_KS,
+ * IQ2_KS) against a token's activation block in their order: each 32-bit lane's dot product times its sub-block's
+ * scale: sc[h] for both vectors of load h (IQ4_XS / IQ4_KS: a scale per 32 in each), or with per_vector sc[k] for
+ * vector k (its lanes' scales of their own) */
+static inline __attribute__((always_inline)) __m512i table_dots(const act_q6_k *a, const __m512i *w, const __m512i *sc,
+                                                                const int per_vector) {
     __m512i isum = _mm512_setzero_si512();
     for (int h = 0; h < 2; h++) {
         const __m512i lo = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h), w[2 * h],
                                                _mm512_loadu_si512(a->q + 128 * h));
         const __m512i hi = _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 32 * h + 16), w[2 * h + 1],
                                                _mm512_loadu_si512(a->q + 128 * h + 64));
-        if (per_16)
+        if (per_vector)
             isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(lo, sc[2 * h]),
                                                            _mm512_mullo_epi32(hi, sc[2 * h + 1])));
         else
             isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), sc[h]));
     }
     return isum;
+}
+
+/* IQ4_KS's / IQ5_KS's 8 scale bytes S (the low 8 of S) as their sub-blocks' scales (S & 254) - 127, 32-bit lanes 0-7 */
+static inline __m512i ks_scales(__m128i S) {
+    return _mm512_castsi256_si512(_mm256_sub_epi32(_mm256_and_si256(_mm256_cvtepu8_epi32(S), _mm256_set1_epi32(254)),
+                                                   _mm256_set1_epi32(127)));
+}
+
+/* super-block b's table values w and scales sc (table_dots) against up to 4 tokens' activation blocks, times d and
+ * each token's scale, into acc */
+static inline __attribute__((always_inline)) void add_block(__m512 *acc, const uint8_t *const *act, int b,
+                                                             const __m512i *w, const __m512i *sc, const int per_vector,
+                                                             float d, const int T) {
+    for (int t = 0; t < T; t++) {
+        const act_q6_k *a = (const act_q6_k *)act[t] + b;
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(table_dots(a, w, sc, per_vector)), _mm512_set1_ps(d * a->d), acc[t]);
+    }
 }
 
 /* the 8 IQ4_XS rows at g (plain, one after another) against up to 4 tokens: each super-block's nibbles looked up in
@@ -576,10 +594,7 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
                 sc[h] = _mm512_permutexvar_epi32(lane_of[h], scales);
             }
             const float d = _cvtsh_ss(dh);
-            for (int t = 0; t < T; t++) {
-                const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc, 0)), _mm512_set1_ps(d * a->d), acc[t]);
-            }
+            add_block(acc, act, b, w, sc, 0, d, T);
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
     }
@@ -613,8 +628,7 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
         for (int b = 0; b < blocks; b++, row += IQ4_KS_BYTES) {
             for (int line = 0; line < 192; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
             const __m128i S = _mm_loadl_epi64((const __m128i *)row);
-            const __m512i scales = _mm512_castsi256_si512(_mm256_sub_epi32(
-                _mm256_and_si256(_mm256_cvtepu8_epi32(S), _mm256_set1_epi32(254)), _mm256_set1_epi32(127)));
+            const __m512i scales = ks_scales(S);
             /* 4 where a sub-block takes the second table (its values the first's plus 4), spread over its 16 bytes:
              * lane k of load h is sub-block 4h + k */
             const __m512i four = _mm512_broadcast_i32x4(_mm_and_si128(_mm_slli_epi16(S, 2), _mm_set1_epi8(4)));
@@ -627,10 +641,7 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
                     _mm512_shuffle_epi8(first, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)), shift);
                 sc[h] = _mm512_permutexvar_epi32(lane_of[h], scales);
             }
-            for (int t = 0; t < T; t++) {
-                const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc, 0)), _mm512_set1_ps(d * a->d), acc[t]);
-            }
+            add_block(acc, act, b, w, sc, 0, d, T);
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
     }
@@ -681,10 +692,7 @@ static inline __attribute__((always_inline)) void tile_iq4_k(const uint8_t *g, c
                 }
             }
             const float d = _cvtsh_ss(dh);
-            for (int t = 0; t < T; t++) {
-                const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iq4_dots(a, w, sc, 1)), _mm512_set1_ps(d * a->d), acc[t]);
-            }
+            add_block(acc, act, b, w, sc, 1, d, T);
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
     }
@@ -746,16 +754,7 @@ static inline __attribute__((always_inline)) void tile_iq_ks_low(const uint8_t *
                 w[k] = _mm512_mask_add_epi8(t, second, t, shift);
                 sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
             }
-            for (int t = 0; t < T; t++) {
-                const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                __m512i isum = _mm512_setzero_si512();
-                for (int k = 0; k < 4; k++)
-                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(
-                                                      _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 16 * k), w[k],
-                                                                          _mm512_loadu_si512(a->q + 64 * k)),
-                                                      sc[k]));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
-            }
+            add_block(acc, act, b, w, sc, 1, d, T);
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
     }
@@ -792,8 +791,7 @@ static inline __attribute__((always_inline)) void tile_iq5_ks(const uint8_t *g, 
         for (int b = 0; b < blocks; b++, row += IQ5_KS_BYTES) {
             for (int line = 0; line < 192; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
             const __m128i S = _mm_loadl_epi64((const __m128i *)row);
-            const __m512i scales = _mm512_castsi256_si512(_mm256_sub_epi32(
-                _mm256_and_si256(_mm256_cvtepu8_epi32(S), _mm256_set1_epi32(254)), _mm256_set1_epi32(127)));
+            const __m512i scales = ks_scales(S);
             const uint32_t halves = (uint32_t)_mm_movemask_epi8(_mm_slli_epi16(S, 7)); /* bit ib: S_ib & 1 */
             const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 136)));
             __m512i w[4], sc[4];
@@ -812,16 +810,7 @@ static inline __attribute__((always_inline)) void tile_iq5_ks(const uint8_t *g, 
                     sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
                 }
             }
-            for (int t = 0; t < T; t++) {
-                const act_q6_k *a = (const act_q6_k *)act[t] + b;
-                __m512i isum = _mm512_setzero_si512();
-                for (int k = 0; k < 4; k++)
-                    isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(
-                                                      _mm512_dpbusd_epi32(_mm512_loadu_si512(a->corr + 16 * k), w[k],
-                                                                          _mm512_loadu_si512(a->q + 64 * k)),
-                                                      sc[k]));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(d * a->d), acc[t]);
-            }
+            add_block(acc, act, b, w, sc, 1, d, T);
         }
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
     }
