@@ -226,9 +226,42 @@ def _ik_k_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np
     return d, s, np.stack(values, axis=-2).reshape(rows, -1, 16).astype(np.int8)
 
 
+# ik_llama.cpp's interleaved types (its `--repack` / -rtr layouts) ferry reads, and the type each interleaves: 4 rows
+# at a time, de-interleaved at load (ik_deinterleave) into the plain type's rows
+IK_INTERLEAVED = {344: 144}  # IQ4_KS_R4 -> IQ4_KS
+
+
+def ik_deinterleave(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
+    """An interleaved tensor's bytes (IK_INTERLEAVED) as its plain type's rows, the same values. IQ4_KS_R4 (ik's
+    repack_iq4_ks): per 4 rows their 4 float32 scales, then per 256 columns the 4 rows' 8 scale bytes interleaved
+    (byte 4 ib + k: row k's sub-block ib) and 512 bytes of nibbles: sub-block ib's 64 hold at 16 p + 4 k + i (i < 4)
+    row k's plain bytes i and i + 8 (p = 0: their low nibbles, p = 1: their high), i + 4 and i + 12 (p = 2, 3), each
+    pair as one byte's low and high nibble; plain IQ4_KS's byte j holds values j (low) and 16 + j (high)."""
+    _, block, size, meta = IK_TYPES[raw_type]
+    rows = int(np.prod(ne[1:], dtype=np.int64))
+    if rows % 4:
+        raise FerryError(f"an {ik_name(raw_type)} tensor has {rows} rows, not a multiple of 4; the file is corrupt")
+    nb = ne[0] // block
+    g = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows // 4, 4 * (meta + nb * size))
+    out = np.empty((rows // 4, 4, meta + nb * size), dtype=np.uint8)
+    out[:, :, :meta] = g[:, :4 * meta].reshape(-1, 4, meta)
+    b = g[:, 4 * meta:].reshape(-1, nb, 4 * size)
+    scales = b[..., :32].reshape(-1, nb, 8, 4).transpose(0, 3, 1, 2)  # (group, row k, block, sub-block)
+    qs = b[..., 32:].reshape(-1, nb, 8, 4, 4, 4)  # (group, block, sub-block, part p, row k, i)
+    p0, p1, p2, p3 = (qs[:, :, :, p] for p in range(4))
+    first = [(p0 & 15) | (p1 & 15) << 4, (p2 & 15) | (p3 & 15) << 4, (p0 >> 4) | (p1 & 0xF0), (p2 >> 4) | (p3 & 0xF0)]
+    plain = np.stack(first, axis=-2)  # (group, block, sub-block, row k, byte j // 4, j % 4): bytes j = 0..15
+    plain = plain.transpose(0, 3, 1, 2, 4, 5).reshape(-1, 4, nb, 8 * 16)
+    blocks = np.concatenate([scales, plain], axis=-1)  # (group, row k, block, 8 + 128)
+    out[:, :, meta:] = blocks.reshape(-1, 4, nb * size)
+    return out.reshape(-1)
+
+
 def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
     """ik_llama.cpp's quant types to float64 in torch order (reversed ne), the reference the rest is tested against
-    (_ik_parts and _ik_k_parts say which and how)."""
+    (_ik_parts and _ik_k_parts say which and how; an interleaved type is de-interleaved first)."""
+    if raw_type in IK_INTERLEAVED:
+        raw, raw_type = ik_deinterleave(raw, raw_type, ne), IK_INTERLEAVED[raw_type]
     if ik_name(raw_type) in IK_PER_16:
         d, s, values = _ik_k_parts(raw, raw_type, ne)
         scale = np.repeat(d, 16, axis=-1) * s

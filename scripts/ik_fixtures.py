@@ -5,7 +5,7 @@ dequantization); for one tensor per type (the first 64 rows of its smallest of t
 values go to tests/fixtures/ik/TYPE.npz.
 It also writes whole models as ik_llama.cpp users have them: a one-layer `qwen3-moe-tiny` quantized by ik with its
 routed experts in IQ4_KS beside an IQ5_KS down (or IQ4_K) and every other type ferry reads in some other tensor, and one with IQ2_KS
-experts beside an IQ3_KS down (MODELS; tests/fixtures/ik/qwen3moe-ik*.gguf, 1.5-2.6 MB each), a text, and ik's
+experts beside an IQ3_KS down, and one interleaved as ik's --repack writes IQ4_KS (MODELS; tests/fixtures/ik/qwen3moe-ik*.gguf, 1.5-2.6 MB each), a text, and ik's
 llama-perplexity on each, on its weights as F32 (ik's dequantization) and on the F16 file it came from
 (qwen3moe-ik*.json).
   python scripts/ik_fixtures.py [--tarball PATH] [--types Q6_0,IQ4_KS,...] [--models qwen3moe-ik,...]
@@ -57,8 +57,9 @@ MODELS = {"qwen3moe-ik": ("IQ4_KS", "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,a
                                     "token_embd=q6_0,ffn_down_exps=iq5_ks"),
           "qwen3moe-ik-k": ("IQ4_K", "attn_q=iq5_k,attn_k=iq3_k,attn_v=iq2_k,attn_output=iq6_k,output=iq4_k,"
                                      "token_embd=iq5_k"),
-          "qwen3moe-ik-low": ("IQ2_KS", "ffn_down_exps=iq3_ks,output=q6_0,token_embd=q6_0")}
-TYPES = "Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K"
+          "qwen3moe-ik-low": ("IQ2_KS", "ffn_down_exps=iq3_ks,output=q6_0,token_embd=q6_0"),
+          "qwen3moe-ik-r4": ("IQ4_KS_R4", "output=q6_0,token_embd=q6_0")}
+TYPES = "Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K,IQ4_KS_R4"
 ROWS = 64
 PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]
 
@@ -110,7 +111,7 @@ def main() -> None:
         f16 = Path(tmp) / "f16.gguf"
         subprocess.run([sys.executable, "-m", "ferry", "synth", "qwen3-moe-tiny", "--type", "f16", "--expert-type",
                         "f16", "-o", str(f16), "-q"], check=True, cwd=ROOT)
-        for name in a.types.split(","):
+        for name in filter(None, a.types.split(",")):
             quantized, back = Path(tmp) / f"{name}.gguf", Path(tmp) / f"{name}-f32.gguf"
             subprocess.run([str(quantize), str(f16), str(quantized), name, "1"], check=True, capture_output=True)
             subprocess.run([str(quantize), "--allow-requantize", str(quantized), str(back), "F32", "1"], check=True,

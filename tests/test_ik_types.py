@@ -22,7 +22,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "ik"
 TYPES = ["Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS", "IQ2_KS", "IQ2_KL"] + list(IK_PER_16)
 
 
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name", TYPES + ["IQ4_KS_R4"])
 def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
     f = np.load(FIXTURES / f"{name}.npz")
     raw_type, ne, raw = int(f["raw_type"]), tuple(int(v) for v in f["ne"]), f["raw"]
@@ -61,7 +61,7 @@ def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
     assert raw_type == 134 and ne == (64, 3) and data.nbytes == 3 * (2 + 13)
     with pytest.raises(FerryError, match=r"IQ1_BN \(type 134\), one of ik_llama.cpp's own quant types, which ferry "
                                          r"does not read yet \(of ik's types it reads Q6_0, IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, "
-                                         r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ3_KS, IQ2_KL\)"):
+                                         r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ3_KS, IQ2_KL, IQ4_KS_R4\)"):
         GGUFFile(path)
 
 
@@ -160,12 +160,13 @@ def test_a_layer_keeps_its_experts_in_place_only_where_the_kernel_reads_them_all
 
 @pytest.mark.parametrize("native_kernels", ["1", "0"])
 @pytest.mark.parametrize("model, in_place, from_exact", [("qwen3moe-ik", True, 0.001), ("qwen3moe-ik-k", True, 0.003),
-                                                         ("qwen3moe-ik-low", True, 0.001)])
+                                                         ("qwen3moe-ik-low", True, 0.001), ("qwen3moe-ik-r4", True, 0.001)])
 def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels, model, in_place, from_exact, capsys,
                                                                   monkeypatch):
     """A file with a tensor of each type ferry reads (qwen3moe-ik: IQ4_KS experts with an IQ5_KS down, read in place by
     ferry's kernel, or rewritten with FERRY_NATIVE=0; qwen3moe-ik-k: IQ4_K experts, read in place as well, and the other IQn_K types,
-    rewritten; qwen3moe-ik-low: IQ2_KS experts with an IQ3_KS down, in place too). ik's
+    rewritten; qwen3moe-ik-low: IQ2_KS experts with an IQ3_KS down, in place too; qwen3moe-ik-r4: IQ4_KS_R4, ik's
+    interleaved form, de-interleaved at load). ik's
     llama-perplexity on the first lies 0.21% from its own figure for the file's exact weights (the F32
     dequantization, where ferry and ik agree to every printed digit): its rounding of activations. ferry's lies within
     0.1% of that figure after every chunk, and within 0.5% of ik's; on the IQn_K file, whose attention, embedding and
@@ -189,3 +190,21 @@ def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels,
     mine = np.array(json.loads(out.out)["chunk_ppl"])
     assert mine.shape == ik.shape
     assert np.abs(mine / exact - 1).max() < from_exact and np.abs(mine / ik - 1).max() < 0.005
+
+
+def test_an_interleaved_tensor_is_its_plain_types_rows_and_needs_whole_groups_of_4():
+    """IQ4_KS_R4 (ik's --repack of IQ4_KS) de-interleaved: the fixture's values are ik's own (the reference test
+    above); here the bytes: a plain row's scale, scale bytes and nibble bytes 1 and 9 where ik's repack put them, and
+    a row count that is no multiple of 4 is refused as corrupt."""
+    from ferry.quant import ik_deinterleave
+
+    raw_type, ne, raw = _fixture("IQ4_KS_R4")
+    plain = ik_deinterleave(raw, raw_type, ne).reshape(ne[1], -1)
+    groups = raw.reshape(ne[1] // 4, -1)
+    for k in range(4):  # row k of group 0: its float32 scale, sub-block 3's scale byte, bytes 1 and 9 of its nibbles
+        assert np.array_equal(plain[k, :4], groups[0, 4 * k:4 * k + 4])
+        assert plain[k, 4 + 3] == groups[0, 16 + 4 * 3 + k]
+        a, b = groups[0, 16 + 32 + 64 * 0 + 4 * k + 1], groups[0, 16 + 32 + 64 * 0 + 16 + 4 * k + 1]
+        assert plain[k, 4 + 8 + 9] == (a >> 4 & 0xF) | (b & 0xF0) and plain[k, 4 + 8 + 1] == (a & 0xF) | (b & 0xF) << 4
+    with pytest.raises(FerryError, match="not a multiple of 4"):
+        ik_deinterleave(raw[:3 * len(raw) // ne[1]], raw_type, (ne[0], 3))

@@ -25,7 +25,8 @@ from conftest import kl_top1, place
 N_PROMPT, N_GEN = 200, 20
 
 
-IK_FILES = {"ik-types": "qwen3moe-ik.gguf", "ik-k-types": "qwen3moe-ik-k.gguf", "ik-low-types": "qwen3moe-ik-low.gguf"}
+IK_FILES = {"ik-types": "qwen3moe-ik.gguf", "ik-k-types": "qwen3moe-ik-k.gguf", "ik-low-types": "qwen3moe-ik-low.gguf",
+            "ik-r4-types": "qwen3moe-ik-r4.gguf"}
 
 
 def _family(name, tmp_path_factory):

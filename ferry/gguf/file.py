@@ -21,11 +21,12 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from ferry.errors import FerryError
 from ferry.kernels.capabilities import can
-from ferry.quant import IK_NOTE, IK_RUN_AS, IK_TYPES, IkQuant, ik_to_q8_0, ik_type_bytes, row_bytes
+from ferry.quant import (IK_INTERLEAVED, IK_NOTE, IK_RUN_AS, IK_TYPES, IkQuant, ik_deinterleave, ik_to_q8_0,
+                         ik_type_bytes, row_bytes)
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
-_IK_READ = ", ".join(IK_TYPES[t][0] for t in IK_RUN_AS)
+_IK_READ = ", ".join(IK_TYPES[t][0] for t in [*IK_RUN_AS, *IK_INTERLEAVED])
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_KEY_BYTES = 1 << 16
@@ -66,6 +67,8 @@ class TensorInfo:
     part: int
     ik_type: int = 0  # ik_llama.cpp's type it is stored in, rewritten as qtype when read (0: stored as qtype)
     file_bytes: int = 0  # its bytes in the file, where ik_type is set
+    interleaved: int = 0  # ik_llama.cpp's interleaved type the file holds it in, de-interleaved into ik_type's (or
+    # qtype's) rows when read (quant.IK_INTERLEAVED)
 
     @property
     def stored_bytes(self) -> int:
@@ -74,7 +77,9 @@ class TensorInfo:
     @property
     def stored_as(self) -> str:
         """The type the file holds it in: qtype's name, or ik_llama.cpp's."""
-        return IK_TYPES[self.ik_type][0] if self.ik_type else self.qtype.name
+        if self.interleaved or self.ik_type:
+            return IK_TYPES[self.interleaved or self.ik_type][0]
+        return self.qtype.name
 
     @property
     def n_elements(self) -> int:
@@ -248,7 +253,8 @@ def _parse_header(cur: _Cursor, part: _Part, index: int, ik_in_place: frozenset[
             qtype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            if raw_type in IK_RUN_AS and part.foreign is None:  # read as a llama.cpp type (quant.ik_to_q8_0)
+            if (raw_type in IK_RUN_AS or raw_type in IK_INTERLEAVED) and part.foreign is None:  # read as a llama.cpp
+                # type (quant.ik_to_q8_0) or in place, de-interleaved first where ik interleaved rows
                 if ne[0] % IK_TYPES[raw_type][1]:
                     raise cur.fail(f"tensor '{name}' row length {ne[0]} is not a multiple of the "
                                    f"{IK_TYPES[raw_type][0]} block size {IK_TYPES[raw_type][1]}") from None
@@ -281,10 +287,16 @@ def _parse_header(cur: _Cursor, part: _Part, index: int, ik_in_place: frozenset[
                              f"{data_start + offset + nbytes}, the file has {part.size}; re-download the model")
         if part.foreign is not None:
             part.foreign[name] = (raw_type, ne, data_start + offset, nbytes)
-        elif raw_type in ik_in_place and ROUTED_EXPERTS.search(name):
-            part.tensors.append(TensorInfo(name, ne, IkQuant(raw_type), data_start + offset, nbytes, index))
+            continue
+        plain, interleaved = IK_INTERLEAVED.get(raw_type, raw_type), raw_type if raw_type in IK_INTERLEAVED else 0
+        if interleaved and int(np.prod(ne[1:])) % 4:
+            raise FerryError(f"{part.path}: tensor '{name}' is {IK_TYPES[raw_type][0]} over {int(np.prod(ne[1:]))} "
+                             "rows, not a multiple of the 4 it interleaves; the file is corrupt, re-download it")
+        t = TensorInfo(name, ne, plain, data_start + offset, nbytes, index, interleaved=interleaved)
+        if plain in ik_in_place and ROUTED_EXPERTS.search(name):
+            part.tensors.append(replace(t, qtype=IkQuant(plain)))
         else:
-            part.tensors.append(_rewritten(TensorInfo(name, ne, raw_type, data_start + offset, nbytes, index)))
+            part.tensors.append(_rewritten(t))
     for name, ne, qtype, offset, nbytes in raw_infos:
         start = data_start + offset
         if start + nbytes > part.size:
@@ -430,11 +442,16 @@ class GGUFFile:
         if isinstance(t, str):
             t = self.tensor(t)
         stored = np.frombuffer(self._parts[t.part].mm, dtype=np.uint8, count=t.stored_bytes, offset=t.offset)
-        if not t.ik_type:
+        if not t.ik_type and not t.interleaved:
             return stored
         if t.name not in self._rewritten:
             from ferry.kernels.cpu import native  # the rewrite in C where it builds
 
+            if t.interleaved:
+                stored = ik_deinterleave(stored, t.interleaved, t.ne)
+                if not t.ik_type:  # read in place: its rows as the plain type stores them
+                    self._rewritten[t.name] = stored
+                    return stored
             rows = t.n_elements // t.ne[0]
             fast = native.ik_to_q8_0(stored, t.ik_type, rows, t.ne[0])
             self._rewritten[t.name] = fast if fast is not None else ik_to_q8_0(stored, t.ik_type, t.ne)
@@ -443,23 +460,31 @@ class GGUFFile:
     def ik_lines(self) -> list[str]:
         """What happens to this file's tensors of ik_llama.cpp's types, one line per type (for the load and `ferry
         info`): rewritten as Q8_0 (bytes in the file, in RAM) or read in place by ferry's CPU kernel."""
-        lines = [f"{count} tensor{'s' * (count != 1)} in ik_llama.cpp's {name} ({in_file / 2**30:.2f} GiB) run as Q8_0 "
-                 f"({run / 2**30:.2f} GiB of RAM; {IK_NOTE[name]})" for name, (count, in_file, run) in self.ik_stored.items()]
+        lines = []
+        for name in sorted({t.stored_as for t in self.tensors.values() if t.ik_type}):
+            of = [t for t in self.tensors.values() if t.ik_type and t.stored_as == name]
+            note = IK_NOTE[IK_TYPES[of[0].ik_type][0]] + (", its rows de-interleaved" if of[0].interleaved else "")
+            lines.append(f"{len(of)} tensor{'s' * (len(of) != 1)} in ik_llama.cpp's {name} "
+                         f"({sum(t.stored_bytes for t in of) / 2**30:.2f} GiB) run as Q8_0 "
+                         f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB of RAM; {note})")
         in_place = [t for t in self.tensors.values() if isinstance(t.qtype, IkQuant)]
-        for name in sorted({t.qtype.name for t in in_place}):
-            of = [t for t in in_place if t.qtype.name == name]
+        for name in sorted({t.stored_as for t in in_place}):
+            of = [t for t in in_place if t.stored_as == name]
+            how = (f"de-interleaved at load into {of[0].qtype.name}'s rows (as many bytes of RAM) and "
+                   if of[0].interleaved else "")
             lines.append(f"{len(of)} routed-expert tensor{'s' * (len(of) != 1)} in ik_llama.cpp's {name} "
-                         f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB) read in place by ferry's CPU kernel")
+                         f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB) {how}read in place by ferry's CPU kernel")
         return lines
 
     @property
     def ik_stored(self) -> dict[str, tuple[int, int, int]]:
-        """ik_llama.cpp's types this file stores tensors in: name -> (tensor count, bytes in the file, bytes as run)."""
+        """ik_llama.cpp's types this file stores tensors in that are copied into RAM at load (rewritten, or
+        de-interleaved): name -> (tensor count, bytes in the file, bytes as run)."""
         out: dict[str, tuple[int, int, int]] = {}
         for t in self.tensors.values():
-            if t.ik_type:
+            if t.ik_type or t.interleaved:
                 n, stored, run = out.get(t.stored_as, (0, 0, 0))
-                out[t.stored_as] = (n + 1, stored + t.file_bytes, run + t.nbytes)
+                out[t.stored_as] = (n + 1, stored + t.stored_bytes, run + t.nbytes)
         return out
 
     @property

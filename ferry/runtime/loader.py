@@ -253,8 +253,8 @@ def _check_ik_rewrite(f, quiet: bool) -> None:
     need = sum(run for _, _, run in stored.values())
     available = host_memory()
     if stored and available is not None and need > available:
-        raise FerryError(f"{f.path.name}: its tensors in ik_llama.cpp's {' and '.join(stored)} are rewritten as Q8_0 "
-                         f"at load, {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of RAM available; "
+        raise FerryError(f"{f.path.name}: its tensors in ik_llama.cpp's {' and '.join(stored)} are rewritten "
+                         f"(as Q8_0, or de-interleaved) at load, {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of RAM available; "
                          "run this file with ik_llama.cpp, or requantize it to a llama.cpp type")
     if not quiet:
         for line in f.ik_lines():
