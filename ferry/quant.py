@@ -228,15 +228,30 @@ def _ik_k_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np
 
 # ik_llama.cpp's interleaved types (its `--repack` / -rtr layouts) ferry reads, and the type each interleaves: 4 rows
 # at a time, de-interleaved at load (ik_deinterleave) into the plain type's rows
-IK_INTERLEAVED = {344: 144}  # IQ4_KS_R4 -> IQ4_KS
+IK_INTERLEAVED = {344: 144, 339: 139}  # IQ4_KS_R4 -> IQ4_KS, IQ4_K_R4 -> IQ4_K
+
+
+def _iq4_nibbles(qs: np.ndarray) -> np.ndarray:
+    """The interleaved IQ4 nibbles of one 256-column block of 4 rows (..., 512 bytes: sub-block ib's 64 hold at
+    16 p + 4 k + i, i < 4, row k's plain bytes i and i + 8 (p = 0: their low nibbles, p = 1: their high), i + 4 and
+    i + 12 (p = 2, 3), each pair as one byte's low and high nibble) as each row's plain 128 bytes (..., row k, 128),
+    where byte j of a sub-block's 16 holds values j (low) and 16 + j (high)."""
+    q = qs.reshape(*qs.shape[:-1], 8, 4, 4, 4)  # (..., sub-block, part p, row k, i)
+    p0, p1, p2, p3 = (q[..., p, :, :] for p in range(4))
+    plain = np.stack([(p0 & 15) | (p1 & 15) << 4, (p2 & 15) | (p3 & 15) << 4, (p0 >> 4) | (p1 & 0xF0),
+                      (p2 >> 4) | (p3 & 0xF0)], axis=-2)  # (..., sub-block, row k, byte j // 4, j % 4)
+    return np.moveaxis(plain, -4, -3).reshape(*qs.shape[:-1], 4, 128)
 
 
 def ik_deinterleave(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.ndarray:
-    """An interleaved tensor's bytes (IK_INTERLEAVED) as its plain type's rows, the same values. IQ4_KS_R4 (ik's
-    repack_iq4_ks): per 4 rows their 4 float32 scales, then per 256 columns the 4 rows' 8 scale bytes interleaved
-    (byte 4 ib + k: row k's sub-block ib) and 512 bytes of nibbles: sub-block ib's 64 hold at 16 p + 4 k + i (i < 4)
-    row k's plain bytes i and i + 8 (p = 0: their low nibbles, p = 1: their high), i + 4 and i + 12 (p = 2, 3), each
-    pair as one byte's low and high nibble; plain IQ4_KS's byte j holds values j (low) and 16 + j (high)."""
+    """An interleaved tensor's bytes (IK_INTERLEAVED) as its plain type's rows, the same values (ik's repack_iq4_ks /
+    repack_iq4_k, undone). Per 4 rows, per 256 columns:
+    - IQ4_KS_R4: (after the 4 rows' float32 scales, once) the 4 rows' 8 scale bytes interleaved (byte 4 ib + k: row
+      k's sub-block ib), then 512 bytes of nibbles (_iq4_nibbles);
+    - IQ4_K_R4: the 4 rows' fp16 d; 8 bytes of table-half bits (byte k: row k's first 16 of each sub-block ib at bit
+      ib, byte 4 + k its second 16s); 16 bytes of the scales' high bit pairs and 32 of their low nibbles, the 16 of
+      row k at i = 8 ib + k (first) and i + 4 (second): nibble i / 32 of low byte i % 32, pair i / 16 of high byte
+      i % 16; then the nibbles."""
     _, block, size, meta = IK_TYPES[raw_type]
     rows = int(np.prod(ne[1:], dtype=np.int64))
     if rows % 4:
@@ -244,15 +259,29 @@ def ik_deinterleave(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.n
     nb = ne[0] // block
     g = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows // 4, 4 * (meta + nb * size))
     out = np.empty((rows // 4, 4, meta + nb * size), dtype=np.uint8)
-    out[:, :, :meta] = g[:, :4 * meta].reshape(-1, 4, meta)
+    if meta:
+        out[:, :, :meta] = g[:, :4 * meta].reshape(-1, 4, meta)
     b = g[:, 4 * meta:].reshape(-1, nb, 4 * size)
-    scales = b[..., :32].reshape(-1, nb, 8, 4).transpose(0, 3, 1, 2)  # (group, row k, block, sub-block)
-    qs = b[..., 32:].reshape(-1, nb, 8, 4, 4, 4)  # (group, block, sub-block, part p, row k, i)
-    p0, p1, p2, p3 = (qs[:, :, :, p] for p in range(4))
-    first = [(p0 & 15) | (p1 & 15) << 4, (p2 & 15) | (p3 & 15) << 4, (p0 >> 4) | (p1 & 0xF0), (p2 >> 4) | (p3 & 0xF0)]
-    plain = np.stack(first, axis=-2)  # (group, block, sub-block, row k, byte j // 4, j % 4): bytes j = 0..15
-    plain = plain.transpose(0, 3, 1, 2, 4, 5).reshape(-1, 4, nb, 8 * 16)
-    blocks = np.concatenate([scales, plain], axis=-1)  # (group, row k, block, 8 + 128)
+    if IK_TYPES[raw_type][0] == "IQ4_KS_R4":
+        head = b[..., :32].reshape(-1, nb, 8, 4).transpose(0, 3, 1, 2)  # (group, row k, block, scale byte ib)
+        qs = b[..., 32:]
+    else:
+        d = b[..., :8].reshape(-1, nb, 4, 2)
+        halves = b[..., 8:16].astype(np.int32)
+        ib = np.arange(8)
+        bits = [(halves[..., None, h * 4:h * 4 + 4, None] >> ib) & 1 for h in range(2)]  # (.., 1, row k, ib)
+        extra = ((bits[0] << (2 * ib)) | (bits[1] << (2 * ib + 1))).sum(axis=-1)[..., 0, :]  # (group, block, row k)
+        i1 = 8 * ib[None, :] + np.arange(4)[:, None]  # (row k, ib)
+        sl, sh = b[..., 32:64].astype(np.int32), b[..., 16:32].astype(np.int32)
+        low = [(sl[..., i % 32] >> 4 * (i // 32)) & 15 for i in (i1, i1 + 4)]  # (group, block, row k, ib)
+        high = [(sh[..., i % 16] >> 2 * (i // 16)) & 3 for i in (i1, i1 + 4)]
+        scales_l = low[0] | low[1] << 4
+        pairs = high[0] | high[1] << 2  # ib's 4 high bits
+        scales_h = pairs[..., 0::2] | pairs[..., 1::2] << 4
+        head = np.concatenate([d, np.stack([extra & 0xFF, extra >> 8], axis=-1), scales_h, scales_l],
+                              axis=-1).astype(np.uint8).transpose(0, 2, 1, 3)  # (group, row k, block, 16)
+        qs = b[..., 64:]
+    blocks = np.concatenate([head, np.moveaxis(_iq4_nibbles(qs), -2, 1)], axis=-1)  # (group, row k, block, size)
     out[:, :, meta:] = blocks.reshape(-1, 4, nb * size)
     return out.reshape(-1)
 

@@ -105,7 +105,7 @@ def test_unknown_quant_type(tmp_path):
 
 
 @pytest.mark.parametrize("raw,name", [(158, "IQ1_KT"), (212, "Q4_K_R4"), (155, "IQ4_KT"),
-                                      (339, "IQ4_K_R4")])
+                                      (223, "IQ4_XS_R8")])
 def test_an_ik_llama_cpp_quant_type_is_named_as_such_not_called_corrupt(tmp_path, raw, name):
     """A file ik_llama.cpp's llama-quantize wrote is valid: its type is named, as ik_llama.cpp's, with what to do."""
     path = _valid(tmp_path / "m.gguf", n_tensors=1)

@@ -22,7 +22,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "ik"
 TYPES = ["Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS", "IQ2_KS", "IQ2_KL"] + list(IK_PER_16)
 
 
-@pytest.mark.parametrize("name", TYPES + ["IQ4_KS_R4"])
+@pytest.mark.parametrize("name", TYPES + ["IQ4_KS_R4", "IQ4_K_R4"])
 def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
     f = np.load(FIXTURES / f"{name}.npz")
     raw_type, ne, raw = int(f["raw_type"]), tuple(int(v) for v in f["ne"]), f["raw"]
@@ -61,7 +61,7 @@ def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
     assert raw_type == 134 and ne == (64, 3) and data.nbytes == 3 * (2 + 13)
     with pytest.raises(FerryError, match=r"IQ1_BN \(type 134\), one of ik_llama.cpp's own quant types, which ferry "
                                          r"does not read yet \(of ik's types it reads Q6_0, IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, "
-                                         r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ3_KS, IQ2_KL, IQ4_KS_R4\)"):
+                                         r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ3_KS, IQ2_KL, IQ4_KS_R4, IQ4_K_R4\)"):
         GGUFFile(path)
 
 
