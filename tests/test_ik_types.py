@@ -208,3 +208,15 @@ def test_an_interleaved_tensor_is_its_plain_types_rows_and_needs_whole_groups_of
         assert plain[k, 4 + 8 + 9] == (a >> 4 & 0xF) | (b & 0xF0) and plain[k, 4 + 8 + 1] == (a & 0xF) | (b & 0xF) << 4
     with pytest.raises(FerryError, match="not a multiple of 4"):
         ik_deinterleave(raw[:3 * len(raw) // ne[1]], raw_type, (ne[0], 3))
+
+
+def test_ferry_info_says_how_each_ik_tensor_is_held():
+    """`ferry info` on an interleaved file: its experts' type as stored and as run, and the layout they get at load."""
+    from ferry.tools.info import tensor_groups
+
+    f = GGUFFile(FIXTURES / "qwen3moe-ik-r4.gguf", ik_in_place=frozenset({144}))
+    groups = {g["group"]: g for g in tensor_groups(f, 1, 0, [])}
+    experts = groups["blk.*.ffn_up_exps.weight"]
+    assert experts["type"] == "IQ4_KS_R4 as IQ4_KS" and experts["cpu_layout"] == "de-interleaved"
+    assert groups["output.weight"]["type"] == "Q6_0 as Q8_0" and groups["output.weight"]["cpu_layout"] == "rewritten"
+    assert any("de-interleaved at load into IQ4_KS's rows" in line for line in f.ik_lines())

@@ -15,15 +15,16 @@ from ferry.placement import place
 
 def tensor_groups(f: GGUFFile, n_layer: int, n_gpu_layers: int, overrides, repack: bool = True) -> list[dict]:
     """Tensors grouped by name with the layer number folded out ('blk.*.attn_q.weight'). A CPU tensor's
-    layout is 'repacked' where ggml has an interleaved layout for it (-rtr, the default), else 'mmap'."""
+    layout is 'repacked' where ggml has an interleaved layout for it (-rtr, the default), 'rewritten' or
+    'de-interleaved' where it is stored in one of ik_llama.cpp's types and copied at load, else 'mmap'."""
     groups: dict[tuple, dict] = {}
     for t in f.tensors.values():
         group = re.sub(r"^blk\.\d+\.", "blk.*.", t.name)
         device = place(t.name, n_layer, n_gpu_layers, overrides)
         layout = "" if device != "CPU" else "repacked" if repack and cpu_repack(t.qtype, t.ne) else "mmap"
-        if t.ik_type:
-            layout = "rewritten"
-        kind = t.qtype.name if not t.ik_type else f"{t.stored_as} as {t.qtype.name}"
+        if t.ik_type or t.interleaved:
+            layout = "rewritten" if t.ik_type else "de-interleaved"
+        kind = t.qtype.name if not (t.ik_type or t.interleaved) else f"{t.stored_as} as {t.qtype.name}"
         g = groups.setdefault((group, kind, device), {"group": group, "type": kind, "device": device,
                                                                "cpu_layout": layout, "count": 0, "bytes": 0,
                                                                "shape": list(reversed(t.ne))})
