@@ -220,3 +220,16 @@ def test_ferry_info_says_how_each_ik_tensor_is_held():
     assert experts["type"] == "IQ4_KS_R4 as IQ4_KS" and experts["cpu_layout"] == "de-interleaved"
     assert groups["output.weight"]["type"] == "Q6_0 as Q8_0" and groups["output.weight"]["cpu_layout"] == "rewritten"
     assert any("de-interleaved at load into IQ4_KS's rows" in line for line in f.ik_lines())
+
+
+def test_a_rewrite_that_does_not_fit_in_ram_is_refused_in_one_line(monkeypatch, capsys):
+    """The Q8_0 rewrites and de-interleaved copies are counted against the RAM available before anything is copied."""
+    import ferry.runtime.loader as loader
+    from ferry.cli import main
+
+    monkeypatch.setattr(loader, "host_memory", lambda: 64 * 1024)
+    code = main(["run", "-m", str(FIXTURES / "qwen3moe-ik-r4.gguf"), "-p", "hi", "-n", "1", "-t", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "Traceback" not in err[0]
+    assert "IQ4_KS_R4" in err[0] and "are rewritten (as Q8_0, or de-interleaved) at load" in err[0]
+    assert "RAM available; run this file with ik_llama.cpp" in err[0]

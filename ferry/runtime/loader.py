@@ -225,7 +225,7 @@ def _n_ctx(model, cfg: RunConfig) -> int:
     return cfg.n_ctx if cfg.n_ctx > 0 else model.args.n_ctx_train
 
 
-def _ik_kept(f, model) -> list[str]:
+def _ik_kept(model) -> list[str]:
     """The routed experts that stay in ik_llama.cpp's types (read in place by ferry's CPU kernel)."""
     from ferry.quant import IkQuant
 
@@ -238,7 +238,7 @@ def _ik_experts_on_gpu(f, model, cfg: RunConfig, all_of: list[str] | None = None
     generation measured): their names, else none. all_of: names that must all be on the GPU instead."""
     if not cfg.wants_gpu:
         return []
-    names = all_of if all_of is not None else _ik_kept(f, model)
+    names = all_of if all_of is not None else _ik_kept(model)
     if not names:
         return []
     devices = device_map(f, model, cfg.n_gpu_layers, cfg.overrides,
@@ -254,8 +254,9 @@ def _check_ik_rewrite(f, quiet: bool) -> None:
     available = host_memory()
     if stored and available is not None and need > available:
         raise FerryError(f"{f.path.name}: its tensors in ik_llama.cpp's {' and '.join(stored)} are rewritten "
-                         f"(as Q8_0, or de-interleaved) at load, {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of RAM available; "
-                         "run this file with ik_llama.cpp, or requantize it to a llama.cpp type")
+                         f"(as Q8_0, or de-interleaved) at load, {need / 2**30:.1f} GiB, more than the "
+                         f"{available / 2**30:.1f} GiB of RAM available; run this file with ik_llama.cpp, or "
+                         "requantize it to a llama.cpp type")
     if not quiet:
         for line in f.ik_lines():
             print(f"ferry: {line}", file=sys.stderr)
