@@ -698,6 +698,12 @@ static inline __attribute__((always_inline)) void tile_iq4_k(const uint8_t *g, c
     }
 }
 
+/* the bytes of a vector holding sub-blocks lo (its low 32 bytes) and hi (its high 32) whose bit in `halves` is set:
+ * where the table's second half applies */
+static inline __mmask64 halves_mask(uint32_t halves, int lo, int hi) {
+    return (halves >> lo & 1 ? 0xffffffffULL : 0) | (halves >> hi & 1 ? ~0xffffffffULL : 0);
+}
+
 /* the 8 IQ3_KS (three = 1) or IQ2_KS rows at g (plain, one after another, each after its fp16 d) against up to 4
  * tokens: vector k of a super-block holds sub-blocks k and 4 + k (the 2-bit indices at bits 2k of its 64 bytes, and
  * for IQ3_KS a third bit from bit k / 4 + k of the 32 bytes after), looked up in the first half of IQ3NL's / IQ2NL's
@@ -750,7 +756,7 @@ static inline __attribute__((always_inline)) void tile_iq_ks_low(const uint8_t *
                     q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, third_at[k]), one),
                                                              2));
                 const __m512i t = _mm512_shuffle_epi8(table, q);
-                const __mmask64 second = (halves >> k & 1 ? 0xffffffffULL : 0) | (halves >> (4 + k) & 1 ? ~0xffffffffULL : 0);
+                const __mmask64 second = halves_mask(halves, k, 4 + k);
                 w[k] = _mm512_mask_add_epi8(t, second, t, shift);
                 sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
             }
@@ -804,8 +810,7 @@ static inline __attribute__((always_inline)) void tile_iq5_ks(const uint8_t *g, 
                         _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, fifth_at[k]), 4), bit4));
                     const __m512i t = _mm512_mask_shuffle_epi8(_mm512_shuffle_epi8(low, q),
                                                                _mm512_test_epi8_mask(q, bit4), high, q);
-                    const __mmask64 second = (halves >> (4 * h + p) & 1 ? 0xffffffffULL : 0)
-                                             | (halves >> (4 * h + 2 + p) & 1 ? ~0xffffffffULL : 0);
+                    const __mmask64 second = halves_mask(halves, 4 * h + p, 4 * h + 2 + p);
                     w[k] = _mm512_mask_add_epi8(t, second, t, two);
                     sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
                 }
