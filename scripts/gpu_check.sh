@@ -21,7 +21,9 @@
 #     ab      the tree in .old (e.g. `git archive COMMIT ferry | tar -x -C .old`, carried) against this one on the big
 #             model, processes in turn (benchmarks/ab_trees.py): experts in RAM (pp512 u-batch 128, tg128) and all on
 #             the GPU (pp4096 u-batch 512, tg128); AB_ROUNDS processes per tree (default 2); AB_ARGS replaces the
-#             experts-in-RAM run's sizes (default "-p 512 -ub 128 -n 128"), AB_GPU=0 leaves out the all-GPU one
+#             experts-in-RAM run's sizes (default "-p 512 -ub 128 -n 128"), AB_PLACE its placement (default
+#             "-ngl 999 -ot exps=CPU"; "--gpu-memory CUDA0=12GiB": the fit), AB_REPS its -r (default 3), AB_GPU=0 leaves
+#             out the all-GPU one
 #   small   a GPU smaller than the model (benchmarks/small_gpu.py): a ballast process leaves SMALL_CAPS GiB (default 12)
 #           on CUDA0; ferry's default fit against its placements by hand and llama.cpp's -fitt fit (with the llama stage);
 #           SMALL_ROUTING=0 leaves out the second default, after counting routing
@@ -142,11 +144,11 @@ if has ab; then
     wait_synth
     wait_build
     python3 benchmarks/ab_trees.py --a .old --b . --rounds "${AB_ROUNDS:-2}" --json "$OUT/ab_hybrid.json" -- \
-        -m "$BIG" -ngl 999 -ot exps=CPU -t 16 ${AB_ARGS:--p 512 -ub 128 -n 128} -r 3 2> "$OUT/ab_hybrid.log" \
+        -m "$BIG" ${AB_PLACE:--ngl 999 -ot exps=CPU} -t 16 ${AB_ARGS:--p 512 -ub 128 -n 128} -r ${AB_REPS:-3} 2> "$OUT/ab_hybrid.log" \
         | tee "$OUT/ab_hybrid.md"
     if [ "${AB_GPU:-1}" = 1 ]; then
         python3 benchmarks/ab_trees.py --a .old --b . --rounds "${AB_ROUNDS:-2}" --json "$OUT/ab_gpu.json" -- \
-            -m "$BIG" -ngl 999 -t 16 -p 4096 -ub 512 -n 128 -r 3 2> "$OUT/ab_gpu.log" | tee "$OUT/ab_gpu.md"
+            -m "$BIG" -ngl 999 -t 16 -p 4096 -ub 512 -n 128 -r ${AB_REPS:-3} 2> "$OUT/ab_gpu.log" | tee "$OUT/ab_gpu.md"
     fi
 fi
 if has cpu; then

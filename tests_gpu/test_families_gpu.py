@@ -4,18 +4,19 @@ each head, sigmoid routing with a correction bias), qwen35moe (gated delta-net l
 gated attention, a gated shared expert) and deepseek32 / glm-dsa (sparse attention, top-k 16 of the 220 positions)
 on the GPU and in the hybrid runtime, against the all-CPU
 result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs. Also
-files as ik_llama.cpp quantized them (IQ4_KS, IQ4_K or IQ2_KS / IQ3_KS experts read in place by the CPU kernel and
-expanded by the GPU's dequantizer; IQ5_KS, IQ4_KSS, IQ3_KS, IQ2_KS, IQ2_KL, Q6_0, IQ2_K, IQ3_K, IQ5_K and IQ6_K rewritten at load as
-Q8_0: tests/fixtures/ik)."""
+files as ik_llama.cpp quantized them (IQ4_KS, IQ4_K, IQ5_KS, IQ3_KS or IQ2_KS experts read in place by the CPU kernel
+and, kept on the GPU in part, by the GPU's kquant.py kernels, all on the GPU rewritten as Q8_0; tensors of IQ4_KSS,
+IQ2_KL, Q6_0, IQ2_K, IQ3_K, IQ5_K, IQ6_K, and those types' non-expert tensors, rewritten at load as Q8_0:
+tests/fixtures/ik)."""
 
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from ferry.cli import main
-from ferry.quant import Q
 from ferry.gguf.file import GGUFFile
 from ferry.models import load_model
 from ferry.backends.cuda import CudaBackend
@@ -78,16 +79,29 @@ def test_experts_in_ram_match_the_cpu(family, policy):
     _check(want, _run(Engine(model, backend, n_ctx=256, n_ubatch=64), tokens), f"{name} -ot exps=CPU {policy}")
 
 
-def test_ik_experts_all_on_the_gpu_are_rewritten_for_its_kernels(ik_family):
-    """A run with every routed expert on the GPU (-ngl 999) rewrites experts kept in ik_llama.cpp's types as Q8_0,
-    which the GPU's GEMVs and grouped GEMM read in place (the GPU only expands IQ4_KS / IQ4_K, every step); with them
-    in RAM (-ot exps=CPU) they stay in place for the CPU kernel. Both against the CPU."""
+def test_ik_experts_on_the_gpu_are_rewritten_whole_and_read_in_place_in_part(ik_family):
+    """A run with every routed expert on the GPU (-ngl 999) rewrites the experts kept in ik_llama.cpp's types as Q8_0
+    (faster there: the loader's _ik_experts_on_gpu); some of each layer's experts kept on the GPU (--gpu-experts, as
+    the fit keeps them on a small GPU) stay in their types, read in place by kquant.py's kernels, the rest on the CPU
+    kernel or streamed. All against the CPU."""
+    from ferry.placement import format_gpu_experts
     from ferry.quant import IkQuant
 
     name, path, tokens, want = ik_family
     backend, model = place(path, 8, n_gpu_layers=999, n_ctx=256)
     experts = [w for w in model.weights() if "_exps" in w.name]
-    assert experts and all(w.qtype == Q.Q8_0 for w in experts)
+    assert experts and all(w.qtype == GGMLQuantizationType.Q8_0 for w in experts)
     _check(want, _run(Engine(model, backend, n_ctx=256, n_ubatch=64), tokens), f"{name} GPU, experts rewritten")
-    _, model = place(path, 8, n_gpu_layers=999, override_tensor=["exps=CPU"], n_ctx=256)
-    assert all(isinstance(w.qtype, IkQuant) for w in model.weights() if "_exps" in w.name)
+    n_layer, n_expert = model.args.n_layer, model.args.n_expert
+    spec = {layer: tuple(range(layer % 2, n_expert, 2 + layer % 3)) for layer in range(n_layer - 1)}
+    for policy in ("all=off", "all=on"):
+        backend, model = place(path, 8, n_gpu_layers=999, override_tensor=["exps=CPU"], offload_policy=policy,
+                               gpu_experts=format_gpu_experts(spec), n_ctx=256)
+        assert len(backend._resident) == len(spec)
+        assert any(isinstance(w.qtype, IkQuant) for w in model.weights() if "_exps" in w.name)
+        try:
+            for ubatch in (64, 5):
+                _check(want, _run(Engine(model, backend, n_ctx=256, n_ubatch=ubatch), tokens),
+                       f"{name} --gpu-experts {policy} ub {ubatch}")
+        finally:
+            backend.close()

@@ -12,7 +12,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from ferry.gguf.synth import random_tensor
 from ferry.kernels.activations import GLU
 from ferry.kernels.cuda import attention, gemv, indexer, kquant, layout, moe, norm_rope, route
-from ferry.quant import dequantize as reference
+from ferry.quant import IkQuant, dequantize as reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -166,14 +166,18 @@ def test_kquant_gemv_matches_float64(qtype, n, rows, cols, config):
 
 Q4_K_M, Q5_K_M = (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q6_K)
 # few programs under the interpreter (minutes of one core each otherwise); Qwen3-30B-A3B's expert shape on a GPU
+IK = IkQuant
 KQUANT_MOE = [(Q4_K_M, "silu", (1, 4, 2, 256, 512)), (Q5_K_M, "gelu", (3, 8, 3, 512, 256)),
-              ((Q.Q6_K, Q.Q6_K, Q.Q4_K), "silu", (2, 6, 4, 256, 256)), (Q4_K_M, "swiglu_oai", (2, 4, 2, 256, 256))]
+              ((Q.Q6_K, Q.Q6_K, Q.Q4_K), "silu", (2, 6, 4, 256, 256)), (Q4_K_M, "swiglu_oai", (2, 4, 2, 256, 256)),
+              # ik_llama.cpp's experts as its files mix them (IQ4_KS gate and up with IQ5_KS down, IQ3_KS / IQ2_KS)
+              ((IK.IQ4_KS, IK.IQ4_KS, IK.IQ5_KS), "silu", (2, 6, 3, 256, 512)), ((IK.IQ4_K,) * 3, "gelu", (1, 4, 2, 512, 256)),
+              ((IK.IQ2_KS, IK.IQ2_KS, IK.IQ3_KS), "silu", (3, 4, 2, 256, 256))]
 if DEV == "cuda":
     KQUANT_MOE += [(t, act, (2, 128, 8, 2048, 768)) for t in (Q4_K_M, Q5_K_M) for act in ("silu", "gelu")]
 
 
 @pytest.mark.parametrize("types,act,shape", KQUANT_MOE, ids=lambda v: "-".join(q.name for q in v)
-                         if isinstance(v, tuple) and isinstance(v[0], Q) else str(v))
+                         if isinstance(v, tuple) and isinstance(v[0], (Q, IkQuant)) else str(v))
 def test_kquant_moe_gemv_matches_float64(types, act, shape):
     """A Q4_K_M file's experts (gate and up Q4_K, down Q6_K), a Q5_K_M file's, and others: each pair's expert read
     in place; an id of -1 (an expert kept elsewhere) adds nothing; with gpt-oss's clamped SwiGLU, each expert's
@@ -231,6 +235,7 @@ def test_kquant_reads_whole_blocks_of_its_types_only():
     assert kquant.reads(Q.Q4_K, (2048, 8)) and kquant.reads(Q.Q6_K, (768, 8, 128))
     assert not kquant.reads(Q.MXFP4, (2880, 8, 32))  # read in layout.Split instead
     assert not kquant.reads(Q.Q4_K, (2000, 8)) and not kquant.reads(Q.Q4_0, (2048, 8))
+    assert all(kquant.reads(q, (768, 8, 128)) for q in IkQuant)  # ik_llama.cpp's experts read in place
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -603,10 +608,12 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
 
 KMM = [(Q.Q4_K, Q.Q4_K, (1, 4, 2, 64, 256, 16)), (Q.Q6_K, Q.Q4_K, (37, 8, 3, 96, 512, 16)),
        (Q.Q5_K, Q.Q5_K, (50, 16, 4, 130, 256, 32)), (Q.Q4_K, Q.Q6_K, (129, 6, 2, 64, 768, 64)),
-       (Q.Q6_K, Q.Q6_K, (300, 4, 2, 64, 256, 128))]
+       (Q.Q6_K, Q.Q6_K, (300, 4, 2, 64, 256, 128)), (IK.IQ4_KS, IK.IQ5_KS, (37, 8, 3, 96, 512, 16)),
+       (IK.IQ4_K, IK.IQ4_K, (50, 16, 4, 130, 256, 32)), (IK.IQ3_KS, IK.IQ2_KS, (2, 4, 2, 64, 256, 16)),
+       (IK.IQ2_KS, IK.IQ4_KS, (129, 6, 2, 64, 256, 64))]
 
 
-@pytest.mark.parametrize("qtype,utype,shape", KMM, ids=lambda v: v.name if isinstance(v, Q) else str(v))
+@pytest.mark.parametrize("qtype,utype,shape", KMM, ids=lambda v: v.name if isinstance(v, (Q, IkQuant)) else str(v))
 def test_kquant_grouped_moe_mm_matches_float64(qtype, utype, shape):
     """kquant.kmoe_mm, the grouped GEMM on K-quant experts in their GGUF blocks: every pair's row times its expert's
     matrix through the GPU-built tile schedule (odd token counts, an idle expert); gated with an up projection of
@@ -700,7 +707,8 @@ def test_resident_experts_give_only_their_pairs(qtype, n, n_expert, n_used, n_em
 
 
 HELD = [(Q4_K_M, (1, 8, 4, 256, 512, (1, 6))), (Q4_K_M, (29, 8, 3, 256, 256, (2, 5, 6))),
-        ((Q.IQ4_XS,) * 3, (2, 6, 2, 256, 256, (0, 4))), (Q4_K_M, (1, 4, 2, 256, 256, ()))]
+        ((Q.IQ4_XS,) * 3, (2, 6, 2, 256, 256, (0, 4))), (Q4_K_M, (1, 4, 2, 256, 256, ())),
+        ((IK.IQ4_KS, IK.IQ4_KS, IK.IQ5_KS), (1, 8, 4, 256, 512, (1, 6))), ((IK.IQ4_K,) * 3, (29, 8, 3, 256, 256, (2, 5, 6)))]
 
 
 @pytest.mark.parametrize("types,shape", HELD, ids=str)

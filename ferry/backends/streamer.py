@@ -79,6 +79,10 @@ class Streamer:
         self._released: dict[object, torch.cuda.Event] = {}
         self._last_release: torch.cuda.Event | None = None  # the newest release(): the split slots are free after it
         self._registered: list[int] = []
+        # the registered arrays, alive while their pages are: a copy made at load (de-interleaved, rewritten) freed
+        # while still registered would leave a stale registration where the next allocation lands, and copies from
+        # there fail (cudaErrorInvalidValue)
+        self._kept: list = []
         self.bytes_copied = 0
         # one cudaMemcpyAsync through ctypes costs ~1 us of host time, a torch copy_ ~10: a u-batch that hits 100
         # scattered experts issues 300 copies, and the host issues them while its cores should be computing
@@ -98,6 +102,7 @@ class Streamer:
                 return False, (f"cudaHostRegister failed ({rc}): copies come from pageable memory; "
                                "check `ulimit -l` and free RAM")
             self._registered.append(start)
+        self._kept = [w.data for w in weights]
         total = sum(e - s for s, e in ranges)
         return True, f"{total / 2 ** 30:.2f} GiB of mmap pages registered in {len(ranges)} ranges"
 
@@ -105,6 +110,8 @@ class Streamer:
         cudart = torch.cuda.cudart()
         while self._registered:
             cudart.cudaHostUnregister(self._registered.pop())
+        self._kept = []
+        _clear_last_cuda_error()  # an unlock that failed must not surface as torch's next launch's error
 
     def __del__(self) -> None:
         try:

@@ -173,6 +173,17 @@ def _align(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def _own_pages(a: np.ndarray) -> np.ndarray:
+    """A copy made at load, moved into pages of its own (an anonymous mapping) as flat bytes: the GPU's streamer
+    page-locks the pages a weight lies in, and a heap allocation shares its first and last pages with other objects,
+    which malloc may hand back to the system while they are locked (a later unlock then fails, and torch reports
+    that failure at its next launch)."""
+    buf = mmap.mmap(-1, max(a.nbytes, 1))
+    out = np.frombuffer(buf, dtype=np.uint8, count=a.nbytes)
+    out[:] = a.reshape(-1).view(np.uint8)
+    return out
+
+
 def _rewritten(t: TensorInfo) -> TensorInfo:
     """A tensor stored in one of ik_llama.cpp's types (qtype its raw type or IkQuant, nbytes its bytes in the file) as
     the llama.cpp type it is rewritten into when read (quant.IK_RUN_AS)."""
@@ -450,11 +461,11 @@ class GGUFFile:
             if t.interleaved:
                 stored = ik_deinterleave(stored, t.interleaved, t.ne)
                 if not t.ik_type:  # read in place: its rows as the plain type stores them
-                    self._rewritten[t.name] = stored
-                    return stored
+                    self._rewritten[t.name] = _own_pages(stored)
+                    return self._rewritten[t.name]
             rows = t.n_elements // t.ne[0]
             fast = native.ik_to_q8_0(stored, t.ik_type, rows, t.ne[0])
-            self._rewritten[t.name] = fast if fast is not None else ik_to_q8_0(stored, t.ik_type, t.ne)
+            self._rewritten[t.name] = _own_pages(fast if fast is not None else ik_to_q8_0(stored, t.ik_type, t.ne))
         return self._rewritten[t.name]
 
     def ik_lines(self) -> list[str]:
@@ -473,7 +484,8 @@ class GGUFFile:
             how = (f"de-interleaved at load into {of[0].qtype.name}'s rows (as many bytes of RAM) and "
                    if of[0].interleaved else "")
             lines.append(f"{len(of)} routed-expert tensor{'s' * (len(of) != 1)} in ik_llama.cpp's {name} "
-                         f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB) {how}read in place by ferry's CPU kernel")
+                         f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB) {how}read in place by ferry's CPU kernel "
+                         "(and the GPU's, where it keeps some)")
         return lines
 
     @property

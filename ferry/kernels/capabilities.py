@@ -49,11 +49,11 @@ _TABLE = {
     Q.IQ4_XS: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_NL: Can(gpu_expand=True),
     Q.MXFP4: Can(gpu_gemv=True, gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
-    IkQuant.IQ4_KS: Can(gpu_expand=True, cpu_native="plain"),
-    IkQuant.IQ4_K: Can(gpu_expand=True, cpu_native="plain"),
-    IkQuant.IQ3_KS: Can(gpu_expand=True, cpu_native="plain"),
-    IkQuant.IQ2_KS: Can(gpu_expand=True, cpu_native="plain"),
-    IkQuant.IQ5_KS: Can(gpu_expand=True, cpu_native="plain"),
+    IkQuant.IQ4_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
+    IkQuant.IQ4_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
+    IkQuant.IQ3_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
+    IkQuant.IQ2_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
+    IkQuant.IQ5_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
 }
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block

@@ -4,19 +4,109 @@ they sit on the GPU, no expansion. A block's (256 columns') quants are dotted wi
 per sub-block; Q4_K / Q5_K's minimum is the sub-block's sum of x times its scaled min. Without these a token
 expanded every such weight it read to floats first (a whole layer's experts for the few it routes to). For many
 tokens the routed experts' grouped GEMM (kmoe_mm, moe.moe_mm's on these blocks): each block expanded to f16 in
-registers, no bfloat16 copy of a layer's experts. (MXFP4 is read in layout.Split, as Q4_0.)"""
+registers, no bfloat16 copy of a layer's experts. (MXFP4 is read in layout.Split, as Q4_0.)
+ik_llama.cpp's IQ4_KS, IQ4_K, IQ5_KS, IQ3_KS and IQ2_KS (routed experts kept in place) go through the same kernels:
+a block's two halves decoded through the type's value table (`lut`, dequant._table's), each value its sub-block's
+integer scale times its table entry, the row's (or block's) d applied once; their rows may open with that d."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.constants import GGMLQuantizationType as Q
 
 from ferry.kernels.capabilities import can
-from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min
+from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min, _sizes, _table, _u32_at
 from ferry.kernels.cuda.moe import _glu, _pair_rows, _store_tile, _tile, GLUS, sum_pairs
+from ferry.quant import IkQuant, block_size
 
-KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}  # the types these kernels read
+# the types these kernels read; 3 and up are ik_llama.cpp's (_ikhalf)
+KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2, IkQuant.IQ4_KS: 3, IkQuant.IQ4_K: 4, IkQuant.IQ5_KS: 5,
+         IkQuant.IQ3_KS: 6, IkQuant.IQ2_KS: 7}
+
+
+@triton.jit
+def _kbase(row, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """The byte offset of block b (256 columns) of rows `row` (int64): IQ4_KS / IQ5_KS rows open with a float32 d,
+    IQ3_KS / IQ2_KS rows with an fp16 one, the others have no row metadata."""
+    if KIND == 3 or KIND == 5:
+        return row * (4 + (K // 256) * BLOCK_BYTES) + 4 + b * BLOCK_BYTES
+    elif KIND == 6 or KIND == 7:
+        return row * (2 + (K // 256) * BLOCK_BYTES) + 2 + b * BLOCK_BYTES
+    else:
+        return (row * (K // 256) + b) * BLOCK_BYTES
+
+
+@triton.jit
+def _ikd(w, row, base, K, m, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """An ik type's d for rows `row` (R, 1) int64 at their block's offsets `base`: the row's (IQ4_KS / IQ5_KS float32,
+    IQ3_KS / IQ2_KS fp16) or the block's (IQ4_K's fp16), float32 (R, 1)."""
+    if KIND == 3 or KIND == 5:
+        return _u32_at(w, row * (4 + (K // 256) * BLOCK_BYTES), m).to(tl.float32, bitcast=True)
+    elif KIND == 6 or KIND == 7:
+        return _f16_at(w, row * (2 + (K // 256) * BLOCK_BYTES), m)
+    else:
+        return _f16_at(w, base, m)
+
+
+@triton.jit
+def _spread(v, G: tl.constexpr):
+    """(R, n) values of groups as (R, n G): each repeated over its group's G consecutive places."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (v.shape[0], v.shape[1], G)), (v.shape[0], v.shape[1] * G))
+
+
+@triton.jit
+def _ikhalf(w, base, m, lut, KIND: tl.constexpr, HIGH: tl.constexpr):
+    """Half HIGH (0 or 1) of an ik_llama.cpp block's 256 values (its bytes at base (R, 1), rows masked by m), at
+    _kcols' columns: (R, 128) float32, each value its sub-block's integer scale times its table entry (d apart).
+    - IQ4_KS: 8 scale bytes S (s = (S & 254) - 127, table half S & 1), 128 bytes of nibbles: byte i holds values
+      32 (i // 16) + i % 16 (low) and 16 further (high), sub-block i // 16.
+    - IQ4_K: d, 16 bits of table halves (one a 16), 4 bytes of scale high pairs, 8 of scale low nibbles (s = ls - 32,
+      a scale per 16: the low nibbles' 16 is 2 (i // 16), the high's one further), IQ4_KS's nibbles.
+    - IQ5_KS: IQ4_KS's scale bytes; byte i of the nibbles holds values 64 (i // 32) + i % 32 (sub-block 2 (i // 32))
+      and 32 further (the next), their fifth bits bit (sub-block) of byte 136 + i % 32; a 64-value table.
+    - IQ3_KS / IQ2_KS: 16 bits of `extra` (fifth scale bits, table halves), 4 bytes of scale nibbles (s = ls - 16),
+      64 of 2-bit indices (bits 2 (ib % 4) of byte 32 (ib // 4) + j for value j of sub-block ib), IQ3_KS's 32 of
+      third bits (bit ib of byte j); half HIGH is sub-blocks 4 HIGH .. 4 HIGH + 3 (values 128 HIGH + i)."""
+    i = tl.arange(0, 128)[None, :]
+    if KIND == 3 or KIND == 4:
+        j = tl.arange(0, 8)[None, :]
+        if KIND == 3:
+            q = (tl.load(w + base + 8 + i, mask=m, other=0).to(tl.int32) >> (4 * HIGH)) & 0xF
+            sb = tl.load(w + base + j, mask=m, other=0).to(tl.int32)  # (R, 8)
+            s = (sb & 254) - 127
+            half = sb & 1
+        else:
+            q = (tl.load(w + base + 16 + i, mask=m, other=0).to(tl.int32) >> (4 * HIGH)) & 0xF
+            extra = tl.load(w + base + 2, mask=m, other=0).to(tl.int32) | (
+                tl.load(w + base + 3, mask=m, other=0).to(tl.int32) << 8)
+            low = (tl.load(w + base + 8 + j, mask=m, other=0).to(tl.int32) >> (4 * HIGH)) & 0xF
+            high = (tl.load(w + base + 4 + j // 2, mask=m, other=0).to(tl.int32) >> (4 * (j % 2) + 2 * HIGH)) & 3
+            s = (low | (high << 4)) - 32
+            half = (extra >> (2 * j + HIGH)) & 1
+        return _spread(s.to(tl.float32), 16) * tl.load(lut + q + 16 * _spread(half, 16))
+    elif KIND == 5:
+        byte = tl.load(w + base + 8 + i, mask=m, other=0).to(tl.int32)
+        qh = tl.load(w + base + 136 + i % 32, mask=m, other=0).to(tl.int32)
+        q = ((byte >> (4 * HIGH)) & 0xF) | (((qh >> (2 * (i // 32) + HIGH)) & 1) << 4)
+        sb = tl.load(w + base + 2 * tl.arange(0, 4)[None, :] + HIGH, mask=m, other=0).to(tl.int32)  # (R, 4)
+        return _spread(((sb & 254) - 127).to(tl.float32), 32) * tl.load(lut + q + 32 * _spread(sb & 1, 32))
+    else:
+        c = i % 32
+        q = (tl.load(w + base + 6 + 32 * HIGH + c, mask=m, other=0).to(tl.int32) >> (2 * (i // 32))) & 3
+        extra = tl.load(w + base, mask=m, other=0).to(tl.int32) | (
+            tl.load(w + base + 1, mask=m, other=0).to(tl.int32) << 8)
+        ib = 4 * HIGH + tl.arange(0, 4)[None, :]  # (1, 4): this half's sub-blocks
+        if KIND == 6:
+            q = q | (((tl.load(w + base + 70 + c, mask=m, other=0).to(tl.int32) >> (4 * HIGH + i // 32)) & 1) << 2)
+            nib = (tl.load(w + base + 2 + ib % 4, mask=m, other=0).to(tl.int32) >> (4 * (ib // 4))) & 0xF
+            s = (nib | (((extra >> ib) & 1) << 4)) - 16
+            idx = q + 8 * _spread((extra >> (8 + ib)) & 1, 32)
+        else:
+            nib = (tl.load(w + base + 2 + ib // 2, mask=m, other=0).to(tl.int32) >> (4 * (ib % 2))) & 0xF
+            s = (nib | (((extra >> (8 + ib)) & 1) << 4)) - 16
+            idx = q + 4 * _spread((extra >> ib) & 1, 32)
+        return _spread(s.to(tl.float32), 32) * tl.load(lut + idx)
 
 
 @triton.jit
@@ -68,28 +158,41 @@ def _q6k_scales(w, base, m):
 
 @triton.jit
 def _kcols(KIND: tl.constexpr):
-    """The columns within a block (256) of _kquants' two halves' values: Q4_K / Q5_K's byte i holds in its nibbles
-    values 64 (i // 32) + i % 32 and 32 further; Q6_K's ql byte i values 128 (i // 64) + i % 64 and 64 further."""
+    """The columns within a block (256) of _kquants' (or _ikhalf's) two halves' values: Q4_K / Q5_K's (and IQ5_KS's)
+    byte i holds in its nibbles values 64 (i // 32) + i % 32 and 32 further; Q6_K's ql byte i values
+    128 (i // 64) + i % 64 and 64 further; IQ4_KS / IQ4_K's 32 (i // 16) + i % 16 and 16 further; IQ3_KS / IQ2_KS's
+    halves are the block's first and last 128."""
     i = tl.arange(0, 128)
-    if KIND < 2:
+    if KIND == 0 or KIND == 1 or KIND == 5:
         lo = 64 * (i // 32) + i % 32
         return lo, lo + 32
-    else:
+    elif KIND == 2:
         lo = 128 * (i // 64) + i % 64
         return lo, lo + 64
+    elif KIND == 3 or KIND == 4:
+        lo = 32 * (i // 16) + i % 16
+        return lo, lo + 16
+    else:
+        return i, i + 128
 
 
 @triton.jit
-def _kdot(w, row, rmask, x, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+def _kdot(w, row, rmask, x, b, K, lut, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     """Per row of `row` (BR,): block b (256 columns) of a K-quant matrix's rows (GGUF bytes, K columns a row) dotted
     with x there. It decodes the block inline, not through _kquants / _k45_scales / _q6k_scales as _kblock does: that
     form, compiled on the H100, failed one GEMV test (by its place in the run, Q6_K at 8 rows a program) and ran the
     attention's GEMVs at 39 against 13.5 us (2026-11-26; not understood)."""
-    base = (row.to(tl.int64) * (K // 256) + b)[:, None] * BLOCK_BYTES  # (BR, 1)
+    row2 = row.to(tl.int64)[:, None]
+    base = _kbase(row2, b, K, KIND, BLOCK_BYTES)  # (BR, 1)
     m = rmask[:, None]
     i = tl.arange(0, 128)[None, :]  # a byte of the block's low quants
     c0 = b * 256
-    if KIND < 2:
+    if KIND >= 3:  # ik_llama.cpp's: each half's values scaled per sub-block, d once
+        c_lo, c_hi = _kcols(KIND)
+        dot = tl.sum(_ikhalf(w, base, m, lut, KIND, 0) * tl.load(x + c0 + c_lo)[None, :]
+                     + _ikhalf(w, base, m, lut, KIND, 1) * tl.load(x + c0 + c_hi)[None, :], axis=1)
+        return tl.reshape(_ikd(w, row2, base, K, m, KIND, BLOCK_BYTES), (row.shape[0],)) * dot
+    elif KIND < 2:
         # Q4_K: d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles; Q5_K: 32 bytes of high bits
         # before the nibbles. Byte i: chunk i // 32 of 64 values, its low nibble value (i // 32) * 64 + i % 32 (sub-block
         # 2 * (i // 32)), its high nibble 32 further (sub-block 2 * (i // 32) + 1)
@@ -139,19 +242,19 @@ def _kdot(w, row, rmask, x, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr)
 
 
 @triton.jit
-def _kgemv(w, x, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BR: tl.constexpr):
+def _kgemv(w, x, y, lut, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BR: tl.constexpr):
     """y[t, r] = W[r, :] . x[t, :] for this program's rows; grid (row blocks, tokens)."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     t = tl.program_id(1).to(tl.int64)
     rmask = r < rows
     acc = tl.zeros((BR,), dtype=tl.float32)
     for b in range(0, K // 256):
-        acc += _kdot(w, r, rmask, x + t * K, b, K, KIND, BLOCK_BYTES)
+        acc += _kdot(w, r, rmask, x + t * K, b, K, lut, KIND, BLOCK_BYTES)
     tl.store(y + t * rows + r, acc, mask=rmask)
 
 
 @triton.jit
-def _kmoe_gate_up(gw, uw, gbias, ubias, x, ids, h, rows, K, n_used, GKIND: tl.constexpr, GBYTES: tl.constexpr,
+def _kmoe_gate_up(gw, uw, glut, ulut, gbias, ubias, x, ids, h, rows, K, n_used, GKIND: tl.constexpr, GBYTES: tl.constexpr,
                   UKIND: tl.constexpr, UBYTES: tl.constexpr, ACT: tl.constexpr, BIAS: tl.constexpr,
                   BR: tl.constexpr):
     """Pair p = (token p // n_used, expert ids[p]): h[p, r] = glu(gate_e[r] . x (+ its bias), up_e[r] . x (+ its
@@ -164,8 +267,8 @@ def _kmoe_gate_up(gw, uw, gbias, ubias, x, ids, h, rows, K, n_used, GKIND: tl.co
     g = tl.zeros((BR,), dtype=tl.float32)
     u = tl.zeros((BR,), dtype=tl.float32)
     for b in range(0, K // 256):
-        g += _kdot(gw, row, live, xt, b, K, GKIND, GBYTES)
-        u += _kdot(uw, row, live, xt, b, K, UKIND, UBYTES)
+        g += _kdot(gw, row, live, xt, b, K, glut, GKIND, GBYTES)
+        u += _kdot(uw, row, live, xt, b, K, ulut, UKIND, UBYTES)
     if BIAS:
         g += tl.load(gbias + row, mask=live, other=0.0)
         u += tl.load(ubias + row, mask=live, other=0.0)
@@ -173,7 +276,7 @@ def _kmoe_gate_up(gw, uw, gbias, ubias, x, ids, h, rows, K, n_used, GKIND: tl.co
 
 
 @triton.jit
-def _kmoe_down(dw, dbias, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+def _kmoe_down(dw, dlut, dbias, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                BIAS: tl.constexpr, BR: tl.constexpr):
     """Pair p: y[p, r] = weights[p] * (down_e[r] . h[p] (+ its bias)); an id of -1 gives zeros."""
     r = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -182,19 +285,24 @@ def _kmoe_down(dw, dbias, h, ids, weights, y, rows, K, KIND: tl.constexpr, BLOCK
     row, live = _pair_rows(ids, p, r, rmask, rows)
     acc = tl.zeros((BR,), dtype=tl.float32)
     for b in range(0, K // 256):
-        acc += _kdot(dw, row, live, h + p * K, b, K, KIND, BLOCK_BYTES)
+        acc += _kdot(dw, row, live, h + p * K, b, K, dlut, KIND, BLOCK_BYTES)
     if BIAS:
         acc += tl.load(dbias + row, mask=live, other=0.0)
     tl.store(y + p * rows + r, tl.load(weights + p) * acc, mask=rmask)
 
 
 @triton.jit
-def _kblock(w, wrow, nmask, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BN: tl.constexpr):
+def _kblock(w, wrow, nmask, b, K, lut, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr, BN: tl.constexpr):
     """Block b (256 columns) of the rows wrow (BN, 1) of a K-quant matrix (GGUF bytes, K columns a row) as two (BN, 128)
     f16 halves, the values at _kcols' columns: each its sub-block's scale times its quant (less the scaled min for
     Q4_K / Q5_K), in float32, rounded once. Every byte of the block's quants read once, its scales once."""
-    base = (wrow * (K // 256) + b) * BLOCK_BYTES  # (BN, 1)
+    row = wrow.to(tl.int64)
+    base = _kbase(row, b, K, KIND, BLOCK_BYTES)  # (BN, 1)
     m = nmask[:, None]
+    if KIND >= 3:
+        d = _ikd(w, row, base, K, m, KIND, BLOCK_BYTES)
+        return ((d * _ikhalf(w, base, m, lut, KIND, 0)).to(tl.float16),
+                (d * _ikhalf(w, base, m, lut, KIND, 1)).to(tl.float16))
     lo, hi = _kquants(w, base, m, KIND)
     if KIND < 2:
         sc_e, mn_e, sc_o, mn_o, d, dmin = _k45_scales(w, base, m)
@@ -211,7 +319,7 @@ def _kblock(w, wrow, nmask, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr,
 
 
 @triton.jit
-def _kmoe_mm(x, w, uw, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K, KIND: tl.constexpr,
+def _kmoe_mm(x, w, uw, lut, ulut, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K, KIND: tl.constexpr,
              BLOCK_BYTES: tl.constexpr, UKIND: tl.constexpr, UBYTES: tl.constexpr, GATED: tl.constexpr,
              ACT: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, SCALE: tl.constexpr, BM: tl.constexpr,
              BN: tl.constexpr):
@@ -232,14 +340,14 @@ def _kmoe_mm(x, w, uw, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K
         for b in range(0, K // 256):
             a_lo = tl.load(xr + b * 256 + c_lo[None, :], mask=rmask[:, None], other=0.0)
             a_hi = tl.load(xr + b * 256 + c_hi[None, :], mask=rmask[:, None], other=0.0)
-            w_lo, w_hi = _kblock(w, wrow, nmask, b, K, KIND, BLOCK_BYTES, BN)
+            w_lo, w_hi = _kblock(w, wrow, nmask, b, K, lut, KIND, BLOCK_BYTES, BN)
             acc = tl.dot(a_lo, tl.trans(w_lo), acc)
             acc = tl.dot(a_hi, tl.trans(w_hi), acc)
             if GATED:
                 if UKIND != KIND:  # another layout of the block's values: their own columns of x
                     a_lo = tl.load(xr + b * 256 + u_lo[None, :], mask=rmask[:, None], other=0.0)
                     a_hi = tl.load(xr + b * 256 + u_hi[None, :], mask=rmask[:, None], other=0.0)
-                v_lo, v_hi = _kblock(uw, wrow, nmask, b, K, UKIND, UBYTES, BN)
+                v_lo, v_hi = _kblock(uw, wrow, nmask, b, K, ulut, UKIND, UBYTES, BN)
                 acc_up = tl.dot(a_lo, tl.trans(v_lo), acc_up)
                 acc_up = tl.dot(a_hi, tl.trans(v_hi), acc_up)
         if GATED:
@@ -249,11 +357,17 @@ def _kmoe_mm(x, w, uw, y, tile_expert, tile_row, tile_end, src, dst, scale, N, K
 
 def reads(qtype: Q, ne: tuple[int, ...]) -> bool:
     """Whether these kernels read a tensor of this type and shape (capabilities' gpu_token types, whole blocks)."""
-    return can(qtype).gpu_token and ne[0] % GGML_QUANT_SIZES[qtype][0] == 0
+    return can(qtype).gpu_token and ne[0] % block_size(qtype) == 0
 
 
-def _args(qtype: Q) -> tuple[int, int]:
-    return KINDS[qtype], GGML_QUANT_SIZES[qtype][1]
+def _args(qtype: Q, device) -> tuple[int, int, torch.Tensor | None]:
+    """(kind, bytes a block, the value table of an ik type or None)."""
+    return KINDS[qtype], _sizes(qtype)[1], _table(qtype, device) if isinstance(qtype, IkQuant) else None
+
+
+def _or(table: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    """The value table, or any tensor where the type has none (the kernels do not read it then)."""
+    return table if table is not None else other
 
 
 # One warp a program reads fastest on the H100 (benchmarks/gemv_kernels.py --only kquant; docs/performance.md, "K-quant
@@ -271,9 +385,10 @@ def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, row
     rows_per_program = rows_per_program or (ROWS_BIG if rows >= BIG_ROWS else ROWS)
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
-    kind, size = _args(qtype)
-    _kgemv[(triton.cdiv(rows, rows_per_program), x.shape[0])](raw, x, y, rows, cols, KIND=kind, BLOCK_BYTES=size,
-                                                              BR=rows_per_program, num_warps=warps)
+    kind, size, lut = _args(qtype, raw.device)
+    _kgemv[(triton.cdiv(rows, rows_per_program), x.shape[0])](raw, x, y, _or(lut, x), rows, cols,
+                                                              KIND=kind, BLOCK_BYTES=size, BR=rows_per_program,
+                                                              num_warps=warps)
     return y
 
 
@@ -294,18 +409,19 @@ def kmoe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate, u
     x = x.float().contiguous()
     ids = ids.to(torch.int32).contiguous()
     h = torch.empty(n * n_used, n_ff, dtype=torch.float32, device=x.device)
-    gk, gb = _args(gq)
-    uk, ub = _args(uq)
+    gk, gb, glut = _args(gq, x.device)
+    uk, ub, ulut = _args(uq, x.device)
     gbias, ubias, dbias = (b.float().contiguous() for b in biases) if biases is not None else (x, x, x)
     _kmoe_gate_up[(triton.cdiv(n_ff, rows_per_program), n * n_used)](
-        gw, uw, gbias, ubias, x, ids, h, n_ff, n_embd, n_used, GKIND=gk, GBYTES=gb, UKIND=uk, UBYTES=ub,
+        gw, uw, _or(glut, x), _or(ulut, x), gbias, ubias, x, ids, h, n_ff, n_embd, n_used, GKIND=gk, GBYTES=gb,
+        UKIND=uk, UBYTES=ub,
         ACT=GLUS[act], BIAS=biases is not None, BR=rows_per_program, num_warps=warps)
     y = torch.empty(n * n_used, dne[1], dtype=torch.float32, device=x.device)
     if wait_down is not None:
         torch.cuda.current_stream(x.device).wait_event(wait_down)
-    dk, db = _args(dq)
+    dk, db, dlut = _args(dq, x.device)
     _kmoe_down[(triton.cdiv(dne[1], rows_per_program), n * n_used)](
-        dw, dbias, h, ids, weights.float().contiguous(), y, dne[1], dne[0], KIND=dk, BLOCK_BYTES=db,
+        dw, _or(dlut, x), dbias, h, ids, weights.float().contiguous(), y, dne[1], dne[0], KIND=dk, BLOCK_BYTES=db,
         BIAS=biases is not None, BR=rows_per_program, num_warps=warps)
     if pairs or (n_used == 1 and residual is None):
         return y
@@ -332,11 +448,13 @@ def kmoe_mm(xs: torch.Tensor, w, sched, out_dtype, block: int, up=None, act: str
     pairs = tile_row.new_empty(0) if rows_from is None else rows_from
     y = out if out is not None else torch.empty(xs.shape[0] if rows_from is None else rows_from.shape[0], rows,
                                                 dtype=out_dtype, device=xs.device)
+    kind, size, lut = _args(qtype, xs.device)
     bn, warps, stages = config or KMOE_MM_CONFIGS[block, up is not None]
-    kind, size = _args(qtype)
-    ukind, usize = _args(up[1]) if up is not None else (kind, size)
+    if config is None and lut is not None:  # the table's gathers, pipelined, overflow shared memory (295 of 227 KiB)
+        stages = 1
+    ukind, usize, ulut = _args(up[1], xs.device) if up is not None else (kind, size, lut)
     _kmoe_mm[(tile_expert.numel(), triton.cdiv(rows, bn))](
-        xs, raw, up[0] if up is not None else raw, y, tile_expert, tile_row, tile_end, pairs,
+        xs, raw, up[0] if up is not None else raw, _or(lut, xs), _or(ulut, xs), y, tile_expert, tile_row, tile_end, pairs,
         rows_to if rows_to is not None else pairs, row_scale if row_scale is not None else y, rows, cols, KIND=kind,
         BLOCK_BYTES=size, UKIND=ukind, UBYTES=usize, GATED=up is not None, ACT=GLUS[act], GATHER=rows_from is not None,
         SCATTER=rows_to is not None, SCALE=row_scale is not None, BM=block, BN=bn, num_warps=warps, num_stages=stages)
