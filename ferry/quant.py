@@ -336,8 +336,10 @@ class IkQuant(enum.IntEnum):
     IQ4_K = 139
     IQ4_KS = 144
     IQ2_KS = 145
+    IQ4_KSS = 146
     IQ5_KS = 152
     IQ3_KS = 156
+    IQ2_KL = 157
 
 
 def block_size(qtype) -> int:

@@ -160,13 +160,14 @@ def test_a_layer_keeps_its_experts_in_place_only_where_the_kernel_reads_them_all
 
 @pytest.mark.parametrize("native_kernels", ["1", "0"])
 @pytest.mark.parametrize("model, in_place, from_exact", [("qwen3moe-ik", True, 0.001), ("qwen3moe-ik-k", True, 0.003),
-                                                         ("qwen3moe-ik-low", True, 0.001), ("qwen3moe-ik-r4", True, 0.001)])
+                                                         ("qwen3moe-ik-low", True, 0.001), ("qwen3moe-ik-r4", True, 0.001),
+                                                         ("qwen3moe-ik-kl", True, 0.001)])
 def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels, model, in_place, from_exact, capsys,
                                                                   monkeypatch):
     """A file with a tensor of each type ferry reads (qwen3moe-ik: IQ4_KS experts with an IQ5_KS down, read in place by
     ferry's kernel, or rewritten with FERRY_NATIVE=0; qwen3moe-ik-k: IQ4_K experts, read in place as well, and the other IQn_K types,
     rewritten; qwen3moe-ik-low: IQ2_KS experts with an IQ3_KS down, in place too; qwen3moe-ik-r4: IQ4_KS_R4, ik's
-    interleaved form, de-interleaved at load). ik's
+    interleaved form, de-interleaved at load; qwen3moe-ik-kl: IQ2_KL experts with an IQ4_KSS down, in place). ik's
     llama-perplexity on the first lies 0.21% from its own figure for the file's exact weights (the F32
     dequantization, where ferry and ik agree to every printed digit): its rounding of activations. ferry's lies within
     0.1% of that figure after every chunk, and within 0.5% of ik's; on the IQn_K file, whose attention, embedding and

@@ -54,6 +54,8 @@ _TABLE = {
     IkQuant.IQ3_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
     IkQuant.IQ2_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
     IkQuant.IQ5_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
+    IkQuant.IQ4_KSS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
+    IkQuant.IQ2_KL: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
 }
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block

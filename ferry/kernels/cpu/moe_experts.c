@@ -51,7 +51,7 @@
 
 #define GROUP 8 /* rows interleaved */
 enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39 }; /* ggml's numbers */
-enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ5_KS = 152, IQ3_KS = 156 }; /* ik_llama.cpp's numbers */
+enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ4_KSS = 146, IQ5_KS = 152, IQ3_KS = 156, IQ2_KL = 157 }; /* ik_llama.cpp's numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
@@ -71,6 +71,12 @@ enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ5_KS = 152, IQ3_KS = 156 }; /*
                          * group g: sub-blocks 2g low, 2g + 1 high), 32 of their fifth bits (bit ib of byte j) */
 #define IQ4_KS_BYTES 136 /* one row's super-block: 8 scale bytes, 128 of nibbles indexing IQ4K's tables (the row's
                           * float32 scale before its first) */
+#define IQ4_KSS_BYTES 128 /* one row's super-block (after the row's float32 d): IQ4_KS's folded into 16-bit words, each
+                           * sub-block's 8 holding its scale byte's bits 0-7 in their bit 0 and its 16 nibble bytes
+                           * as x ^ (x >> 1) of the word less that bit */
+#define IQ2_KL_BYTES 86 /* one row's super-block (after the row's fp16 d): 16 bits of the scales' high bit pairs, 4 bytes
+                        * of their low nibbles, 64 of the low 4 bits of 5-bit indices (byte j of group g: sub-blocks 2g
+                        * low, 2g + 1 high), 16 of their fifth bits (bit s of byte j); an index picks 2 values */
 #define MXFP4_BYTES 17 /* one row's block of 32: the E8M0 exponent, 16 bytes of nibbles indexing the FP4 table */
 #define QK_MX 64       /* MXFP4's activation block: two weight blocks, one 512-bit vector of int8 */
 #define MX_OFFSET 12   /* added to MXFP4's table (-12..12) so that its values are unsigned for VNNI */
@@ -114,7 +120,7 @@ int ferry_moe_fast(void) { return FAST; }
 static int block_of(int type) {
     return type == Q4_0 || type == Q8_0 ? QK4_0
          : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == IQ4_KS || type == IQ4_K
-                   || type == IQ3_KS || type == IQ2_KS || type == IQ5_KS ? QK_K
+                   || type == IQ3_KS || type == IQ2_KS || type == IQ5_KS || type == IQ4_KSS || type == IQ2_KL ? QK_K
          : type == MXFP4 ? QK_MX : 0;
 }
 
@@ -129,10 +135,12 @@ static size_t group_bytes(int type, int n) {
          : type == Q8_0 ? (size_t)Q8_0_BYTES * (n / QK4_0)
          : type == Q4_K ? (size_t)Q4_K_BYTES * (n / QK_K)
          : type == MXFP4 ? (size_t)GROUP * MXFP4_BYTES * (n / QK4_0)
-         : type == IQ4_KS || type == IQ5_KS ? (size_t)GROUP * (4 + (size_t)(type == IQ4_KS ? IQ4_KS_BYTES : IQ5_KS_BYTES)
-                                                                  * (n / QK_K))
-         : type == IQ3_KS || type == IQ2_KS ? (size_t)GROUP * (2 + (size_t)(type == IQ3_KS ? IQ3_KS_BYTES : IQ2_KS_BYTES)
-                                                                  * (n / QK_K))
+         : type == IQ4_KS || type == IQ5_KS || type == IQ4_KSS
+               ? (size_t)GROUP * (4 + (size_t)(type == IQ4_KS ? IQ4_KS_BYTES : type == IQ5_KS ? IQ5_KS_BYTES
+                                                                                          : IQ4_KSS_BYTES) * (n / QK_K))
+         : type == IQ3_KS || type == IQ2_KS || type == IQ2_KL
+               ? (size_t)GROUP * (2 + (size_t)(type == IQ3_KS ? IQ3_KS_BYTES : type == IQ2_KS ? IQ2_KS_BYTES
+                                                                                          : IQ2_KL_BYTES) * (n / QK_K))
          : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : type == IQ4_K ? IQ4_K_BYTES
                                                                                                  : IQ4_XS_BYTES) * (n / QK_K);
 }
@@ -224,15 +232,16 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
             for (int i = 0; i < QK_K; i++) a[b].q[type == Q5_K ? q5_k_order(i) : i] = q[i];
         }
     } else {
-        const int iq4 = type == IQ4_XS || type == IQ4_KS || type == IQ4_K; /* the same nibble order */
+        const int iq4 = type == IQ4_XS || type == IQ4_KS || type == IQ4_K || type == IQ4_KSS; /* one nibble order */
         const int low_bits = type == IQ3_KS || type == IQ2_KS || type == IQ5_KS;
+        const int offset = iq4 || low_bits || type == IQ2_KL; /* table values stored + 128; IQ2_KL in column order */
         act_q6_k *a = (act_q6_k *)dst;
         int8_t q[QK_K];
         for (int b = 0; b < n / QK_K; b++) {
             a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
             for (int i = 0; i < QK_K; i++)
                 a[b].q[iq4 ? iq4_xs_order(i) : type == IQ5_KS ? iq5_ks_order(i) : low_bits ? iq_ks_order(i) : i] = q[i];
-            if (iq4 || low_bits) {
+            if (offset) {
                 for (int l = 0; l < QK_K / 4; l++) {
                     const int8_t *ql = a[b].q + 4 * l;
                     a[b].corr[l] = -128 * (ql[0] + ql[1] + ql[2] + ql[3]);
@@ -603,10 +612,11 @@ static inline __attribute__((always_inline)) void tile_iq4_xs(const uint8_t *g, 
 /* the 8 IQ4_KS rows at g (plain, one after another, each after its float32 scale d) against up to 4 tokens: as
  * IQ4_XS, with a sub-block's scale byte S giving its scale (S & 254) - 127 and its table (S & 1: IQ4K's second half,
  * the first plus 4, added to each 128-bit lane's looked-up values; a blend of two tables by a mask made the tile
- * twice as slow, benchmarks/cpu_experts.py): w = d ((S & 254) - 127) table[S & 1][q] */
+ * twice as slow, benchmarks/cpu_experts.py): w = d ((S & 254) - 127) table[S & 1][q]. kss: IQ4_KSS rows, unfolded
+ * into IQ4_KS's scale bytes and nibbles first */
 static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, const uint8_t *const *act, int n,
-                                                               float *const *out, const int T) {
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
+                                                               float *const *out, const int T, const int kss) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), bit0 = _mm512_set1_epi16(1);
     const __m512i first = iq4nl_table();
     __m512i lane_of[2], lane_byte[2]; /* lane_byte[h]: byte 4h + k in every byte of 128-bit lane k */
     for (int h = 0; h < 2; h++) {
@@ -616,8 +626,8 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
                                         0x0101010101010101LL * (4 * h + 1), 0x0101010101010101LL * (4 * h + 1),
                                         0x0101010101010101LL * (4 * h), 0x0101010101010101LL * (4 * h));
     }
-    const int blocks = n / QK_K;
-    const size_t row_bytes = 4 + (size_t)blocks * IQ4_KS_BYTES;
+    const int blocks = n / QK_K, bytes = kss ? IQ4_KSS_BYTES : IQ4_KS_BYTES;
+    const size_t row_bytes = 4 + (size_t)blocks * bytes;
     for (int r = 0; r < GROUP; r++) {
         const uint8_t *row = g + (size_t)r * row_bytes;
         float d;
@@ -625,9 +635,23 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
         row += 4;
         __m512 acc[4];
         for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-        for (int b = 0; b < blocks; b++, row += IQ4_KS_BYTES) {
+        for (int b = 0; b < blocks; b++, row += bytes) {
             for (int line = 0; line < 192; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
-            const __m128i S = _mm_loadl_epi64((const __m128i *)row);
+            __m512i qs[2];
+            __m128i S;
+            if (kss) { /* IQ4_KSS: word k of load h is word k % 8 of sub-block 4h + k / 8, bit 0 its scale byte's bit
+                        * k % 8; the rest x gives IQ4_KS's two nibble bytes as x ^ (x >> 1) */
+                for (int h = 0; h < 2; h++) {
+                    const __m512i v = _mm512_andnot_si512(bit0, _mm512_loadu_si512(row + 64 * h));
+                    qs[h] = _mm512_xor_si512(v, _mm512_srli_epi16(v, 1));
+                }
+                const uint64_t bits = (uint64_t)_mm512_test_epi16_mask(_mm512_loadu_si512(row), bit0)
+                                      | (uint64_t)_mm512_test_epi16_mask(_mm512_loadu_si512(row + 64), bit0) << 32;
+                S = _mm_cvtsi64_si128((long long)bits);
+            } else {
+                for (int h = 0; h < 2; h++) qs[h] = _mm512_loadu_si512(row + 8 + 64 * h);
+                S = _mm_loadl_epi64((const __m128i *)row);
+            }
             const __m512i scales = ks_scales(S);
             /* 4 where a sub-block takes the second table (its values the first's plus 4), spread over its 16 bytes:
              * lane k of load h is sub-block 4h + k */
@@ -635,7 +659,7 @@ static inline __attribute__((always_inline)) void tile_iq4_ks(const uint8_t *g, 
             __m512i w[4], sc[2];
             for (int h = 0; h < 2; h++) {
                 const __m512i shift = _mm512_shuffle_epi8(four, lane_byte[h]);
-                const __m512i v = _mm512_loadu_si512(row + 8 + 64 * h);
+                const __m512i v = qs[h];
                 w[2 * h] = _mm512_add_epi8(_mm512_shuffle_epi8(first, _mm512_and_si512(v, nibble)), shift);
                 w[2 * h + 1] = _mm512_add_epi8(
                     _mm512_shuffle_epi8(first, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble)), shift);
@@ -828,6 +852,69 @@ static inline __attribute__((always_inline)) void tile_iq2_ks(const uint8_t *g, 
                                                                float *const *out, const int T) {
     tile_iq_ks_low(g, act, n, out, T, 0);
 }
+static inline __attribute__((always_inline)) void tile_iq4_ks_plain(const uint8_t *g, const uint8_t *const *act, int n,
+                                                                     float *const *out, const int T) {
+    tile_iq4_ks(g, act, n, out, T, 0);
+}
+static inline __attribute__((always_inline)) void tile_iq4_kss(const uint8_t *g, const uint8_t *const *act, int n,
+                                                                float *const *out, const int T) {
+    tile_iq4_ks(g, act, n, out, T, 1);
+}
+
+/* the 8 IQ2_KL rows at g (plain, one after another, each after its fp16 d) against up to 4 tokens: vector k holds
+ * sub-blocks 2k and 2k + 1 in column order, their 16 five-bit indices each (group k's low and high nibbles, fifth
+ * bits 2k and 2k + 1 of the 16 qh bytes) as 16-bit lanes, each picking its two values (stored + 128) from the 32
+ * pairs' words in one permute; each sub-block's scale is its 6 bits less 32: w = d (ls - 32) pairs[q][column % 2] */
+static inline __attribute__((always_inline)) void tile_iq2_kl(const uint8_t *g, const uint8_t *const *act, int n,
+                                                               float *const *out, const int T) {
+    /* ik's iq2kl pairs, each value + 128 (a word's low byte the pair's first value) */
+    const __m512i pairs = _mm512_xor_si512(_mm512_set_epi16(
+        0x0d2f, (short)0xe92f, 0x2f1c, 0x1c1c, 0x011c, (short)0xe91c, (short)0xc11c, 0x0d0d, 0x010d, (short)0xf60d,
+        (short)0xe90d, (short)0xd80d, 0x1c01, 0x0d01, 0x0101, (short)0xf601, (short)0xe901, 0x2ff6, 0x0df6, 0x01f6,
+        (short)0xc1f6, 0x1ce9, 0x0de9, 0x01e9, (short)0xe9e9, (short)0xd8e9, 0x2fd8, 0x0dd8, (short)0xf6d8,
+        (short)0xc1d8, 0x0dc1, (short)0xe9c1), _mm512_set1_epi16((short)0x8080));
+    const __m256i nibble = _mm256_set1_epi16(0x0f), one = _mm256_set1_epi16(1);
+    /* sub-block s's low 4 scale bits at bit 8 (s % 4) + 4 (s / 4) of the 4 bytes, its high 2 at bit 2 s of the 16 */
+    const __m256i nibble_at = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);
+    const __m256i pair_at = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    __m512i lane_of[4];
+    for (int k = 0; k < 4; k++) lane_of[k] = _mm512_inserti64x4(_mm512_set1_epi32(2 * k), _mm256_set1_epi32(2 * k + 1), 1);
+    const int blocks = n / QK_K;
+    const size_t row_bytes = 2 + (size_t)blocks * IQ2_KL_BYTES;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * row_bytes;
+        uint16_t dh;
+        memcpy(&dh, row, 2);
+        const float d = _cvtsh_ss(dh);
+        row += 2;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += IQ2_KL_BYTES) {
+            for (int line = 0; line < 128; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            uint16_t high;
+            memcpy(&high, row, 2);
+            const __m256i ls = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)load_u32(row + 2)), nibble_at),
+                                 _mm256_set1_epi32(15)),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), pair_at),
+                                                   _mm256_set1_epi32(3)), 4));
+            const __m512i scales = _mm512_castsi256_si512(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)));
+            const __m256i qh = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 70)));
+            __m512i w[4], sc[4];
+            for (int k = 0; k < 4; k++) {
+                const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(row + 6 + 16 * k)));
+                const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, nibble), _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), one), 4));
+                const __m256i hi = _mm256_or_si256(_mm256_srli_epi16(q, 4), _mm256_slli_epi16(
+                    _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k + 1), one), 4));
+                w[k] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), pairs);
+                sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
+            }
+            add_block(acc, act, b, w, sc, 1, d, T);
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
 
 /* the 8 MXFP4 rows at g (plain, one after another) against up to 4 tokens: two blocks (34 bytes) at a time, their
  * 2 x 16 bytes of nibbles each spread over two 128-bit lanes, the second lane's shifted to its high nibbles, so that
@@ -896,7 +983,11 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
         } else if (type == IQ4_XS) {
             K_TILE(tile_iq4_xs)
         } else if (type == IQ4_KS) {
-            K_TILE(tile_iq4_ks)
+            K_TILE(tile_iq4_ks_plain)
+        } else if (type == IQ4_KSS) {
+            K_TILE(tile_iq4_kss)
+        } else if (type == IQ2_KL) {
+            K_TILE(tile_iq2_kl)
         } else if (type == IQ4_K) {
             K_TILE(tile_iq4_k)
         } else if (type == IQ3_KS) {

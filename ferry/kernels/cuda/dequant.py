@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from ferry.quant import IK_TYPES, IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IkQuant
+from ferry.quant import IK_TYPES, IQ2KL_PAIRS, IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IkQuant
 
 _BLOCKS = 64  # quant blocks per program
 
@@ -20,6 +20,12 @@ def _f16_at(src, base, mask):
     lo = tl.load(src + base, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(src + base + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _u16_at(src, base, mask):
+    """The little-endian uint16 at byte offsets `base`, as int32."""
+    return tl.load(src + base, mask=mask, other=0).to(tl.int32) | (tl.load(src + base + 1, mask=mask, other=0).to(tl.int32) << 8)
 
 
 @triton.jit
@@ -86,7 +92,8 @@ def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.cons
 def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                  BLOCKS: tl.constexpr, ROW_META: tl.constexpr):
     """The K-quants (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats) and
-    ik_llama.cpp's IQ4_KS and IQ4_K (`lut`: IQ4K's 32), IQ3_KS and IQ2_KS (IQ3NL's 16, IQ2NL's 8), IQ5_KS (IQ5NL's 64); ROW_META bytes of
+    ik_llama.cpp's IQ4_KS, IQ4_KSS and IQ4_K (`lut`: IQ4K's 32), IQ3_KS and IQ2_KS (IQ3NL's 16, IQ2NL's 8), IQ5_KS
+    (IQ5NL's 64), IQ2_KL (its 32 pairs, 64 values); ROW_META bytes of
     row scale before each row's per_row blocks."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     live = b < n_blocks
@@ -202,6 +209,32 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
             ls = nib | (((extra >> (8 + ib)) & 1) << 4)
             idx = q + 4 * ((extra >> ib) & 1)
         out = d * (ls - 16).to(tl.float32) * tl.load(lut + idx)
+    elif KIND == 13:  # IQ4_KSS: the row's float32 d; IQ4_KS's scale bytes and nibbles folded into 16-bit words: sub-block
+        # ib's 8 words hold its scale byte S's bit k in word k's bit 0, and its 16 nibble bytes as x ^ (x >> 1) of the
+        # words less that bit
+        d = _u32_at(src, row_start, live).to(tl.float32, bitcast=True)[:, None]
+        ib = i // 32
+        w = i % 32
+        word = _u16_at(src, base + 16 * ib + 2 * ((w % 16) // 2), m2)
+        x = word & 0xFFFE
+        byte = ((x ^ (x >> 1)) >> (8 * (w % 2))) & 0xFF
+        sb = tl.zeros_like(word)
+        for k in tl.static_range(8):
+            sb += (_u16_at(src, base + 16 * ib + 2 * k, m2) & 1) << k
+        idx = tl.where(w < 16, byte & 0xF, byte >> 4) + 16 * (sb & 1)
+        out = d * ((sb & 254) - 127).to(tl.float32) * tl.load(lut + idx)
+    elif KIND == 14:  # IQ2_KL: the row's fp16 d; 16 bits of scale high pairs, 4 bytes of scale nibbles, 64 of index
+        # nibbles (byte j of group s / 2: sub-block s's index j, nibble s % 2), 16 of fifth bits (bit s of byte j); index
+        # j of a sub-block gives its values 2j and 2j + 1 (`lut`: the 32 pairs, flat)
+        d = _f16_at(src, row_start, live)[:, None]
+        s = i // 32
+        j = (i % 32) // 2
+        high = _u16_at(src, base, m2)
+        nib = (tl.load(src + base + 2 + s % 4, mask=m2, other=0).to(tl.int32) >> (4 * (s // 4))) & 0xF
+        ls = nib | (((high >> (2 * s)) & 3) << 4)
+        q = (tl.load(src + base + 6 + 16 * (s // 2) + j, mask=m2, other=0).to(tl.int32) >> (4 * (s % 2))) & 0xF
+        q = q | (((tl.load(src + base + 70 + j, mask=m2, other=0).to(tl.int32) >> s) & 1) << 4)
+        out = d * (ls - 32).to(tl.float32) * tl.load(lut + 2 * q + i % 2)
     elif KIND == 2:  # IQ4_XS: d, 16 bits of scale highs, 4 bytes of scale lows, 128 bytes of table indices
         d = _f16_at(src, base1, live)[:, None]
         ib = i // 32
@@ -229,10 +262,11 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
 
 _LEGACY = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 3, Q.Q5_1: 4}
 _LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4, Q.Q5_K: 5, Q.Q2_K: 6, Q.Q3_K: 7,
-              IkQuant.IQ4_KS: 8, IkQuant.IQ4_K: 9, IkQuant.IQ3_KS: 10, IkQuant.IQ2_KS: 11, IkQuant.IQ5_KS: 12}
+              IkQuant.IQ4_KS: 8, IkQuant.IQ4_K: 9, IkQuant.IQ3_KS: 10, IkQuant.IQ2_KS: 11, IkQuant.IQ5_KS: 12,
+              IkQuant.IQ4_KSS: 13, IkQuant.IQ2_KL: 14}
 _E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 _VALUES = {Q.MXFP4: _E2M1_X2, IkQuant.IQ3_KS: IQ3NL_VALUES.tolist(), IkQuant.IQ2_KS: IQ2NL_VALUES.tolist(),
-           IkQuant.IQ5_KS: IQ5NL_VALUES.tolist()}
+           IkQuant.IQ5_KS: IQ5NL_VALUES.tolist(), IkQuant.IQ2_KL: IQ2KL_PAIRS.reshape(-1).tolist()}
 _IQ4 = IQ4K_VALUES.tolist()  # the rest: IQ4K's 32 (IQ4_NL's table is its first half)
 _TABLES: dict[tuple, torch.Tensor] = {}
 SUPPORTED = tuple(_LEGACY) + tuple(_LUT_KINDS)

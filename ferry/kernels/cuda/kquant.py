@@ -16,22 +16,22 @@ import triton.language as tl
 from gguf.constants import GGMLQuantizationType as Q
 
 from ferry.kernels.capabilities import can
-from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min, _sizes, _table, _u32_at
+from ferry.kernels.cuda.dequant import _f16_at, _k4_scale_min, _sizes, _table, _u16_at, _u32_at
 from ferry.kernels.cuda.moe import _glu, _pair_rows, _store_tile, _tile, GLUS, sum_pairs
 from ferry.quant import IkQuant, block_size
 
 # the types these kernels read; 3 and up are ik_llama.cpp's (_ikhalf)
 KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2, IkQuant.IQ4_KS: 3, IkQuant.IQ4_K: 4, IkQuant.IQ5_KS: 5,
-         IkQuant.IQ3_KS: 6, IkQuant.IQ2_KS: 7}
+         IkQuant.IQ3_KS: 6, IkQuant.IQ2_KS: 7, IkQuant.IQ4_KSS: 8, IkQuant.IQ2_KL: 9}
 
 
 @triton.jit
 def _kbase(row, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
-    """The byte offset of block b (256 columns) of rows `row` (int64): IQ4_KS / IQ5_KS rows open with a float32 d,
-    IQ3_KS / IQ2_KS rows with an fp16 one, the others have no row metadata."""
-    if KIND == 3 or KIND == 5:
+    """The byte offset of block b (256 columns) of rows `row` (int64): IQ4_KS / IQ5_KS / IQ4_KSS rows open with a
+    float32 d, IQ3_KS / IQ2_KS / IQ2_KL rows with an fp16 one, the others have no row metadata."""
+    if KIND == 3 or KIND == 5 or KIND == 8:
         return row * (4 + (K // 256) * BLOCK_BYTES) + 4 + b * BLOCK_BYTES
-    elif KIND == 6 or KIND == 7:
+    elif KIND == 6 or KIND == 7 or KIND == 9:
         return row * (2 + (K // 256) * BLOCK_BYTES) + 2 + b * BLOCK_BYTES
     else:
         return (row * (K // 256) + b) * BLOCK_BYTES
@@ -39,11 +39,11 @@ def _kbase(row, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
 
 @triton.jit
 def _ikd(w, row, base, K, m, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
-    """An ik type's d for rows `row` (R, 1) int64 at their block's offsets `base`: the row's (IQ4_KS / IQ5_KS float32,
-    IQ3_KS / IQ2_KS fp16) or the block's (IQ4_K's fp16), float32 (R, 1)."""
-    if KIND == 3 or KIND == 5:
+    """An ik type's d for rows `row` (R, 1) int64 at their block's offsets `base`: the row's (IQ4_KS / IQ5_KS / IQ4_KSS
+    float32, IQ3_KS / IQ2_KS / IQ2_KL fp16) or the block's (IQ4_K's fp16), float32 (R, 1)."""
+    if KIND == 3 or KIND == 5 or KIND == 8:
         return _u32_at(w, row * (4 + (K // 256) * BLOCK_BYTES), m).to(tl.float32, bitcast=True)
-    elif KIND == 6 or KIND == 7:
+    elif KIND == 6 or KIND == 7 or KIND == 9:
         return _f16_at(w, row * (2 + (K // 256) * BLOCK_BYTES), m)
     else:
         return _f16_at(w, base, m)
@@ -67,9 +67,31 @@ def _ikhalf(w, base, m, lut, KIND: tl.constexpr, HIGH: tl.constexpr):
       and 32 further (the next), their fifth bits bit (sub-block) of byte 136 + i % 32; a 64-value table.
     - IQ3_KS / IQ2_KS: 16 bits of `extra` (fifth scale bits, table halves), 4 bytes of scale nibbles (s = ls - 16),
       64 of 2-bit indices (bits 2 (ib % 4) of byte 32 (ib // 4) + j for value j of sub-block ib), IQ3_KS's 32 of
-      third bits (bit ib of byte j); half HIGH is sub-blocks 4 HIGH .. 4 HIGH + 3 (values 128 HIGH + i)."""
+      third bits (bit ib of byte j); half HIGH is sub-blocks 4 HIGH .. 4 HIGH + 3 (values 128 HIGH + i).
+    - IQ4_KSS: IQ4_KS's scale bytes and nibbles folded into 16-bit words (sub-block ib's 8 words: bit 0 of word k its
+      scale byte's bit k, the nibble bytes x ^ (x >> 1) of the words less that bit).
+    - IQ2_KL: 16 bits of scale high pairs, 4 bytes of scale nibbles (s = ls - 32), 64 of index nibbles (byte j of group
+      ib / 2: sub-block ib's index j, nibble ib % 2), 16 of fifth bits (bit ib of byte j); index j of a sub-block picks
+      its values 2j and 2j + 1 from the 32 pairs (`lut` flat); halves as IQ3_KS's."""
     i = tl.arange(0, 128)[None, :]
-    if KIND == 3 or KIND == 4:
+    if KIND == 8:
+        x = _u16_at(w, base + 2 * (i // 2), m) & 0xFFFE
+        q = ((((x ^ (x >> 1)) >> (8 * (i % 2))) & 0xFF) >> (4 * HIGH)) & 0xF
+        j = tl.arange(0, 8)[None, :]
+        sb = tl.zeros_like(j) + tl.zeros_like(base)  # (R, 8)
+        for k in tl.static_range(8):
+            sb += (_u16_at(w, base + 16 * j + 2 * k, m) & 1) << k
+        return _spread(((sb & 254) - 127).to(tl.float32), 16) * tl.load(lut + q + 16 * _spread(sb & 1, 16))
+    elif KIND == 9:
+        ib = 4 * HIGH + i // 32  # (1, 128)
+        c = (i % 32) // 2
+        q = (tl.load(w + base + 6 + 16 * (ib // 2) + c, mask=m, other=0).to(tl.int32) >> (4 * (ib % 2))) & 0xF
+        q = q | (((tl.load(w + base + 70 + c, mask=m, other=0).to(tl.int32) >> ib) & 1) << 4)
+        s4 = 4 * HIGH + tl.arange(0, 4)[None, :]  # (1, 4): this half's sub-blocks
+        nib = (tl.load(w + base + 2 + s4 % 4, mask=m, other=0).to(tl.int32) >> (4 * (s4 // 4))) & 0xF
+        ls = nib | (((_u16_at(w, base, m) >> (2 * s4)) & 3) << 4)
+        return _spread((ls - 32).to(tl.float32), 32) * tl.load(lut + 2 * q + i % 2)
+    elif KIND == 3 or KIND == 4:
         j = tl.arange(0, 8)[None, :]
         if KIND == 3:
             q = (tl.load(w + base + 8 + i, mask=m, other=0).to(tl.int32) >> (4 * HIGH)) & 0xF
@@ -160,8 +182,8 @@ def _q6k_scales(w, base, m):
 def _kcols(KIND: tl.constexpr):
     """The columns within a block (256) of _kquants' (or _ikhalf's) two halves' values: Q4_K / Q5_K's (and IQ5_KS's)
     byte i holds in its nibbles values 64 (i // 32) + i % 32 and 32 further; Q6_K's ql byte i values
-    128 (i // 64) + i % 64 and 64 further; IQ4_KS / IQ4_K's 32 (i // 16) + i % 16 and 16 further; IQ3_KS / IQ2_KS's
-    halves are the block's first and last 128."""
+    128 (i // 64) + i % 64 and 64 further; IQ4_KS / IQ4_K / IQ4_KSS's 32 (i // 16) + i % 16 and 16 further;
+    IQ3_KS / IQ2_KS / IQ2_KL's halves are the block's first and last 128."""
     i = tl.arange(0, 128)
     if KIND == 0 or KIND == 1 or KIND == 5:
         lo = 64 * (i // 32) + i % 32
@@ -169,7 +191,7 @@ def _kcols(KIND: tl.constexpr):
     elif KIND == 2:
         lo = 128 * (i // 64) + i % 64
         return lo, lo + 64
-    elif KIND == 3 or KIND == 4:
+    elif KIND == 3 or KIND == 4 or KIND == 8:
         lo = 32 * (i // 16) + i % 16
         return lo, lo + 16
     else:
