@@ -228,7 +228,8 @@ def _ik_k_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np
 
 # ik_llama.cpp's interleaved types (its `--repack` / -rtr layouts) ferry reads, and the type each interleaves: 4 rows
 # at a time, de-interleaved at load (ik_deinterleave) into the plain type's rows
-IK_INTERLEAVED = {344: 144, 339: 139}  # IQ4_KS_R4 -> IQ4_KS, IQ4_K_R4 -> IQ4_K
+# IQ4_KS_R4 -> IQ4_KS, IQ4_K_R4 -> IQ4_K, IQ5_KS_R4 -> IQ5_KS, IQ2_K_R4 -> IQ2_K, IQ3_K_R4 -> IQ3_K, IQ5_K_R4 -> IQ5_K
+IK_INTERLEAVED = {344: 144, 339: 139, 352: 152, 337: 137, 338: 138, 340: 140}
 
 
 def _iq4_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -251,7 +252,12 @@ def ik_deinterleave(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.n
     - IQ4_K_R4: the 4 rows' fp16 d; 8 bytes of table-half bits (byte k: row k's first 16 of each sub-block ib at bit
       ib, byte 4 + k its second 16s); 16 bytes of the scales' high bit pairs and 32 of their low nibbles, the 16 of
       row k at i = 8 ib + k (first) and i + 4 (second): nibble i / 32 of low byte i % 32, pair i / 16 of high byte
-      i % 16; then the nibbles."""
+      i % 16; then the nibbles.
+    The others: gguf/interleaved.py."""
+    if raw_type not in (344, 339):
+        from ferry.gguf.interleaved import DEINTERLEAVE
+
+        return DEINTERLEAVE[raw_type][1](raw, ne)
     _, block, size, meta = IK_TYPES[raw_type]
     rows = int(np.prod(ne[1:], dtype=np.int64))
     if rows % 4:
@@ -333,6 +339,8 @@ class IkQuant(enum.IntEnum):
     """ik_llama.cpp's types that ferry's kernels read in place (routed experts, where ferry's CPU kernels run): a
     Weight's qtype beside gguf-py's GGMLQuantizationType (none of these ids is one of its)."""
 
+    IQ2_K = 137
+    IQ3_K = 138
     IQ4_K = 139
     IQ4_KS = 144
     IQ2_KS = 145

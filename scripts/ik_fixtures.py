@@ -59,8 +59,12 @@ MODELS = {"qwen3moe-ik": ("IQ4_KS", "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,a
                                      "token_embd=iq5_k"),
           "qwen3moe-ik-low": ("IQ2_KS", "ffn_down_exps=iq3_ks,output=q6_0,token_embd=q6_0"),
           "qwen3moe-ik-r4": ("IQ4_KS_R4", "output=q6_0,token_embd=q6_0"),
-          "qwen3moe-ik-kl": ("IQ2_KL", "ffn_down_exps=iq4_kss,output=q6_0,token_embd=q6_0")}
-TYPES = "Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K,IQ4_KS_R4,IQ4_K_R4"
+          "qwen3moe-ik-kl": ("IQ2_KL", "ffn_down_exps=iq4_kss,output=q6_0,token_embd=q6_0"),
+          "qwen3moe-ik-k2": ("IQ2_K", "ffn_down_exps=iq3_k,output=q6_0,token_embd=q6_0"),
+          "qwen3moe-ik-k2-r4": ("IQ2_K_R4", "ffn_down_exps=iq3_k_r4,attn_q=iq5_ks_r4,attn_output=iq5_k_r4,"
+                                            "output=q6_0,token_embd=q6_0")}
+TYPES = ("Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K,IQ4_KS_R4,IQ4_K_R4,IQ5_KS_R4,"
+         "IQ2_K_R4,IQ3_K_R4,IQ5_K_R4")
 ROWS = 64
 PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]
 

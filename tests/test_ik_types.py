@@ -22,7 +22,10 @@ FIXTURES = Path(__file__).parent / "fixtures" / "ik"
 TYPES = ["Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS", "IQ2_KS", "IQ2_KL"] + list(IK_PER_16)
 
 
-@pytest.mark.parametrize("name", TYPES + ["IQ4_KS_R4", "IQ4_K_R4"])
+INTERLEAVED = ["IQ4_KS_R4", "IQ4_K_R4", "IQ5_KS_R4", "IQ2_K_R4", "IQ3_K_R4", "IQ5_K_R4"]
+
+
+@pytest.mark.parametrize("name", TYPES + INTERLEAVED)
 def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
     f = np.load(FIXTURES / f"{name}.npz")
     raw_type, ne, raw = int(f["raw_type"]), tuple(int(v) for v in f["ne"]), f["raw"]
@@ -61,7 +64,8 @@ def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
     assert raw_type == 134 and ne == (64, 3) and data.nbytes == 3 * (2 + 13)
     with pytest.raises(FerryError, match=r"IQ1_BN \(type 134\), one of ik_llama.cpp's own quant types, which ferry "
                                          r"does not read yet \(of ik's types it reads Q6_0, IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, "
-                                         r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ3_KS, IQ2_KL, IQ4_KS_R4, IQ4_K_R4\)"):
+                                         r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ3_KS, IQ2_KL, IQ4_KS_R4, IQ4_K_R4, IQ5_KS_R4, IQ2_K_R4, "
+                                         r"IQ3_K_R4, IQ5_K_R4\)"):
         GGUFFile(path)
 
 
@@ -161,17 +165,21 @@ def test_a_layer_keeps_its_experts_in_place_only_where_the_kernel_reads_them_all
 @pytest.mark.parametrize("native_kernels", ["1", "0"])
 @pytest.mark.parametrize("model, in_place, from_exact", [("qwen3moe-ik", True, 0.001), ("qwen3moe-ik-k", True, 0.003),
                                                          ("qwen3moe-ik-low", True, 0.001), ("qwen3moe-ik-r4", True, 0.001),
-                                                         ("qwen3moe-ik-kl", True, 0.001)])
+                                                         ("qwen3moe-ik-kl", True, 0.001), ("qwen3moe-ik-k2", True, 0.001),
+                                                         ("qwen3moe-ik-k2-r4", True, 0.0015)])
 def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels, model, in_place, from_exact, capsys,
                                                                   monkeypatch):
     """A file with a tensor of each type ferry reads (qwen3moe-ik: IQ4_KS experts with an IQ5_KS down, read in place by
     ferry's kernel, or rewritten with FERRY_NATIVE=0; qwen3moe-ik-k: IQ4_K experts, read in place as well, and the other IQn_K types,
     rewritten; qwen3moe-ik-low: IQ2_KS experts with an IQ3_KS down, in place too; qwen3moe-ik-r4: IQ4_KS_R4, ik's
-    interleaved form, de-interleaved at load; qwen3moe-ik-kl: IQ2_KL experts with an IQ4_KSS down, in place). ik's
+    interleaved form, de-interleaved at load; qwen3moe-ik-kl: IQ2_KL experts with an IQ4_KSS down, in place;
+    qwen3moe-ik-k2: IQ2_K experts with an IQ3_K down, in place; qwen3moe-ik-k2-r4: the same interleaved as
+    IQ2_K_R4 / IQ3_K_R4, beside IQ5_KS_R4 and IQ5_K_R4 attention, rewritten). ik's
     llama-perplexity on the first lies 0.21% from its own figure for the file's exact weights (the F32
     dequantization, where ferry and ik agree to every printed digit): its rounding of activations. ferry's lies within
     0.1% of that figure after every chunk, and within 0.5% of ik's; on the IQn_K file, whose attention, embedding and
-    output ferry rounds to Q8_0's levels, within 0.3% of it (measured 0.27%; on the F32 file of those weights ferry
+    output ferry rounds to Q8_0's levels, within 0.3% of it (measured 0.27%; the IQ2_K_R4 file's IQ5_K attention,
+    0.15%; on the F32 file of those weights ferry
     gives ik's exact figure). The F16 model lies 0.5-4% away, at least 4 times each bar, so these bars tell the file's
     weights from others."""
     from ferry import config

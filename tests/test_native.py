@@ -63,6 +63,7 @@ def test_the_kernel_is_there_exactly_where_the_cpu_has_avx512_vnni():
 # (Q4_K with Q6_K down: a Q4_K_M file's layers, Q5_K with Q6_K a Q5_K_M file's)
 Q40, Q4K, Q5K, Q6K, IQ4, IKS, IK4 = Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, IkQuant.IQ4_KS, IkQuant.IQ4_K
 I3S, I2S, I5S, I4SS, I2L = IkQuant.IQ3_KS, IkQuant.IQ2_KS, IkQuant.IQ5_KS, IkQuant.IQ4_KSS, IkQuant.IQ2_KL
+I2K, I3K = IkQuant.IQ2_K, IkQuant.IQ3_K
 SHAPES = [(Q40, Q40, 2048, 768, 16, 8), (Q40, Q40, 96, 64, 3, 2), (Q40, Q40, 160, 96, 5, 1), (Q40, Q40, 64, 32, 1, 1),
           (Q40, Q40, 320, 224, 7, 5), (Q40, Q40, 256, 160, 9, 8),
           (Q4K, Q4K, 2048, 768, 16, 8), (Q4K, Q4K, 768, 256, 3, 2), (Q4K, Q4K, 1280, 768, 5, 1),
@@ -79,7 +80,9 @@ SHAPES = [(Q40, Q40, 2048, 768, 16, 8), (Q40, Q40, 96, 64, 3, 2), (Q40, Q40, 160
           (I5S, I5S, 2048, 768, 16, 8), (I5S, I5S, 768, 1280, 3, 2), (I5S, I5S, 256, 256, 1, 1), (IKS, I5S, 1280, 256, 5, 1),
           (I4SS, I4SS, 2048, 768, 16, 8), (I4SS, I4SS, 768, 1280, 3, 2), (I4SS, I4SS, 256, 256, 1, 1),
           (I2L, I2L, 2048, 768, 16, 8), (I2L, I2L, 768, 1280, 3, 2), (I2L, I2L, 256, 256, 1, 1), (I2L, I4SS, 1280, 256, 5, 1),
-          (I2L, I3S, 768, 256, 7, 5)]
+          (I2L, I3S, 768, 256, 7, 5),
+          (I2K, I2K, 2048, 768, 16, 8), (I2K, I2K, 768, 1280, 3, 2), (I2K, I2K, 256, 256, 1, 1), (I2K, I3K, 1280, 256, 5, 1),
+          (I3K, I3K, 2048, 768, 16, 8), (I3K, I3K, 768, 1280, 3, 2), (I3K, Q6K, 256, 256, 1, 1)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used", SHAPES)
@@ -121,7 +124,8 @@ def test_the_kernel_matches_float64_given_its_activation_rounding(up_type, down_
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used",
                          [(Q40, Q40, 2048, 768, 16, 8), (Q4K, Q6K, 1280, 768, 5, 3), (Q40, Q4K, 96, 1280, 9, 8),
                           (IQ4, Q40, 256, 96, 4, 1), (IKS, IKS, 1280, 768, 5, 3), (IK4, IK4, 1280, 768, 5, 3),
-                          (I3S, I2S, 1280, 768, 5, 3), (I5S, I5S, 1280, 768, 5, 3), (I2L, I4SS, 1280, 768, 5, 3)])
+                          (I3S, I2S, 1280, 768, 5, 3), (I5S, I5S, 1280, 768, 5, 3), (I2L, I4SS, 1280, 768, 5, 3),
+                          (I2K, I3K, 1280, 768, 5, 3)])
 def test_one_token_gives_the_same_bits_at_any_thread_count_call_after_call(up_type, down_type, n_embd, n_ff, n_expert,
                                                                            n_used):
     """The threads take bundles of rows from one counter and hand h's chunks and out's rows on through counters: each
@@ -157,7 +161,8 @@ BATCHES = [(Q40, Q40, 2048, 768, 16, 8, 37, 3), (Q40, Q40, 96, 64, 3, 2, 2, 3), 
            (IK4, IK4, 1280, 256, 1, 1, 6, 2), (IK4, Q6K, 256, 768, 9, 4, 30, 3), (Q40, IK4, 96, 512, 5, 2, 11, 2),
            (I3S, I3S, 2048, 768, 16, 8, 13, 3), (I2S, I2S, 1280, 256, 1, 1, 6, 2), (I2S, I3S, 256, 768, 9, 4, 30, 3),
            (Q40, I3S, 96, 512, 5, 2, 11, 2), (I5S, I5S, 2048, 768, 16, 8, 13, 3), (I5S, Q6K, 256, 768, 9, 4, 30, 3),
-           (I4SS, I4SS, 2048, 768, 16, 8, 13, 3), (I2L, I2L, 1280, 256, 1, 1, 6, 2), (I2L, I4SS, 256, 768, 9, 4, 30, 3)]
+           (I4SS, I4SS, 2048, 768, 16, 8, 13, 3), (I2L, I2L, 1280, 256, 1, 1, 6, 2), (I2L, I4SS, 256, 768, 9, 4, 30, 3),
+           (I2K, I3K, 2048, 768, 16, 8, 13, 3), (I3K, I3K, 1280, 256, 1, 1, 6, 2), (I2K, Q6K, 256, 768, 9, 4, 30, 3)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n,threads", BATCHES)

@@ -4,9 +4,10 @@ each head, sigmoid routing with a correction bias), qwen35moe (gated delta-net l
 gated attention, a gated shared expert) and deepseek32 / glm-dsa (sparse attention, top-k 16 of the 220 positions)
 on the GPU and in the hybrid runtime, against the all-CPU
 result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs. Also
-files as ik_llama.cpp quantized them (IQ4_KS, IQ4_K, IQ5_KS, IQ3_KS, IQ2_KS, IQ4_KSS or IQ2_KL experts read in place
+files as ik_llama.cpp quantized them (IQ4_KS, IQ4_K, IQ5_KS, IQ3_KS, IQ2_KS, IQ4_KSS, IQ2_KL, IQ2_K or IQ3_K experts
+(some interleaved as _R4, de-interleaved at load) read in place
 by the CPU kernel and, kept on the GPU in part, by the GPU's kquant.py kernels, all on the GPU rewritten as Q8_0;
-tensors of Q6_0, IQ2_K, IQ3_K, IQ5_K, IQ6_K, and the others' non-expert tensors, rewritten at load as Q8_0:
+tensors of Q6_0, IQ5_K, IQ6_K, and the others' non-expert tensors, rewritten at load as Q8_0:
 tests/fixtures/ik)."""
 
 from pathlib import Path
@@ -27,7 +28,8 @@ N_PROMPT, N_GEN = 200, 20
 
 
 IK_FILES = {"ik-types": "qwen3moe-ik.gguf", "ik-k-types": "qwen3moe-ik-k.gguf", "ik-low-types": "qwen3moe-ik-low.gguf",
-            "ik-r4-types": "qwen3moe-ik-r4.gguf", "ik-kl-types": "qwen3moe-ik-kl.gguf"}
+            "ik-r4-types": "qwen3moe-ik-r4.gguf", "ik-kl-types": "qwen3moe-ik-kl.gguf",
+            "ik-k2-types": "qwen3moe-ik-k2-r4.gguf"}
 
 
 def _family(name, tmp_path_factory):

@@ -172,7 +172,8 @@ KQUANT_MOE = [(Q4_K_M, "silu", (1, 4, 2, 256, 512)), (Q5_K_M, "gelu", (3, 8, 3, 
               # ik_llama.cpp's experts as its files mix them (IQ4_KS gate and up with IQ5_KS down, IQ3_KS / IQ2_KS)
               ((IK.IQ4_KS, IK.IQ4_KS, IK.IQ5_KS), "silu", (2, 6, 3, 256, 512)), ((IK.IQ4_K,) * 3, "gelu", (1, 4, 2, 512, 256)),
               ((IK.IQ2_KS, IK.IQ2_KS, IK.IQ3_KS), "silu", (3, 4, 2, 256, 256)),
-              ((IK.IQ2_KL, IK.IQ2_KL, IK.IQ4_KSS), "silu", (2, 4, 2, 256, 512))]
+              ((IK.IQ2_KL, IK.IQ2_KL, IK.IQ4_KSS), "silu", (2, 4, 2, 256, 512)),
+              ((IK.IQ2_K, IK.IQ2_K, IK.IQ3_K), "gelu", (3, 4, 2, 512, 256))]
 if DEV == "cuda":
     KQUANT_MOE += [(t, act, (2, 128, 8, 2048, 768)) for t in (Q4_K_M, Q5_K_M) for act in ("silu", "gelu")]
 
@@ -230,6 +231,19 @@ def test_mxfp4_moe_gemv_with_biases_matches_float64(shape, config, biased):
     if biased:
         pre = pre + torch.stack([biases[0][live], biases[1][live]]).double()
     assert (pre.abs() > 7).any() and (pre.abs() < 7).any()  # the clamps bite, and not everywhere
+
+
+@pytest.mark.parametrize("qtype", list(IkQuant), ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", [(1, 256), (5, 768)])
+def test_the_dequantizer_expands_ik_types_to_the_reference(qtype, rows, cols):
+    """dequant.py's kinds for ik_llama.cpp's types (the expansion the GPU's prompts fall back to): random blocks (the
+    scales kept sane) against the reference, to float32's rounding. tests_gpu/test_dequant.py covers every type and
+    output dtype on a GPU; this runs under the interpreter too."""
+    from ferry.kernels.cuda.dequant import dequantize
+
+    rng = np.random.default_rng(rows + cols + int(qtype))
+    raw, want = _kquant(rng, qtype, rows, cols)
+    _close(dequantize(raw, qtype, (cols, rows), torch.float32), want, 1e-6)
 
 
 def test_kquant_reads_whole_blocks_of_its_types_only():
@@ -611,7 +625,8 @@ KMM = [(Q.Q4_K, Q.Q4_K, (1, 4, 2, 64, 256, 16)), (Q.Q6_K, Q.Q4_K, (37, 8, 3, 96,
        (Q.Q5_K, Q.Q5_K, (50, 16, 4, 130, 256, 32)), (Q.Q4_K, Q.Q6_K, (129, 6, 2, 64, 768, 64)),
        (Q.Q6_K, Q.Q6_K, (300, 4, 2, 64, 256, 128)), (IK.IQ4_KS, IK.IQ5_KS, (37, 8, 3, 96, 512, 16)),
        (IK.IQ4_K, IK.IQ4_K, (50, 16, 4, 130, 256, 32)), (IK.IQ3_KS, IK.IQ2_KS, (2, 4, 2, 64, 256, 16)),
-       (IK.IQ2_KS, IK.IQ4_KS, (129, 6, 2, 64, 256, 64)), (IK.IQ4_KSS, IK.IQ2_KL, (37, 8, 3, 96, 512, 16))]
+       (IK.IQ2_KS, IK.IQ4_KS, (129, 6, 2, 64, 256, 64)), (IK.IQ4_KSS, IK.IQ2_KL, (37, 8, 3, 96, 512, 16)),
+       (IK.IQ3_K, IK.IQ2_K, (2, 4, 2, 64, 256, 16))]
 
 
 @pytest.mark.parametrize("qtype,utype,shape", KMM, ids=lambda v: v.name if isinstance(v, (Q, IkQuant)) else str(v))

@@ -211,7 +211,8 @@ def _calibration(qtype: GGMLQuantizationType) -> tuple[float, float]:
 # table values: IQ4_KS's, IQ4_KSS's and IQ5_KS's (S & 254) - 127 and IQ4K's / IQ5NL's, IQ4_K's 6 bits less 32 and
 # IQ4K's, IQ3_KS's and IQ2_KS's 5 bits less 16 and IQ3NL's / IQ2NL's, IQ2_KL's 6 bits less 32 and its pairs')
 _IK_UNIT_RMS = {IkQuant.IQ4_KS: 4975.0, IkQuant.IQ4_K: 1244.0, IkQuant.IQ3_KS: 316.0, IkQuant.IQ2_KS: 174.0,
-                IkQuant.IQ5_KS: 4894.0, IkQuant.IQ4_KSS: 4967.0, IkQuant.IQ2_KL: 543.0}
+                IkQuant.IQ5_KS: 4894.0, IkQuant.IQ4_KSS: 4967.0, IkQuant.IQ2_KL: 543.0, IkQuant.IQ2_K: 85.0,
+                IkQuant.IQ3_K: 623.0}
 
 
 def random_tensor(qtype: GGMLQuantizationType, ne: tuple[int, ...], std: float, rng: np.random.Generator) -> np.ndarray:

@@ -56,6 +56,8 @@ _TABLE = {
     IkQuant.IQ5_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
     IkQuant.IQ4_KSS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
     IkQuant.IQ2_KL: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
+    IkQuant.IQ2_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
+    IkQuant.IQ3_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
 }
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block

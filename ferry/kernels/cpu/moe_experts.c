@@ -51,7 +51,8 @@
 
 #define GROUP 8 /* rows interleaved */
 enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39 }; /* ggml's numbers */
-enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ4_KSS = 146, IQ5_KS = 152, IQ3_KS = 156, IQ2_KL = 157 }; /* ik_llama.cpp's numbers */
+enum { IQ2_K = 137, IQ3_K = 138, IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ4_KSS = 146, IQ5_KS = 152, IQ3_KS = 156,
+       IQ2_KL = 157 }; /* ik_llama.cpp's numbers */
 #define QK4_0 32
 #define Q4_0_BYTES 144  /* a group's block: 8 fp16 scales + 8 x 16 bytes of nibbles */
 #define Q8_0_BYTES 272  /* a group's block: 8 fp16 scales + 8 x 32 bytes, each XOR 0x80 (ferry_repack_q8_0) */
@@ -67,6 +68,10 @@ enum { IQ4_K = 139, IQ4_KS = 144, IQ2_KS = 145, IQ4_KSS = 146, IQ5_KS = 152, IQ3
 #define IQ3_KS_BYTES 102 /* one row's super-block (after the row's fp16 d): 16 bits of fifth scale bits (0-7) and table
                          * halves (8-15), 4 bytes of scale nibbles, 64 of 2-bit indices, 32 of their third bits */
 #define IQ2_KS_BYTES 70 /* as IQ3_KS without the third bits, the 16 bits' halves swapped (table halves 0-7) */
+#define IQ2_K_BYTES 76 /* one row's super-block: fp16 d, 16 bits of table halves (one a 16), 8 scale bytes (a nibble a 16,
+                       * less 8), IQ2_KS's 64 bytes of 2-bit indices */
+#define IQ3_K_BYTES 110 /* one row's super-block: fp16 d, 16 bits of table halves, 16 of scale signs, 8 scale bytes (a
+                        * nibble n a 16: 2n + 1), IQ3_KS's 64 bytes of 2-bit indices and 32 of third bits */
 #define IQ5_KS_BYTES 168 /* one row's super-block (after the row's float32 d): 8 scale bytes, 128 of nibbles (byte j of
                          * group g: sub-blocks 2g low, 2g + 1 high), 32 of their fifth bits (bit ib of byte j) */
 #define IQ4_KS_BYTES 136 /* one row's super-block: 8 scale bytes, 128 of nibbles indexing IQ4K's tables (the row's
@@ -120,7 +125,8 @@ int ferry_moe_fast(void) { return FAST; }
 static int block_of(int type) {
     return type == Q4_0 || type == Q8_0 ? QK4_0
          : type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS || type == IQ4_KS || type == IQ4_K
-                   || type == IQ3_KS || type == IQ2_KS || type == IQ5_KS || type == IQ4_KSS || type == IQ2_KL ? QK_K
+                   || type == IQ3_KS || type == IQ2_KS || type == IQ5_KS || type == IQ4_KSS || type == IQ2_KL
+                   || type == IQ2_K || type == IQ3_K ? QK_K
          : type == MXFP4 ? QK_MX : 0;
 }
 
@@ -142,7 +148,7 @@ static size_t group_bytes(int type, int n) {
                ? (size_t)GROUP * (2 + (size_t)(type == IQ3_KS ? IQ3_KS_BYTES : type == IQ2_KS ? IQ2_KS_BYTES
                                                                                           : IQ2_KL_BYTES) * (n / QK_K))
          : (size_t)GROUP * (type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : type == IQ4_K ? IQ4_K_BYTES
-                                                                                                 : IQ4_XS_BYTES) * (n / QK_K);
+                            : type == IQ2_K ? IQ2_K_BYTES : type == IQ3_K ? IQ3_K_BYTES : IQ4_XS_BYTES) * (n / QK_K);
 }
 
 static float scale_of(const float *v, int n) {
@@ -233,7 +239,7 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
         }
     } else {
         const int iq4 = type == IQ4_XS || type == IQ4_KS || type == IQ4_K || type == IQ4_KSS; /* one nibble order */
-        const int low_bits = type == IQ3_KS || type == IQ2_KS || type == IQ5_KS;
+        const int low_bits = type == IQ3_KS || type == IQ2_KS || type == IQ5_KS || type == IQ3_K || type == IQ2_K;
         const int offset = iq4 || low_bits || type == IQ2_KL; /* table values stored + 128; IQ2_KL in column order */
         act_q6_k *a = (act_q6_k *)dst;
         int8_t q[QK_K];
@@ -844,6 +850,76 @@ static inline __attribute__((always_inline)) void tile_iq5_ks(const uint8_t *g, 
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
     }
 }
+/* the 8 IQ3_K (three = 1) or IQ2_K rows at g (plain, one after another) against up to 4 tokens: IQ3_KS's / IQ2_KS's
+ * vectors (vector k: sub-blocks k and 4 + k) with a scale and a table half per 16 (each 16 bytes of a vector: the
+ * 16s 2k, 2k + 1, 8 + 2k, 9 + 2k): IQ2_K's scale a nibble less 8, IQ3_K's 2 n + 1 under a sign bit; the block's fp16
+ * d: w = d s_16 table[extra_16][q] */
+static inline __attribute__((always_inline)) void tile_iq_k_low(const uint8_t *g, const uint8_t *const *act, int n,
+                                                                 float *const *out, const int T, const int three) {
+    const __m512i pair = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    const __m512i table = three ? _mm512_broadcast_i32x4(_mm_setr_epi8(65, 88, 105, 118, (char)129, (char)141,
+                                                                       (char)156, (char)175, 0, 0, 0, 0, 0, 0, 0, 0))
+                                : _mm512_broadcast_i32x4(_mm_setr_epi8(97, 115, (char)129, (char)145, 0, 0, 0, 0, 0, 0,
+                                                                       0, 0, 0, 0, 0, 0));
+    const __m512i shift = _mm512_set1_epi8(three ? 4 : 5);
+    __m512i lane_of[4], third_at[4]; /* vector k's lanes: the 16s 2k (0-3), 2k + 1 (4-7), 8 + 2k (8-11), 9 + 2k */
+    for (int k = 0; k < 4; k++) {
+        lane_of[k] = _mm512_set_epi32(9 + 2 * k, 9 + 2 * k, 9 + 2 * k, 9 + 2 * k, 8 + 2 * k, 8 + 2 * k, 8 + 2 * k,
+                                      8 + 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k);
+        third_at[k] = _mm512_inserti64x4(_mm512_set1_epi16((short)k), _mm256_set1_epi16((short)(4 + k)), 1);
+    }
+    const int blocks = n / QK_K, bytes = three ? IQ3_K_BYTES : IQ2_K_BYTES, at = three ? 6 : 4;
+    for (int r = 0; r < GROUP; r++) {
+        const uint8_t *row = g + (size_t)r * blocks * bytes;
+        __m512 acc[4];
+        for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+        for (int b = 0; b < blocks; b++, row += bytes) {
+            for (int line = 0; line < 128; line += 64) _mm_prefetch((const char *)row + PREFETCH_AHEAD + line, _MM_HINT_T0);
+            uint16_t dh, extra;
+            memcpy(&dh, row, 2);
+            memcpy(&extra, row + 2, 2);
+            /* the 16s' scale nibbles as 32-bit lanes: the 16th l's is bits 4l of the 8 bytes (byte l / 2, nibble l % 2) */
+            const uint64_t sc8 = (uint64_t)load_i64(row + at);
+            const __m512i nib = _mm512_cvtepu8_epi32(_mm_set_epi64x((long long)_pdep_u64(sc8 >> 32, 0x0f0f0f0f0f0f0f0fULL),
+                                                                    (long long)_pdep_u64(sc8, 0x0f0f0f0f0f0f0f0fULL)));
+            __m512i scales;
+            if (three) {
+                uint16_t sign;
+                memcpy(&sign, row + 4, 2);
+                const __m512i odd = _mm512_add_epi32(_mm512_slli_epi32(nib, 1), _mm512_set1_epi32(1));
+                scales = _mm512_mask_sub_epi32(odd, (__mmask16)sign, _mm512_setzero_si512(), odd);
+            } else {
+                scales = _mm512_sub_epi32(nib, _mm512_set1_epi32(8));
+            }
+            const __m512i v = _mm512_loadu_si512(row + at + 8);
+            __m512i qh = _mm512_setzero_si512();
+            if (three) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 78)));
+            __m512i w[4], sc[4];
+            for (int k = 0; k < 4; k++) {
+                __m512i q = _mm512_and_si512(_mm512_srli_epi16(v, 2 * k), pair);
+                if (three)
+                    q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, third_at[k]), one),
+                                                             2));
+                const __m512i t = _mm512_shuffle_epi8(table, q);
+                /* extra's bits 2k, 2k + 1, 8 + 2k, 9 + 2k, each to 16 bytes */
+                const uint64_t bits = (extra >> (2 * k) & 3) | (extra >> (8 + 2 * k) & 3) << 2;
+                const __mmask64 second = _pdep_u64(bits, 0x0001000100010001ULL) * 0xffff;
+                w[k] = _mm512_mask_add_epi8(t, second, t, shift);
+                sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
+            }
+            add_block(acc, act, b, w, sc, 1, _cvtsh_ss(dh), T);
+        }
+        for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+static inline __attribute__((always_inline)) void tile_iq3_k(const uint8_t *g, const uint8_t *const *act, int n,
+                                                              float *const *out, const int T) {
+    tile_iq_k_low(g, act, n, out, T, 1);
+}
+static inline __attribute__((always_inline)) void tile_iq2_k(const uint8_t *g, const uint8_t *const *act, int n,
+                                                              float *const *out, const int T) {
+    tile_iq_k_low(g, act, n, out, T, 0);
+}
 static inline __attribute__((always_inline)) void tile_iq3_ks(const uint8_t *g, const uint8_t *const *act, int n,
                                                                float *const *out, const int T) {
     tile_iq_ks_low(g, act, n, out, T, 1);
@@ -988,6 +1064,10 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
             K_TILE(tile_iq4_kss)
         } else if (type == IQ2_KL) {
             K_TILE(tile_iq2_kl)
+        } else if (type == IQ2_K) {
+            K_TILE(tile_iq2_k)
+        } else if (type == IQ3_K) {
+            K_TILE(tile_iq3_k)
         } else if (type == IQ4_K) {
             K_TILE(tile_iq4_k)
         } else if (type == IQ3_KS) {

@@ -92,8 +92,8 @@ def _dequant_legacy(src, dst, n_blocks, KIND: tl.constexpr, BLOCK_BYTES: tl.cons
 def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                  BLOCKS: tl.constexpr, ROW_META: tl.constexpr):
     """The K-quants (256 values, sub-block scales) and the table types IQ4_XS, IQ4_NL, MXFP4 (`lut`: 16 floats) and
-    ik_llama.cpp's IQ4_KS, IQ4_KSS and IQ4_K (`lut`: IQ4K's 32), IQ3_KS and IQ2_KS (IQ3NL's 16, IQ2NL's 8), IQ5_KS
-    (IQ5NL's 64), IQ2_KL (its 32 pairs, 64 values); ROW_META bytes of
+    ik_llama.cpp's IQ4_KS, IQ4_KSS and IQ4_K (`lut`: IQ4K's 32), IQ3_KS / IQ3_K and IQ2_KS / IQ2_K (IQ3NL's 16, IQ2NL's
+    8), IQ5_KS (IQ5NL's 64), IQ2_KL (its 32 pairs, 64 values); ROW_META bytes of
     row scale before each row's per_row blocks."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     live = b < n_blocks
@@ -235,6 +235,26 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
         q = (tl.load(src + base + 6 + 16 * (s // 2) + j, mask=m2, other=0).to(tl.int32) >> (4 * (s % 2))) & 0xF
         q = q | (((tl.load(src + base + 70 + j, mask=m2, other=0).to(tl.int32) >> s) & 1) << 4)
         out = d * (ls - 32).to(tl.float32) * tl.load(lut + 2 * q + i % 2)
+    elif KIND == 15 or KIND == 16:  # IQ2_K / IQ3_K: d, 16 bits of table halves (one a 16); IQ3_K's 16 scale signs;
+        # 8 scale bytes (a nibble a 16: IQ2_K's less 8, IQ3_K's n to 2n + 1 under its sign); IQ2_KS's / IQ3_KS's 2-bit
+        # indices (and third bits)
+        d = _f16_at(src, base1, live)[:, None]
+        ib = i // 32
+        w = i % 32
+        k = i // 16
+        extra = _u16_at(src, base + 2, m2)
+        at = 4 + 2 * (KIND - 15)  # the scale bytes
+        nib = (tl.load(src + base + at + ib, mask=m2, other=0).to(tl.int32) >> (4 * (k % 2))) & 0xF
+        q = (tl.load(src + base + at + 8 + 32 * (ib // 4) + w, mask=m2, other=0).to(tl.int32) >> (2 * (ib % 4))) & 3
+        if KIND == 16:
+            q = q | (((tl.load(src + base + 78 + w, mask=m2, other=0).to(tl.int32) >> ib) & 1) << 2)
+            sign = (_u16_at(src, base + 4, m2) >> k) & 1
+            sc = (2 * nib + 1) * (1 - 2 * sign)
+            idx = q + 8 * ((extra >> k) & 1)
+        else:
+            sc = nib - 8
+            idx = q + 4 * ((extra >> k) & 1)
+        out = d * sc.to(tl.float32) * tl.load(lut + idx)
     elif KIND == 2:  # IQ4_XS: d, 16 bits of scale highs, 4 bytes of scale lows, 128 bytes of table indices
         d = _f16_at(src, base1, live)[:, None]
         ib = i // 32
@@ -263,10 +283,11 @@ def _dequant_lut(src, dst, lut, n_blocks, per_row, KIND: tl.constexpr, VALUES: t
 _LEGACY = {Q.Q8_0: 0, Q.Q4_0: 1, Q.Q4_1: 2, Q.Q5_0: 3, Q.Q5_1: 4}
 _LUT_KINDS = {Q.Q4_K: 0, Q.Q6_K: 1, Q.IQ4_XS: 2, Q.IQ4_NL: 3, Q.MXFP4: 4, Q.Q5_K: 5, Q.Q2_K: 6, Q.Q3_K: 7,
               IkQuant.IQ4_KS: 8, IkQuant.IQ4_K: 9, IkQuant.IQ3_KS: 10, IkQuant.IQ2_KS: 11, IkQuant.IQ5_KS: 12,
-              IkQuant.IQ4_KSS: 13, IkQuant.IQ2_KL: 14}
+              IkQuant.IQ4_KSS: 13, IkQuant.IQ2_KL: 14, IkQuant.IQ2_K: 15, IkQuant.IQ3_K: 16}
 _E2M1_X2 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
 _VALUES = {Q.MXFP4: _E2M1_X2, IkQuant.IQ3_KS: IQ3NL_VALUES.tolist(), IkQuant.IQ2_KS: IQ2NL_VALUES.tolist(),
-           IkQuant.IQ5_KS: IQ5NL_VALUES.tolist(), IkQuant.IQ2_KL: IQ2KL_PAIRS.reshape(-1).tolist()}
+           IkQuant.IQ5_KS: IQ5NL_VALUES.tolist(), IkQuant.IQ2_KL: IQ2KL_PAIRS.reshape(-1).tolist(),
+           IkQuant.IQ3_K: IQ3NL_VALUES.tolist(), IkQuant.IQ2_K: IQ2NL_VALUES.tolist()}
 _IQ4 = IQ4K_VALUES.tolist()  # the rest: IQ4K's 32 (IQ4_NL's table is its first half)
 _TABLES: dict[tuple, torch.Tensor] = {}
 SUPPORTED = tuple(_LEGACY) + tuple(_LUT_KINDS)

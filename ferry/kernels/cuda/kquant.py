@@ -22,7 +22,8 @@ from ferry.quant import IkQuant, block_size
 
 # the types these kernels read; 3 and up are ik_llama.cpp's (_ikhalf)
 KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2, IkQuant.IQ4_KS: 3, IkQuant.IQ4_K: 4, IkQuant.IQ5_KS: 5,
-         IkQuant.IQ3_KS: 6, IkQuant.IQ2_KS: 7, IkQuant.IQ4_KSS: 8, IkQuant.IQ2_KL: 9}
+         IkQuant.IQ3_KS: 6, IkQuant.IQ2_KS: 7, IkQuant.IQ4_KSS: 8, IkQuant.IQ2_KL: 9, IkQuant.IQ2_K: 10,
+         IkQuant.IQ3_K: 11}
 
 
 @triton.jit
@@ -72,8 +73,28 @@ def _ikhalf(w, base, m, lut, KIND: tl.constexpr, HIGH: tl.constexpr):
       scale byte's bit k, the nibble bytes x ^ (x >> 1) of the words less that bit).
     - IQ2_KL: 16 bits of scale high pairs, 4 bytes of scale nibbles (s = ls - 32), 64 of index nibbles (byte j of group
       ib / 2: sub-block ib's index j, nibble ib % 2), 16 of fifth bits (bit ib of byte j); index j of a sub-block picks
-      its values 2j and 2j + 1 from the 32 pairs (`lut` flat); halves as IQ3_KS's."""
+      its values 2j and 2j + 1 from the 32 pairs (`lut` flat); halves as IQ3_KS's.
+    - IQ2_K / IQ3_K: d, 16 bits of table halves (one a 16), IQ3_K's 16 scale signs, 8 scale bytes (a nibble a 16:
+      IQ2_K's less 8, IQ3_K's n to 2n + 1 under its sign), then IQ2_KS's / IQ3_KS's indices and third bits; halves as
+      IQ3_KS's."""
     i = tl.arange(0, 128)[None, :]
+    if KIND == 10 or KIND == 11:
+        at = 4 + 2 * (KIND - 10)  # the scale bytes
+        c = i % 32
+        q = (tl.load(w + base + at + 8 + 32 * HIGH + c, mask=m, other=0).to(tl.int32) >> (2 * (i // 32))) & 3
+        extra = tl.load(w + base + 2, mask=m, other=0).to(tl.int32) | (
+            tl.load(w + base + 3, mask=m, other=0).to(tl.int32) << 8)
+        g = 8 * HIGH + tl.arange(0, 8)[None, :]  # (1, 8): this half's 16s
+        nib = (tl.load(w + base + at + g // 2, mask=m, other=0).to(tl.int32) >> (4 * (g % 2))) & 0xF
+        if KIND == 11:
+            q = q | (((tl.load(w + base + 78 + c, mask=m, other=0).to(tl.int32) >> (4 * HIGH + i // 32)) & 1) << 2)
+            sign = (_u16_at(w, base + 4, m) >> g) & 1
+            s = (2 * nib + 1) * (1 - 2 * sign)
+            idx = q + 8 * _spread((extra >> g) & 1, 16)
+        else:
+            s = nib - 8
+            idx = q + 4 * _spread((extra >> g) & 1, 16)
+        return _spread(s.to(tl.float32), 16) * tl.load(lut + idx)
     if KIND == 8:
         x = _u16_at(w, base + 2 * (i // 2), m) & 0xFFFE
         q = ((((x ^ (x >> 1)) >> (8 * (i % 2))) & 0xFF) >> (4 * HIGH)) & 0xF
