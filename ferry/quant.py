@@ -99,6 +99,11 @@ def _ik_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np.n
     name = ik_name(raw_type)
     if raw_type not in IK_RUN_AS:
         raise FerryError(f"{name} (type {raw_type}) is an ik_llama.cpp quant type ferry does not read yet")
+    if raw_type in IK_TRELLIS:  # generated values, each 32's scale as ik's kernels compute it (gguf/trellis.py)
+        from ferry.gguf.trellis import kt_parts
+
+        s, q = kt_parts(raw, raw_type, ne)
+        return s.astype(np.float64), q.reshape(q.shape[0], -1, 32)
     _, block, size, meta = IK_TYPES[raw_type]
     rows = int(np.prod(ne[1:], dtype=np.int64))
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
@@ -310,11 +315,16 @@ def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.nda
 # times the sub-block's integer) is rounded to fp16, a relative error of at most 2^-11 per 32 weights. The IQn_K
 # types' 16-value sub-blocks have scales of their own, so a 32's products s t (beyond int8) are rounded to Q8_0's 255
 # levels: exact where they fit, else within 1/254 of the 32's largest weight (and 2^-11 more, the scale's fp16).
+# The trellis types (IQ1_KT..IQ4_KT: gguf/trellis.py) generate int8 values too, each 32 under the row's scale times an
+# integer (and, for IQ2_KT / IQ3_KT, the factor ik's kernels apply): Q8_0 with the scale rounded to fp16 as well.
+IK_TRELLIS = (158, 153, 154, 155)
 IK_RUN_AS = {t: Q.Q8_0 for t, v in IK_TYPES.items() if v[0] in ("Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS",
-                                                                  "IQ2_KS", "IQ2_KL") + IK_PER_16}
+                                                                  "IQ2_KS", "IQ2_KL") + IK_PER_16 or t in IK_TRELLIS}
 IK_NOTE = {IK_TYPES[t][0]: "each 32 values' scale rounded to fp16: 2^-11 of a value, more below fp16's 6.1e-5"
            for t in IK_RUN_AS}
 IK_NOTE["Q6_0"] = "the same values"
+IK_NOTE["IQ2_KT"] += ", the scale times 1.05 as ik's kernels take it"
+IK_NOTE["IQ3_KT"] += ", the scale times 1.01 as ik's kernels take it"
 IK_NOTE.update({name: "each 32 values rounded to 255 levels, within 0.45% of their largest" for name in IK_PER_16})
 # (a scale below fp16's normal range, 2^-14, keeps steps of 2^-24: as in any Q8_0 file)
 

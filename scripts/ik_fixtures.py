@@ -62,9 +62,12 @@ MODELS = {"qwen3moe-ik": ("IQ4_KS", "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,a
           "qwen3moe-ik-kl": ("IQ2_KL", "ffn_down_exps=iq4_kss,output=q6_0,token_embd=q6_0"),
           "qwen3moe-ik-k2": ("IQ2_K", "ffn_down_exps=iq3_k,output=q6_0,token_embd=q6_0"),
           "qwen3moe-ik-k2-r4": ("IQ2_K_R4", "ffn_down_exps=iq3_k_r4,attn_q=iq5_ks_r4,attn_output=iq5_k_r4,"
-                                            "output=q6_0,token_embd=q6_0")}
+                                            "output=q6_0,token_embd=q6_0"),
+          "qwen3moe-ik-kt": ("IQ2_KT", "ffn_down_exps=iq3_kt,attn_q=iq4_kt,attn_k=iq1_kt,output=q6_0,token_embd=q6_0")}
 TYPES = ("Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K,IQ4_KS_R4,IQ4_K_R4,IQ5_KS_R4,"
-         "IQ2_K_R4,IQ3_K_R4,IQ5_K_R4")
+         "IQ2_K_R4,IQ3_K_R4,IQ5_K_R4,IQ1_KT,IQ2_KT,IQ3_KT,IQ4_KT")
+# ik's llama-quantize refuses its lowest-bit types without an importance matrix unless told to go on
+NO_IMATRIX = ["--ignore-imatrix-rules"]
 ROWS = 64
 PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]
 
@@ -85,7 +88,7 @@ def model_fixture(quantize: Path, stem: str, out: Path, tmp: Path) -> None:
     subprocess.run([sys.executable, "-m", "ferry", "synth", "qwen3-moe-tiny", "--layers", "1", "--type", "f16",
                     "--expert-type", "f16", "-o", str(one), "-q"], check=True, cwd=ROOT)
     model = out / f"{stem}.gguf"
-    subprocess.run([str(quantize), "--custom-q", custom_q, str(one), str(model), qtype, "1"], check=True,
+    subprocess.run([str(quantize), *NO_IMATRIX, "--custom-q", custom_q, str(one), str(model), qtype, "1"], check=True,
                    capture_output=True)
     rng = random.Random(1)
     words = ("the a of and to in is was for on that with as by at from it his an were are which be this has or had not "
@@ -118,7 +121,8 @@ def main() -> None:
                         "f16", "-o", str(f16), "-q"], check=True, cwd=ROOT)
         for name in filter(None, a.types.split(",")):
             quantized, back = Path(tmp) / f"{name}.gguf", Path(tmp) / f"{name}-f32.gguf"
-            subprocess.run([str(quantize), str(f16), str(quantized), name, "1"], check=True, capture_output=True)
+            subprocess.run([str(quantize), *NO_IMATRIX, str(f16), str(quantized), name, "1"], check=True,
+                           capture_output=True)
             subprocess.run([str(quantize), "--allow-requantize", str(quantized), str(back), "F32", "1"], check=True,
                            capture_output=True)
             f = GGUFFile(quantized, ik=True)

@@ -19,7 +19,8 @@ from ferry.quant import (IK_PER_16, IK_TYPES, IkQuant, Q, _ik_k_parts, dequantiz
 FIXTURES = Path(__file__).parent / "fixtures" / "ik"
 
 
-TYPES = ["Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS", "IQ2_KS", "IQ2_KL"] + list(IK_PER_16)
+TRELLIS = ["IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT"]
+TYPES = ["Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS", "IQ2_KS", "IQ2_KL"] + list(IK_PER_16) + TRELLIS
 
 
 INTERLEAVED = ["IQ4_KS_R4", "IQ4_K_R4", "IQ5_KS_R4", "IQ2_K_R4", "IQ3_K_R4", "IQ5_K_R4"]
@@ -33,7 +34,16 @@ def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
     theirs = f["ik_values"].astype(np.float64)
     mine = dequantize_ik(raw, raw_type, ne)
     assert mine.shape == theirs.shape == tuple(reversed(ne))
-    if name == "IQ6_K":  # ik's kernels read its table, its reference dequantizer a cubic: within half a step of it
+    if name in TRELLIS:  # ik's F32 conversion is its reference dequantizer's; its kernels (ferry's values) scale
+        # IQ2_KT's rows by 1.05 and IQ3_KT's by 1.01 more (gguf/trellis.py)
+        from ferry.gguf.trellis import DEQUANTIZE, KERNEL_FACTOR
+
+        reference = DEQUANTIZE[raw_type](raw, ne, kernel=False)
+        assert np.abs(reference - theirs).max() <= 2e-7 * np.abs(theirs).max()
+        factor = float(KERNEL_FACTOR[raw_type])
+        assert np.abs(mine - factor * theirs).max() <= 1e-6 * np.abs(theirs).max()
+        assert (factor != 1.0) == (name in ("IQ2_KT", "IQ3_KT"))
+    elif name == "IQ6_K":  # ik's kernels read its table, its reference dequantizer a cubic: within half a step of it
         d, s, _ = _ik_k_parts(raw, raw_type, ne)
         step = np.abs(np.repeat(d, 16, axis=-1) * s).reshape(mine.shape[0], -1, 1)
         off = np.abs(mine - theirs).reshape(mine.shape[0], -1, 16)
@@ -48,8 +58,8 @@ def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
 
 
 def test_a_type_not_yet_dequantized_is_named():
-    with pytest.raises(FerryError, match=r"IQ4_KT \(type 155\) is an ik_llama.cpp quant type ferry does not read"):
-        dequantize_ik(np.zeros(132, np.uint8), 155, (256, 1))
+    with pytest.raises(FerryError, match=r"IQ2_BN \(type 135\) is an ik_llama.cpp quant type ferry does not read"):
+        dequantize_ik(np.zeros(20, np.uint8), 135, (64, 1))
 
 
 def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
@@ -64,8 +74,8 @@ def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
     assert raw_type == 134 and ne == (64, 3) and data.nbytes == 3 * (2 + 13)
     with pytest.raises(FerryError, match=r"IQ1_BN \(type 134\), one of ik_llama.cpp's own quant types, which ferry "
                                          r"does not read yet \(of ik's types it reads Q6_0, IQ2_K, IQ3_K, IQ4_K, IQ5_K, IQ6_K, IQ4_KS, "
-                                         r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ3_KS, IQ2_KL, IQ4_KS_R4, IQ4_K_R4, IQ5_KS_R4, IQ2_K_R4, "
-                                         r"IQ3_K_R4, IQ5_K_R4\)"):
+                                         r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ2_KT, IQ3_KT, IQ4_KT, IQ3_KS, IQ2_KL, IQ1_KT, "
+                                         r"IQ4_KS_R4, IQ4_K_R4, IQ5_KS_R4, IQ2_K_R4, IQ3_K_R4, IQ5_K_R4\)"):
         GGUFFile(path)
 
 
@@ -166,7 +176,7 @@ def test_a_layer_keeps_its_experts_in_place_only_where_the_kernel_reads_them_all
 @pytest.mark.parametrize("model, in_place, from_exact", [("qwen3moe-ik", True, 0.001), ("qwen3moe-ik-k", True, 0.003),
                                                          ("qwen3moe-ik-low", True, 0.001), ("qwen3moe-ik-r4", True, 0.001),
                                                          ("qwen3moe-ik-kl", True, 0.001), ("qwen3moe-ik-k2", True, 0.001),
-                                                         ("qwen3moe-ik-k2-r4", True, 0.0015)])
+                                                         ("qwen3moe-ik-k2-r4", True, 0.0015), ("qwen3moe-ik-kt", False, 0.001)])
 def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels, model, in_place, from_exact, capsys,
                                                                   monkeypatch):
     """A file with a tensor of each type ferry reads (qwen3moe-ik: IQ4_KS experts with an IQ5_KS down, read in place by

@@ -1608,7 +1608,50 @@ static const int8_t iq6nl[64] = {-127, -121, -115, -109, -104, -98, -93, -88, -8
                                  47,   51,   55,   59,   63,   68,  72,  77,  82,  87,  92,  98,  103, 109, 115, 121};
 enum { IK_Q6_0 = 133, IK_IQ2_K = 137, IK_IQ3_K = 138, IK_IQ4_K = 139, IK_IQ5_K = 140, IK_IQ6_K = 141,
        IK_IQ2_KS = 145, IK_IQ4_KSS = 146, IK_IQ4_KS = 144, IK_IQ5_KS = 152, IK_IQ3_KS = 156,
-       IK_IQ2_KL = 157 }; /* ik_llama.cpp's numbers */
+       IK_IQ2_KL = 157, IK_IQ2_KT = 153, IK_IQ3_KT = 154, IK_IQ4_KT = 155, IK_IQ1_KT = 158 }; /* ik_llama.cpp's numbers */
+
+/* the trellis types' generator: each step multiplies the 32-bit state and sums its four bytes' low 6 bits, less 126 */
+static inline int kt_step(uint32_t *x) {
+    *x *= 0xCBAC1FEDu;
+    return (int)(((*x & 0x3f3f3f3fu) * 0x01010101u) >> 24) - 126;
+}
+
+/* block ib (32 values) of one 256-value trellis super-block b: its integer scale, and its 32 values in t (gguf/trellis.py
+ * describes each layout: groups of 8 (IQ4_KT: 4) values, each from its index + 4096) */
+static int kt_block(int type, const uint8_t *b, int ib, int8_t *t) {
+    if (type == IK_IQ4_KT) {
+        uint32_t w;
+        memcpy(&w, b + 4 * ib, 4);
+        for (int i = 0; i < 8; i++) {
+            const int g = 8 * ib + i;
+            uint32_t x = 4096u + (b[32 + g] | (uint32_t)(b[96 + g % 32] >> (4 * (g / 32)) & 15) << 8
+                                  | (w >> (8 + 3 * i) & 7) << 12 | (w & 1) << 15);
+            for (int k = 0; k < 4; k++) t[4 * i + k] = (int8_t)kt_step(&x);
+        }
+        return (int)((w & 255) >> 1) - 64;
+    }
+    int ls;
+    for (int i = 0; i < 4; i++) {
+        const int g = 4 * ib + i;
+        uint32_t x;
+        if (type == IK_IQ1_KT)
+            x = b[8 + g] | (uint32_t)(b[40 + g % 16] >> (4 * (g / 16)) & 15) << 8 | (uint32_t)(b[g / 4] >> (4 + g % 4) & 1) << 12;
+        else
+            x = b[4 + 2 * g] | (uint32_t)b[5 + 2 * g] << 8;
+        x += 4096u;
+        for (int k = 0; k < 8; k++) {
+            const int v = kt_step(&x);
+            t[8 * i + k] = (int8_t)(type == IK_IQ3_KT ? (b[68 + 8 * i + k] >> ib & 1 ? -abs(v) : abs(v)) : v);
+        }
+    }
+    if (type == IK_IQ1_KT)
+        ls = iq4k[b[ib] & 15];
+    else {
+        const int nib = b[ib % 4] >> (4 * (ib / 4)) & 15;
+        ls = type == IK_IQ2_KT ? iq4k[nib] : nib;
+    }
+    return ls;
+}
 
 /* sub-block ib (32 values) of one 256-value block of an IQn_K type: each value's scale (its 16's) times its table
  * value, p[32] (quant._ik_k_parts describes each layout) */
@@ -1753,6 +1796,25 @@ int64_t ferry_ik_to_q8_0(const uint8_t *src, uint8_t *dst, int64_t rows, int64_t
             uint16_t h;
             memcpy(&h, row, 2);
             d = half_value(h);
+        }
+        if (type == IK_IQ1_KT || type == IK_IQ2_KT || type == IK_IQ3_KT || type == IK_IQ4_KT) {
+            /* the scale as ik's kernels compute it, in float32: (d F) ls, F their factor for IQ2_KT / IQ3_KT */
+            const float dF = (float)d * (type == IK_IQ2_KT ? 1.05f : type == IK_IQ3_KT ? 1.01f : 1.0f);
+            for (int64_t sb = 0; sb < blocks / 8; sb++) {
+                const uint8_t *b = row + row_meta + sb * block_bytes;
+                for (int ib = 0; ib < 8; ib++, o += 34) {
+                    int8_t t[32];
+                    const float scale = dF * (float)kt_block(type, b, ib, t);
+                    if (!(fabsf(scale) < 65520.0f)) {
+                        bad++;
+                        continue;
+                    }
+                    const uint16_t h = half_bits(scale);
+                    memcpy(o, &h, 2);
+                    memcpy(o + 2, t, 32);
+                }
+            }
+            continue;
         }
         for (int64_t sb = 0; sb < blocks / 8; sb++) {
             const uint8_t *b = row + row_meta + sb * block_bytes;
