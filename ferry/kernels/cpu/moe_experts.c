@@ -912,30 +912,6 @@ static inline __attribute__((always_inline)) void tile_iq_k_low(const uint8_t *g
         for (int t = 0; t < T; t++) out[t][r] = _mm512_reduce_add_ps(acc[t]);
     }
 }
-static inline __attribute__((always_inline)) void tile_iq3_k(const uint8_t *g, const uint8_t *const *act, int n,
-                                                              float *const *out, const int T) {
-    tile_iq_k_low(g, act, n, out, T, 1);
-}
-static inline __attribute__((always_inline)) void tile_iq2_k(const uint8_t *g, const uint8_t *const *act, int n,
-                                                              float *const *out, const int T) {
-    tile_iq_k_low(g, act, n, out, T, 0);
-}
-static inline __attribute__((always_inline)) void tile_iq3_ks(const uint8_t *g, const uint8_t *const *act, int n,
-                                                               float *const *out, const int T) {
-    tile_iq_ks_low(g, act, n, out, T, 1);
-}
-static inline __attribute__((always_inline)) void tile_iq2_ks(const uint8_t *g, const uint8_t *const *act, int n,
-                                                               float *const *out, const int T) {
-    tile_iq_ks_low(g, act, n, out, T, 0);
-}
-static inline __attribute__((always_inline)) void tile_iq4_ks_plain(const uint8_t *g, const uint8_t *const *act, int n,
-                                                                     float *const *out, const int T) {
-    tile_iq4_ks(g, act, n, out, T, 0);
-}
-static inline __attribute__((always_inline)) void tile_iq4_kss(const uint8_t *g, const uint8_t *const *act, int n,
-                                                                float *const *out, const int T) {
-    tile_iq4_ks(g, act, n, out, T, 1);
-}
 
 /* the 8 IQ2_KL rows at g (plain, one after another, each after its fp16 d) against up to 4 tokens: vector k holds
  * sub-blocks 2k and 2k + 1 in column order, their 16 five-bit indices each (group k's low and high nibbles, fifth
@@ -1042,13 +1018,14 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
         default: q8 ? tile_32(g, act, n, out, 1, 1) : tile_32(g, act, n, out, 1, 0); return;
         }
     }
-/* fn for up to 4 tokens, the count a constant in each call (the accumulators stay in registers) */
-#define K_TILE(fn)                                                                                                    \
+/* fn for up to 4 tokens, the count a constant in each call (the accumulators stay in registers); a shared tile's
+ * variant flag after it */
+#define K_TILE(fn, ...)                                                                                               \
     switch (left) {                                                                                                   \
-    case 4: fn(g, act + t, n, out + t, 4); break;                                                                     \
-    case 3: fn(g, act + t, n, out + t, 3); break;                                                                     \
-    case 2: fn(g, act + t, n, out + t, 2); break;                                                                     \
-    default: fn(g, act + t, n, out + t, 1); break;                                                                    \
+    case 4: fn(g, act + t, n, out + t, 4, ##__VA_ARGS__); break;                                                      \
+    case 3: fn(g, act + t, n, out + t, 3, ##__VA_ARGS__); break;                                                      \
+    case 2: fn(g, act + t, n, out + t, 2, ##__VA_ARGS__); break;                                                      \
+    default: fn(g, act + t, n, out + t, 1, ##__VA_ARGS__); break;                                                     \
     }
     for (int t = 0; t < T; t += 4) { /* K-quants 4 tokens at a time: 8 tokens' accumulators would not fit */
         const int left = T - t < 4 ? T - t : 4;
@@ -1059,21 +1036,21 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
         } else if (type == IQ4_XS) {
             K_TILE(tile_iq4_xs)
         } else if (type == IQ4_KS) {
-            K_TILE(tile_iq4_ks_plain)
+            K_TILE(tile_iq4_ks, 0)
         } else if (type == IQ4_KSS) {
-            K_TILE(tile_iq4_kss)
+            K_TILE(tile_iq4_ks, 1)
         } else if (type == IQ2_KL) {
             K_TILE(tile_iq2_kl)
         } else if (type == IQ2_K) {
-            K_TILE(tile_iq2_k)
+            K_TILE(tile_iq_k_low, 0)
         } else if (type == IQ3_K) {
-            K_TILE(tile_iq3_k)
+            K_TILE(tile_iq_k_low, 1)
         } else if (type == IQ4_K) {
             K_TILE(tile_iq4_k)
         } else if (type == IQ3_KS) {
-            K_TILE(tile_iq3_ks)
+            K_TILE(tile_iq_ks_low, 1)
         } else if (type == IQ2_KS) {
-            K_TILE(tile_iq2_ks)
+            K_TILE(tile_iq_ks_low, 0)
         } else if (type == IQ5_KS) {
             K_TILE(tile_iq5_ks)
         } else if (type == MXFP4) {
