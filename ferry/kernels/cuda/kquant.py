@@ -5,7 +5,8 @@ per sub-block; Q4_K / Q5_K's minimum is the sub-block's sum of x times its scale
 expanded every such weight it read to floats first (a whole layer's experts for the few it routes to). For many
 tokens the routed experts' grouped GEMM (kmoe_mm, moe.moe_mm's on these blocks): each block expanded to f16 in
 registers, no bfloat16 copy of a layer's experts. (MXFP4 is read in layout.Split, as Q4_0.)
-ik_llama.cpp's IQ4_KS, IQ4_K, IQ5_KS, IQ3_KS and IQ2_KS (routed experts kept in place) go through the same kernels:
+ik_llama.cpp's IQ4_KS, IQ4_K, IQ5_KS, IQ3_KS, IQ2_KS, IQ4_KSS, IQ2_KL, IQ2_K and IQ3_K (routed experts kept in place)
+go through the same kernels:
 a block's two halves decoded through the type's value table (`lut`, dequant._table's), each value its sub-block's
 integer scale times its table entry, the row's (or block's) d applied once; their rows may open with that d."""
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _kbase(row, b, K, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
 @triton.jit
 def _ikd(w, row, base, K, m, KIND: tl.constexpr, BLOCK_BYTES: tl.constexpr):
     """An ik type's d for rows `row` (R, 1) int64 at their block's offsets `base`: the row's (IQ4_KS / IQ5_KS / IQ4_KSS
-    float32, IQ3_KS / IQ2_KS / IQ2_KL fp16) or the block's (IQ4_K's fp16), float32 (R, 1)."""
+    float32, IQ3_KS / IQ2_KS / IQ2_KL fp16) or the block's (IQ4_K's, IQ2_K's, IQ3_K's fp16), float32 (R, 1)."""
     if KIND == 3 or KIND == 5 or KIND == 8:
         return _u32_at(w, row * (4 + (K // 256) * BLOCK_BYTES), m).to(tl.float32, bitcast=True)
     elif KIND == 6 or KIND == 7 or KIND == 9:
