@@ -233,8 +233,10 @@ def _ik_k_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np
 
 # ik_llama.cpp's interleaved types (its `--repack` / -rtr layouts) ferry reads, and the type each interleaves: 4 rows
 # at a time, de-interleaved at load (ik_deinterleave) into the plain type's rows
-# IQ4_KS_R4 -> IQ4_KS, IQ4_K_R4 -> IQ4_K, IQ5_KS_R4 -> IQ5_KS, IQ2_K_R4 -> IQ2_K, IQ3_K_R4 -> IQ3_K, IQ5_K_R4 -> IQ5_K
-IK_INTERLEAVED = {344: 144, 339: 139, 352: 152, 337: 137, 338: 138, 340: 140}
+# IQ4_KS_R4 -> IQ4_KS, IQ4_K_R4 -> IQ4_K, IQ5_KS_R4 -> IQ5_KS, IQ2_K_R4 -> IQ2_K, IQ3_K_R4 -> IQ3_K, IQ5_K_R4 -> IQ5_K;
+# and into llama.cpp's types: Q8_0_R8, Q4_K_R4, Q6_K_R4, Q5_K_R4, IQ4_XS_R8, Q4_0_R8 (a plain id below 100: gguf-py's)
+IK_INTERLEAVED = {344: 144, 339: 139, 352: 152, 337: 137, 338: 138, 340: 140,
+                  208: 8, 212: 12, 214: 14, 213: 13, 223: 23, 202: 2}
 
 
 def _iq4_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -258,11 +260,11 @@ def ik_deinterleave(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.n
       ib, byte 4 + k its second 16s); 16 bytes of the scales' high bit pairs and 32 of their low nibbles, the 16 of
       row k at i = 8 ib + k (first) and i + 4 (second): nibble i / 32 of low byte i % 32, pair i / 16 of high byte
       i % 16; then the nibbles.
-    The others: gguf/interleaved.py."""
+    The others: gguf/interleaved.py (ik's types) and gguf/interleaved_ggml.py (llama.cpp's)."""
     if raw_type not in (344, 339):
-        from ferry.gguf.interleaved import DEINTERLEAVE
+        from ferry.gguf import interleaved, interleaved_ggml
 
-        return DEINTERLEAVE[raw_type][1](raw, ne)
+        return {**interleaved.DEINTERLEAVE, **interleaved_ggml.DEINTERLEAVE}[raw_type][1](raw, ne)
     _, block, size, meta = IK_TYPES[raw_type]
     rows = int(np.prod(ne[1:], dtype=np.int64))
     if rows % 4:
@@ -302,6 +304,8 @@ def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.nda
     (_ik_parts and _ik_k_parts say which and how; an interleaved type is de-interleaved first)."""
     if raw_type in IK_INTERLEAVED:
         raw, raw_type = ik_deinterleave(raw, raw_type, ne), IK_INTERLEAVED[raw_type]
+        if raw_type not in IK_TYPES:  # one of llama.cpp's types: gguf-py's reference
+            return dequantize(raw, GGMLQuantizationType(raw_type), ne).astype(np.float64)
     if ik_name(raw_type) in IK_PER_16:
         d, s, values = _ik_k_parts(raw, raw_type, ne)
         scale = np.repeat(d, 16, axis=-1) * s

@@ -63,9 +63,11 @@ MODELS = {"qwen3moe-ik": ("IQ4_KS", "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,a
           "qwen3moe-ik-k2": ("IQ2_K", "ffn_down_exps=iq3_k,output=q6_0,token_embd=q6_0"),
           "qwen3moe-ik-k2-r4": ("IQ2_K_R4", "ffn_down_exps=iq3_k_r4,attn_q=iq5_ks_r4,attn_output=iq5_k_r4,"
                                             "output=q6_0,token_embd=q6_0"),
-          "qwen3moe-ik-kt": ("IQ2_KT", "ffn_down_exps=iq3_kt,attn_q=iq4_kt,attn_k=iq1_kt,output=q6_0,token_embd=q6_0")}
+          "qwen3moe-ik-kt": ("IQ2_KT", "ffn_down_exps=iq3_kt,attn_q=iq4_kt,attn_k=iq1_kt,output=q6_0,token_embd=q6_0"),
+          "qwen3moe-ik-r8": ("Q4_K_R4", "ffn_down_exps=q6_k_r4,attn_q=q8_0_r8,attn_k=q5_k_r4,attn_v=iq4_xs_r8,"
+                                       "attn_output=q4_0_r8,output=q6_0,token_embd=q6_0")}
 TYPES = ("Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K,IQ4_KS_R4,IQ4_K_R4,IQ5_KS_R4,"
-         "IQ2_K_R4,IQ3_K_R4,IQ5_K_R4,IQ1_KT,IQ2_KT,IQ3_KT,IQ4_KT")
+         "IQ2_K_R4,IQ3_K_R4,IQ5_K_R4,IQ1_KT,IQ2_KT,IQ3_KT,IQ4_KT,Q8_0_R8,Q4_K_R4,Q6_K_R4,Q5_K_R4,IQ4_XS_R8,Q4_0_R8")
 # ik's llama-quantize refuses its lowest-bit types without an importance matrix unless told to go on
 NO_IMATRIX = ["--ignore-imatrix-rules"]
 ROWS = 64

@@ -304,7 +304,9 @@ def _parse_header(cur: _Cursor, part: _Part, index: int, ik_in_place: frozenset[
             raise FerryError(f"{part.path}: tensor '{name}' is {IK_TYPES[raw_type][0]} over {int(np.prod(ne[1:]))} "
                              "rows, not a multiple of the 4 it interleaves; the file is corrupt, re-download it")
         t = TensorInfo(name, ne, plain, data_start + offset, nbytes, index, interleaved=interleaved)
-        if plain in ik_in_place and ROUTED_EXPERTS.search(name):
+        if plain not in IK_TYPES:  # one of llama.cpp's types, once de-interleaved: read as that type
+            part.tensors.append(replace(t, qtype=GGMLQuantizationType(plain)))
+        elif plain in ik_in_place and ROUTED_EXPERTS.search(name):
             part.tensors.append(replace(t, qtype=IkQuant(plain)))
         else:
             part.tensors.append(_rewritten(t))
@@ -470,7 +472,8 @@ class GGUFFile:
 
     def ik_lines(self) -> list[str]:
         """What happens to this file's tensors of ik_llama.cpp's types, one line per type (for the load and `ferry
-        info`): rewritten as Q8_0 (bytes in the file, in RAM) or read in place by ferry's CPU kernel."""
+        info`): rewritten as Q8_0 (bytes in the file, in RAM), read in place by ferry's CPU kernel, or (interleaved
+        forms of llama.cpp's types) de-interleaved into that type's rows."""
         lines = []
         for name in sorted({t.stored_as for t in self.tensors.values() if t.ik_type}):
             of = [t for t in self.tensors.values() if t.ik_type and t.stored_as == name]
@@ -486,6 +489,12 @@ class GGUFFile:
             lines.append(f"{len(of)} routed-expert tensor{'s' * (len(of) != 1)} in ik_llama.cpp's {name} "
                          f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB) {how}read in place by ferry's CPU kernel "
                          "(and the GPU's, where it keeps some)")
+        plain = [t for t in self.tensors.values() if t.interleaved and not t.ik_type and not isinstance(t.qtype, IkQuant)]
+        for name in sorted({t.stored_as for t in plain}):
+            of = [t for t in plain if t.stored_as == name]
+            lines.append(f"{len(of)} tensor{'s' * (len(of) != 1)} in ik_llama.cpp's {name} "
+                         f"({sum(t.nbytes for t in of) / 2**30:.2f} GiB) de-interleaved at load into "
+                         f"{of[0].qtype.name}'s rows (as many bytes of RAM)")
         return lines
 
     @property
