@@ -236,7 +236,9 @@ def _ik_k_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np
 # IQ4_KS_R4 -> IQ4_KS, IQ4_K_R4 -> IQ4_K, IQ5_KS_R4 -> IQ5_KS, IQ2_K_R4 -> IQ2_K, IQ3_K_R4 -> IQ3_K, IQ5_K_R4 -> IQ5_K;
 # and into llama.cpp's types: Q8_0_R8, Q4_K_R4, Q6_K_R4, Q5_K_R4, IQ4_XS_R8, Q4_0_R8 (a plain id below 100: gguf-py's)
 IK_INTERLEAVED = {344: 144, 339: 139, 352: 152, 337: 137, 338: 138, 340: 140,
-                  208: 8, 212: 12, 214: 14, 213: 13, 223: 23, 202: 2}
+                  208: 8, 212: 12, 214: 14, 213: 13, 223: 23, 202: 2,
+                  # Q6_0_R4, IQ4_NL_R4, MXFP4_R8, BF16_R16, Q5_0_R4, Q3_K_R4, Q2_K_R4, IQ3_XXS_R4, IQ3_S_R4
+                  233: 133, 220: 20, 353: 39, 230: 30, 206: 6, 211: 11, 210: 10, 218: 18, 221: 21}
 
 
 def _iq4_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -260,11 +262,13 @@ def ik_deinterleave(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.n
       ib, byte 4 + k its second 16s); 16 bytes of the scales' high bit pairs and 32 of their low nibbles, the 16 of
       row k at i = 8 ib + k (first) and i + 4 (second): nibble i / 32 of low byte i % 32, pair i / 16 of high byte
       i % 16; then the nibbles.
-    The others: gguf/interleaved.py (ik's types) and gguf/interleaved_ggml.py (llama.cpp's)."""
+    The others: gguf/interleaved.py (ik's types), gguf/interleaved_ggml.py and interleaved_other.py (llama.cpp's, and
+    Q6_0_R4)."""
     if raw_type not in (344, 339):
-        from ferry.gguf import interleaved, interleaved_ggml
+        from ferry.gguf import interleaved, interleaved_ggml, interleaved_other
 
-        return {**interleaved.DEINTERLEAVE, **interleaved_ggml.DEINTERLEAVE}[raw_type][1](raw, ne)
+        return {**interleaved.DEINTERLEAVE, **interleaved_ggml.DEINTERLEAVE,
+                **interleaved_other.DEINTERLEAVE}[raw_type][1](raw, ne)
     _, block, size, meta = IK_TYPES[raw_type]
     rows = int(np.prod(ne[1:], dtype=np.int64))
     if rows % 4:
