@@ -99,8 +99,8 @@ def _ik_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np.n
     name = ik_name(raw_type)
     if raw_type not in IK_RUN_AS:
         raise FerryError(f"{name} (type {raw_type}) is an ik_llama.cpp quant type ferry does not read yet")
-    if raw_type in IK_TRELLIS:  # generated values, each 32's scale as ik's kernels compute it (gguf/trellis.py)
-        from ferry.gguf.trellis import kt_parts
+    if raw_type in IK_TRELLIS:  # generated values, each 32's scale as ik's kernels compute it (ikquants/trellis.py)
+        from ferry.ikquants.trellis import kt_parts
 
         s, q = kt_parts(raw, raw_type, ne)
         return s.astype(np.float64), q.reshape(q.shape[0], -1, 32)
@@ -262,10 +262,10 @@ def ik_deinterleave(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.n
       ib, byte 4 + k its second 16s); 16 bytes of the scales' high bit pairs and 32 of their low nibbles, the 16 of
       row k at i = 8 ib + k (first) and i + 4 (second): nibble i / 32 of low byte i % 32, pair i / 16 of high byte
       i % 16; then the nibbles.
-    The others: gguf/interleaved.py (ik's types), gguf/interleaved_ggml.py and interleaved_other.py (llama.cpp's, and
+    The others: ikquants/interleaved.py (ik's types), ikquants/interleaved_ggml.py and interleaved_other.py (llama.cpp's, and
     Q6_0_R4)."""
     if raw_type not in (344, 339):
-        from ferry.gguf import interleaved, interleaved_ggml, interleaved_other
+        from ferry.ikquants import interleaved, interleaved_ggml, interleaved_other
 
         return {**interleaved.DEINTERLEAVE, **interleaved_ggml.DEINTERLEAVE,
                 **interleaved_other.DEINTERLEAVE}[raw_type][1](raw, ne)
@@ -323,7 +323,7 @@ def dequantize_ik(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> np.nda
 # times the sub-block's integer) is rounded to fp16, a relative error of at most 2^-11 per 32 weights. The IQn_K
 # types' 16-value sub-blocks have scales of their own, so a 32's products s t (beyond int8) are rounded to Q8_0's 255
 # levels: exact where they fit, else within 1/254 of the 32's largest weight (and 2^-11 more, the scale's fp16).
-# The trellis types (IQ1_KT..IQ4_KT: gguf/trellis.py) generate int8 values too, each 32 under the row's scale times an
+# The trellis types (IQ1_KT..IQ4_KT: ikquants/trellis.py) generate int8 values too, each 32 under the row's scale times an
 # integer (and, for IQ2_KT / IQ3_KT, the factor ik's kernels apply): Q8_0 with the scale rounded to fp16 as well.
 IK_TRELLIS = (158, 153, 154, 155)
 IK_RUN_AS = {t: Q.Q8_0 for t, v in IK_TYPES.items() if v[0] in ("Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS",

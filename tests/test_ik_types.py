@@ -37,8 +37,11 @@ def test_the_reference_dequantization_gives_ik_llama_cpps_own_values(name):
     mine = dequantize_ik(raw, raw_type, ne)
     assert mine.shape == theirs.shape == tuple(reversed(ne))
     if name in TRELLIS:  # ik's F32 conversion is its reference dequantizer's; its kernels (ferry's values) scale
-        # IQ2_KT's rows by 1.05 and IQ3_KT's by 1.01 more (gguf/trellis.py)
-        from ferry.gguf.trellis import DEQUANTIZE, KERNEL_FACTOR
+        # IQ2_KT's rows by 1.05 and IQ3_KT's by 1.01 more (ikquants/trellis.py)
+        from ferry.ikquants.trellis import DEQUANTIZE, IQ4K_VALUES, KERNEL_FACTOR
+        from ferry.quant import IQ4K_VALUES as IQ4K
+
+        assert np.array_equal(IQ4K_VALUES, IQ4K[:16])  # its own copy of the table (ikquants stays below quant)
 
         reference = DEQUANTIZE[raw_type](raw, ne, kernel=False)
         assert np.abs(reference - theirs).max() <= 2e-7 * np.abs(theirs).max()

@@ -42,13 +42,13 @@ from __future__ import annotations
 import numpy as np
 
 from ferry.errors import FerryError
-from ferry.quant import IQ4K_VALUES as _IQ4K
 
 QK_K = 256
 ROW_META = 4  # bytes of row metadata: the float32 row scale
 
-# ik's IQ4_K value table (its iq4k_values, first 16 entries): the block scales of IQ1_KT and IQ2_KT
-IQ4K_VALUES = _IQ4K[:16]
+# ik's IQ4_K value table (its iq4k_values, first 16 entries, as quant.IQ4K_VALUES; this package stays below quant): the
+# block scales of IQ1_KT and IQ2_KT
+IQ4K_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 # the generator's multiplier and per-type offset; bytes per super-block
 KA = np.uint32(0xCBAC1FED)

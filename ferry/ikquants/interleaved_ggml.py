@@ -1,5 +1,5 @@
 """ik_llama.cpp's interleaved forms of llama.cpp's quant types (Q8_0_R8, Q4_K_R4, Q6_K_R4, Q5_K_R4, IQ4_XS_R8,
-Q4_0_R8) back to the plain types' rows, in numpy (quant.ik_deinterleave calls these; gguf/interleaved.py holds ik's
+Q4_0_R8) back to the plain types' rows, in numpy (quant.ik_deinterleave calls these; ikquants/interleaved.py holds ik's
 own types').
 
 Each function takes an interleaved tensor's bytes (uint8, flat) and its ne (ggml order: ne[0] the row length, the
