@@ -32,8 +32,9 @@ QK_K = 256
 Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS = 2, 8, 12, 13, 14, 23
 
 
-def _groups(raw: np.ndarray, ne, rows_per_group: int, block: int, size: int) -> np.ndarray:
-    """The interleaved tensor as (groups, blocks per row, R * size) bytes, size being one plain block's bytes."""
+def groups(raw: np.ndarray, ne, rows_per_group: int, block: int, size: int) -> np.ndarray:
+    """The interleaved tensor as (groups, blocks per row, R * size) bytes, size being one plain block's bytes, block
+    its values (interleaved_other.py's types too)."""
     ne = tuple(int(x) for x in ne)
     if ne[0] % block:
         raise FerryError(f"an interleaved tensor's rows of {ne[0]} values are not whole blocks of {block}; the file is "
@@ -83,7 +84,7 @@ def q8_0_r8(raw: np.ndarray, ne) -> np.ndarray:
     at bytes 2 k), then 256 quant bytes in two halves of 128 (columns 0-15, then 16-31), each 4 stripes l of 32 bytes,
     row k's 4 bytes of stripe l at 32 l + 4 k: byte 128 h + 32 l + 4 k + i is column 16 h + 4 l + i of row k. The
     quants are the plain int8s (ik adds 127 to them on AVX512 only when it repacks while loading, never in a file)."""
-    b = _groups(raw, ne, 8, 32, 34)
+    b = groups(raw, ne, 8, 32, 34)
     d = _fp16_fields(b[..., :16], 8)  # (g, nb, 8, 2)
     qs = b[..., 16:].reshape(*b.shape[:2], 2, 4, 8, 4).transpose(0, 1, 4, 2, 3, 5)  # (g, nb, k, h, l, i)
     return _rows(np.concatenate([d, qs.reshape(*b.shape[:2], 8, 32)], axis=-1))
@@ -95,7 +96,7 @@ def q4_0_r8(raw: np.ndarray, ne) -> np.ndarray:
     row k's plain byte 4 l + i unchanged (so columns 4 l + i, low nibble, and 16 + 4 l + i, high). The plain nibbles
     are the unsigned 0..15 (value - 8): the XOR with 0x88 ik applies for ARM only happens when it repacks while
     loading (online), never in a file."""
-    b = _groups(raw, ne, 8, 32, 18)
+    b = groups(raw, ne, 8, 32, 18)
     d = _fp16_fields(b[..., :16], 8)
     qs = b[..., 16:].reshape(*b.shape[:2], 4, 8, 4).transpose(0, 1, 3, 2, 4)  # (g, nb, k, l, i)
     return _rows(np.concatenate([d, qs.reshape(*b.shape[:2], 8, 16)], axis=-1))
@@ -152,7 +153,7 @@ def q4_k_r4(raw: np.ndarray, ne) -> np.ndarray:
     and scales_l (32) holding the 4 rows' 8 unpacked 6-bit scales and mins (_k_scales); then 512 bytes of nibbles,
     64 per sub-block ib, byte 64 ib + 16 p + 4 k + i holding row k's columns 32 ib + i + (0, 8), (16, 24), (4, 12),
     (20, 28) for p = 0..3 (low nibble first). The plain block re-packs the 6-bit scales into ggml's 12 bytes."""
-    b = _groups(raw, ne, 4, QK_K, 144)
+    b = groups(raw, ne, 4, QK_K, 144)
     d = _fp16_fields(b[..., :16], 4)  # (g, nb, k, 4): d, dmin
     sc, mn = _k_scales(b[..., 16:32], b[..., 32:64])
     v = _k_nibbles(b[..., 64:576])
@@ -164,7 +165,7 @@ def q5_k_r4(raw: np.ndarray, ne) -> np.ndarray:
     128 bytes of high bits, byte 16 ib + 4 k + i holding at bit b row k's column 32 ib + i + (0, 8, 4, 12, 16, 24, 20,
     28)[b] (not the nibbles' order), then the 512 bytes of low nibbles as Q4_K_R4's. Plain qh: byte j, bit ib = the
     high bit of sub-block ib's column j."""
-    b = _groups(raw, ne, 4, QK_K, 176)
+    b = groups(raw, ne, 4, QK_K, 176)
     d = _fp16_fields(b[..., :16], 4)
     sc, mn = _k_scales(b[..., 16:32], b[..., 32:64])
     qh = b[..., 64:192].reshape(*b.shape[:2], 8, 4, 4).astype(np.int32)  # (ib, k, i)
@@ -181,7 +182,7 @@ def q6_k_r4(raw: np.ndarray, ne) -> np.ndarray:
     bytes of high bit pairs, byte 32 ib + 16 h + 4 k + i holding at bits 2 f row k's column 32 ib + 16 h + i + (0, 8,
     4, 12)[f]; then 512 bytes of low nibbles as Q4_K_R4's. Plain: column 128 n + 32 s + l has its low 4 bits in
     ql byte 64 n + 32 (s % 2) + l (nibble s // 2), its high 2 at bits 2 s of qh byte 32 n + l."""
-    b = _groups(raw, ne, 4, QK_K, 210)
+    b = groups(raw, ne, 4, QK_K, 210)
     g, nb = b.shape[:2]
     d = _fp16_fields(b[..., :8], 4)
     scales = b[..., 8:72].reshape(g, nb, 8, 2, 4).transpose(0, 1, 4, 2, 3).reshape(g, nb, 4, 16)
@@ -205,7 +206,7 @@ def iq4_xs_r8(raw: np.ndarray, ne) -> np.ndarray:
     1024 bytes of nibbles, 128 per sub-block, byte 128 ib + 32 l + 4 k + i holding row k's columns 32 ib + 8 l + i
     (low nibble) and + 4 (high). Plain: scales_l byte ib // 2 nibble ib % 2, scales_h bits 2 ib; qs byte 16 ib + j
     holds column j (low) and j + 16 (high) of sub-block ib."""
-    b = _groups(raw, ne, 8, QK_K, 136)
+    b = groups(raw, ne, 8, QK_K, 136)
     g, nb = b.shape[:2]
     d = _fp16_fields(b[..., :16], 8)
     s = 8 * np.arange(8)[None, :] + np.arange(8)[:, None]  # (k, ib)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ferry.errors import FerryError
+from ferry.ikquants.interleaved_ggml import groups
 
 QK_K = 256
 
@@ -30,25 +30,6 @@ Q5_0, Q2_K, Q3_K, IQ3_XXS, IQ4_NL, IQ3_S, BF16, MXFP4, Q6_0 = 6, 10, 11, 18, 20,
 
 
 # --- shared pieces
-
-def _groups(raw: np.ndarray, ne, r: int, block: int, size: int) -> np.ndarray:
-    """The interleaved tensor as (groups, blocks a row, r * size) bytes: size is one plain block's bytes, block its
-    values."""
-    ne = tuple(int(x) for x in ne)
-    if not ne or ne[0] <= 0 or ne[0] % block:
-        raise FerryError(f"an interleaved tensor's rows of {ne[0] if ne else None} values are not whole blocks of "
-                         f"{block}; the file is corrupt")
-    rows = int(np.prod(ne[1:], dtype=np.int64))
-    if rows % r:
-        raise FerryError(f"an interleaved tensor has {rows} rows, not a multiple of the {r} it interleaves; the file is "
-                         "corrupt")
-    nb = ne[0] // block
-    flat = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
-    if flat.size != rows * nb * size:
-        raise FerryError(f"an interleaved tensor holds {flat.size} bytes, not {rows} rows of {nb} blocks of {size} "
-                         "bytes; the file is corrupt")
-    return flat.reshape(rows // r, nb, r * size)
-
 
 def _rows(*fields: np.ndarray) -> np.ndarray:
     """Plain blocks from their fields, each (groups, nb, r, field bytes) -> the plain rows' bytes, flat (group, row
@@ -102,7 +83,7 @@ def q6_0_r4(raw: np.ndarray, ne) -> np.ndarray:
     bits 2 p + 4 n (p, n = 0, 1) the top 2 bits of row k's column 16 h + 8 n + 4 p + i; then 64 bytes of low nibbles
     (_stripes32). Plain Q6_0: qs as ggml's 4-bit blocks (byte j: columns j, j + 16); the top bits of column c (j = c
     % 16) at bits 4 (j // 8) + 2 (c // 16) of qh byte j % 8."""
-    b = _groups(raw, ne, 4, 32, 26)
+    b = groups(raw, ne, 4, 32, 26)
     g, nb = b.shape[:2]
     d = _fp16s(b[..., :8], 4)
     qh = b[..., 8:40].astype(np.int32).reshape(g, nb, 2, 4, 4)  # (h, k, i)
@@ -123,7 +104,7 @@ def q5_0_r4(raw: np.ndarray, ne) -> np.ndarray:
     bytes: the 4 fp16 d; 16 bytes of high bits, byte 4 k + i holding at bit l + 4 n (l = 2 p + h = 0..3, n = 0, 1) the
     fifth bit of row k's column 16 h + 8 n + 4 p + i; then 64 bytes of low nibbles (_stripes32). Plain Q5_0: qh a
     little-endian uint32 whose bit c is column c's fifth bit; qs as ggml's 4-bit blocks."""
-    b = _groups(raw, ne, 4, 32, 22)
+    b = groups(raw, ne, 4, 32, 22)
     g, nb = b.shape[:2]
     d = _fp16s(b[..., :8], 4)
     qh = b[..., 8:24].astype(np.int32).reshape(g, nb, 4, 4)  # (k, i)
@@ -140,7 +121,7 @@ def iq4_nl_r4(raw: np.ndarray, ne) -> np.ndarray:
     """IQ4_NL_R4 (220) -> IQ4_NL (fp16 d, qs 16 of indices into the non-linear 16-value table). Per 4 rows, per 32
     columns, 72 bytes: the 4 fp16 d, then 64 bytes of nibbles laid out as _stripes32 (byte 16 l + 4 k + i: row k's
     column 16 (l % 2) + 4 (l // 2) + i, low nibble, and + 8, high)."""
-    b = _groups(raw, ne, 4, 32, 18)
+    b = groups(raw, ne, 4, 32, 18)
     return _rows(_fp16s(b[..., :8], 4), _pack_nibbles(_stripes32(b[..., 8:72])))
 
 
@@ -150,7 +131,7 @@ def mxfp4_r8(raw: np.ndarray, ne) -> np.ndarray:
     """MXFP4_R8 (353) -> MXFP4 (one E8M0 exponent byte, qs 16 as ggml's 4-bit blocks). Per 8 rows, per 32 columns,
     136 bytes: the 8 exponent bytes (row k at k), then 128 bytes in 4 stripes l of 32, byte 32 l + 4 k + i being row
     k's plain qs byte 4 l + i unchanged (columns 4 l + i, low nibble, and 16 + 4 l + i, high)."""
-    b = _groups(raw, ne, 8, 32, 17)
+    b = groups(raw, ne, 8, 32, 17)
     g, nb = b.shape[:2]
     e = b[..., :8].reshape(g, nb, 8, 1)
     qs = b[..., 8:].reshape(g, nb, 4, 8, 4).transpose(0, 1, 3, 2, 4).reshape(g, nb, 8, 16)  # (k, l, i)
@@ -163,7 +144,7 @@ def bf16_r16(raw: np.ndarray, ne) -> np.ndarray:
     """BF16_R16 (230) -> BF16. Per 16 rows, per 2 columns, 64 bytes: the 16 rows' two bf16 values side by side (row
     k's columns 2 j, 2 j + 1 at bf16 elements 32 j + 2 k, + 1). The values are unchanged (but ik's quantizer makes
     them from float32 by truncating, where plain BF16 rounds)."""
-    b = _groups(raw, ne, 16, 2, 4)  # a "block" of 2 columns, 4 bytes
+    b = groups(raw, ne, 16, 2, 4)  # a "block" of 2 columns, 4 bytes
     g, nb = b.shape[:2]
     return _rows(b.reshape(g, nb, 16, 4))
 
@@ -192,7 +173,7 @@ def q2_k_r4(raw: np.ndarray, ne) -> np.ndarray:
     then dmin[4] (row k at k); 64 scale bytes, byte 4 j + k being row k's plain scale byte j (16 columns j: scale
     nibble low, min high); then 256 bytes of 2-bit quants (_two_bits: byte 32 ib + 16 h + 4 k + i holds row k's
     columns 32 ib + 16 h + i + 0, 4, 8, 12 at bits 0, 2, 4, 6)."""
-    b = _groups(raw, ne, 4, QK_K, 84)
+    b = groups(raw, ne, 4, QK_K, 84)
     g, nb = b.shape[:2]
     d = _fp16s(b[..., :8], 4)
     dmin = _fp16s(b[..., 8:16], 4)
@@ -210,7 +191,7 @@ def q3_k_r4(raw: np.ndarray, ne) -> np.ndarray:
     hmask byte l bit 4 n + j = third bit of column 128 n + 32 j + l; scales packed as ggml does (bytes 0-7 the low
     nibbles of scales 0-7 and, high nibbles, 8-15; bytes 8-11 the top 2 bits of scale j at bits 2 (j // 4) of byte
     8 + j % 4)."""
-    b = _groups(raw, ne, 4, QK_K, 110)
+    b = groups(raw, ne, 4, QK_K, 110)
     g, nb = b.shape[:2]
     d = _fp16s(b[..., :8], 4)
     sh, sl = b[..., 8:24].astype(np.int32), b[..., 24:56].astype(np.int32)
@@ -245,7 +226,7 @@ def iq3_xxs_r4(raw: np.ndarray, ne) -> np.ndarray:
     """IQ3_XXS_R4 (218) -> IQ3_XXS (fp16 d, 64 grid index bytes, 8 per sub-block, then 8 uint32 of signs and scale).
     Per 4 rows, per 256 columns, 392 bytes: the 4 fp16 d; 128 bytes of signs and scales (_sas); then 256 bytes of
     grid indices, byte 32 ib + 8 k + i being row k's index i of sub-block ib (columns 32 ib + 4 i .. + 3)."""
-    b = _groups(raw, ne, 4, QK_K, 98)
+    b = groups(raw, ne, 4, QK_K, 98)
     g, nb = b.shape[:2]
     d = _fp16s(b[..., :8], 4)
     sas = _sas(b[..., 8:136]).reshape(g, nb, 4, 32)
@@ -259,7 +240,7 @@ def iq3_s_r4(raw: np.ndarray, ne) -> np.ndarray:
     byte 8 ib + 4 h + i; 32 qh bytes, byte 4 ib + k being row k's qh byte ib; 128 sign bytes, byte 16 ib + 4 k + i
     holding at bit 2 m + h row k's sign bit i + 4 h of plain sign byte 4 ib + m; 16 scale bytes, the nibble of row
     k's sub-block ib (s = 4 ib + k) at nibble s // 16 of byte s % 16 (plain: nibble ib % 2 of byte ib // 2)."""
-    b = _groups(raw, ne, 4, QK_K, 110)
+    b = groups(raw, ne, 4, QK_K, 110)
     g, nb = b.shape[:2]
     d = _fp16s(b[..., :8], 4)
     qs = b[..., 8:264].reshape(g, nb, 8, 4, 2, 4).transpose(0, 1, 5, 2, 4, 3).reshape(g, nb, 4, 64)  # (k, ib, h, i)
