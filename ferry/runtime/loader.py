@@ -237,7 +237,7 @@ def _ik_experts_on_gpu(f, model, cfg: RunConfig, all_of: list[str] | None = None
     names, else none. all_of: names that must all be on the GPU instead. There they run faster rewritten as Q8_0,
     whose tuned split kernels the GPU reads at twice the bytes, than read in place by kquant.py's table kernels (the
     30B's IQ4_KS experts on an H200: pp4096 4510 and tg128 276 t/s in place, 9830 and 373 rewritten, in two calls);
-    some of them on a smaller GPU stay in place, which holds twice as many there."""
+    some of them on a smaller GPU stay in place, where they take a half to a third of the room."""
     if not cfg.wants_gpu:
         return []
     names = all_of if all_of is not None else _ik_kept(model)
@@ -249,8 +249,8 @@ def _ik_experts_on_gpu(f, model, cfg: RunConfig, all_of: list[str] | None = None
 
 
 def _check_ik_rewrite(f, quiet: bool) -> None:
-    """Tensors in ik_llama.cpp's types are rewritten as Q8_0 into RAM at load (but IQ4_KS experts ferry's kernel
-    reads): say so, and refuse where the rewrite would not fit in the RAM available."""
+    """Tensors in ik_llama.cpp's types are rewritten as Q8_0, or de-interleaved, into RAM at load (but routed experts
+    ferry's kernels read in place): say so, and refuse where the copies would not fit in the RAM available."""
     stored = f.ik_stored
     need = sum(run for _, _, run in stored.values())
     available = host_memory()
