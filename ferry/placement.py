@@ -336,6 +336,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)
         need(kv_device).kv_cache += per_state if state and i in state.layers else per_layer + n_ctx * cache.index_bytes(i, kb)
+        need(kv_device).kv_cache += sum(4 * c.dim * c.entries(n_ctx) + c.ring_bytes
+                                        for c in cache.compressed if c.layer == i)
     # a GPU replays prompt u-batches (and batches of them) up to Settings.prompt_graph_max tokens as CUDA graphs, whose
     # memory pool is a second set of their activations beside the eager one
     replayed = n_ubatch <= settings().prompt_graph_max

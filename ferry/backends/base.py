@@ -37,6 +37,10 @@ class Backend(Protocol):
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
             norm_topk: bool, act: str, routing=None): ...
 
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: Weight, gate: Weight,
+                    down: Weight, act: str) -> torch.Tensor:
+        """The routed experts chosen elsewhere (ids, weights (n, k)): their weighted sum (n, n_embd)."""
+
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         """A small float model tensor (norm weight, bias) where this backend computes."""
 

@@ -4,6 +4,8 @@ where it runs them. One ggml thread pool serves every graph."""
 
 from __future__ import annotations
 
+import math
+
 import ctypes
 import functools
 import os
@@ -15,7 +17,7 @@ import torch
 
 from ferry.config import settings
 from ferry.errors import FerryError
-from ferry.kernels.activations import SWIGLU_OAI
+from ferry.kernels.activations import SILU_CLAMP_LIMIT, SWIGLU_OAI
 from ferry.kernels.capabilities import can, can_ggml, cpu_native_experts, cpu_native_linear, cpu_reads_plain
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
@@ -31,7 +33,9 @@ _ALIGN = 64
 
 
 _GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split,  # act(gate) * up in one op
-        "swiglu_oai": lambda c, g, u: ggml.ggml_swiglu_oai(c, g, u, *SWIGLU_OAI)}
+        "swiglu_oai": lambda c, g, u: ggml.ggml_swiglu_oai(c, g, u, *SWIGLU_OAI),
+        "silu_clamp": lambda c, g, u: ggml.ggml_mul(c, ggml.ggml_silu(c, ggml.ggml_clamp(c, g, -math.inf, SILU_CLAMP_LIMIT)),
+                                                    ggml.ggml_clamp(c, u, -SILU_CLAMP_LIMIT, SILU_CLAMP_LIMIT))}
 
 
 _ACT = {"silu": ggml.ggml_silu, "gelu": ggml.ggml_gelu}

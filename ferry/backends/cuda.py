@@ -210,10 +210,16 @@ class CudaBackend:
             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Router, top-k, each routed expert over its tokens, weighted sum (+ residual when given): ((n, n_embd)
         float32, ids (n, k))."""
+        weights, ids = self.route(x, router, n_used, norm_topk, routing)
+        return self.moe_experts(x, ids, weights, up, gate, down, act, residual), ids
+
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: Weight, gate: Weight,
+                    down: Weight, act: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts chosen elsewhere (ids, weights (n, k)): their weighted sum (+ residual when given)."""
         from ferry.kernels.cuda import kquant
         from ferry.kernels.cuda.moe import moe_gemv
 
-        weights, ids = self.route(x, router, n_used, norm_topk, routing)
+        n_used = ids.shape[1]
         strategy = self.moe_strategy
         if strategy == "auto":
             strategy = "gemv" if x.shape[0] * n_used <= MOE_GEMV_MAX else "grouped"
@@ -223,16 +229,16 @@ class CudaBackend:
         whole = biases is not None or all(w.bias is None for w in parts)
         if strategy == "gemv" and whole:
             if gpu_reads(w.qtype for w in parts):
-                return moe_gemv(x, ids, weights, *map(self.upload, parts), act, residual=residual, biases=biases), ids
+                return moe_gemv(x, ids, weights, *map(self.upload, parts), act, residual=residual, biases=biases)
             if all(kquant.reads(w.qtype, w.ne) for w in parts):
                 return kquant.kmoe_gemv(x, ids, weights, *((self.upload(w), w.qtype, w.ne) for w in parts), act,
-                                        residual=residual, biases=biases), ids
+                                        residual=residual, biases=biases)
         if strategy == "loop":
             out = self._moe_loop(x, ids, weights, up, gate, down, act)
-            return (out if residual is None else residual + out), ids
+            return out if residual is None else residual + out
         # 'dense': every expert expanded to bf16, then torch's grouped GEMM, whatever the type
         return self._moe_grouped(x, ids, weights, up, gate, down, act, dense=strategy == "dense" or not whole,
-                                 residual=residual, biases=biases), ids
+                                 residual=residual, biases=biases)
 
     def expert_biases(self, gate: Weight, up: Weight, down: Weight):
         """gate's, up's and down's biases (n_expert, rows) float32 on the GPU where all three have them (gpt-oss),
@@ -516,17 +522,19 @@ class CudaBackend:
 
 
 def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
-                on_device=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's scores (softmax, or layers.ffn.Routing's sigmoid), the top n_used by score (+ the choice bias),
-    their unbiased scores renormalised if norm_topk and scaled: (weights float32, ids int32). on_device: the
-    backend's way of putting the bias where the logits are."""
+                on_device=lambda t: t, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's scores (softmax, or layers.ffn.Routing's sigmoid or sqrt of softplus), the top n_used by score
+    (+ the choice bias), their unbiased scores renormalised if norm_topk and scaled: (weights float32, ids int32).
+    on_device: the backend's way of putting the bias where the logits are. chosen: (n, n_used) int64, the experts
+    already picked (hash routing): only their weights are computed."""
     if routing is not None and routing.logit_bias is not None:
         logits = logits + on_device(routing.logit_bias)
     if routing is not None and routing.gating == "softmax_weight":  # the top logits, then a softmax over them
         top, ids = logits.topk(n_used, -1)
         return torch.softmax(top, -1), ids.to(torch.int32)
-    sigmoid = routing is not None and routing.gating == "sigmoid"
-    probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, -1)
+    gating = "softmax" if routing is None else routing.gating
+    probs = (torch.sigmoid(logits) if gating == "sigmoid" else F.softplus(logits).sqrt() if gating == "sqrtsoftplus"
+             else torch.softmax(logits, -1))
     choice = probs if routing is None or routing.bias is None else probs + on_device(routing.bias)
     if routing is not None and routing.grouped:  # experts only from the best groups
         n, n_expert = choice.shape
@@ -534,7 +542,10 @@ def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None
         score = by_group.topk(routing.group_top, -1).values.sum(-1)
         kept = torch.zeros_like(score, dtype=torch.bool).scatter_(1, score.topk(routing.n_group_used, -1).indices, True)
         choice = by_group.masked_fill(~kept[..., None], float("-inf")).view(n, n_expert)
-    if choice is not probs:
+    if chosen is not None:  # hash routing: the experts given, weighted by their scores
+        ids = chosen
+        weights = probs.gather(-1, ids)
+    elif choice is not probs:
         ids = choice.topk(n_used, -1).indices
         weights = probs.gather(-1, ids)
     else:
@@ -551,7 +562,7 @@ def gpu_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None,
     """top_k_route as one kernel (route) where routing is not group-limited, else op by op."""
     from ferry.kernels.cuda.route import route
 
-    if routing is not None and (routing.grouped or (routing.logit_bias is not None
+    if routing is not None and (routing.grouped or routing.gating == "sqrtsoftplus" or (routing.logit_bias is not None
                                                     and routing.gating != "softmax_weight")):
         return top_k_route(logits, n_used, norm_topk, routing, on_device)
     gating = "softmax" if routing is None else routing.gating

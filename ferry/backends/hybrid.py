@@ -259,11 +259,20 @@ class HybridBackend:
     def moe(self, x: torch.Tensor, router: Weight, up: Weight, gate: Weight, down: Weight, n_used: int,
             norm_topk: bool, act: str, routing=None,
             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        experts = (gate, up, down)
-        if all(map(self.on_gpu, experts)):
+        if all(map(self.on_gpu, (gate, up, down))):
             return self.gpu.moe(x, router, up, gate, down, n_used, norm_topk, act, routing, residual)
         t0 = self._timer()
         weights, routed = self.route(x, router, n_used, norm_topk, routing)
+        return self.moe_experts(x, routed, weights, up, gate, down, act, residual, t0), routed
+
+    def moe_experts(self, x: torch.Tensor, routed: torch.Tensor, weights: torch.Tensor, up: Weight, gate: Weight,
+                    down: Weight, act: str, residual: torch.Tensor | None = None, t0=None) -> torch.Tensor:
+        """The routed experts chosen elsewhere (ids `routed`, weights (n, k)), where each is kept: their weighted sum
+        (+ residual when given). t0: the timer of the layer's start (its router), where the policy times it."""
+        experts, n_used = (gate, up, down), routed.shape[1]
+        if all(map(self.on_gpu, experts)):
+            return self.gpu.moe_experts(x, routed, weights, up, gate, down, act, residual)
+        t0 = self._timer() if t0 is None else t0
         ids, kept = routed, None
         res = self._resident.get(id(gate))
         if res is not None:  # the resident experts' pairs on the GPU, queued before the host step that runs the rest
@@ -285,7 +294,7 @@ class HybridBackend:
                                                                                            non_blocking=True)
         if kept is not None:
             out = out + kept
-        return (out if residual is None else residual + out), routed
+        return out if residual is None else residual + out
 
     def _cpu_on_pinned(self, host, up: Weight, gate: Weight, down: Weight, act: str,
                        out: torch.Tensor) -> torch.Tensor:

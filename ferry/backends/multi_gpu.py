@@ -65,6 +65,10 @@ class MultiGpuBackend:
             norm_topk: bool, act: str, routing=None, residual: torch.Tensor | None = None):
         return self._for(gate).moe(x, router, up, gate, down, n_used, norm_topk, act, routing, residual)
 
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: Weight, gate: Weight,
+                    down: Weight, act: str) -> torch.Tensor:
+        return self._for(gate).moe_experts(x, ids, weights, up, gate, down, act)
+
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         return self.gpus[self.layers[0]].vector(t)
 

@@ -16,8 +16,17 @@ def _swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
+SILU_CLAMP_LIMIT = 10.0  # DeepSeek-V4's swiglu_limit (the file's swiglu_clamp_exp; models/deepseek4.py checks it)
+
+
+def _silu_clamp(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's: silu(g) * u, the gate clamped above at the limit, up to +-limit."""
+    return F.silu(gate.clamp(max=SILU_CLAMP_LIMIT)) * up.clamp(-SILU_CLAMP_LIMIT, SILU_CLAMP_LIMIT)
+
+
 GLU = {
     "silu": lambda gate, up: F.silu(gate) * up,
     "gelu": lambda gate, up: F.gelu(gate, approximate="tanh") * up,
     "swiglu_oai": _swiglu_oai,
+    "silu_clamp": _silu_clamp,
 }

@@ -15,6 +15,29 @@ KV_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": 
 
 
 @dataclass(frozen=True)
+class Compressed:
+    """A compressor of DeepSeek-V4's attention (layers/compressed_attention.py) in one layer: what it keeps. Each
+    complete window of `ratio` positions pools into one entry of `dim` float32 values (position-indexed: entry w
+    holds window w), and the raw rows of the last `ring` positions (their kv and score projections, `width`
+    values each) wait for their window to complete: a state that holds every position at once, as a recurrent
+    layer's does."""
+
+    layer: int
+    name: str  # "attn" (the attention's own compressor) or "index" (the lightning indexer's)
+    ratio: int
+    dim: int
+    width: int  # dim, or 2 * dim where windows overlap
+    ring: int  # positions kept raw: ratio, or 2 * ratio where windows overlap
+
+    def entries(self, n_ctx: int) -> int:
+        return n_ctx // self.ratio + 1
+
+    @property
+    def ring_bytes(self) -> int:
+        return 2 * 4 * self.ring * self.width
+
+
+@dataclass(frozen=True)
 class CacheLayout:
     """What one layer caches per position: n_head_kv keys of head_dim_k and values of head_dim_v; v_in_k: the
     values are the first head_dim_v of each key row (MLA's latent), not stored apart."""
@@ -25,6 +48,7 @@ class CacheLayout:
     v_in_k: bool = False
     index_dim: int = 0  # DeepSeek sparse attention: the indexer's key per position in index_layers (index_value_bytes)
     index_layers: tuple[int, ...] = ()
+    compressed: tuple[Compressed, ...] = ()  # DeepSeek-V4's compressors
 
     def bytes_per_position(self, key_bytes: float, value_bytes: float) -> float:
         """One layer's bytes per position, at key_bytes / value_bytes per cached value (the indexer's key apart:
@@ -38,7 +62,8 @@ class CacheLayout:
     def bytes_per_token(self, n_layer: int, type_k: str = "f16", type_v: str = "f16") -> int:
         key_bytes = bytes_per_weight(kv_type("-ctk", type_k))
         return round(n_layer * self.bytes_per_position(key_bytes, bytes_per_weight(kv_type("-ctv", type_v)))
-                     + self.index_dim * index_value_bytes(key_bytes) * len(self.index_layers))
+                     + self.index_dim * index_value_bytes(key_bytes) * len(self.index_layers)
+                     + sum(4 * c.dim / c.ratio for c in self.compressed))
 
 
 def index_type(type_k: Q) -> Q:
@@ -94,10 +119,25 @@ def mla_mode(args, flag: int | None) -> int:
 def cache_layout(args, mla: int) -> CacheLayout:
     """What a model's KV cache holds per position and layer (ModelArgs): in MLA modes 1-3, the latent (also the
     value) and the rope key."""
+    if args.v4 is not None:  # one head, the values its keys; the compressors' entries
+        return CacheLayout(1, args.head_dim_k, args.head_dim_k, v_in_k=True, compressed=compressors(args))
     index = dict(index_dim=args.indexer_head_dim, index_layers=args.indexer_layers)
     if args.kv_lora_rank > 0 and mla:
         return CacheLayout(1, args.kv_lora_rank + args.n_rot, args.kv_lora_rank, v_in_k=True, **index)
     return CacheLayout(args.n_head_kv, args.head_dim_k, args.head_dim_v, **index)
+
+
+def compressors(args) -> tuple[Compressed, ...]:
+    """DeepSeek-V4's compressors, layer by layer: where the ratio is not 0, the attention's; where it is the CSA ratio
+    (4), their windows overlap and the indexer has one of its own."""
+    out = []
+    for i, ratio in enumerate(args.v4.compress_ratios):
+        if not ratio:
+            continue
+        overlap = ratio == args.v4.CSA_RATIO
+        for name, dim in (("attn", args.head_dim_k), ("index", args.indexer_head_dim))[:1 + overlap]:
+            out.append(Compressed(i, name, ratio, dim, dim * (1 + overlap), ratio * (1 + overlap)))
+    return tuple(out)
 
 
 def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> tuple[int, str]:
@@ -116,6 +156,12 @@ def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> 
     if cache.index_layers:
         what += (f"; with the sparse attention's indexer keys ({cache.index_dim} values per position in "
                  f"{len(cache.index_layers)} layers): each query attends to its {args.indexer_top_k} best positions")
+    if cache.compressed:  # DeepSeek-V4
+        rings = sum(c.ring_bytes for c in cache.compressed)
+        return per_token, (f"KV cache: {per_token} bytes per token in {kinds} (one key head per position and layer, "
+                           f"every position kept though each layer attends to its last {args.sliding_window}; "
+                           f"{len(cache.compressed)} compressors' pooled entries in f32; their incomplete windows keep "
+                           f"{rings / 2**10:.0f} KiB per sequence)")
     state = state_layout(args)
     if state is not None:
         what = (f"{len(args.kv_layers)} attention layers; the {len(state.layers)} recurrent layers keep "

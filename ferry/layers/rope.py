@@ -43,6 +43,7 @@ class Rope:
     neox: bool
     scale: float = 1.0  # linear position scaling: positions are divided by this factor
     yarn: Yarn | None = None
+    inverse: bool = False  # the rotation undone (sin negated): DeepSeek-V4 takes it off its attention's output
 
     def inv_freq(self) -> torch.Tensor:
         """Each rotated pair's angle per position (float64): base^(-2i / n_rot) / scale, YaRN's mix applied."""
@@ -56,7 +57,7 @@ class Rope:
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         theta = positions.double()[:, None] * self.inv_freq()[None, :]
-        return theta.cos().float(), theta.sin().float()
+        return theta.cos().float(), (-theta.sin() if self.inverse else theta.sin()).float()
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (n_tokens, n_heads, head_dim); cos/sin: (n_tokens, n_rot / 2)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.models import deepseek2, gemma3, glm4moe, gptoss, llama, minimax_m2, qwen3moe, qwen35moe
+from ferry.models import deepseek2, deepseek4, gemma3, glm4moe, gptoss, llama, minimax_m2, qwen3moe, qwen35moe
 from ferry.models.base import Model, ModelArgs, WeightLoader
 
 ARCHITECTURES = {
@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "deepseek2": deepseek2.build,
     "deepseek32": deepseek2.build,
     "glm-dsa": deepseek2.build,
+    "deepseek4": deepseek4.build,
     "glm4moe": glm4moe.build,
     "gpt-oss": gptoss.build,
     "minimax-m2": minimax_m2.build,

@@ -12,6 +12,7 @@ import torch
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
 from ferry.layers.attention import Attention, LatentAttention
+from ferry.layers.compressed_attention import CompressedAttention
 from ferry.layers.delta_net import GatedDeltaNet
 from ferry.layers.ffn import SparseMoE
 from ferry.layers.rope import Yarn
@@ -20,7 +21,7 @@ from ferry.quant import dequantize
 from ferry.layers.cache import CacheLayout, StateLayout, cache_layout, mla_mode, state_layout
 
 MAX_LAYERS = 4096
-YARN_ARCHS = ("deepseek2", "deepseek32", "glm-dsa", "gpt-oss")  # where YaRN is checked against transformers
+YARN_ARCHS = ("deepseek2", "deepseek32", "glm-dsa", "gpt-oss", "deepseek4")  # where YaRN is checked against transformers
 # gpt-oss: transformers' attention factor 1 + 0.1 ln(factor) on cos / sin, its correction range not rounded
 # (llama.cpp rounds it: docs/decisions.md, "gpt-oss's YaRN as transformers computes it")
 YARN_DEFAULTS = {"gpt-oss": dict(log_mul=0.1, truncate=False)}
@@ -75,6 +76,7 @@ class ModelArgs:
     indexer_head_dim: int = 0
     indexer_top_k: int = 0
     indexer_layers: tuple[int, ...] = ()
+    v4: "V4Args | None" = None  # DeepSeek-V4 (deepseek4): its compressed attention, streams and hash routing
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
@@ -128,7 +130,7 @@ class ModelArgs:
             sliding_window=key("attention.sliding_window", 0),
             n_expert_shared=key("expert_shared_count", 0),
             n_layer_dense_lead=key("leading_dense_block_count", 0),
-            expert_gating={1: "softmax", 2: "sigmoid"}.get(key("expert_gating_func", _default_gating(f, arch)), "unknown"),
+            expert_gating=GATING.get(key("expert_gating_func", _default_gating(f, arch)), "unknown"),
             expert_weights_scale=key("expert_weights_scale", 1.0, float),
             # absent means no: llama.cpp's converters write the key only where the HF config sets norm_topk_prob
             # (DeepSeek-V3, GLM), not for DeepSeek-V2 / V2-Lite
@@ -150,7 +152,12 @@ class ModelArgs:
         args.n_layer -= args.n_nextn  # llama.cpp's order: the prediction blocks are the last ones
         if f.get(f"{arch}.ssm.inner_size") is not None:
             args.read_recurrent(f, key)
-        if f.get(f"{arch}.attention.indexer.head_count") is not None:
+        if arch == "deepseek4":
+            args.v4 = V4Args.from_gguf(f, key, args.n_layer)
+            args.indexer_n_head, args.indexer_head_dim = key("attention.indexer.head_count"), key("attention.indexer.key_length")
+            args.indexer_top_k = key("attention.indexer.top_k")
+            args.indexer_layers = tuple(i for i, r in enumerate(args.v4.compress_ratios) if r == V4Args.CSA_RATIO)
+        elif f.get(f"{arch}.attention.indexer.head_count") is not None:
             args.read_indexer(f, key)
         if f.get(f"{arch}.attention.key_length_mla") is not None:
             # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; the
@@ -220,7 +227,9 @@ class ModelArgs:
         if self.rope_scale <= 0 or self.rope_base <= 0:
             raise bad("rope base and scale must be positive")
         if self.expert_gating == "unknown":
-            raise bad("expert_gating_func is neither 1 (softmax) nor 2 (sigmoid)")
+            raise bad("expert_gating_func is not 1 (softmax), 2 (sigmoid) or 4 (sqrt of softplus, DeepSeek-V4)")
+        if self.expert_gating == "sqrtsoftplus" and self.v4 is None:
+            raise bad(f"expert_gating_func 4 (sqrt of softplus) is DeepSeek-V4's, not {self.arch}'s")
         if self.n_layer <= 0 or self.n_nextn < 0:
             raise bad(f"nextn_predict_layers {self.n_nextn} leaves no layer to run")
         if any(self.recurrent):
@@ -228,6 +237,52 @@ class ModelArgs:
             if min(sizes) <= 0 or self.ssm_n_v_heads % self.ssm_n_k_heads or max(sizes) > 65536:
                 raise bad(f"linear attention sizes {sizes} (conv kernel, head size, key heads, value heads) are not "
                           "positive with the value heads a multiple of the key heads")
+
+
+GATING = {1: "softmax", 2: "sigmoid", 4: "sqrtsoftplus"}  # llama.cpp's expert_gating_func values
+
+
+@dataclass
+class V4Args:
+    """DeepSeek-V4's own metadata (llama.cpp's deepseek4 keys): per layer its compress ratio (0: sliding window only,
+    4: compressed sparse attention with the indexer, 128: heavily compressed), the compress rope's base, the grouped
+    output projection, the hyper-connection streams, and the leading hash-routed layers."""
+
+    CSA_RATIO = 4  # the ratio whose layers run the lightning indexer (llama.cpp's and transformers' CSA)
+
+    compress_ratios: tuple[int, ...]
+    compress_rope_base: float
+    n_out_groups: int
+    out_lora_rank: int
+    n_hc: int
+    hc_iters: int
+    hc_eps: float
+    n_hash_layers: int
+    swiglu_limit: float
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile, key, n_layer: int) -> "V4Args":
+        arch = f.architecture
+        ratios = f.require(f"{arch}.attention.compress_ratios", kind=int)
+        ratios = [int(r) for r in np.asarray(ratios).reshape(-1).tolist()]
+        if len(ratios) < n_layer or any(r not in (0, cls.CSA_RATIO) and r < 2 for r in ratios[:n_layer]):
+            raise FerryError(f"{f.path}: attention.compress_ratios {ratios} does not give a ratio (0, {cls.CSA_RATIO} "
+                             f"or another of at least 2) for each of the {n_layer} layers; the file is corrupt, "
+                             "re-convert it")
+        limits = set()
+        for name in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
+            v = f.get(f"{arch}.{name}")
+            if v is not None:
+                limits.update(float(x) for x in np.asarray(v).reshape(-1)[:n_layer].tolist())
+        if len(limits) > 1:
+            raise FerryError(f"{f.path}: the SwiGLU clamp differs between layers or experts ({sorted(limits)}), "
+                             "which ferry does not support yet")
+        return cls(compress_ratios=tuple(ratios[:n_layer]),
+                   compress_rope_base=key("attention.compress_rope_freq_base", None, float),
+                   n_out_groups=key("attention.output_group_count"), out_lora_rank=key("attention.output_lora_rank"),
+                   n_hc=key("hyper_connection.count"), hc_iters=key("hyper_connection.sinkhorn_iterations"),
+                   hc_eps=key("hyper_connection.epsilon", None, float), n_hash_layers=key("hash_layer_count", 0),
+                   swiglu_limit=limits.pop() if limits else 0.0)
 
 
 def _default_gating(f: GGUFFile, arch: str) -> int:
@@ -294,6 +349,8 @@ class Model:
     output_norm: torch.Tensor
     output: Weight
     embd_scale: float = 1.0
+    ggml_graph = True  # whether the CPU runs it as one ggml graph (runners/ggml_graph.py has its every op)
+    cuda_graphs = True  # whether a GPU may record its steps as CUDA graphs (no op of it indexes by position on the host)
 
     def weights(self) -> list[Weight]:
         """Every matmul weight of the model, once each, in layer order (output last)."""
@@ -302,6 +359,9 @@ class Model:
         def walk(obj) -> None:
             if isinstance(obj, Weight):
                 found.setdefault(id(obj), obj)
+            elif isinstance(obj, list):  # DeepSeek-V4's grouped output projection
+                for o in obj:
+                    walk(o)
             elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
                 for f in dataclasses.fields(obj):
                     walk(getattr(obj, f.name))
@@ -325,8 +385,9 @@ class Model:
 
     def ropes(self) -> set:
         """The rotary embeddings its attention layers and their indexers use (a GPU keeps a table of each's angles)."""
-        attns = [b.attn for b in self.blocks if isinstance(b.attn, (Attention, LatentAttention))]
-        return {a.rope for a in attns} | {a.indexer.rope for a in attns if getattr(a, "indexer", None) is not None}
+        attns = [b.attn for b in self.blocks if isinstance(b.attn, (Attention, LatentAttention, CompressedAttention))]
+        return ({a.rope for a in attns} | {a.indexer.rope for a in attns if getattr(a, "indexer", None) is not None}
+                | {a.unrope for a in attns if isinstance(a, CompressedAttention)})
 
     def use_mla(self, mode: int | None, max_batch_mib: int = 0) -> int:
         """Set the latent attention mode (-mla, ik_llama.cpp's meaning; None: ferry's choice, 3) and -amb (MiB; 0:

@@ -71,7 +71,7 @@ class Engine:
         devices = backend.kv_devices(a.n_layer)  # None: host memory, for ggml's graphs
         self.kv = KVCache.of(model.cache_layout(), a.n_layer, n_ctx, type_k, type_v,
                              None if devices is None else [str(d) for d in devices], model.state_layout(), n_seq)
-        self.runner = _runner(backend, devices, graph)
+        self.runner = _runner(backend, devices, graph and model.ggml_graph)
         layer_first = backend.layer_first if layer_first is None else layer_first
         self.layer_first = layer_first and self.runner.layer_first
         self.n_past = 0
@@ -106,7 +106,7 @@ class Engine:
     def recurrent(self) -> bool:
         """Whether layers keep a recurrent state, which holds every position at once: the sequence can be cut back
         only to its start (truncate), not to an earlier position."""
-        return self.kv.state is not None
+        return self.kv.recurrent
 
     def save_state(self) -> tuple[int, list] | None:
         """A copy of the recurrent state as it is now (None where the model has none), for truncate."""

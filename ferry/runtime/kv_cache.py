@@ -2,7 +2,8 @@
 (`-ctk` / `-ctv`: f16 by default, as in llama.cpp; q8_0 halves it again). In DeepSeek's latent attention
 (-mla 1/2/3) a position's key is its latent and rope key, and its value the latent: the first values of the key
 row, so no value rows are stored. DeepSeek sparse attention's layers also keep their indexer's key per position
-(`index`, in layers/cache.py's index_type)."""
+(`index`, in layers/cache.py's index_type). DeepSeek-V4's compressors keep their pooled entries per window and the
+raw rows of their incomplete windows (`compressed`, layers/cache.py's Compressed)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.errors import FerryError
-from ferry.layers.cache import CacheLayout, StateLayout, index_type, kv_type
+from ferry.layers.cache import CacheLayout, Compressed, StateLayout, index_type, kv_type
 from ferry.quant import row_bytes
 
 TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # types torch reads directly
@@ -24,7 +25,7 @@ class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
                  type_k: str = "f16", type_v: str = "f16", device: str | list[str] | None = None,
                  v_in_k: bool = False, state: StateLayout | None = None, n_seq: int = 1, index_dim: int = 0,
-                 index_layers: tuple[int, ...] = ()):
+                 index_layers: tuple[int, ...] = (), compressed: tuple[Compressed, ...] = ()):
         """device: None (host memory), a GPU, or each layer's GPU (layers split across GPUs). state: the recurrent
         layers, which keep no KV rows but a state for each of n_seq sequences (`conv`, `delta`). index_layers: those
         that also keep an indexer key of index_dim values per position (`index[i]`: (n_ctx, bytes) uint8 rows of
@@ -54,6 +55,7 @@ class KVCache:
             self.v = [] if v_in_k else [np.zeros((r, vb), dtype=np.uint8) for r in rows]
             self.index = [np.zeros((r, ib), dtype=np.uint8) for r in index_rows]
             self._states(state, n_layer, n_seq, lambda shape, i: np.zeros(shape, dtype=np.float32))
+            self._compressed(compressed, n_seq, lambda shape, i: torch.zeros(shape))
         else:  # a GPU: float types or q8_0, read by the GPU attention kernels
             for flag, qtype in (("-ctk", self.type_k), ("-ctv", self.type_v)):
                 if qtype not in TORCH_TYPES and qtype != Q.Q8_0:
@@ -66,6 +68,24 @@ class KVCache:
             self.index = [torch.zeros(r, ib, dtype=torch.uint8, device=d)
                           for r, d in zip(index_rows, per_layer)]
             self._states(state, n_layer, n_seq, lambda shape, i: torch.zeros(shape, device=per_layer[i]))
+            self._compressed(compressed, n_seq, lambda shape, i: torch.zeros(shape, device=per_layer[i]))
+
+    def _compressed(self, compressed: tuple[Compressed, ...], n_seq: int, zeros) -> None:
+        """Per compressor (layer, name): `entries` (entries, dim), its windows pooled; `rings` (kv, score), each
+        (n_seq, ring, width): the raw rows of the last ring positions, position p at row p % ring."""
+        self.compressed = {(c.layer, c.name): c for c in compressed}
+        self.entries = {k: zeros((c.entries(self.n_ctx), c.dim), c.layer) for k, c in self.compressed.items()}
+        self.rings = {k: (zeros((n_seq, c.ring, c.width), c.layer), zeros((n_seq, c.ring, c.width), c.layer))
+                      for k, c in self.compressed.items()}
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer keeps a state that holds every position at once (a delta-net's, a compressor's raw
+        rows): the sequence can then be cut back only to its start, or to a state saved there."""
+        return self.state is not None or bool(self.compressed)
+
+    def _state_arrays(self) -> list:
+        return [t for t in self.conv + self.delta if t is not None] + [t for pair in self.rings.values() for t in pair]
 
     def _states(self, state: StateLayout | None, n_layer: int, n_seq: int, zeros) -> None:
         """Per layer (None where it is not recurrent), in ggml's layouts: `conv` (n_seq, channels, kernel - 1), the
@@ -78,21 +98,21 @@ class KVCache:
 
     def copy_state(self) -> list:
         """A copy of every sequence's recurrent state (put_state puts it back)."""
-        return [t.copy() if isinstance(t, np.ndarray) else t.clone() for t in self.conv + self.delta if t is not None]
+        return [t.copy() if isinstance(t, np.ndarray) else t.clone() for t in self._state_arrays()]
 
     def put_state(self, saved: list) -> None:
-        for t, copy in zip([t for t in self.conv + self.delta if t is not None], saved, strict=True):
+        for t, copy in zip(self._state_arrays(), saved, strict=True):
             t[...] = copy
 
     def clear_state(self, seq: int = 0) -> None:
         """Sequence seq's recurrent state back to zero: it starts again at position 0."""
-        for t in self.conv + self.delta:
-            if t is not None:
-                t[seq] = 0
+        for t in self._state_arrays():
+            t[seq] = 0
+
     @property
     def n_bytes(self) -> int:
-        states = [t.nbytes if isinstance(t, np.ndarray) else 4 * t.numel() for t in self.conv + self.delta
-                  if t is not None]
+        states = [t.nbytes if isinstance(t, np.ndarray) else 4 * t.numel()
+                  for t in self._state_arrays() + list(self.entries.values())]
         return sum(a.nbytes if isinstance(a, np.ndarray) else a.numel() for a in self._rows()) + sum(states)
 
     def _rows(self) -> list:
@@ -110,7 +130,7 @@ class KVCache:
     def of(cls, layout: CacheLayout, n_layer: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
            device: str | list[str] | None = None, state: StateLayout | None = None, n_seq: int = 1) -> "KVCache":
         return cls(n_layer, n_ctx, layout.n_head_kv, layout.head_dim_k, layout.head_dim_v, type_k, type_v, device,
-                   layout.v_in_k, state, n_seq, layout.index_dim, layout.index_layers)
+                   layout.v_in_k, state, n_seq, layout.index_dim, layout.index_layers, layout.compressed)
 
     def copy_rows(self, start: int, n: int) -> list:
         """Positions start..start + n - 1 of every layer (keys, values, indexer keys), copied to host memory: what

@@ -9,11 +9,12 @@ import triton
 import triton.language as tl
 from gguf.constants import GGML_QUANT_SIZES
 
-from ferry.kernels.activations import SWIGLU_OAI
+from ferry.kernels.activations import SILU_CLAMP_LIMIT, SWIGLU_OAI
 from ferry.kernels.cuda.layout import GEMV_KINDS, SCALE_BYTES, Split, _nibbles, _qdot, _scale
 
 _OAI_ALPHA: tl.constexpr = tl.constexpr(SWIGLU_OAI[0])
 _OAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLU_OAI[1])
+_CLAMP_LIMIT: tl.constexpr = tl.constexpr(SILU_CLAMP_LIMIT)
 
 
 @triton.jit
@@ -42,11 +43,16 @@ def _act(g, ACT: tl.constexpr):
 
 @triton.jit
 def _glu(g, u, ACT: tl.constexpr):
-    """The gated activation of GLUS' number ACT: act(g) * u, or gpt-oss's clamped SwiGLU (kernels/activations.py)."""
+    """The gated activation of GLUS' number ACT: act(g) * u, or gpt-oss's or DeepSeek-V4's clamped SwiGLU
+    (kernels/activations.py)."""
     if ACT == 2:
         g = tl.minimum(g, _OAI_LIMIT)
         u = tl.minimum(tl.maximum(u, -_OAI_LIMIT), _OAI_LIMIT)
         return g / (1.0 + tl.exp(-_OAI_ALPHA * g)) * (u + 1.0)
+    elif ACT == 3:
+        g = tl.minimum(g, _CLAMP_LIMIT)
+        u = tl.minimum(tl.maximum(u, -_CLAMP_LIMIT), _CLAMP_LIMIT)
+        return g / (1.0 + tl.exp(-g)) * u
     else:
         return _act(g, ACT) * u
 
@@ -215,7 +221,7 @@ def unpack_experts(raw: torch.Tensor, ids: torch.Tensor, split: "Split") -> None
                                                                  BLOCK=block, HEAD=head, PAYLOAD=block - head, BB=bb)
 
 
-GLUS = {"silu": 0, "gelu": 1, "swiglu_oai": 2}  # the gated activations of the expert kernels (_glu)
+GLUS = {"silu": 0, "gelu": 1, "swiglu_oai": 2, "silu_clamp": 3}  # the gated activations of the expert kernels (_glu)
 
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Split, up: Split, down: Split,

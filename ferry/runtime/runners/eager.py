@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ferry.backends.cuda import top_k_route
 from ferry.layers.attention import with_sinks
+from ferry.layers.hyper_connection import sinkhorn
 from ferry.layers.delta_net import delta_rule, short_conv
 from ferry.layers.indexer import scores, top_k_mask
 from ferry.layers.norm import rms_norm
@@ -245,6 +247,108 @@ class TorchOps:
         out, ids = self.backend.moe(x, router, up, gate, down, n_used, norm_topk, act, routing)
         self.batch.expert_ids.append(ids)
         return out if residual is None else self.add(residual, out)
+
+    def route(self, logits: torch.Tensor, n_used: int, routing, hash_ids: torch.Tensor | None = None):
+        """(weights, ids) of each token's experts from its router logits (layers.ffn.Routing); hash_ids: a table of
+        each token id's experts (DeepSeek-V4's hash layers), which then only get their weights."""
+        chosen = None
+        if hash_ids is not None:
+            chosen = self._on(("hash", id(hash_ids)), hash_ids, logits.device)[self.tokens.to(logits.device).long()]
+        return top_k_route(logits.float(), n_used, True, routing, self.backend.vector, chosen)
+
+    def moe_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: Weight, gate: Weight,
+                   down: Weight, act: str) -> torch.Tensor:
+        """The weighted sum of the experts chosen by `route`."""
+        self.batch.expert_ids.append(ids)
+        return self.backend.moe_experts(x, ids, weights, up, gate, down, act)
+
+    def hyper_pre(self, streams: torch.Tensor, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_hc: int,
+                  n_iters: int, eps: float):
+        """A hyper-connection's mixing (layers/hyper_connection.py) from its logits mix (n, (2 + n_hc) * n_hc): the
+        sub-layer's input sum_j pre[j] X[j] (n, n_embd), post (n, n_hc) and comb (n, src, dst)."""
+        n = streams.shape[0]
+        base, scale = self.backend.vector(base), self.backend.vector(scale)
+        pre = torch.sigmoid(mix[:, :n_hc] * scale[0] + base[:n_hc]) + eps
+        post = 2 * torch.sigmoid(mix[:, n_hc:2 * n_hc] * scale[1] + base[n_hc:2 * n_hc])
+        comb = (mix[:, 2 * n_hc:] * scale[2] + base[2 * n_hc:]).view(n, n_hc, n_hc)
+        comb = sinkhorn(torch.softmax(comb, -1) + eps, n_iters, eps)
+        return torch.einsum("nj,njd->nd", pre, streams.view(n, n_hc, -1)), post, comb
+
+    def hyper_post(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        """X'[k] = post[k] y + sum_j comb[j, k] X[j]: the sub-layer's output y (n, n_embd) into the streams."""
+        n, n_hc = post.shape
+        out = post[..., None] * y[:, None] + torch.einsum("njd,njk->nkd", streams.view(n, n_hc, -1), comb)
+        return out.reshape(n, -1)
+
+    def hyper_collapse(self, streams: torch.Tensor, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                       n_hc: int, eps: float):
+        """The head's sum_j pre[j] X[j], pre = sigmoid(mix * scale + base) + eps."""
+        pre = torch.sigmoid(mix * self.backend.vector(scale) + self.backend.vector(base)) + eps
+        return torch.einsum("nj,njd->nd", pre, streams.view(streams.shape[0], n_hc, -1))
+
+    def compress(self, comp, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        """A compressor's entries (layers/compressed_attention.py) up to this batch's last complete window: the
+        windows this batch completes pooled from its kv and score projections (n, width) and the raw rows its
+        cache kept of earlier positions, then kept; this batch's last raw rows kept for the windows to come."""
+        if self.batch.seq is not None:
+            raise NotImplementedError("DeepSeek-V4's compressors run one sequence per forward")
+        cache, key, r = self.batch.kv, (comp.layer, comp.name), comp.ratio
+        ring_kv, ring_score = (t[0] for t in cache.rings[key])
+        entries, ring = cache.entries[key], ring_kv.shape[0]
+        start, end = self.batch.start, self.batch.start + self.n_tokens
+        pos = self.batch.positions.to(kv.device)
+        score = score + self.backend.vector(comp.ape)[pos % r]
+        first, last = start // r, end // r  # the windows this batch completes
+        if last > first:
+            earlier = torch.arange(first * r - (ring - r), start, device=kv.device)  # their rows from before the batch
+            old_kv, old_score = ring_kv[earlier % ring].clone(), ring_score[earlier % ring].clone()
+            old_kv[earlier < 0], old_score[earlier < 0] = 0.0, float("-inf")  # window 0 has no window before it
+            rows_kv, rows_score = torch.cat([old_kv, kv]), torch.cat([old_score, score])
+            n, d = last - first, comp.dim
+            if comp.overlap:  # the previous window's first half, this one's second half
+                def slots(t):
+                    return torch.cat([t[:n * r].view(n, r, 2 * d)[..., :d], t[r:(n + 1) * r].view(n, r, 2 * d)[..., d:]], 1)
+            else:
+                def slots(t):
+                    return t[:n * r].view(n, r, d)
+            pooled = (slots(rows_kv) * torch.softmax(slots(rows_score), 1)).sum(1)
+            pooled = rms_norm(pooled, self.backend.vector(comp.norm), comp.norm_eps)
+            rot = comp.rope.n_rot
+            cos, sin = comp.rope.angles(torch.arange(first, last) * r)
+            tail = comp.rope(pooled[:, None, d - rot:], cos.to(kv.device), sin.to(kv.device))[:, 0]
+            entries[first:last] = torch.cat([pooled[:, :d - rot], tail], -1)
+        kept = torch.arange(max(start, end - ring), end, device=kv.device)
+        ring_kv[kept % ring], ring_score[kept % ring] = kv[kept - start], score[kept - start]
+        return entries[:last]
+
+    def compressed_select(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, ratio: int, top_k: int):
+        """A lightning indexer's choice over compressed entries keys (entries, d): (n, entries) bool, each query's
+        top_k by score among those it sees (w < (t + 1) // ratio); None where none sees more than top_k."""
+        if keys.shape[0] <= top_k:
+            return None
+        return top_k_mask(scores(q.float(), keys.float(), w.float()), self._visible(keys.shape[0], ratio, q.device),
+                          top_k)
+
+    def _visible(self, n_entries: int, ratio: int, device) -> torch.Tensor:
+        """(n, entries) bool: entry w is seen by the query at position t if its window is complete, w < (t + 1) // ratio."""
+        pos = self.batch.positions.to(device)
+        return torch.arange(n_entries, device=device)[None, :] < ((pos + 1) // ratio)[:, None]
+
+    def compressed_attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
+                             ratio: int, window: int, scale: float, sinks: torch.Tensor,
+                             select: torch.Tensor | None) -> torch.Tensor:
+        """DeepSeek-V4's attention: kv (n, 1, d) into the cache; q (n, heads, d) attends, with sinks, to the last
+        `window` cached positions and to the compressed entries (entries, d) it sees (of them, those `select` keeps):
+        (n, heads * d)."""
+        if self.batch.seq is not None:
+            raise NotImplementedError("DeepSeek-V4's attention runs one sequence per forward")
+        keys, _ = self.batch.kv.store(layer, self.batch.start, kv, None)
+        mask = self._on(("mask", window), self.batch.mask(window), q.device)
+        if entries is not None and entries.shape[0]:
+            seen = self._visible(entries.shape[0], ratio, q.device)
+            keys = torch.cat([keys, entries[:, None].to(keys.device, keys.dtype)])
+            mask = torch.cat([mask, seen if select is None else seen & select], 1)
+        return self._sdpa(q, keys, keys, scale, window, sinks, select=mask)
 
     def output_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The rows whose logits are wanted: the last Batch.logit_rows."""
