@@ -22,7 +22,7 @@ def test_random_blocks_have_mean_zero_and_the_asked_std(qtype):
 
 
 @pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "deepseek2-tiny", "glm4moe-tiny", "minimax-m2-tiny",
-                                    "qwen35moe-tiny", "qwen3next-tiny"])
+                                    "qwen35moe-tiny", "qwen3next-tiny", "deepseek4-tiny"])
 def test_tiny_preset_routes_a_random_ubatch_to_most_experts_in_every_layer(tmp_path, backend, preset):
     path = tmp_path / "tiny.gguf"
     synth(PRESETS[preset], path, Q.Q4_0, Q.Q8_0, quiet=True)
@@ -49,6 +49,25 @@ def test_minimax_m2_preset_has_the_real_shapes(tmp_path):
     attn = model.blocks[0].attn
     assert attn.norm_whole and attn.q_norm.shape == (48 * 128,) and attn.k_norm.shape == (8 * 128,)
     assert model.args.expert_gating == "sigmoid" and model.blocks[0].ffn.norm_topk
+
+
+def test_deepseek_v4_flash_preset_has_the_real_shapes(tmp_path):
+    """DeepSeek-V4-Flash's config: 43 layers of 4096, 64 heads of 512 over one shared key/value head (rope on 64),
+    a low-rank query of 1024, 8 output groups of rank 1024, 256 experts of 2048 of which 6 are chosen (the first 3
+    layers by hash), a window of 128, two sliding-only layers then compressed sparse (4, the indexer's 64 heads of
+    128 picking 512) and heavily compressed (128) in turn. A cut of it loads with those layer kinds."""
+    p = PRESETS["deepseek-v4-flash"]
+    assert (p.n_layer, p.n_embd, p.n_head, p.n_head_kv, p.head_dim, p.head_dim_rope) == (43, 4096, 64, 1, 512, 64)
+    assert (p.q_lora_rank, p.out_groups, p.out_lora_rank, p.n_expert, p.n_expert_used, p.n_ff_exp) == (
+        1024, 8, 1024, 256, 6, 2048)
+    assert (p.sliding_window, p.indexer_heads, p.indexer_dim, p.indexer_top_k, p.n_hash_layers) == (128, 64, 128, 512, 3)
+    assert p.compress_ratios[:6] == (0, 0, 4, 128, 4, 128) and p.compress_ratios[-1] == 4
+    path = tmp_path / "v4.gguf"
+    synth(p, path, Q.Q4_0, Q.Q8_0, layers=5, quiet=True, shape_only=True)
+    model = load_model(GGUFFile(path))
+    assert [b.attn.ratio for b in model.blocks] == [0, 0, 4, 128, 4]
+    assert [b.attn.indexer is not None for b in model.blocks] == [False, False, True, False, True]
+    assert [b.ffn.hash_ids is not None for b in model.blocks] == [True, True, True, False, False]
 
 
 def test_qwen35_presets_have_the_real_shapes(tmp_path):

@@ -1,8 +1,9 @@
 """glm4moe (q/k/v biases, rope on half of each head, sigmoid routing with a correction bias, a shared expert),
 deepseek2 (latent attention, group-free sigmoid routing), minimax-m2 (q/k norms across all heads, rope on half of
 each head, sigmoid routing with a correction bias), qwen35moe (gated delta-net layers with their recurrent state,
-gated attention, a gated shared expert) and deepseek32 / glm-dsa (sparse attention, top-k 16 of the 220 positions)
-on the GPU and in the hybrid runtime, against the all-CPU
+gated attention, a gated shared expert), deepseek32 / glm-dsa (sparse attention, top-k 16 of the 220 positions) and
+deepseek4 (compressed attention: a window of 8, entries pooled by 4 and 16, the indexer's top 4; hyper-connection
+streams; hash routing) on the GPU and in the hybrid runtime, against the all-CPU
 result, on the tiny synthetic presets: prompts at two u-batch sizes, then token by token through CUDA graphs. Also
 files as ik_llama.cpp quantized them (IQ4_KS, IQ4_K, IQ5_KS, IQ3_KS, IQ2_KS, IQ4_KSS, IQ2_KL, IQ2_K or IQ3_K experts
 (some interleaved as _R4, de-interleaved at load) read in place
@@ -46,7 +47,8 @@ def _family(name, tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=["glm4moe-tiny", "deepseek2-tiny", "minimax-m2-tiny", "qwen35moe-tiny",
-                                        "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny", *IK_FILES])
+                                        "qwen3next-tiny", "deepseek32-tiny", "glm-dsa-tiny", "deepseek4-tiny",
+                                        *IK_FILES])
 def family(request, tmp_path_factory):
     return _family(request.param, tmp_path_factory)
 

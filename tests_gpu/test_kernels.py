@@ -10,7 +10,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.gguf.synth import random_tensor
-from ferry.kernels.activations import GLU
+from ferry.kernels.activations import GLU, SILU_CLAMP_LIMIT
 from ferry.kernels.cuda import attention, gemv, indexer, kquant, layout, moe, norm_rope, route
 from ferry.quant import IkQuant, dequantize as reference
 
@@ -99,14 +99,18 @@ def _on(t):
 
 
 @pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)
-@pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "swiglu_oai", "silu_clamp"])
 @pytest.mark.parametrize("n,n_expert,n_used,n_embd,n_ff", [(1, 4, 2, 64, 96), (3, 8, 3, 96, 160), (2, 16, 8, 256, 64)])
 def test_moe_gemv_matches_float64(qtype, act, n, n_expert, n_used, n_embd, n_ff):
-    """The expert GEMVs; gpt-oss's clamped SwiGLU with each expert's biases (an id of -1 adds nothing)."""
+    """The expert GEMVs; gpt-oss's clamped SwiGLU with each expert's biases (an id of -1 adds nothing); DeepSeek-V4's
+    clamped SwiGLU on inputs large enough that its clamp bites."""
     rng = np.random.default_rng(n_expert * n_embd + n)
     (graw, g), (uraw, u), (draw, d) = (_quantized(rng, qtype, n_expert, a, b) for a, b in
                                        ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff)))
     x = torch.from_numpy(rng.standard_normal((n, n_embd))).float()
+    if act == "silu_clamp":
+        x = x * 40
+        assert (g.double() @ x[0].double()).abs().max() > 2 * SILU_CLAMP_LIMIT
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert)[:n_used]) for _ in range(n)])
     biases = _biases(rng, n_expert, n_embd, n_ff) if act == "swiglu_oai" else None
     if biases is not None:
@@ -586,7 +590,7 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     """Every pair's row times its expert's matrix, through the GPU-built tile schedule: odd token counts, experts
     with no tokens, tiles that straddle nothing; the gated form act(x . gate) * (x . up) in one launch; rows read
     and written through indices."""
-    act = "silu" if n % 2 else "gelu"
+    act = ("silu", "gelu", "silu_clamp")[n % 3]
     rng = np.random.default_rng(n * rows + cols)
     raw, w = _quantized(rng, qtype, n_expert, rows, cols)
     ids = torch.stack([torch.from_numpy(rng.permutation(n_expert - 1)[:n_used]) for _ in range(n)])  # one idle expert
@@ -601,8 +605,7 @@ def test_grouped_moe_mm_matches_float64(qtype, n, n_expert, n_used, rows, cols, 
     gated = moe.moe_mm(x[order].to(DEV), layout.Split.of(raw, qtype, (cols, rows, n_expert)), sched, torch.float32, block,
                        up=layout.Split.of(raw_up, qtype, (cols, rows, n_expert)), act=act)
     up_rows = torch.stack([w_up[int(e)] @ x[order][i].double() for i, e in enumerate(flat)])
-    act_ref = torch.nn.functional.silu if act == "silu" else lambda v: torch.nn.functional.gelu(v, approximate="tanh")
-    _close(gated, act_ref(want) * up_rows, 2e-3)
+    _close(gated, GLU[act](want, up_rows), 2e-3)
     # rows read in place through an index (pair p reads its token's row p // n_used) and written back in pair order
     # times the pair's router weight
     tokens = torch.from_numpy(rng.standard_normal((n, cols))).half()
@@ -901,3 +904,30 @@ def test_conv_step_matches_float64(channels, kernel):
     state = kept.to(DEV)
     _close(conv_step(x.to(DEV), state, w.to(DEV)), want)
     _close(state, full[:, 1:])
+
+
+@pytest.mark.parametrize("n,d,n_hc", [(1, 64, 4), (5, 300, 4), (33, 1000, 2), (3, 4096, 4)])
+def test_hyper_connection_kernels_match_float64(n, d, n_hc):
+    """DeepSeek-V4's hyper-connections: pre (sigmoid + eps), post (2 sigmoid), comb (softmax over destinations, then 20
+    Sinkhorn rounds) from a sub-layer's mixing logits, the streams collapsed into its input; then its output written
+    back, X'[k] = post[k] y + sum_j comb[j, k] X[j]. Odd widths, one and many tokens."""
+    from ferry.kernels.cuda import hyper
+    from ferry.layers.hyper_connection import sinkhorn
+
+    rng = np.random.default_rng(n * d + n_hc)
+    m = (2 + n_hc) * n_hc
+    streams, mix, y = (torch.from_numpy(rng.standard_normal(s)) for s in ((n, n_hc * d), (n, m), (n, d)))
+    base, scale = torch.from_numpy(rng.standard_normal(m)), torch.from_numpy(rng.uniform(0.5, 2, 3))
+    eps = 1e-6
+    pre = torch.sigmoid(mix[:, :n_hc] * scale[0] + base[:n_hc]) + eps
+    post = 2 * torch.sigmoid(mix[:, n_hc:2 * n_hc] * scale[1] + base[n_hc:2 * n_hc])
+    comb = sinkhorn(torch.softmax((mix[:, 2 * n_hc:] * scale[2] + base[2 * n_hc:]).view(n, n_hc, n_hc), -1) + eps, 20,
+                    eps)
+    x = torch.einsum("nj,njd->nd", pre, streams.view(n, n_hc, d))
+    got = hyper.hyper_pre(streams.float().to(DEV), mix.float().to(DEV), base.float().to(DEV), scale.float().to(DEV),
+                          n_hc, 20, eps)
+    for g, want in zip(got, (x, post, comb)):
+        _close(g, want, 2e-5)
+    out = hyper.hyper_post(streams.float().to(DEV), y.float().to(DEV), post.float().to(DEV), comb.float().to(DEV))
+    want = (post[..., None] * y[:, None] + torch.einsum("njd,njk->nkd", streams.view(n, n_hc, d), comb)).reshape(n, -1)
+    _close(out, want, 2e-5)

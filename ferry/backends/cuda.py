@@ -18,7 +18,6 @@ from ferry.kernels.activations import GLU
 from ferry.kernels.capabilities import can, gpu_reads
 from ferry.quant import Q
 
-_ACT = {"silu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh")}  # the kernels' (GLU: every one)
 _FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 GEMV_MAX = 8  # tokens up to which a matmul runs as quantized GEMV
 MOE_GEMV_MAX = 64  # (token, expert) pairs up to which the MoE runs as expert GEMVs
@@ -190,8 +189,7 @@ class CudaBackend:
         return _mm(x.to(torch.float16), self._expand(qtype, raw, ne, torch.float16).T)
 
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
-        h = _ACT[act](self.linear(x, gate)) * self.linear(x, up)
-        return self.linear(h, down)
+        return self.linear(GLU[act](self.linear(x, gate), self.linear(x, up)), down)
 
     def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         t, ids = self.upload(w), ids.to(self.device).long()

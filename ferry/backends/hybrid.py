@@ -18,6 +18,7 @@ import torch
 
 from ferry.weight import Weight
 from ferry.backends.cuda import CudaBackend, gpu_route
+from ferry.kernels.activations import GLU
 from ferry.kernels.capabilities import can, can_ggml, gpu_holds, gpu_reads
 from ferry.placement import EXPERTS_RE
 from ferry.offload.cost import Calibration
@@ -231,10 +232,7 @@ class HybridBackend:
     def ffn(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: str) -> torch.Tensor:
         if all(map(self.on_gpu, (gate, up, down))):
             return self.gpu.ffn(x, gate, up, down, act)
-        from ferry.backends.cuda import _ACT
-
-        h = _ACT[act](self.linear(x, gate)) * self.linear(x, up)
-        return self.linear(h, down)
+        return self.linear(GLU[act](self.linear(x, gate), self.linear(x, up)), down)
 
     def get_rows(self, w: Weight, ids: torch.Tensor) -> torch.Tensor:
         if self.on_gpu(w):

@@ -100,6 +100,19 @@ class Preset:
     indexer_dim: int = 0
     indexer_top_k: int = 0
     indexer_every: int = 1
+    # deepseek4: each layer's compress ratio (0 sliding only, 4 with the indexer, else heavily compressed), the grouped
+    # output projection, the residual streams and the leading hash-routed layers
+    compress_ratios: tuple[int, ...] = ()
+    out_groups: int = 0
+    out_lora_rank: int = 0
+    n_hc: int = 4
+    n_hash_layers: int = 0
+
+
+def v4_ratios(n_layer: int) -> tuple[int, ...]:
+    """DeepSeek-V4-Flash's pattern: two sliding-only layers, then compressed sparse (4) and heavily compressed (128)
+    in turn."""
+    return (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, n_layer))
 
 
 PRESETS = {
@@ -180,6 +193,20 @@ PRESETS = {
                            q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
                            n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True,
                            indexer_heads=8, indexer_dim=32, indexer_top_k=16, indexer_every=2),
+    # DeepSeek-V4-Flash's shapes (284B-A13B, 43 layers: about 150 GB with Q4_0 experts; --layers cuts it): one shared
+    # key/value head of 512, 64 query heads in 8 output groups, 256 experts of 2048 chosen 6 (3 hash-routed layers),
+    # a window of 128, the indexer's 64 heads of 128 picking 512 entries
+    "deepseek-v4-flash": Preset("deepseek4", 43, 4096, 64, 1, 512, 256, 6, 2048, 2048, 129280, n_ctx=1048576,
+                                rope_base=10000.0, q_lora_rank=1024, head_dim_rope=64, n_expert_shared=1, gating=4,
+                                expert_weights_scale=1.5, expert_weights_norm=True, sliding_window=128,
+                                indexer_heads=64, indexer_dim=128, indexer_top_k=512, compress_ratios=v4_ratios(43),
+                                out_groups=8, out_lora_rank=1024, n_hash_layers=3),
+    # a few MB of the same kinds: heavily compressed at 16, windows of 8, top-k 4 (short tests pass them)
+    "deepseek4-tiny": Preset("deepseek4", 4, 256, 4, 1, 64, 16, 4, 128, 128, 2048, n_ctx=4096, rope_base=10000.0,
+                             q_lora_rank=96, head_dim_rope=16, n_expert_shared=1, gating=4, expert_weights_scale=1.5,
+                             expert_weights_norm=True, sliding_window=8, indexer_heads=16, indexer_dim=32,
+                             indexer_top_k=4, compress_ratios=(0, 4, 16, 4), out_groups=2, out_lora_rank=32,
+                             n_hash_layers=1),
     "deepseek2-tiny": Preset("deepseek2", 4, 256, 4, 4, 32, 16, 4, 128, 512, 2048, n_ctx=4096, rope_base=10000.0,
                              q_lora_rank=96, kv_lora_rank=64, head_dim_rope=16, head_dim_v=32, n_expert_shared=1,
                              n_layer_dense_lead=1, gating=2, expert_weights_scale=2.5, expert_weights_norm=True),
@@ -406,6 +433,47 @@ def _qwen35_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, o
                     mat(b + "ffn_gate_inp_shexp.weight", Q.F32, (d, 1))]
 
 
+def _v4_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, other_type, rng) -> list[TensorSpec]:
+    """One deepseek4 block: the hyper-connections' mixing, compressed attention (its compressor and indexer where the
+    layer's ratio asks), routed experts (hash-routed in the leading layers) and the shared expert."""
+    d, h, hd, ratio = p.n_embd, p.n_head, p.head_dim, p.compress_ratios[i]
+
+    def vector(name: str, *ne: int, mean: float = 0.0, std: float = 0.1) -> TensorSpec:
+        n = int(np.prod(ne))
+        return TensorSpec(name, Q.F32, ne, lambda: (mean + std * rng.standard_normal(n)).astype(np.float32))
+
+    mix = (2 + p.n_hc) * p.n_hc
+    specs = []
+    for kind in ("attn", "ffn"):
+        specs += [mat(f"{b}hc_{kind}_fn.weight", Q.F32, (p.n_hc * d, mix)), vector(f"{b}hc_{kind}_base.weight", mix),
+                  vector(f"{b}hc_{kind}_scale.weight", 3, mean=1.0)]
+    group = h * hd // p.out_groups
+    specs += [named(ones(d), b + "attn_norm.weight"), mat(b + "attn_q_a.weight", other_type, (d, p.q_lora_rank)),
+              named(ones(p.q_lora_rank), b + "attn_q_a_norm.weight"),
+              mat(b + "attn_q_b.weight", other_type, (p.q_lora_rank, h * hd)),
+              mat(b + "attn_kv.weight", other_type, (d, hd)), named(ones(hd), b + "attn_kv_a_norm.weight"),
+              vector(b + "attn_sinks.weight", h),
+              mat(b + "attn_output_a.weight", other_type, (group, p.out_groups * p.out_lora_rank)),
+              mat(b + "attn_output_b.weight", other_type, (p.out_groups * p.out_lora_rank, d), OUTPUT_PROJECTION_SCALE),
+              named(ones(d), b + "ffn_norm.weight")]
+    compressors = ([("attn", hd)] if ratio else []) + ([("indexer", p.indexer_dim)] if ratio == 4 else [])
+    for name, dim in compressors:
+        width = dim * (2 if ratio == 4 else 1)
+        specs += [mat(f"{b}{name}_compressor_kv.weight", other_type, (d, width)),
+                  mat(f"{b}{name}_compressor_gate.weight", other_type, (d, width)),
+                  vector(f"{b}{name}_compressor_ape.weight", width, ratio), named(ones(dim), f"{b}{name}_compressor_norm.weight")]
+    if ratio == 4:
+        specs += [mat(b + "indexer.attn_q_b.weight", other_type, (p.q_lora_rank, p.indexer_heads * p.indexer_dim)),
+                  mat(b + "indexer.proj.weight", other_type, (d, p.indexer_heads))]
+    ffn = _ffn(p, b, i, mat, experts, other_type, rng)
+    if i < p.n_hash_layers:  # each token id's experts, distinct, instead of the correction bias
+        ffn = [s for s in ffn if not s.name.endswith("exp_probs_b.bias")]
+        k = p.n_expert_used
+        ffn.append(TensorSpec(b + "ffn_gate_tid2eid.weight", Q.I32, (k, p.n_vocab), lambda: np.argsort(
+            rng.random((p.n_vocab, p.n_expert)), axis=1)[:, :k].astype(np.int32).reshape(-1).view(np.uint8)))
+    return specs + ffn
+
+
 def _ffn(p: Preset, b: str, i: int, mat, experts: tuple, other_type, rng) -> list[TensorSpec]:
     """Block i's FFN: dense in the leading layers; else routed experts (router, gate/up/down of the types
     `experts`), shared experts, and the correction bias of sigmoid routing."""
@@ -422,7 +490,7 @@ def _ffn(p: Preset, b: str, i: int, mat, experts: tuple, other_type, rng) -> lis
              mat(b + "ffn_gate_shexp.weight", other_type, (d, shared)),
              mat(b + "ffn_up_shexp.weight", other_type, (d, shared)),
              mat(b + "ffn_down_shexp.weight", other_type, (shared, d), OUTPUT_PROJECTION_SCALE)]
-    if p.gating == 2:  # the correction bias: small, so the choice stays the scores' but not exactly
+    if p.gating in (2, 4):  # the correction bias: small, so the choice stays the scores' but not exactly
         specs.append(TensorSpec(b + "exp_probs_b.bias", Q.F32, (p.n_expert,),
                                 lambda: (0.01 * rng.standard_normal(p.n_expert)).astype(np.float32)))
     return specs
@@ -487,6 +555,25 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
         "tokenizer.ggml.add_bos_token": False,
     }
     mla = a in ("deepseek2", "deepseek32", "glm-dsa")
+    if a == "deepseek4":
+        metadata.update({f"{a}.attention.key_length": p.head_dim, f"{a}.attention.value_length": p.head_dim,
+                         f"{a}.rope.dimension_count": p.head_dim_rope, f"{a}.attention.q_lora_rank": p.q_lora_rank,
+                         f"{a}.attention.sliding_window": p.sliding_window,
+                         f"{a}.expert_shared_count": p.n_expert_shared, f"{a}.expert_gating_func": p.gating,
+                         f"{a}.expert_weights_scale": p.expert_weights_scale,
+                         f"{a}.expert_weights_norm": p.expert_weights_norm,
+                         f"{a}.swiglu_clamp_exp": [10.0] * n_layer, f"{a}.swiglu_clamp_shexp": [10.0] * n_layer,
+                         f"{a}.attention.indexer.head_count": p.indexer_heads,
+                         f"{a}.attention.indexer.key_length": p.indexer_dim,
+                         f"{a}.attention.indexer.top_k": p.indexer_top_k,
+                         f"{a}.attention.output_group_count": p.out_groups,
+                         f"{a}.attention.output_lora_rank": p.out_lora_rank,
+                         f"{a}.attention.compress_ratios": np.array(p.compress_ratios[:n_layer], dtype=np.int32),
+                         f"{a}.attention.compress_rope_freq_base": 160000.0, f"{a}.hyper_connection.count": p.n_hc,
+                         f"{a}.hyper_connection.sinkhorn_iterations": 20, f"{a}.hyper_connection.epsilon": 1e-6,
+                         f"{a}.hash_layer_count": p.n_hash_layers, f"{a}.rope.scaling.type": "yarn",
+                         f"{a}.rope.scaling.factor": 16.0, f"{a}.rope.scaling.original_context_length": 65536,
+                         f"{a}.rope.scaling.yarn_beta_fast": 32.0, f"{a}.rope.scaling.yarn_beta_slow": 1.0})
     if a == "gpt-oss":
         metadata.update({f"{a}.attention.sliding_window": p.sliding_window, f"{a}.rope.scaling.type": "yarn",
                          f"{a}.rope.scaling.factor": 32.0, f"{a}.rope.scaling.original_context_length": 4096})
@@ -554,6 +641,9 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
         if a == "minimax-m2":
             specs += _minimax_layer(p, b, mat, named, ones, experts, other_type, rng)
             continue
+        if a == "deepseek4":
+            specs += _v4_layer(p, b, i, mat, named, ones, experts, other_type, rng)
+            continue
         if a in ("qwen35moe", "qwen3next"):
             specs += _qwen35_layer(p, b, i, mat, named, ones, experts, other_type, rng)
             continue
@@ -572,6 +662,10 @@ def synth(p: Preset, out: Path, expert_type: GGMLQuantizationType | str, other_t
             mat(b + "ffn_down_exps.weight", experts[1], (p.n_ff_exp, d, p.n_expert), OUTPUT_PROJECTION_SCALE),
         ]
     specs += [named(ones(d), "output_norm.weight"), mat("output.weight", other_type, (d, p.n_vocab))]
+    if a == "deepseek4":
+        specs += [mat("output_hc_fn.weight", Q.F32, (p.n_hc * d, p.n_hc)),
+                  TensorSpec("output_hc_base.weight", Q.F32, (p.n_hc,), lambda: np.zeros(p.n_hc, np.float32)),
+                  TensorSpec("output_hc_scale.weight", Q.F32, (1,), lambda: np.ones(1, np.float32))]
     if routing_skew:
         specs = [skewed(spec, routing_skew, seed) if spec.name.endswith(".ffn_gate_inp.weight") else spec
                  for spec in specs]

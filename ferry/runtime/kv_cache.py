@@ -146,18 +146,18 @@ class KVCache:
             else:
                 a[start:start + n].copy_(r[:n])
 
-    def store(self, layer: int, start: int, k: torch.Tensor,
-              v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (n, n_head_kv, dim) at `start` (v None: a cache whose values are in the keys); return all
-        keys and values up to there, as float32."""
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor | None,
+              first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (n, n_head_kv, dim) at `start` (v None: a cache whose values are in the keys); return the
+        keys and values of positions first..start + n - 1, as float32."""
         end = start + k.shape[0]
         keys = self._float_view(self.k[layer], self.type_k, self.head_dim_k)
         keys[start:end] = k
         if self.v_in_k:
-            return keys[:end].float(), keys[:end, :, :self.head_dim_v].float()
+            return keys[first:end].float(), keys[first:end, :, :self.head_dim_v].float()
         values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
         values[start:end] = v
-        return keys[:end].float(), values[:end].float()
+        return keys[first:end].float(), values[first:end].float()
 
     def store_index(self, layer: int, start: int, k: torch.Tensor) -> torch.Tensor:
         """Write a layer's indexer keys k (n, index_dim) at `start`; return every one up to there, as float32."""

@@ -140,6 +140,17 @@ class CudaOps(TorchOps):
                                 kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx,
                                 sinks=None if sinks is None else self.backend.vector(sinks), select=select)
 
+    def hyper_pre(self, streams: torch.Tensor, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_hc: int,
+                  n_iters: int, eps: float):
+        from ferry.kernels.cuda.hyper import hyper_pre
+
+        return hyper_pre(streams, mix, self.backend.vector(base), self.backend.vector(scale), n_hc, n_iters, eps)
+
+    def hyper_post(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        from ferry.kernels.cuda.hyper import hyper_post
+
+        return hyper_post(streams, y, post, comb)
+
     def l2_norm(self, x: torch.Tensor, eps: float) -> torch.Tensor:
         """x / sqrt(sum x^2 + eps): the RMSNorm kernel with eps / n and a weight of n^-1/2 (one launch)."""
         from ferry.kernels.cuda.norm_rope import rms_norm

@@ -296,8 +296,7 @@ class TorchOps:
         ring_kv, ring_score = (t[0] for t in cache.rings[key])
         entries, ring = cache.entries[key], ring_kv.shape[0]
         start, end = self.batch.start, self.batch.start + self.n_tokens
-        pos = self.batch.positions.to(kv.device)
-        score = score + self.backend.vector(comp.ape)[pos % r]
+        score = score + self.backend.vector(comp.ape)[self._positions(kv.device) % r]
         first, last = start // r, end // r  # the windows this batch completes
         if last > first:
             earlier = torch.arange(first * r - (ring - r), start, device=kv.device)  # their rows from before the batch
@@ -322,32 +321,41 @@ class TorchOps:
         return entries[:last]
 
     def compressed_select(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, ratio: int, top_k: int):
-        """A lightning indexer's choice over compressed entries keys (entries, d): (n, entries) bool, each query's
-        top_k by score among those it sees (w < (t + 1) // ratio); None where none sees more than top_k."""
+        """A lightning indexer's choice over compressed entries keys (entries, d): (n, top_k) int64, each query's top_k
+        entries by score, those it sees first (w < (t + 1) // ratio; a query that sees fewer also gets some it does
+        not, which compressed_attention leaves out); None where none sees more than top_k."""
         if keys.shape[0] <= top_k:
             return None
-        return top_k_mask(scores(q.float(), keys.float(), w.float()), self._visible(keys.shape[0], ratio, q.device),
-                          top_k)
+        score = scores(q.float(), keys.float(), w.float())
+        return score.masked_fill(~self._visible(keys.shape[0], ratio, q.device), float("-inf")).topk(top_k, -1).indices
+
+    def _positions(self, device) -> torch.Tensor:
+        return self._on(("positions",), self.batch.positions, device)
 
     def _visible(self, n_entries: int, ratio: int, device) -> torch.Tensor:
         """(n, entries) bool: entry w is seen by the query at position t if its window is complete, w < (t + 1) // ratio."""
-        pos = self.batch.positions.to(device)
-        return torch.arange(n_entries, device=device)[None, :] < ((pos + 1) // ratio)[:, None]
+        return torch.arange(n_entries, device=device)[None, :] < ((self._positions(device) + 1) // ratio)[:, None]
 
     def compressed_attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
                              ratio: int, window: int, scale: float, sinks: torch.Tensor,
                              select: torch.Tensor | None) -> torch.Tensor:
         """DeepSeek-V4's attention: kv (n, 1, d) into the cache; q (n, heads, d) attends, with sinks, to the last
-        `window` cached positions and to the compressed entries (entries, d) it sees (of them, those `select` keeps):
-        (n, heads * d)."""
+        `window` cached positions and to the compressed entries (entries, d) it sees (of them, those `select` gives
+        it: compressed_select's): (n, heads * d)."""
         if self.batch.seq is not None:
             raise NotImplementedError("DeepSeek-V4's attention runs one sequence per forward")
-        keys, _ = self.batch.kv.store(layer, self.batch.start, kv, None)
-        mask = self._on(("mask", window), self.batch.mask(window), q.device)
+        first = max(0, self.batch.start - window + 1)  # the first position a query of this batch sees
+        keys, _ = self.batch.kv.store(layer, self.batch.start, kv, None, first)
+        mask = self._on(("mask", window, first), self.batch.mask(window)[:, first:], q.device)
         if entries is not None and entries.shape[0]:
-            seen = self._visible(entries.shape[0], ratio, q.device)
+            if select is not None and q.shape[0] == 1:  # one query sees every entry: only its chosen ones are read
+                entries, seen = entries[select[0]], mask.new_ones(1, select.shape[1])
+            else:
+                seen = self._visible(entries.shape[0], ratio, q.device)
+                if select is not None:
+                    seen = seen & torch.zeros_like(seen).scatter_(1, select, True)
             keys = torch.cat([keys, entries[:, None].to(keys.device, keys.dtype)])
-            mask = torch.cat([mask, seen if select is None else seen & select], 1)
+            mask = torch.cat([mask, seen], 1)
         return self._sdpa(q, keys, keys, scale, window, sinks, select=mask)
 
     def output_rows(self, x: torch.Tensor) -> torch.Tensor:
