@@ -237,12 +237,17 @@ BUILTIN_TEMPLATES = {
                   "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
                   "{% elif m.role == 'assistant' %}<｜Assistant｜>{{ m.content }}<｜end▁of▁sentence｜>{% endif %}"
                   "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"),
+    # DeepSeek-V4's without thinking: each assistant turn opens with the end of an empty think block
+    "deepseek4": ("{{ bos_token }}{% for m in messages if m.role == 'system' %}{{ m.content }}{% endfor %}"
+                  "{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}"
+                  "{% elif m.role == 'assistant' %}<｜Assistant｜></think>{{ m.content }}<｜end▁of▁sentence｜>"
+                  "{% endif %}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}"),
     "glm4": ("[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"),
 }
 FAMILY_TEMPLATES = {"gemma3": "gemma", "llama": "llama3", "qwen2": "chatml", "qwen3": "chatml", "qwen3moe": "chatml",
                     "qwen35": "chatml", "qwen35moe": "chatml", "qwen3next": "chatml", "deepseek2": "deepseek3", "glm4moe": "glm4",
-                    "deepseek32": "deepseek3", "glm-dsa": "glm4"}
+                    "deepseek32": "deepseek3", "glm-dsa": "glm4", "deepseek4": "deepseek4"}
 
 
 def chat_template(tok: Tokenizer, arch: str, flag: str | None = None) -> tuple[str, str]:

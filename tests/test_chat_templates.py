@@ -105,3 +105,18 @@ def test_the_builtin_gemma_template_renders_as_gemmas_own(templates):
         want = render_jinja_template(conversations=[messages], chat_template=source, add_generation_prompt=True,
                                      bos_token="<BOS>", eos_token="<EOS>")[0][0]
         assert render_chat(BUILTIN_TEMPLATES["gemma"], messages, "<BOS>", "<EOS>") == want
+
+
+@pytest.mark.slow
+def test_the_builtin_deepseek4_template_renders_as_deepseek_v4s_own(templates):
+    """A file without its template gets the built-in 'deepseek4': what DeepSeek-V4's own template (llama.cpp's test
+    set) renders through transformers with thinking off, system turn included."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    source = next(p for p in templates if p.name == "deepseek-ai-DeepSeek-V4.jinja").read_text()
+    for messages in ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <b>there</b>"},
+                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": " 2+2? "}],
+                     [{"role": "user", "content": "one turn"}]):
+        want = render_jinja_template(conversations=[messages], chat_template=source, add_generation_prompt=True,
+                                     bos_token="<BOS>", eos_token="<EOS>")[0][0]
+        assert render_chat(BUILTIN_TEMPLATES["deepseek4"], messages, "<BOS>", "<EOS>") == want

@@ -105,3 +105,23 @@ def test_a_deepseek4_sequence_goes_back_only_to_a_saved_state(dsv4, backend):
     engine.truncate(21, saved)
     again = engine.decode(tokens[21:30], all_logits=True)
     assert torch.equal(first, again)
+
+
+@pytest.mark.slow
+def test_two_deepseek4_sequences_in_one_cache_give_each_ones_logits(dsv4, backend):
+    """A server's slots: two sequences in one cache (each its own cells, compressor entries and raw rows), fed in
+    interleaved runs, each gives the logits it gives alone."""
+    _, f32, tokens, _ = dsv4
+    model = load_model(GGUFFile(f32))
+    other = tokens[::-1]
+    alone = [Engine(model, backend, n_ctx=N, type_k="f32", type_v="f32").decode(t[:37], all_logits=True)
+             for t in (tokens, other)]
+    engine = Engine(model, backend, n_ctx=2 * N, type_k="f32", type_v="f32", n_seq=2)
+    got = [[], []]
+    for a, b in ((0, 13), (13, 20), (20, 37)):  # runs of each sequence in one call
+        n = b - a
+        logits = engine.decode_sequences(tokens[a:b] + other[a:b], [0] * n + [1] * n, [*range(a, b)] * 2, N)
+        got[0].append(logits[:n])
+        got[1].append(logits[n:])
+    for want, parts in zip(alone, got):
+        assert torch.allclose(torch.cat(parts), want, atol=1e-4)

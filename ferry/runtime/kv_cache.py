@@ -71,10 +71,12 @@ class KVCache:
             self._compressed(compressed, n_seq, lambda shape, i: torch.zeros(shape, device=per_layer[i]))
 
     def _compressed(self, compressed: tuple[Compressed, ...], n_seq: int, zeros) -> None:
-        """Per compressor (layer, name): `entries` (entries, dim), its windows pooled; `rings` (kv, score), each
-        (n_seq, ring, width): the raw rows of the last ring positions, position p at row p % ring."""
+        """Per compressor (layer, name): `entries` (n_seq, entries, dim), each sequence's windows pooled (a sequence
+        holds n_ctx / n_seq positions); `rings` (kv, score), each (n_seq, ring, width): the raw rows of the last ring
+        positions, position p at row p % ring."""
         self.compressed = {(c.layer, c.name): c for c in compressed}
-        self.entries = {k: zeros((c.entries(self.n_ctx), c.dim), c.layer) for k, c in self.compressed.items()}
+        self.entries = {k: zeros((n_seq, c.entries(self.n_ctx // n_seq), c.dim), c.layer)
+                        for k, c in self.compressed.items()}
         self.rings = {k: (zeros((n_seq, c.ring, c.width), c.layer), zeros((n_seq, c.ring, c.width), c.layer))
                       for k, c in self.compressed.items()}
 

@@ -290,12 +290,11 @@ class TorchOps:
         """A compressor's entries (layers/compressed_attention.py) up to this batch's last complete window: the
         windows this batch completes pooled from its kv and score projections (n, width) and the raw rows its
         cache kept of earlier positions, then kept; this batch's last raw rows kept for the windows to come."""
-        if self.batch.seq is not None:
-            raise NotImplementedError("DeepSeek-V4's compressors run one sequence per forward")
+        seq, _, start = self._one_sequence()
         cache, key, r = self.batch.kv, (comp.layer, comp.name), comp.ratio
-        ring_kv, ring_score = (t[0] for t in cache.rings[key])
-        entries, ring = cache.entries[key], ring_kv.shape[0]
-        start, end = self.batch.start, self.batch.start + self.n_tokens
+        ring_kv, ring_score = (t[seq] for t in cache.rings[key])
+        entries, ring = cache.entries[key][seq], ring_kv.shape[0]
+        end = start + self.n_tokens
         score = score + self.backend.vector(comp.ape)[self._positions(kv.device) % r]
         first, last = start // r, end // r  # the windows this batch completes
         if last > first:
@@ -329,6 +328,15 @@ class TorchOps:
         score = scores(q.float(), keys.float(), w.float())
         return score.masked_fill(~self._visible(keys.shape[0], ratio, q.device), float("-inf")).topk(top_k, -1).indices
 
+    def _one_sequence(self) -> tuple[int, int, int]:
+        """(its sequence, that sequence's first cache cell, its first position) of a batch of one sequence's
+        consecutive tokens (DeepSeek-V4's batches: a recurrent model's run sequence by sequence)."""
+        b = self.batch
+        if b.seq is None:
+            return 0, 0, b.start
+        seq = int(b.seq[0])
+        return seq, seq * b.seq_len, int(b.pos[0])
+
     def _positions(self, device) -> torch.Tensor:
         return self._on(("positions",), self.batch.positions, device)
 
@@ -342,11 +350,14 @@ class TorchOps:
         """DeepSeek-V4's attention: kv (n, 1, d) into the cache; q (n, heads, d) attends, with sinks, to the last
         `window` cached positions and to the compressed entries (entries, d) it sees (of them, those `select` gives
         it: compressed_select's): (n, heads * d)."""
-        if self.batch.seq is not None:
-            raise NotImplementedError("DeepSeek-V4's attention runs one sequence per forward")
-        first = max(0, self.batch.start - window + 1)  # the first position a query of this batch sees
-        keys, _ = self.batch.kv.store(layer, self.batch.start, kv, None, first)
-        mask = self._on(("mask", window, first), self.batch.mask(window)[:, first:], q.device)
+        _, cell, start = self._one_sequence()
+        first = max(0, start - window + 1)  # the first position a query of this batch sees
+        keys, _ = self.batch.kv.store(layer, cell + start, kv, None, cell + first)
+        if ("window", window) not in self._moved:
+            seen = torch.arange(first, start + self.n_tokens)[None, :]
+            pos = self.batch.positions[:, None]
+            self._moved["window", window] = ((seen <= pos) & (pos - seen < window)).to(q.device)
+        mask = self._moved["window", window]
         if entries is not None and entries.shape[0]:
             if select is not None and q.shape[0] == 1:  # one query sees every entry: only its chosen ones are read
                 entries, seen = entries[select[0]], mask.new_ones(1, select.shape[1])
