@@ -166,7 +166,7 @@ def test_unsupported_architecture(tmp_path):
 
     path = tmp_path / "x.gguf"
     path.write_bytes(_header(n_kv=1) + _kv_string("general.architecture", "rwkv7"))
-    with pytest.raises(FerryError, match="architecture 'rwkv7' is not supported; supported: deepseek2, deepseek32, gemma3, glm-dsa, glm4moe, gpt-oss, llama"):
+    with pytest.raises(FerryError, match="architecture 'rwkv7' is not supported; supported: deepseek2, deepseek32, deepseek4, gemma3, glm-dsa, glm4moe, gpt-oss, llama"):
         load_model(GGUFFile(path))
 
 
