@@ -48,10 +48,9 @@ class Compressor:
     def overlap(self) -> bool:
         return self.wkv.ne[1] == 2 * self.dim
 
-    def __call__(self, ops, x):
-        """Every entry up to this batch's last complete window (entries, dim); this batch's windows pooled and
-        kept."""
-        return ops.compress(self, ops.linear(x, self.wkv), ops.linear(x, self.wgate))
+    def rows(self, ops, x):
+        """This batch's kv and score rows (n, width) (the score without its bias by place): what ops.compress pools."""
+        return ops.linear(x, self.wkv), ops.linear(x, self.wgate)
 
 
 @dataclass
@@ -68,12 +67,12 @@ class CompressedIndexer:
     top_k: int
     rope: Rope
 
-    def select(self, ops, x, qr):
-        """(n, entries) bool, each query's top_k entries among those it sees; None where no query sees more."""
-        keys = self.compressor(ops, x)
-        q = rope_tail(ops, ops.heads(ops.linear(qr, self.wq_b), self.n_head, self.head_dim), self.head_dim, self.rope)
+    def inputs(self, ops, x, qr):
+        """(its compressor's kv and score rows, the heads' queries (n, heads, head_dim), their weights (n, heads)) of
+        this batch: what ops.compressed_select scores."""
+        q = ops.heads(ops.linear(qr, self.wq_b), self.n_head, self.head_dim)
         w = ops.scale(ops.linear(x, self.w_heads), (self.n_head * self.head_dim) ** -0.5)
-        return ops.compressed_select(q, keys, w, self.compressor.ratio, self.top_k)
+        return (*self.compressor.rows(ops, x), rope_tail(ops, q, self.head_dim, self.rope), w)
 
 
 @dataclass
@@ -108,10 +107,9 @@ class CompressedAttention:
         q = rope_tail(ops, q, self.head_dim, self.rope)
         kv = ops.heads(ops.rms_norm(ops.linear(x, self.wkv), self.kv_norm, self.norm_eps), 1, self.head_dim)
         kv = rope_tail(ops, kv, self.head_dim, self.rope)
-        entries = self.compressor(ops, x) if self.compressor else None
-        select = self.indexer.select(ops, x, qr) if self.indexer else None
-        out = ops.compressed_attention(self.layer, q, kv, entries, self.ratio, self.window, self.head_dim ** -0.5,
-                                       self.sinks, select)
+        pooled = self.compressor.rows(ops, x) if self.compressor else ()
+        indexed = self.indexer.inputs(ops, x, qr) if self.indexer else ()
+        out = ops.compressed_attention(self, q, kv, pooled, indexed)
         out = ops.merge_heads(rope_tail(ops, ops.heads(out, self.n_head, self.head_dim), self.head_dim,
                                          self.unrope))
         groups = ops.split(out, [self.n_head * self.head_dim // len(self.wo_a)] * len(self.wo_a))

@@ -350,7 +350,9 @@ class Model:
     output: Weight
     embd_scale: float = 1.0
     ggml_graph = True  # whether the CPU runs it as one ggml graph (runners/ggml_graph.py has its every op)
-    cuda_graphs = True  # whether a GPU may record its steps as CUDA graphs (no op of it indexes by position on the host)
+    # whether a decode step holds no work whose shapes or indices follow the position (a GPU records it as one CUDA
+    # graph; else that work runs between graphs: ops.cache_sized)
+    position_free = True
 
     def weights(self) -> list[Weight]:
         """Every matmul weight of the model, once each, in layer order (output last)."""

@@ -140,6 +140,14 @@ class CudaOps(TorchOps):
                                 kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx,
                                 sinks=None if sinks is None else self.backend.vector(sinks), select=select)
 
+    def compressed_attention(self, attn, q: torch.Tensor, kv: torch.Tensor, pooled: tuple, indexed: tuple):
+        """TorchOps' (DeepSeek-V4's compressors, indexer and attention: shapes and indices that follow the position),
+        run between CUDA graphs when a step is recorded (cache_sized), with the replayed batch."""
+        def run(*t):
+            return TorchOps.compressed_attention(self, attn, t[0], t[1], t[2:2 + len(pooled)], t[2 + len(pooled):])
+
+        return self.cache_sized(run, (q, kv, *pooled, *indexed), (q.shape[0], q.shape[1] * q.shape[2]))
+
     def hyper_pre(self, streams: torch.Tensor, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_hc: int,
                   n_iters: int, eps: float):
         from ferry.kernels.cuda.hyper import hyper_pre

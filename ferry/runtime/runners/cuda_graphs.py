@@ -251,7 +251,7 @@ class CudaGraphRunner:
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
         key = (id(model), id(batch.kv), batch.n_tokens, batch.logit_rows, None)  # key[2]: the u-batch size
-        if not model.cuda_graphs or not self._recorded(key, batch.n_tokens):
+        if not self._recorded(key, batch.n_tokens):
             return model.forward(self.placed_ops(model, batch, tokens))
         c = self._captured.get(key)
         decided = self.backend.decided(batch.n_tokens) if c is not None else None
@@ -277,7 +277,7 @@ class CudaGraphRunner:
         u-batches' launches bound the run at small u-batches (docs/performance.md, 2026-11-23 and 2026-11-24)."""
         sizes = tuple(b.n_tokens for b in batches)
         key = (id(model), id(joined.kv), joined.n_tokens, joined.logit_rows, sizes)
-        if not model.cuda_graphs or not self._recorded(key, max(sizes), prompt=True):
+        if not self._recorded(key, max(sizes), prompt=True):
             return model.forward_layer_first([self.placed_ops(model, b, t) for t, b in zip(tokens, batches)],
                                              self.placed_ops(model, joined, torch.cat(tokens)))
         forwards = [*zip(tokens, batches), (torch.cat(tokens), joined)]  # the u-batches, then their rows joined
@@ -311,7 +311,7 @@ class CudaGraphRunner:
         if prompt:
             torch.cuda.empty_cache()
         kv = forwards[0][1].kv
-        state = kv.copy_state() if kv.state else None  # the eager run advances recurrent states: undone after it
+        state = kv.copy_state() if kv.recurrent else None  # the eager run advances recurrent states: undone after it
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -328,7 +328,7 @@ class CudaGraphRunner:
         for i, ops in zip(inputs, opss):
             i.ops = ops
         decided = self.backend.decided(n_tokens)
-        if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1:
+        if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1 and model.position_free:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = run(opss)

@@ -252,8 +252,8 @@ class TorchOps:
         """(weights, ids) of each token's experts from its router logits (layers.ffn.Routing); hash_ids: a table of
         each token id's experts (DeepSeek-V4's hash layers), which then only get their weights."""
         chosen = None
-        if hash_ids is not None:
-            chosen = self._on(("hash", id(hash_ids)), hash_ids, logits.device)[self.tokens.to(logits.device).long()]
+        if hash_ids is not None:  # the table where the backend keeps small tensors (float32: exact ids)
+            chosen = self.backend.vector(hash_ids)[self.tokens.to(logits.device).long()].long()
         return top_k_route(logits.float(), n_used, True, routing, self.backend.vector, chosen)
 
     def moe_routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, up: Weight, gate: Weight,
@@ -319,6 +319,20 @@ class TorchOps:
         ring_kv[kept % ring], ring_score[kept % ring] = kv[kept - start], score[kept - start]
         return entries[:last]
 
+    def compressed_attention(self, attn, q: torch.Tensor, kv: torch.Tensor, pooled: tuple, indexed: tuple):
+        """DeepSeek-V4's attention past its projections (layers/compressed_attention.py): its compressor's rows
+        `pooled` (kv, score) pooled into entries (compress), the indexer's `indexed` (its compressor's rows, queries,
+        head weights) into each query's choice of them (compressed_select), then q (n, heads, d) attending to the
+        window and those entries (attend_compressed): (n, heads * d)."""
+        entries = self.compress(attn.compressor, *pooled) if pooled else None
+        select = None
+        if indexed:
+            index = attn.indexer
+            keys = self.compress(index.compressor, *indexed[:2])
+            select = self.compressed_select(indexed[2], keys, indexed[3], index.compressor.ratio, index.top_k)
+        return self.attend_compressed(attn.layer, q, kv, entries, attn.ratio, attn.window, attn.head_dim ** -0.5,
+                                      attn.sinks, select)
+
     def compressed_select(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, ratio: int, top_k: int):
         """A lightning indexer's choice over compressed entries keys (entries, d): (n, top_k) int64, each query's top_k
         entries by score, those it sees first (w < (t + 1) // ratio; a query that sees fewer also gets some it does
@@ -344,9 +358,9 @@ class TorchOps:
         """(n, entries) bool: entry w is seen by the query at position t if its window is complete, w < (t + 1) // ratio."""
         return torch.arange(n_entries, device=device)[None, :] < ((self._positions(device) + 1) // ratio)[:, None]
 
-    def compressed_attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
-                             ratio: int, window: int, scale: float, sinks: torch.Tensor,
-                             select: torch.Tensor | None) -> torch.Tensor:
+    def attend_compressed(self, layer: int, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
+                          ratio: int, window: int, scale: float, sinks: torch.Tensor,
+                          select: torch.Tensor | None) -> torch.Tensor:
         """DeepSeek-V4's attention: kv (n, 1, d) into the cache; q (n, heads, d) attends, with sinks, to the last
         `window` cached positions and to the compressed entries (entries, d) it sees (of them, those `select` gives
         it: compressed_select's): (n, heads * d)."""
