@@ -34,8 +34,9 @@ _ALIGN = 64
 
 _GLU = {"silu": ggml.ggml_swiglu_split, "gelu": ggml.ggml_geglu_split,  # act(gate) * up in one op
         "swiglu_oai": lambda c, g, u: ggml.ggml_swiglu_oai(c, g, u, *SWIGLU_OAI),
-        "silu_clamp": lambda c, g, u: ggml.ggml_mul(c, ggml.ggml_silu(c, ggml.ggml_clamp(c, g, -math.inf, SILU_CLAMP_LIMIT)),
-                                                    ggml.ggml_clamp(c, u, -SILU_CLAMP_LIMIT, SILU_CLAMP_LIMIT))}
+        "silu_clamp": lambda c, g, u: ggml.ggml_mul(
+            c, ggml.ggml_silu(c, ggml.ggml_clamp(c, g, -math.inf, SILU_CLAMP_LIMIT)),
+            ggml.ggml_clamp(c, u, -SILU_CLAMP_LIMIT, SILU_CLAMP_LIMIT))}
 
 
 _ACT = {"silu": ggml.ggml_silu, "gelu": ggml.ggml_gelu}

@@ -461,7 +461,8 @@ def _v4_layer(p: Preset, b: str, i: int, mat, named, ones, experts: tuple, other
         width = dim * (2 if ratio == 4 else 1)
         specs += [mat(f"{b}{name}_compressor_kv.weight", other_type, (d, width)),
                   mat(f"{b}{name}_compressor_gate.weight", other_type, (d, width)),
-                  vector(f"{b}{name}_compressor_ape.weight", width, ratio), named(ones(dim), f"{b}{name}_compressor_norm.weight")]
+                  vector(f"{b}{name}_compressor_ape.weight", width, ratio),
+                  named(ones(dim), f"{b}{name}_compressor_norm.weight")]
     if ratio == 4:
         specs += [mat(b + "indexer.attn_q_b.weight", other_type, (p.q_lora_rank, p.indexer_heads * p.indexer_dim)),
                   mat(b + "indexer.proj.weight", other_type, (d, p.indexer_heads))]

@@ -1,5 +1,5 @@
-"""DeepSeek-V4's manifold-constrained hyper-connections (mHC): the residual is n_hc parallel streams, (n, n_hc * n_embd).
-Around each sub-layer, `pre` mixes the streams into the sub-layer's input and `post` writes its output back:
+"""DeepSeek-V4's manifold-constrained hyper-connections (mHC): the residual is n_hc parallel streams,
+(n, n_hc * n_embd). Around each sub-layer, `pre` mixes the streams into the sub-layer's input and `post` writes its output back:
 X'[k] = post[k] * y + sum_j comb[j, k] * X[j], with pre = sigmoid(.) + eps, post = 2 sigmoid(.) and comb a
 softmax made doubly stochastic by Sinkhorn rounds, all from a linear map of the RMS-normed streams. The head
 collapses the streams with a `pre` of its own."""

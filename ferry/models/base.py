@@ -21,7 +21,8 @@ from ferry.quant import dequantize
 from ferry.layers.cache import CacheLayout, StateLayout, cache_layout, mla_mode, state_layout
 
 MAX_LAYERS = 4096
-YARN_ARCHS = ("deepseek2", "deepseek32", "glm-dsa", "gpt-oss", "deepseek4")  # where YaRN is checked against transformers
+# where YaRN is checked against transformers
+YARN_ARCHS = ("deepseek2", "deepseek32", "glm-dsa", "gpt-oss", "deepseek4")
 # gpt-oss: transformers' attention factor 1 + 0.1 ln(factor) on cos / sin, its correction range not rounded
 # (llama.cpp rounds it: docs/decisions.md, "gpt-oss's YaRN as transformers computes it")
 YARN_DEFAULTS = {"gpt-oss": dict(log_mul=0.1, truncate=False)}
@@ -154,7 +155,8 @@ class ModelArgs:
             args.read_recurrent(f, key)
         if arch == "deepseek4":
             args.v4 = V4Args.from_gguf(f, key, args.n_layer)
-            args.indexer_n_head, args.indexer_head_dim = key("attention.indexer.head_count"), key("attention.indexer.key_length")
+            args.indexer_n_head = key("attention.indexer.head_count")
+            args.indexer_head_dim = key("attention.indexer.key_length")
             args.indexer_top_k = key("attention.indexer.top_k")
             args.indexer_layers = tuple(i for i, r in enumerate(args.v4.compress_ratios) if r == V4Args.CSA_RATIO)
         elif f.get(f"{arch}.attention.indexer.head_count") is not None:

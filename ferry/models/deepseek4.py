@@ -66,7 +66,7 @@ class StreamsModel(Model):
     head: HyperHead | None = None
     n_hc: int = 1
     ggml_graph = False  # its ops (streams, compressors) are torch's: the CPU runs it op by op
-    position_free = False  # its compressors, indexer and attention run between CUDA graphs (CudaOps.compressed_attention)
+    position_free = False  # its compressors, indexer and attention run between CUDA graphs (compressed_attention)
 
     def _embed(self, ops):
         x = ops.embed(self.token_embd)

@@ -305,7 +305,8 @@ class TorchOps:
             n, d = last - first, comp.dim
             if comp.overlap:  # the previous window's first half, this one's second half
                 def slots(t):
-                    return torch.cat([t[:n * r].view(n, r, 2 * d)[..., :d], t[r:(n + 1) * r].view(n, r, 2 * d)[..., d:]], 1)
+                    before, this = t[:n * r].view(n, r, 2 * d), t[r:(n + 1) * r].view(n, r, 2 * d)
+                    return torch.cat([before[..., :d], this[..., d:]], 1)
             else:
                 def slots(t):
                     return t[:n * r].view(n, r, d)
@@ -355,7 +356,8 @@ class TorchOps:
         return self._on(("positions",), self.batch.positions, device)
 
     def _visible(self, n_entries: int, ratio: int, device) -> torch.Tensor:
-        """(n, entries) bool: entry w is seen by the query at position t if its window is complete, w < (t + 1) // ratio."""
+        """(n, entries) bool: entry w is seen by the query at position t if its window is complete,
+        w < (t + 1) // ratio."""
         return torch.arange(n_entries, device=device)[None, :] < ((self._positions(device) + 1) // ratio)[:, None]
 
     def attend_compressed(self, layer: int, q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None,
