@@ -211,12 +211,14 @@ OAI_SHAPES = [(MX, MX, 2880, 2880, 4, 4, 1), (MX, MX, 2880, 2880, 4, 4, 11), (MX
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n", OAI_SHAPES)
-@pytest.mark.parametrize("act,biased", [("swiglu_oai", True), ("silu", False), ("swiglu_oai", False)])
+@pytest.mark.parametrize("act,biased", [("swiglu_oai", True), ("silu", False), ("swiglu_oai", False),
+                                       ("silu_clamp", False)])
 def test_gpt_oss_experts_match_float64_given_the_kernels_rounding(up_type, down_type, n_embd, n_ff, n_expert, n_used,
                                                                   n, act, biased):
     """MXFP4 weights (the E8M0 scale and the FP4 table), gpt-oss's clamped SwiGLU and the experts' biases (each
     expert's own row of up's, gate's and down's), one token and many (some slots -1), against float64 given the
-    kernel's 8-bit rounding of x and h per block of 32; the pre-activations span the clamp's limit."""
+    kernel's 8-bit rounding of x and h per block of 32; the pre-activations span the clamp's limit (DeepSeek-V4's
+    clamped SwiGLU too, at its limit of 10)."""
     rng = np.random.default_rng(n_embd + 7 * n_ff + n)
     cpu = CpuBackend(3)
     (up, gate, down), (up64, gate64, down64) = _layer(rng, n_expert, n_embd, n_ff, up_type, down_type)
@@ -225,12 +227,13 @@ def test_gpt_oss_experts_match_float64_given_the_kernels_rounding(up_type, down_
         for name, w, rows in (("up", up, n_ff), ("gate", gate, n_ff), ("down", down, n_embd)):
             w.bias = torch.from_numpy(rng.standard_normal((n_expert, rows)).astype(np.float32) * 2)
             bias[name] = w.bias.numpy().astype(np.float64)
-    x = (rng.standard_normal((n, n_embd)) * 4 / np.sqrt(n_embd)).astype(np.float32)
+    x = (rng.standard_normal((n, n_embd)) * (8 if act == "silu_clamp" else 4) / np.sqrt(n_embd)).astype(np.float32)
     ids = np.stack([rng.choice(n_expert, n_used, replace=False) for _ in range(n)]).astype(np.int32)
     if n > 1:
         ids[rng.random(ids.shape) < 0.2] = -1
     weights = rng.random((n, n_used)).astype(np.float32)
-    alpha, limit = 1.702, 7.0
+    alpha, limit = 1.702, 10.0 if act == "silu_clamp" else 7.0
+    widest = 0.0
     rounded = np.zeros((n, n_embd))
     for i in range(n):
         xr = _as_kernel_rounds(x[i].astype(np.float64), 32)
@@ -240,13 +243,18 @@ def test_gpt_oss_experts_match_float64_given_the_kernels_rounding(up_type, down_
             g, u = gate64[e] @ xr, up64[e] @ xr
             if biased:
                 g, u = g + bias["gate"][e], u + bias["up"][e]
+            widest = max(widest, np.abs(g).max(), np.abs(u).max())
             if act == "silu":
+                h = g / (1 + np.exp(-g)) * u
+            elif act == "silu_clamp":
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
                 h = g / (1 + np.exp(-g)) * u
             else:
                 g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
                 h = g / (1 + np.exp(-alpha * g)) * (u + 1)
             y = down64[e] @ _as_kernel_rounds(h, 32 if down_type in (Q40, MX) else 256)
             rounded[i] += weights[i, j] * (y + (bias["down"][e] if biased else 0))
+    assert act == "silu" or widest > limit  # the clamp bites
     assert cpu.native_experts(n, True, up, gate, down, act) is not None
     got = cpu.moe_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), up, gate, down,
                           act).numpy()

@@ -493,9 +493,9 @@ class CpuBackend:
     def native_experts(self, n: int, weighted: bool, up: Weight, gate: Weight, down: Weight,
                        act: str) -> native.MoeExperts | None:
         """ferry's own kernel for n tokens' routed experts, where it runs them: their weighted sum, experts it reads
-        (capabilities.cpu_native_experts: silu or gpt-oss's SwiGLU, biases or none, Q4_0 / Q4_K repacked, Q5_K / Q6_K /
-        IQ4_XS / MXFP4 plain), a CPU it was built for (kernels/cpu/native.py); None where ggml runs them. Decided once
-        per layer."""
+        (capabilities.cpu_native_experts: silu, gpt-oss's or DeepSeek-V4's clamped SwiGLU, biases or none, Q4_0 /
+        Q4_K repacked, Q5_K / Q6_K / IQ4_XS / MXFP4 plain), a CPU it was built for (kernels/cpu/native.py); None where
+        ggml runs them. Decided once per layer."""
         if not self.native_kernels or not weighted:
             return None
         known = up.graphs.get(("native", act))  # kept on the weight, as its graphs are: it dies with the layer

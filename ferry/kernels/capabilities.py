@@ -61,7 +61,7 @@ _TABLE = {
 }
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block
-CPU_ACTS = ("silu", "swiglu_oai")  # the activations ferry's CPU expert kernel computes, in moe_experts.c's ACT_* order
+CPU_ACTS = ("silu", "swiglu_oai", "silu_clamp")  # the activations ferry's CPU expert kernel computes, in moe_experts.c's ACT_* order
 
 
 def cpu_block(qtype: Q) -> int:
@@ -153,7 +153,7 @@ def cpu_native_experts(up, gate, down, act: str, repacked=None) -> str:
     ne), "" where it can on a CPU it was built for. `repacked(tensor)`: whether ggml holds a repacked copy of it (a
     run asks its CPU backend; None: ggml repacks where cpu_repack says, as with -rtr, the default)."""
     if act not in CPU_ACTS:
-        return f"its activation is {act}; the kernel computes {' and '.join(CPU_ACTS)}"
+        return f"its activation is {act}; the kernel computes {', '.join(CPU_ACTS)}"
     if gate.qtype != up.qtype:
         return "gate and up differ in type"
     kinds = {t.qtype: can(t.qtype).cpu_native for t in (up, down)}

@@ -1136,7 +1136,9 @@ static void sync_threads(spin_barrier *b, int nt) {
     }
 }
 
-enum { ACT_SILU = 0, ACT_SWIGLU_OAI = 1 }; /* the experts' activation: silu(gate) up, or gpt-oss's clamped SwiGLU */
+/* the experts' activation: silu(gate) up, gpt-oss's clamped SwiGLU, or DeepSeek-V4's (silu of the gate clamped above,
+   times up clamped to +-limit) */
+enum { ACT_SILU = 0, ACT_SWIGLU_OAI = 1, ACT_SILU_CLAMP = 2 };
 
 /* the experts' fixed part beside their weights: the activation (gpt-oss's alpha and limit) and each matrix's biases
  * (n_expert rows of n_ff, n_ff and n_embd floats; NULL: none) */
@@ -1171,6 +1173,10 @@ static inline void glu(const moe_call *c, int e, int i0, float *up, const float 
             g = fminf(g, x->limit);
             u = fminf(fmaxf(u, -x->limit), x->limit);
             up[i] = g / (1.0f + expf(-x->alpha * g)) * (u + 1.0f);
+        } else if (x->act == ACT_SILU_CLAMP) {
+            g = fminf(g, x->limit);
+            u = fminf(fmaxf(u, -x->limit), x->limit);
+            up[i] = g / (1.0f + expf(-g)) * u;
         } else {
             up[i] = g / (1.0f + expf(-g)) * u;
         }

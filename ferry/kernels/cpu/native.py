@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ferry.config import Settings, settings
-from ferry.kernels.activations import SWIGLU_OAI
+from ferry.kernels.activations import SILU_CLAMP_LIMIT, SWIGLU_OAI
 from ferry.kernels.capabilities import CPU_ACTS
 
 _SOURCE = Path(__file__).with_name("moe_experts.c")
@@ -107,7 +107,7 @@ def _load(s: Settings) -> ctypes.CDLL | str:
     return _built[key]
 
 
-ACTS = {name: i for i, name in enumerate(CPU_ACTS)}  # moe_experts.c's ACT_SILU, ACT_SWIGLU_OAI
+ACTS = {name: i for i, name in enumerate(CPU_ACTS)}  # moe_experts.c's ACT_SILU, ACT_SWIGLU_OAI, ACT_SILU_CLAMP
 
 
 class _Extras(ctypes.Structure):
@@ -230,14 +230,15 @@ def ik_to_q8_0(raw: np.ndarray, raw_type: int, rows: int, n: int, s: Settings | 
 class MoeExperts:
     """Routed experts of one shape, types and activation through moe_experts.c, with its scratch memory kept: one
     token's (ferry_moe_experts) or many tokens' (ferry_moe_batch). up_type: the up and gate matrices' ggml type number,
-    down_type: the down matrices'; act: "silu" or "swiglu_oai" (gpt-oss's, with activations.SWIGLU_OAI)."""
+    down_type: the down matrices'; act: "silu", "swiglu_oai" (gpt-oss's, with activations.SWIGLU_OAI) or "silu_clamp" (DeepSeek-V4's, with
+    activations.SILU_CLAMP_LIMIT)."""
 
     def __init__(self, lib: ctypes.CDLL, n_embd: int, n_ff: int, up_type: int, down_type: int, n_threads: int,
                  n_threads_batch: int | None = None, act: str = "silu"):
         self.lib, self.n_embd, self.n_ff, self.n_threads = lib, n_embd, n_ff, n_threads
         self.n_threads_batch = n_threads_batch or n_threads  # many tokens' threads (-tb)
         self.up_type, self.down_type = up_type, down_type
-        self.act = (ACTS[act], *SWIGLU_OAI)
+        self.act = (ACTS[act], SWIGLU_OAI[0], SILU_CLAMP_LIMIT if act == "silu_clamp" else SWIGLU_OAI[1])
         self._scratch: dict[tuple, tuple[np.ndarray, int]] = {}  # (kind, n_used) -> its buffer and aligned address
         self._barrier = np.zeros(16, dtype=np.int32)  # the graph nodes' spin barrier (they run one at a time)
         self._nodes = _Scratch()  # the graph nodes' scratch
