@@ -21,9 +21,11 @@ import llamacpp  # noqa: E402
 
 
 def ferry_bench(path: Path, threads: int, n_prompt: int, n_gen: int, reps: int, repack: bool) -> dict:
+    from ferry.runtime.loader import RunConfig
     from ferry.tools.bench import run_bench
 
-    rows = run_bench([path], [n_prompt], [n_gen], [n_prompt], [n_prompt], [threads], reps, repack)
+    cfg = RunConfig(path, n_threads=threads, n_gpu_layers=0, repack=repack, quiet=True)
+    rows = run_bench([cfg], [n_prompt], [n_gen], [n_prompt], [n_prompt], reps)
     return {r.test: {"avg_ts": r.avg_ts, "stddev_ts": r.stddev_ts, "samples_ts": r.samples_ts,
                      "experts_hit": r.experts_hit} for r in rows}
 
