@@ -65,7 +65,8 @@ def test_the_cpu_kernel_column_is_what_ferrys_kernel_reads():
     q4 = _layer(rng, Q.Q4_0)
     assert caps.cpu_native_experts(*q4, "silu") == ""
     assert caps.cpu_native_experts(*q4, "swiglu_oai") == ""
-    assert "silu and swiglu_oai" in caps.cpu_native_experts(*q4, "gelu")
+    assert caps.cpu_native_experts(*q4, "silu_clamp") == ""
+    assert "silu, swiglu_oai, silu_clamp" in caps.cpu_native_experts(*q4, "gelu")
     mx = _layer(rng, Q.MXFP4, n_embd=192, n_ff=320)
     assert caps.cpu_native_experts(*mx, "swiglu_oai") == ""
     assert "not whole blocks" in caps.cpu_native_experts(*_layer(rng, Q.MXFP4, n_embd=160, n_ff=320), "swiglu_oai")
