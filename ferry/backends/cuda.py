@@ -533,8 +533,8 @@ def top_k_route(logits: torch.Tensor, n_used: int, norm_topk: bool, routing=None
     gating = "softmax" if routing is None else routing.gating
     probs = (torch.sigmoid(logits) if gating == "sigmoid" else F.softplus(logits).sqrt() if gating == "sqrtsoftplus"
              else torch.softmax(logits, -1))
-    choice = probs if routing is None or routing.bias is None else probs + on_device(routing.bias)
-    if routing is not None and routing.grouped:  # experts only from the best groups
+    choice = probs if routing is None or routing.bias is None or chosen is not None else probs + on_device(routing.bias)
+    if routing is not None and routing.grouped and chosen is None:  # experts only from the best groups
         n, n_expert = choice.shape
         by_group = choice.view(n, routing.n_group, n_expert // routing.n_group)
         score = by_group.topk(routing.group_top, -1).values.sum(-1)
