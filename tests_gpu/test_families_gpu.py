@@ -109,3 +109,30 @@ def test_ik_experts_on_the_gpu_are_rewritten_whole_and_read_in_place_in_part(ik_
                        f"{name} --gpu-experts {policy} ub {ubatch}")
         finally:
             backend.close()
+
+
+@pytest.mark.parametrize("name", ["deepseek4-tiny", "qwen35moe-tiny"])
+def test_sequences_in_turn_decode_through_graphs_of_their_own(name, tmp_path):
+    """A server's slots on the GPU: two sequences of a model with a state per sequence (compressors' rows and
+    entries, delta-nets') take decode steps in turn, each through the CUDA graph recorded for its sequence (a graph
+    recorded for one and replayed for the other would read and write the first one's state); each gives the logits
+    it gives alone on the CPU."""
+    path = tmp_path / f"{name}.gguf"
+    assert main(["synth", name, "-o", str(path), "-q"]) == 0
+    cpu, model = place(path, 8)
+    rng = np.random.default_rng(3)
+    seqs = [rng.integers(0, model.args.n_vocab, 60).tolist() for _ in range(2)]
+    want = [_run_from(Engine(model, cpu, n_ctx=128), s, 20) for s in seqs]
+    engine = Engine(load_model(GGUFFile(path)), CudaBackend(), n_ctx=256, n_seq=2)
+    for i, s in enumerate(seqs):
+        engine.decode_sequences(s[:20], [i] * 20, list(range(20)), 128)
+    got = [engine.decode_sequences([seqs[0][p], seqs[1][p]], [0, 1], [p, p], 128, all_logits=True)
+           for p in range(20, 60)]
+    for i in range(2):
+        _check(want[i], torch.stack([g[i] for g in got]), f"{name} sequence {i} of 2, GPU graphs")
+
+
+def _run_from(engine, tokens, n_prompt):
+    """The logits of each token after the first n_prompt, fed one by one."""
+    engine.decode(tokens[:n_prompt])
+    return torch.cat([engine.decode([t]) for t in tokens[n_prompt:]])

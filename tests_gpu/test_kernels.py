@@ -931,3 +931,96 @@ def test_hyper_connection_kernels_match_float64(n, d, n_hc):
     out = hyper.hyper_post(streams.float().to(DEV), y.float().to(DEV), post.float().to(DEV), comb.float().to(DEV))
     want = (post[..., None] * y[:, None] + torch.einsum("njd,njk->nkd", streams.view(n, n_hc, d), comb)).reshape(n, -1)
     _close(out, want, 2e-5)
+
+
+def _pooled_entries(kv, score, ape, ratio, d, norm, rope, eps):
+    """float64 reference of a compressor's entries from every position's rows kv, score (positions, width): window w
+    pooled over its positions (and, width 2 d, the previous window's first d channels), softmax per channel of
+    score + ape by place, RMSNorm, rope at the window's first position."""
+    n_pos, width = kv.shape
+    score = score + ape[torch.arange(n_pos) % ratio]
+    out = []
+    for w in range((n_pos) // ratio):
+        this = slice(w * ratio, (w + 1) * ratio)
+        if width == 2 * d:
+            prev = slice((w - 1) * ratio, w * ratio)
+            old_kv = kv[prev, :d] if w else torch.zeros(ratio, d, dtype=kv.dtype)
+            old_s = score[prev, :d] if w else torch.full((ratio, d), float("-inf"), dtype=kv.dtype)
+            rows, s = torch.cat([old_kv, kv[this, d:]]), torch.cat([old_s, score[this, d:]])
+        else:
+            rows, s = kv[this], score[this]
+        x = (rows * torch.softmax(s, 0)).sum(0)
+        x = x * torch.rsqrt(x.pow(2).mean() + eps) * norm
+        cos, sin = rope.angles(torch.tensor([w * ratio]))
+        tail = rope(x[None, None, d - rope.n_rot:], cos.double(), sin.double())[0, 0]
+        out.append(torch.cat([x[:d - rope.n_rot], tail]))
+    return torch.stack(out) if out else torch.zeros(0, d, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("ratio,d,n_rot,overlap,step", [(4, 64, 16, True, 1), (4, 96, 32, True, 3), (16, 64, 16, False, 1),
+                                                        (5, 40, 8, False, 2), (128, 128, 64, False, 8)])
+def test_compress_step_matches_float64(neox, ratio, d, n_rot, overlap, step):
+    """A compressor's decode steps (one token, or a few at once) from position 0: the rows into its ring, each
+    completed window pooled into its entry; against the entries pooled from every position's rows at once. Odd sizes:
+    ratio 5, width 40, three tokens a step that complete windows mid-step."""
+    from ferry.kernels.cuda.compressed import compress_step
+    from ferry.layers.rope import Rope
+
+    rng = np.random.default_rng(ratio * d + n_rot + step)
+    width, n_pos = (2 if overlap else 1) * d, 3 * ratio + step + 1
+    kv, score = (torch.from_numpy(rng.standard_normal((n_pos, width))) for _ in range(2))
+    ape, norm = torch.from_numpy(rng.standard_normal((ratio, width))), torch.from_numpy(rng.uniform(0.5, 2, d))
+    rope = Rope(n_rot, 10000.0, neox)
+    cos, sin = (t.to(DEV) for t in rope.angles(torch.arange(n_pos)))
+    ring = 2 * ratio if overlap else ratio
+    state = [torch.zeros(ring, width, device=DEV), torch.zeros(ring, width, device=DEV),
+             torch.zeros(n_pos // ratio + 1, d, device=DEV)]
+    f = lambda x: x.float().to(DEV)  # noqa: E731
+    for p0 in range(0, n_pos, step):
+        p = torch.arange(p0, min(p0 + step, n_pos))
+        compress_step(f(kv[p]), f(score[p]), f(ape), *state, f(norm), cos, sin, p.to(DEV), ratio, n_rot, neox, 1e-6)
+    want = _pooled_entries(kv, score, ape, ratio, d, norm, rope, 1e-6)
+    _close(state[2][:want.shape[0]], want, 1e-5)
+    assert not state[2][want.shape[0]:].any()  # no entry for the window still open
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("n,heads,d,window,ratio,cap,select", [
+    (1, 16, 64, 8, 4, 20, True), (1, 16, 64, 8, 4, 20, False), (3, 20, 96, 8, 16, 9, True),
+    (3, 20, 96, 8, 16, 9, False), (1, 64, 512, 128, 4, 70, True), (1, 64, 512, 128, 128, 70, False),
+    (2, 5, 64, 5, 0, 0, False)])
+def test_attention_compressed_matches_float64(select, splits, n, heads, d, window, ratio, cap):
+    """DeepSeek-V4's decode attention: each token's heads over the last `window` cells of its sequence (fewer near
+    its start) and the entries it sees (a complete window each), all of them or those chosen (some slots empty,
+    some chosen ones not yet complete), keys the values, each head's sink in the denominator; f16 queries, cache
+    rows and entries in the products. Cut into parts merged after (a part may see nothing)."""
+    from ferry.kernels.cuda.compressed import attention_compressed
+
+    rng = np.random.default_rng(heads + d + n + window + ratio)
+    pos = torch.from_numpy(rng.integers(0, (cap - 1) * ratio if ratio else 100, n)) if n > 1 else \
+        torch.tensor([max(cap - 1, 1) * max(ratio, 1) - 1])
+    pos[0] = min(int(pos[0]), 3) if n > 1 else pos[0]  # one token near the start: fewer than `window` cells
+    base = 40
+    cache = torch.from_numpy(rng.standard_normal((base + int(pos.max()) + 1, d))).half()
+    entries = torch.from_numpy(rng.standard_normal((max(cap, 1), d))).float()
+    q = torch.from_numpy(rng.standard_normal((n, heads, d)))
+    sinks = torch.from_numpy(rng.standard_normal(heads))
+    top_k = 6
+    ids = torch.from_numpy(np.stack([rng.permutation(max(cap, 1))[:top_k] for _ in range(n)])).int()
+    ids[:, 4:] = -1
+    want = torch.empty(n, heads, d, dtype=torch.float64)
+    for t in range(n):
+        p = int(pos[t])
+        keys = cache[base + torch.arange(max(0, p - window + 1), p + 1)].double()
+        if ratio:
+            seen = torch.arange((p + 1) // ratio) if not select else ids[t][(ids[t] >= 0) & (ids[t] < (p + 1) // ratio)]
+            keys = torch.cat([keys, entries[seen.long()].half().double()])
+        s = keys @ q[t].half().double().T * d ** -0.5  # (keys, heads)
+        s = torch.cat([s, sinks[None]])
+        want[t] = torch.softmax(s, 0)[:-1].T @ keys
+    got = attention_compressed(q.float().to(DEV), cache.to(DEV), entries.to(DEV) if ratio else None,
+                               ids.to(DEV) if select else None, pos.to(DEV),
+                               torch.full((n,), base, device=DEV), window, ratio, d ** -0.5, sinks.float().to(DEV),
+                               splits)
+    _close(got, want.view(n, -1), 2e-3)  # the softmax weights go into the value product as f16

@@ -352,9 +352,11 @@ class Model:
     output: Weight
     embd_scale: float = 1.0
     ggml_graph = True  # whether the CPU runs it as one ggml graph (runners/ggml_graph.py has its every op)
-    # whether a decode step holds no work whose shapes or indices follow the position (a GPU records it as one CUDA
-    # graph; else that work runs between graphs: ops.cache_sized)
-    position_free = True
+
+    def position_free(self, kv) -> bool:
+        """Whether a decode step over this cache holds no work whose shapes or indices follow the position: a GPU
+        records it as one CUDA graph, else that work runs between graphs (ops.cache_sized)."""
+        return True
 
     def weights(self) -> list[Weight]:
         """Every matmul weight of the model, once each, in layer order (output last)."""
@@ -390,8 +392,10 @@ class Model:
     def ropes(self) -> set:
         """The rotary embeddings its attention layers and their indexers use (a GPU keeps a table of each's angles)."""
         attns = [b.attn for b in self.blocks if isinstance(b.attn, (Attention, LatentAttention, CompressedAttention))]
+        compressed = [a for a in attns if isinstance(a, CompressedAttention)]
         return ({a.rope for a in attns} | {a.indexer.rope for a in attns if getattr(a, "indexer", None) is not None}
-                | {a.unrope for a in attns if isinstance(a, CompressedAttention)})
+                | {a.unrope for a in compressed} | {a.compressor.rope for a in compressed if a.compressor}
+                | {a.indexer.compressor.rope for a in compressed if a.indexer})
 
     def use_mla(self, mode: int | None, max_batch_mib: int = 0) -> int:
         """Set the latent attention mode (-mla, ik_llama.cpp's meaning; None: ferry's choice, 3) and -amb (MiB; 0:

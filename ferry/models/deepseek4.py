@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType as Q
 
 from ferry.errors import FerryError
 from ferry.kernels.activations import SILU_CLAMP_LIMIT
@@ -66,7 +67,11 @@ class StreamsModel(Model):
     head: HyperHead | None = None
     n_hc: int = 1
     ggml_graph = False  # its ops (streams, compressors) are torch's: the CPU runs it op by op
-    position_free = False  # its compressors, indexer and attention run between CUDA graphs (compressed_attention)
+
+    def position_free(self, kv) -> bool:
+        """Its compressors, indexer and attention read the position on the GPU over an f16 cache (CudaOps'
+        compressed_attention); over another, they run between CUDA graphs."""
+        return kv.type_k == Q.F16
 
     def _embed(self, ops):
         x = ops.embed(self.token_embd)

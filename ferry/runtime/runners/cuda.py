@@ -141,12 +141,43 @@ class CudaOps(TorchOps):
                                 sinks=None if sinks is None else self.backend.vector(sinks), select=select)
 
     def compressed_attention(self, attn, q: torch.Tensor, kv: torch.Tensor, pooled: tuple, indexed: tuple):
-        """TorchOps' (DeepSeek-V4's compressors, indexer and attention: shapes and indices that follow the position),
-        run between CUDA graphs when a step is recorded (cache_sized), with the replayed batch."""
-        def run(*t):
-            return TorchOps.compressed_attention(self, attn, t[0], t[1], t[2:2 + len(pooled)], t[2 + len(pooled):])
+        """DeepSeek-V4's compressors, indexer and attention (TorchOps'). A decode-sized batch over an f16 cache in
+        kernels that read the positions on the GPU (kernels/cuda/compressed.py; the indexer's top-k over each
+        token's complete windows, kernels/cuda/indexer.py): a recorded graph serves every length. A prompt's, or
+        another cache's, through TorchOps, run between CUDA graphs when a step is recorded (cache_sized)."""
+        cache = self.batch.kv
+        if q.shape[0] > DECODE_MAX or cache.type_k != Q.F16:
+            def run(*t):
+                return TorchOps.compressed_attention(self, attn, t[0], t[1], t[2:2 + len(pooled)],
+                                                     t[2 + len(pooled):])
 
-        return self.cache_sized(run, (q, kv, *pooled, *indexed), (q.shape[0], q.shape[1] * q.shape[2]))
+            return self.cache_sized(run, (q, kv, *pooled, *indexed), (q.shape[0], q.shape[1] * q.shape[2]))
+        from ferry.kernels.cuda.compressed import attention_compressed
+        from ferry.kernels.cuda.indexer import indexer_top_k
+
+        entries = self._compress_step(attn.compressor, *pooled) if pooled else None
+        select = None
+        if indexed:
+            index = attn.indexer
+            keys = self._compress_step(index.compressor, *indexed[:2])
+            last = (self.pos + 1) // index.compressor.ratio - 1  # the last entry each token sees
+            select = indexer_top_k(indexed[2], indexed[3], keys, last, torch.zeros_like(last), index.top_k,
+                                   keys.shape[0])
+        self._store(attn.layer, kv, None)
+        return attention_compressed(q, cache.k[attn.layer], entries, select, self.pos, self._cell_base(), attn.window,
+                                    attn.ratio, attn.head_dim ** -0.5, self.backend.vector(attn.sinks))
+
+    def _compress_step(self, comp, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        """A compressor's step (compress_step) over this batch's sequence's state: its entries (cap, dim)."""
+        from ferry.kernels.cuda.compressed import compress_step
+
+        seq = self._one_sequence()[0]  # a graph is recorded per sequence (CudaGraphRunner's key)
+        cache, key, vec = self.batch.kv, (comp.layer, comp.name), self.backend.vector
+        entries = cache.entries[key][seq]
+        cos, sin = self.tables[comp.rope]
+        compress_step(kv, score, vec(comp.ape), *(t[seq] for t in cache.rings[key]), entries, vec(comp.norm), cos, sin,
+                      self.pos, comp.ratio, comp.rope.n_rot, comp.rope.neox, comp.norm_eps)
+        return entries
 
     def hyper_pre(self, streams: torch.Tensor, mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n_hc: int,
                   n_iters: int, eps: float):

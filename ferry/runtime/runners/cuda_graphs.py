@@ -250,7 +250,10 @@ class CudaGraphRunner:
         return True
 
     def forward(self, model, tokens: torch.Tensor, batch: Batch) -> torch.Tensor:
-        key = (id(model), id(batch.kv), batch.n_tokens, batch.logit_rows, None)  # key[2]: the u-batch size
+        # key[2]: the u-batch size; key[5]: the sequence of a recurrent model's batch (one sequence's tokens), whose
+        # recorded step reads and writes that sequence's state
+        seq = int(batch.seq[0]) if batch.seq is not None and batch.kv.recurrent else None
+        key = (id(model), id(batch.kv), batch.n_tokens, batch.logit_rows, None, seq)
         if not self._recorded(key, batch.n_tokens):
             return model.forward(self.placed_ops(model, batch, tokens))
         c = self._captured.get(key)
@@ -276,7 +279,7 @@ class CudaGraphRunner:
         u-batch's attention over the cache and the joined rows' experts in RAM run between graphs. Eagerly, the
         u-batches' launches bound the run at small u-batches (docs/performance.md, 2026-11-23 and 2026-11-24)."""
         sizes = tuple(b.n_tokens for b in batches)
-        key = (id(model), id(joined.kv), joined.n_tokens, joined.logit_rows, sizes)
+        key = (id(model), id(joined.kv), joined.n_tokens, joined.logit_rows, sizes, None)
         if not self._recorded(key, max(sizes), prompt=True):
             return model.forward_layer_first([self.placed_ops(model, b, t) for t, b in zip(tokens, batches)],
                                              self.placed_ops(model, joined, torch.cat(tokens)))
@@ -328,7 +331,7 @@ class CudaGraphRunner:
         for i, ops in zip(inputs, opss):
             i.ops = ops
         decided = self.backend.decided(n_tokens)
-        if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1 and model.position_free:
+        if self.backend.graph_safe and n_tokens <= DECODE_MAX and len(forwards) == 1 and model.position_free(kv):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = run(opss)
