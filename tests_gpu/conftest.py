@@ -30,6 +30,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels on the CPU: Triton 3.6'
     from ferry.kernels.cuda import kquant as _kquant
 
     _kquant.ROWS = _kquant.ROWS_BIG = _kquant.MOE_ROWS = 32
+    # the same for the split-layout GEMVs and the experts' (a few rows a program by default): deepseek4-tiny's decode test took
+    # 7 minutes, 50 of each step's 73 s in them
+    from ferry.kernels.cuda import gemv as _gemv, moe as _moe
+
+    _gemv._gemv_config = lambda outputs, cols: (64, 512, 4)
+    _moe._moe_gemv_config = lambda n_ff, pairs: (64, 512, 4)
 
 
 def place(path, threads: int, **flags):

@@ -185,3 +185,27 @@ def test_gpu_sparse_attention_matches_the_cpu(tmp_path, preset, mla):
     best2 = runs[0].topk(2, dim=-1).values
     clear = (best2[:, 0] - best2[:, 1]) > 0.05
     assert (runs[0].argmax(-1) == runs[1].argmax(-1))[clear].all()
+
+
+def test_gpu_deepseek4_decode_steps_match_the_cpu(tmp_path):
+    """DeepSeek-V4's decode on the GPU path (kernels/cuda/compressed.py: the compressors' rows into their rings and
+    each completed window pooled, the indexer's top-k over complete windows, attention over the window's cells and
+    the entries, with sinks), from a prompt's state (TorchOps' compressors): steps of three tokens and of one, past
+    window ends of both ratios (4 and 16) and past the indexer's top-k (4), against the all-CPU logits."""
+    path = tmp_path / "dsv4.gguf"
+    assert main(["synth", "deepseek4-tiny", "-o", str(path), "-q"]) == 0
+    cpu, model = place(path, 2)
+    tokens = np.random.default_rng(2).integers(0, model.args.n_vocab, 24).tolist()
+    backend = CudaBackend(DEV)
+    runs = []
+    for b in (cpu, backend):
+        e = Engine(model, b, n_ctx=64)
+        if b is backend:
+            e.runner = CudaGraphRunner(backend, graphs=False)
+        prompt = e.decode(tokens[:9], all_logits=True)  # 9 > DECODE_MAX: the prompt's way
+        steps = [e.decode(tokens[i:i + 3], all_logits=True) for i in range(9, 18, 3)]
+        steps += [e.decode([t]) for t in tokens[18:]]  # the ratio-4 layers see 5 and 6 entries, past top-k
+        runs.append(torch.cat([prompt] + steps).cpu())
+    kl, top1 = kl_top1(*runs)
+    print(f"GPU deepseek4 decode vs CPU: KL max {kl.max():.2e}, top-1 {top1:.4f}")
+    assert kl.max() < 1e-3 and top1 >= 0.97

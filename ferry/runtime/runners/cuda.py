@@ -141,31 +141,45 @@ class CudaOps(TorchOps):
                                 sinks=None if sinks is None else self.backend.vector(sinks), select=select)
 
     def compressed_attention(self, attn, q: torch.Tensor, kv: torch.Tensor, pooled: tuple, indexed: tuple):
-        """DeepSeek-V4's compressors, indexer and attention (TorchOps'). A decode-sized batch over an f16 cache in
-        kernels that read the positions on the GPU (kernels/cuda/compressed.py; the indexer's top-k over each
-        token's complete windows, kernels/cuda/indexer.py): a recorded graph serves every length. A prompt's, or
-        another cache's, through TorchOps, run between CUDA graphs when a step is recorded (cache_sized)."""
-        cache = self.batch.kv
-        if q.shape[0] > DECODE_MAX or cache.type_k != Q.F16:
+        """DeepSeek-V4's compressors, indexer and attention (TorchOps') over an f16 cache in kernels that read the
+        positions on the GPU (kernels/cuda/compressed.py; the indexer's top-k over each token's complete windows,
+        kernels/cuda/indexer.py), each token's attention reading only its window's cells and the entries it sees or
+        was given. A decode-sized batch pools its windows in compress_step too: a recorded graph serves every length.
+        A prompt's windows are pooled by TorchOps.compress, which indexes them on the host: its compressed attention
+        runs between CUDA graphs when a step is recorded (cache_sized), as another cache type's runs whole through
+        TorchOps."""
+        def deferred(fn):
             def run(*t):
-                return TorchOps.compressed_attention(self, attn, t[0], t[1], t[2:2 + len(pooled)],
-                                                     t[2 + len(pooled):])
+                return fn(self, attn, t[0], t[1], t[2:2 + len(pooled)], t[2 + len(pooled):])
 
             return self.cache_sized(run, (q, kv, *pooled, *indexed), (q.shape[0], q.shape[1] * q.shape[2]))
+
+        if self.batch.kv.type_k != Q.F16:
+            return deferred(TorchOps.compressed_attention)
+        if q.shape[0] > DECODE_MAX:
+            return deferred(CudaOps._compressed_kernels)
+        return self._compressed_kernels(attn, q, kv, pooled, indexed)
+
+    def _compressed_kernels(self, attn, q: torch.Tensor, kv: torch.Tensor, pooled: tuple, indexed: tuple):
+        """compressed_attention's kernels; a prompt's windows pooled by TorchOps.compress."""
         from ferry.kernels.cuda.compressed import attention_compressed
         from ferry.kernels.cuda.indexer import indexer_top_k
 
-        entries = self._compress_step(attn.compressor, *pooled) if pooled else None
+        compress = self._compress_step if q.shape[0] <= DECODE_MAX else self.compress
+        entries = compress(attn.compressor, *pooled) if pooled else None
         select = None
         if indexed:
             index = attn.indexer
-            keys = self._compress_step(index.compressor, *indexed[:2])
+            keys = compress(index.compressor, *indexed[:2])
+        if entries is not None and not entries.shape[0]:  # a prompt's first windows not complete yet
+            entries = None
+        elif indexed and keys.shape[0]:
             last = (self.pos + 1) // index.compressor.ratio - 1  # the last entry each token sees
             select = indexer_top_k(indexed[2], indexed[3], keys, last, torch.zeros_like(last), index.top_k,
                                    keys.shape[0])
         self._store(attn.layer, kv, None)
-        return attention_compressed(q, cache.k[attn.layer], entries, select, self.pos, self._cell_base(), attn.window,
-                                    attn.ratio, attn.head_dim ** -0.5, self.backend.vector(attn.sinks))
+        return attention_compressed(q, self.batch.kv.k[attn.layer], entries, select, self.pos, self._cell_base(),
+                                    attn.window, attn.ratio, attn.head_dim ** -0.5, self.backend.vector(attn.sinks))
 
     def _compress_step(self, comp, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         """A compressor's step (compress_step) over this batch's sequence's state: its entries (cap, dim)."""
