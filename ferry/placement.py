@@ -274,7 +274,7 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
                 split: list[float] | None = None, advise: bool = True, kv_on_gpu: bool = False,
                 cache: CacheLayout | None = None, n_batch: int = 0,
                 resident: dict[int, tuple[int, ...]] | None = None, expands: frozenset[int] = frozenset(),
-                n_logits: int | None = None, expanded: frozenset[int] | None = None) -> MemoryPlan:
+                n_logits: int | None = None, expanded: frozenset[int] | None = None, n_seq: int = 1) -> MemoryPlan:
     """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
@@ -288,7 +288,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     (expanding_layers): streamed, they stay as copied in two staging sets of their own. `expanded`: those of them no
     quantized kernel reads (expanded_layers; None: all of `expands`), whose prompts, on a GPU, in RAM or kept there,
     expand a projection at a time in one bfloat16 scratch a device. `n_logits`: the rows of logits a u-batch
-    computes (RunConfig.logit_rows; None: all n_ubatch, as perplexity's)."""
+    computes (RunConfig.logit_rows; None: all n_ubatch, as perplexity's). `n_seq`: the sequences (server slots) a
+    recurrent layer or a compressor keeps a state for, each over n_ctx / n_seq positions."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     tensors = as_loaded(tensors, args)
     needs: dict[str, DeviceNeed] = {}
@@ -330,14 +331,14 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
     per_layer = int(n_ctx * cache.bytes_per_position(kb, vb))
-    state = state_layout(args)  # a recurrent layer keeps its state (one sequence) instead of KV rows
-    per_state = state.bytes_per_sequence // len(state.layers) if state else 0
+    state = state_layout(args)  # a recurrent layer keeps its state (one per sequence) instead of KV rows
+    per_state = n_seq * state.bytes_per_sequence // len(state.layers) if state else 0
     for i in range(args.n_layer):
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)
         need(kv_device).kv_cache += per_state if state and i in state.layers else per_layer + n_ctx * cache.index_bytes(i, kb)
-        need(kv_device).kv_cache += sum(4 * c.dim * c.entries(n_ctx) + c.ring_bytes
-                                        for c in cache.compressed if c.layer == i)
+        need(kv_device).kv_cache += n_seq * sum(4 * c.dim * c.entries(n_ctx // n_seq) + c.ring_bytes
+                                                for c in cache.compressed if c.layer == i)
     # a GPU replays prompt u-batches (and batches of them) up to Settings.prompt_graph_max tokens as CUDA graphs, whose
     # memory pool is a second set of their activations beside the eager one
     replayed = n_ubatch <= settings().prompt_graph_max
@@ -373,18 +374,18 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     plan = MemoryPlan(sorted(needs.values(), key=lambda d: (d.device != "CPU", d.device)))
     if advise and not plan.fits:
         plan.advice = _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch,
-                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch, expands, n_logits, expanded)
+                              kv_bytes_per_value, split, kv_on_gpu, cache, n_batch, expands, n_logits, expanded, n_seq)
     return plan
 
 
 def _advice(plan, tensors, args, n_gpu_layers, overrides, gpus, available, n_ctx, n_ubatch, kv, split,
-            kv_on_gpu, cache, n_batch, expands, n_logits, expanded) -> str:
+            kv_on_gpu, cache, n_batch, expands, n_logits, expanded, n_seq) -> str:
     gpu_over = any(d.over for d in plan.devices if d.device != "CPU")
     if gpu_over:
         for ngl in range(min(n_gpu_layers, args.n_layer + 1) - 1, -1, -1):
             if memory_plan(tensors, args, ngl, overrides, gpus, available, n_ctx, n_ubatch, kv, split, False,
                            kv_on_gpu and ngl > 0, cache, n_batch, expands=expands, n_logits=n_logits,
-                           expanded=expanded).fits:
+                           expanded=expanded, n_seq=n_seq).fits:
                 return f"-ngl {ngl} fits; or keep the experts in RAM with -ot exps=CPU, or lower -c/--ctx-size"
         return ("no -ngl fits: lower -c/--ctx-size, -ub/--ubatch-size" + (", -b/--batch-size" if n_batch else "")
                 + " or use a smaller quant type")

@@ -325,3 +325,27 @@ def test_plan_forecasts_tg_and_pp_from_the_calibrations_measured_parts(tiny, tmp
     old = plan("-ot", "exps=CPU")
     assert "no forecast of tg and pp" in old and "run `ferry calibrate` again" in old
     assert json.loads(plan("--json"))["forecast"] is None
+
+
+@pytest.mark.parametrize("preset", ["qwen35moe-tiny", "deepseek4-tiny"])
+def test_the_plan_counts_each_sequences_state_as_the_cache_holds_it(tmp_path, preset):
+    """A server's slots (-np) of a model with a state per sequence (delta-nets' states, compressors' rings; the
+    compressors' entries over each sequence's share of -c): the plan's cache bytes are the cache's own, for one
+    sequence and for three."""
+    from ferry.models import load_model
+    from ferry.runtime.kv_cache import KVCache
+
+    path = tmp_path / f"{preset}.gguf"
+    assert main(["synth", preset, "-o", str(path), "-q"]) == 0
+    f = GGUFFile(path)
+    model = load_model(f)
+    sizes = {t.name: t.nbytes for t in f.tensors.values()}
+    got = []
+    for n_seq in (1, 3):
+        plan = memory_plan(sizes, model.args, 0, [], ["CUDA0"], {}, 96, 32, cache=model.cache_layout(), n_seq=n_seq)
+        planned = sum(d.kv_cache for d in plan.devices)
+        cache = KVCache.of(model.cache_layout(), model.args.n_layer, 96, "f16", "f16", None, model.state_layout(),
+                           n_seq)
+        assert planned == cache.n_bytes
+        got.append(planned)
+    assert got[1] > got[0]

@@ -106,14 +106,14 @@ def _expert_rules(chosen: list[int], gpu: str) -> tuple[str, ...]:
 def fit(tensors: dict[str, int], args, cache, kv: tuple[float, float], gpu: str, available: int, n_ctx: int,
         n_ubatch: int, n_batch: int = 0, margin: int = FIT_TARGET_MIB << 20, ctx_floor: int = FIT_CTX,
         per_expert: bool = False, routing: dict | None = None, expands: frozenset[int] = frozenset(),
-        n_logits: int | None = None, expanded: frozenset[int] | None = None) -> Fit:
+        n_logits: int | None = None, expanded: frozenset[int] | None = None, n_seq: int = 1) -> Fit:
     """The placement for one GPU of `available` bytes, `margin` of them left free. tensors: name -> bytes (the
     file's); args: ModelArgs; cache: its layout; kv: bytes per cached key and value value; n_batch: the logical batch
     taken layer first (0: u-batch by u-batch); per_expert: whether a layer's experts may be split between the GPU and
     RAM (types the GPU reads for a token in place: capabilities.gpu_holds); routing: the counts of `ferry calibrate
     --routing` for this file (routing.load); expands, expanded: the layers whose experts stream as copied, and those
     of them that prompts expand to bfloat16 (placement.expanding_layers, expanded_layers); n_logits: the rows of
-    logits a u-batch computes (RunConfig.logit_rows; None: every row).
+    logits a u-batch computes (RunConfig.logit_rows; None: every row); n_seq: the sequences a state is kept for.
     A FerryError where not even the non-expert weights, the KV cache for --fit-ctx and the buffers fit."""
     room = {gpu: available - margin}
     if room[gpu] <= 0:
@@ -124,7 +124,7 @@ def fit(tensors: dict[str, int], args, cache, kv: tuple[float, float], gpu: str,
     def plan(ngl: int, rules: tuple[str, ...], ctx: int, resident=None) -> MemoryPlan:
         return memory_plan(tensors, args, ngl, parse_overrides(list(rules)), [gpu], room, ctx, n_ubatch, kv,
                            advise=False, kv_on_gpu=ngl > 0, cache=cache, n_batch=n_batch if moe else 0,
-                           resident=resident, expands=expands, n_logits=n_logits, expanded=expanded)
+                           resident=resident, expands=expands, n_logits=n_logits, expanded=expanded, n_seq=n_seq)
 
     def fits(ngl: int, rules: tuple[str, ...], ctx: int, resident=None) -> bool:
         return all(d.over == 0 for d in plan(ngl, rules, ctx, resident).devices if d.device != "CPU")
@@ -269,6 +269,6 @@ def placed(cfg, f, args, cache, room: dict[str, int]):
                  "CUDA0", room["CUDA0"], n_ctx, cfg.n_ubatch, cfg.n_batch if cfg.layer_first else 0,
                  cfg.fit_target[0] << 20, cfg.fit_ctx, per_expert=per_expert,
                  routing=routing.load(f.path) if expert_types else None, expands=expanding_layers(f.tensors.values()),
-                 n_logits=cfg.logit_rows, expanded=expanded_layers(f.tensors.values()))
+                 n_logits=cfg.logit_rows, expanded=expanded_layers(f.tensors.values()), n_seq=cfg.n_seq)
     return cfg.with_(n_gpu_layers=result.n_gpu_layers, override_tensor=result.override_tensor,
                      gpu_experts=format_gpu_experts(result.resident) or None, n_ctx=result.n_ctx), result

@@ -250,7 +250,7 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
                        available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
                        cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
                        expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows,
-                       expanded=expanded_layers(f.tensors.values()))
+                       expanded=expanded_layers(f.tensors.values()), n_seq=cfg.n_seq)
     ops, ops_note, floor, fc = (_op_view(f, margs, cfg, ubatches, calibration, fitted) if kv_on_gpu
                                 else ([], "", None, None))
     fit_view = None if fitted is None else {

@@ -272,7 +272,7 @@ def _check_host_memory(f, model, cfg: RunConfig) -> None:
         return
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, model.args, 0, [], ["CUDA0"],
                        {"CPU": available}, _n_ctx(model, cfg), cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v),
-                       advise=False, cache=model.cache_layout(), n_logits=cfg.logit_rows)
+                       advise=False, cache=model.cache_layout(), n_logits=cfg.logit_rows, n_seq=cfg.n_seq)
     cpu = next(d for d in plan.devices if d.device == "CPU")
     if cpu.kv_cache + cpu.compute > available:
         raise FerryError(f"the KV cache for -c {_n_ctx(model, cfg)} ({cpu.kv_cache / 2**30:.2f} GiB) and the compute "
@@ -319,7 +319,7 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
                                {g: torch.cuda.mem_get_info(i)[0] for i, g in enumerate(gpus)}, _n_ctx(model, cfg),
                                cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split=split, cache=model.cache_layout(),
                                expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows,
-                       expanded=expanded_layers(f.tensors.values()))
+                               expanded=expanded_layers(f.tensors.values()), n_seq=cfg.n_seq)
             if not plan.fits:
                 raise FerryError(plan.error())
             return MultiGpuBackend(device_map(f, model, n_gpu_layers, [], layers), layers, n_threads=cpu.n_threads)
@@ -328,7 +328,7 @@ def _gpu_backend(f, model, cfg: RunConfig, cpu):
                        cache=model.cache_layout(),
                        n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
                        expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows,
-                       expanded=expanded_layers(f.tensors.values()))
+                       expanded=expanded_layers(f.tensors.values()), n_seq=cfg.n_seq)
     if not plan.fits:
         raise FerryError(plan.error())
     gpu = CudaBackend("cuda:0", n_threads=cpu.n_threads)
