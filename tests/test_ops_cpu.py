@@ -192,3 +192,30 @@ def test_repacked_weight_is_used_and_matches_the_mmap_path(qtype):
     assert not plain.repacked
     # both quantize the activations the same way; only the summation order differs
     assert torch.allclose(repacked, direct, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("heads,kv_heads,n,n_kv,d,dv,additive", [
+    (4, 1, 1, 37, 64, 64, False), (8, 2, 5, 9, 33, 17, False), (6, 6, 3, 20, 16, 16, True), (64, 1, 7, 130, 48, 48, False)])
+def test_attention_with_sinks_in_groups_matches_float64(heads, kv_heads, n, n_kv, d, dv, additive):
+    """The op-by-op path's attention with sinks (gpt-oss, DeepSeek-V4), query heads in groups over their key head:
+    against float64 with every key head repeated for its queries and the sink as one more logit in the denominator;
+    a masked row (additive: -inf entries) sees only its sink."""
+    from ferry.layers.attention import attend_with_sinks
+
+    rng = np.random.default_rng(heads + n + n_kv + d)
+    q = torch.from_numpy(rng.standard_normal((heads, n, d)))
+    k = torch.from_numpy(rng.standard_normal((kv_heads, n_kv, d)))
+    v = torch.from_numpy(rng.standard_normal((kv_heads, n_kv, dv)))
+    sinks = torch.from_numpy(rng.standard_normal(heads))
+    seen = torch.from_numpy(rng.random((n, n_kv)) < 0.6)
+    seen[0] = False  # a query that sees nothing but its sink
+    scale = d ** -0.5
+    group = heads // kv_heads
+    s = q @ k.repeat_interleave(group, 0).transpose(1, 2) * scale
+    s = torch.cat([s.masked_fill(~seen, float("-inf")), sinks[:, None, None].expand(heads, n, 1)], -1)
+    want = torch.softmax(s, -1)[..., :-1] @ v.repeat_interleave(group, 0)
+    mask = torch.zeros(n, n_kv).masked_fill(~seen, float("-inf")).float() if additive else seen
+    got = attend_with_sinks(q.float(), k.float(), v.float(), mask, sinks.float(), scale)
+    assert got.shape == (heads, n, dv)
+    assert (got.double() - want).abs().max() < 1e-5
+    assert got[:, 0].abs().max() == 0  # nothing seen: the sink takes all the weight, its value is zero

@@ -86,6 +86,27 @@ def with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
     return q, keys, values, mask
 
 
+def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                      sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention with each head's sink logit in the softmax's denominator, the query heads taken in groups against
+    their key head (head h reads key head h // group), no key copied per head: q (heads, n, d), keys / values
+    (kv_heads, n_kv, d / d_v), mask (n, n_kv) bool or additive, sinks (heads,) -> (heads, n, d_v). with_sinks' result
+    for a CPU, where scaled_dot_product_attention would need every key head repeated for every query head of it (64
+    copies of DeepSeek-V4's one head: half its CPU decode step)."""
+    heads, n, d = q.shape
+    kv_heads, n_kv = keys.shape[:2]
+    group = heads // kv_heads
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    s = torch.bmm(q.reshape(kv_heads, group * n, d), keys.transpose(1, 2)).view(kv_heads, group, n, n_kv) * scale
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    sink = sinks.to(q.device, q.dtype).view(kv_heads, group, 1, 1)
+    top = torch.maximum(s.amax(-1, keepdim=True), sink)
+    p = torch.exp(s - top)
+    den = p.sum(-1, keepdim=True) + torch.exp(sink - top)
+    out = torch.bmm(p.view(kv_heads, group * n, n_kv), values).view(kv_heads, group, n, -1) / den
+    return out.view(heads, n, -1)
+
+
 def expand_from(lora: int, nope: int, v: int) -> int:
     """Tokens per u-batch from which expanding the cache costs fewer multiply-adds than absorbing (mode 3 on the
     CPU): per head, absorbing costs n * lora * (nope + v) for the query and output projections and n * n_kv *

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.backends.cuda import top_k_route
-from ferry.layers.attention import with_sinks
+from ferry.layers.attention import attend_with_sinks
 from ferry.layers.hyper_connection import sinkhorn
 from ferry.layers.delta_net import delta_rule, short_conv
 from ferry.layers.indexer import scores, top_k_mask
@@ -140,9 +140,8 @@ class TorchOps:
         mask = self._on(("mask", window), self.batch.mask(window), q.device) if select is None else select
         q, keys, values = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
         if sinks is not None:
-            group = n_head // keys.shape[0]
-            keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
-            q, keys, values, mask = with_sinks(q, keys, values, mask, self.backend.vector(sinks), scale)
+            out = attend_with_sinks(q, keys, values, mask, self.backend.vector(sinks), scale)
+            return out.transpose(0, 1).reshape(n, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=n_head != keys.shape[0])
         return out.transpose(0, 1).reshape(n, -1)
