@@ -1,13 +1,13 @@
-"""DeepSeek-V4's compressed attention (layers/compressed_attention.py) in a decode step on the GPU, as kernels whose
-shapes and indices do not follow the position (they read it from the device), so that a recorded CUDA graph serves
-every length:
+"""DeepSeek-V4's compressed attention (layers/compressed_attention.py) on the GPU, as kernels whose shapes and indices
+do not follow the position (they read it from the device), so that a recorded decode step serves every length:
 
 - compress_step: each token's kv and score rows into its compressor's ring (position p at row p % ring); where a
   token completes a window, that window's rows pooled into its entry (a softmax over the window's positions per
   channel, RMSNorm, rope at the window's first position), all in one program.
 - attention_compressed: each query's heads over the last `window` cache cells of its sequence and the compressed
   entries it sees (every complete one, or those the indexer chose), with each head's sink logit: tensor-core
-  products over blocks of slots, the slots split between programs and merged (attention's _attn_combine)."""
+  products over blocks of slots, the slots split between programs and merged (attention's _attn_combine). Decode
+  steps and prompt u-batches alike (a prompt's windows are pooled by TorchOps.compress instead)."""
 
 from __future__ import annotations
 
@@ -174,10 +174,11 @@ def _attn_compressed(q, cache, entries, sel, pos, base, acc_out, part, n_heads, 
 def attention_compressed(q: torch.Tensor, cache: torch.Tensor, entries: torch.Tensor | None,
                          select: torch.Tensor | None, pos: torch.Tensor, base: torch.Tensor, window: int, ratio: int,
                          scale: float, sinks: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """q (n, heads, d) of a decode-sized batch of one sequence: each token's heads over the cache cells base + the
-    last `window` positions up to its own (cache: (cells, d) f16 rows, as bytes or f16), then the compressed entries
-    (entries: (cap, d) float32, ratio their compression; None: none) that it sees, all of them or (select: (n, top_k)
-    entry ids, -1 none) those chosen; sinks (heads,) float32 in each head's denominator: (n, heads * d) float32."""
+    """q (n, heads, d) of one sequence's batch (a decode step or a prompt u-batch): each token's heads over the cache
+    cells base + the last `window` positions up to its own (cache: (cells, d) f16 rows, as bytes or f16), then the
+    compressed entries (entries: (cap, d) float32, ratio their compression; None: none) that it sees, all of them or
+    (select: (n, top_k) entry ids, -1 none) those chosen; sinks (heads,) float32 in each head's denominator: (n,
+    heads * d) float32."""
     n, heads, d = q.shape
     q = q.to(torch.float16).contiguous()
     cache = cache.view(torch.float16)
