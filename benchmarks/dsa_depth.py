@@ -33,8 +33,10 @@ def ferry_bench(path: Path, n_prompt: int, n_gen: int, ub: int, depths: list[int
 
 
 def llama_bench(exe: str, path: Path, n_prompt: int, n_gen: int, ub: int, depths: list[int], reps: int,
-                hybrid: bool, threads: int) -> dict:
-    cmd = [exe, "-m", str(path), "-ngl", "99", "-fa", "1", "-r", str(reps), "-t", str(threads), "-p", str(n_prompt),
+                hybrid: bool, threads: int, gpu: bool = True) -> dict:
+    """llama-bench's rows by (n_prompt, n_gen, depth); gpu False: every layer on the CPU (-ngl 0)."""
+    cmd = [exe, "-m", str(path), "-ngl", "99" if gpu else "0", "-fa", "1", "-r", str(reps), "-t", str(threads),
+           "-p", str(n_prompt),
            "-n", str(n_gen), "-b", str(max(n_prompt, 1)), "-ub", str(ub), "-d", ",".join(map(str, depths)), "-o", "json"]
     if hybrid:
         cmd += ["-ot", "exps=CPU", "-lm", "none"]

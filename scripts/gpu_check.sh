@@ -38,6 +38,9 @@
 #   dsa     DeepSeek sparse attention with depth (benchmarks/dsa_depth.py) on PRESET (a deepseek32 / glm-dsa one):
 #           all on the GPU (DSA_GPU=0 leaves it out), then with DSA_HYBRID=1 the experts in RAM too; DSA_ARGS: its options (default
 #           "-d 4096,32768 -p 512 -n 32 -r 2"); with the llama stage, llama.cpp's too
+#   sweep   `ferry sweep` beside llama.cpp at the same depths (benchmarks/sweep_vs_llamacpp.py) on PRESET, with the
+#           plot: SWEEP_PLACEMENT (gpu, hybrid or cpu; default gpu), SWEEP_ARGS (default "-c 32768 -ub 512 --every 8");
+#           with the llama stage, llama.cpp's llama-bench at every --every-th depth
 #   PRESET (default qwen3-30b-a3b): the synthetic model of big / hybrid / llama, e.g. deepseek-v2-lite; SYNTH_ARGS:
 #   more options of its `ferry synth` (e.g. PRESET=gpt-oss-20b SYNTH_ARGS="--expert-type mxfp4")
 set -euo pipefail
@@ -79,7 +82,7 @@ fi
 wait_build() { if [ -n "${BUILD:-}" ]; then wait "$BUILD" || true; BUILD=; fi; }
 PRESET=${PRESET:-qwen3-30b-a3b}
 BIG=/tmp/$PRESET.gguf
-if has big || has llama || has hybrid || has ab || has cpu || has dsa || { has small && [ -z "${SKEW_ONLY:-}" ]; }; then
+if has big || has llama || has hybrid || has ab || has cpu || has dsa || has sweep || { has small && [ -z "${SKEW_ONLY:-}" ]; }; then
     [ -f "$BIG" ] || python3 -m ferry synth "$PRESET" ${SYNTH_ARGS:-} -o "$BIG" -q &
     SYNTH=$!
 fi
@@ -139,6 +142,13 @@ if has dsa; then
     [ "${DSA_HYBRID:-0}" = 1 ] && python3 benchmarks/dsa_depth.py $LB -m "$BIG" --hybrid \
         ${DSA_ARGS:--d 4096,32768 -p 512 -n 32 -r 2} --out "$OUT/dsa_depth_hybrid.json" 2> "$OUT/dsa_depth_hybrid.log" \
         | tee "$OUT/dsa_depth_hybrid.md"
+fi
+if has sweep; then
+    wait_synth
+    wait_build
+    python3 benchmarks/sweep_vs_llamacpp.py $LB -m "$BIG" --placement "${SWEEP_PLACEMENT:-gpu}" -t 16 \
+        ${SWEEP_ARGS:--c 32768 -ub 512 --every 8} --out "$OUT/sweep.json" --plot "$OUT/sweep.png" \
+        2> "$OUT/sweep.log" | tee "$OUT/sweep.md"
 fi
 if has ab; then
     wait_synth
