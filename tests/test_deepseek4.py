@@ -125,3 +125,20 @@ def test_two_deepseek4_sequences_in_one_cache_give_each_ones_logits(dsv4, backen
         got[1].append(logits[n:])
     for want, parts in zip(alone, got):
         assert torch.allclose(torch.cat(parts), want, atol=1e-4)
+
+
+def test_a_quantized_cache_is_refused_before_the_first_step(tmp_path):
+    """-ctk q8_0: the compressed attention reads float rows (torch's and the GPU kernels'), so the run stops in one
+    line when the cache is made, before any output."""
+    import subprocess
+    import sys
+
+    from ferry.cli import main
+
+    path = tmp_path / "dsv4.gguf"
+    assert main(["synth", "deepseek4-tiny", "-o", str(path), "-q"]) == 0
+    r = subprocess.run([sys.executable, "-m", "ferry", "run", "-m", str(path), "-ctk", "q8_0", "-ctv", "q8_0", "-ngl",
+                        "0", "-n", "2", "hello"], capture_output=True, text=True, timeout=300)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "reads float cache rows" in lines[0], r.stderr
+    assert r.stdout == ""

@@ -32,6 +32,9 @@ class KVCache:
         type_index: f32 under an f32 key cache, else f16; no rows elsewhere)."""
         self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
         self.v_in_k = v_in_k
+        if compressed and self.type_k not in TORCH_TYPES:  # refused here, not at the first step
+            raise FerryError(f"-ctk {type_k}: DeepSeek-V4's compressed attention reads float cache rows; use -ctk/-ctv "
+                             "f16 (or bf16, f32)")
         if v_in_k and self.type_v != self.type_k:  # the values are read from the key rows, in the keys' type
             raise FerryError(f"-ctv {type_v} differs from -ctk {type_k}, but the latent cache (-mla 1/2/3) keeps the "
                              "values inside the keys: give -ctk and -ctv the same type, or use -mla 0")
