@@ -626,7 +626,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ubatches = parse_int_list("--ubatches", args.ubatches) if args.ubatches else None
     if ubatches is not None and min(ubatches) < 1:
         raise FerryError(f"--ubatches: every size must be at least 1, got {args.ubatches}")
-    return show(_run_config(args), ubatches, args.calibration, args.json)
+    if args.parallel < 1:
+        raise FerryError(f"-np/--parallel must be at least 1, got {args.parallel}")
+    return show(_run_config(args, n_seq=args.parallel), ubatches, args.calibration, args.json)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -792,6 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
     _context_flags(p)
     _gpu_flags(p)
     p.add_argument("--ubatches", help="u-batch sizes for the op table, e.g. 1,64,512,4096 (default: 1 and -ub)")
+    p.add_argument("-np", "--parallel", type=int, default=1,
+                   help="server slots (`ferry serve -np`): a recurrent layer or a compressor keeps a state for each")
     p.add_argument("--calibration", help="a `ferry calibrate` result (default: this machine's)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)

@@ -349,3 +349,27 @@ def test_the_plan_counts_each_sequences_state_as_the_cache_holds_it(tmp_path, pr
         assert planned == cache.n_bytes
         got.append(planned)
     assert got[1] > got[0]
+
+
+def test_plan_counts_the_states_of_the_server_slots_it_is_given(tmp_path):
+    """`ferry plan -np N` (as `ferry serve -np N`): a model with a state per sequence plans N of them, beside one
+    sequence's; -np below 1 is one line and exit 2."""
+    path = tmp_path / "q35.gguf"
+    assert main(["synth", "qwen35moe-tiny", "-o", str(path), "-q"]) == 0
+
+    def kv(*args):
+        r = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(path), "-ngl", "999", "--gpu-memory",
+                            "CUDA0=8GiB", "-c", "256", "--json", *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return next(d["kv_cache"] for d in json.loads(r.stdout)["devices"] if d["device"] == "CUDA0")
+
+    one, three = kv(), kv("-np", "3")
+    f = GGUFFile(path)
+    from ferry.models import load_model
+
+    state = load_model(f).state_layout()
+    assert three - one == 2 * state.bytes_per_sequence
+    bad = subprocess.run([sys.executable, "-m", "ferry", "plan", "-m", str(path), "-np", "0"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["ferry: error: -np/--parallel must be at least 1, "
+                                                                       "got 0"]
