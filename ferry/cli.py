@@ -91,6 +91,9 @@ def _context_flags(p: argparse.ArgumentParser, lists: bool = False, n_ctx: int =
     p.add_argument("-ctk", "--cache-type-k", default="f16", help="KV cache type of keys: f16 (default), q8_0, q4_0, "
                                                                   "bf16, f32")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help="KV cache type of values (same choices)")
+    p.add_argument("--swa-full", action="store_true",
+                   help="keep every position in the sliding-window layers' caches (gemma3, gpt-oss), as llama.cpp's "
+                        "--swa-full; default: a ring of their window and a u-batch")
 
 
 def _gpu_flags(p: argparse.ArgumentParser, lists: bool = False) -> None:
@@ -168,7 +171,7 @@ def _run_config(args: argparse.Namespace, **changes):
                        "override_tensor"), ("tensor_split", "tensor_split"), ("offload_policy", "offload_policy"),
                        ("offload_min_batch", "offload_min_batch"), ("batch_order", "batch_order"),
                        ("verbose", "verbose"), ("quiet", "quiet"), ("fit_ctx", "fit_ctx"),
-                       ("gpu_memory", "gpu_memory"), ("gpu_experts", "gpu_experts")):
+                       ("gpu_memory", "gpu_memory"), ("gpu_experts", "gpu_experts"), ("swa_full", "swa_full")):
         if flag in vars(args):
             kw[dest] = vars(args)[flag]
     if "fit" in vars(args):

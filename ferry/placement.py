@@ -289,7 +289,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
     quantized kernel reads (expanded_layers; None: all of `expands`), whose prompts, on a GPU, in RAM or kept there,
     expand a projection at a time in one bfloat16 scratch a device. `n_logits`: the rows of logits a u-batch
     computes (RunConfig.logit_rows; None: all n_ubatch, as perplexity's). `n_seq`: the sequences (server slots) a
-    recurrent layer or a compressor keeps a state for, each over n_ctx / n_seq positions."""
+    recurrent layer or a compressor keeps a state for, each over n_ctx / n_seq positions (and a sliding-window layer a
+    ring: CacheLayout.ring)."""
     layers = layer_devices(args.n_layer, n_gpu_layers, gpus, split)
     tensors = as_loaded(tensors, args)
     needs: dict[str, DeviceNeed] = {}
@@ -330,12 +331,13 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
         need(device).compute += scratch
     kb, vb = kv_bytes_per_value
     cache = cache or cache_layout(args, 0)
-    per_layer = int(n_ctx * cache.bytes_per_position(kb, vb))
+    ring = cache.ring(n_ctx // n_seq, n_ubatch)  # the sliding-window layers' rows per sequence (0: every position)
     state = state_layout(args)  # a recurrent layer keeps its state (one per sequence) instead of KV rows
     per_state = n_seq * state.bytes_per_sequence // len(state.layers) if state else 0
     for i in range(args.n_layer):
         kv_device = gpus[0] if kv_on_gpu else place(f"blk.{i}.attn_k.weight", args.n_layer, n_gpu_layers, overrides,
                                                      layers)
+        per_layer = int(cache.rows(i, n_ctx, n_seq, ring) * cache.bytes_per_position(kb, vb))
         need(kv_device).kv_cache += per_state if state and i in state.layers else per_layer + n_ctx * cache.index_bytes(i, kb)
         need(kv_device).kv_cache += n_seq * sum(4 * c.dim * c.entries(n_ctx // n_seq) + c.ring_bytes
                                                 for c in cache.compressed if c.layer == i)

@@ -21,6 +21,7 @@ class RecordingEngine:
 
     n_ubatch = 4
     recurrent = False  # an attention model's cache: any prefix of a slot's tokens is reusable
+    kv = None  # set below: a cache that keeps every position
 
     def __init__(self, step_s=0.002, token_s=0.0):
         self.calls: list[tuple] = []
@@ -135,16 +136,24 @@ def test_the_prompt_cache_prefills_only_what_the_slot_does_not_hold():
 
 
 class RowsKV:
-    """A KV cache of one float per position (its token), for the RAM prompt cache's copies."""
+    """A KV cache of one float per position (its token) for one slot, for the RAM prompt cache's copies; `slack`: a
+    ring's (KVCache.resumable: a sequence goes on from n_past only while what it held passes that by at most this)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, slack: int | None = None):
         self.rows = np.zeros(n)
+        self.slack = slack
 
-    def copy_rows(self, start, n):
-        return [self.rows[start:start + n].copy()]
+    def copy_rows(self, seq, n):
+        return [self.rows[:n].copy()]
 
-    def put_rows(self, start, rows, n):
-        self.rows[start:start + n] = rows[0][:n]
+    def put_rows(self, seq, rows, n):
+        self.rows[:n] = rows[0][:n]
+
+    def resumable(self, n_past, held):
+        return self.slack is None or held - n_past <= self.slack
+
+
+RecordingEngine.kv = RowsKV(0)
 
 
 def test_the_ram_cache_keeps_the_most_recently_used_states_within_its_budget():
@@ -163,9 +172,9 @@ def test_the_ram_cache_keeps_the_most_recently_used_states_within_its_budget():
         assert ask([c] * 10) == 0
         engine.kv.rows[:10] = c  # what this conversation's prefill wrote
     # each state: its 10 tokens and the first generated (the second was never fed); the first state dropped
-    assert [(t[0], len(t)) for t, _, _ in sched.saved] == [(4, 11), (5, 11)]
+    assert [(t[0], len(t)) for t, *_ in sched.saved] == [(4, 11), (5, 11)]
     assert ask([4] * 10 + [9]) == 10 and engine.kv.rows[0] == 4  # copied back, its rows with it
-    assert [t[0] for t, _, _ in sched.saved] == [6, 4]  # 6's state kept, 5's dropped, 4's used last
+    assert [t[0] for t, *_ in sched.saved] == [6, 4]  # 6's state kept, 5's dropped, 4's used last
     assert ask([3] * 10 + [9]) == 0  # long gone
     loop.close()
 
@@ -186,4 +195,35 @@ def test_a_request_that_reuses_nothing_still_keeps_what_it_writes_over_in_ram():
     assert ask([3] * 10, cache_prompt=False) == 0  # its own prompt, not reused
     assert ask([4] * 10, cache_prompt=False) == 0
     assert ask([3] * 10 + [9]) == 10  # back from RAM
+    loop.close()
+
+
+def test_a_ring_cache_is_reused_only_where_it_still_holds_the_prefix_s_last_window():
+    """A sliding-window model's ring (KVCache.resumable, here a slack of 4): a prefix serves only where the slot (or
+    a RAM copy) has written at most 4 positions past it; further back, the prompt is prefilled from position 0."""
+    engine, loop = RecordingEngine(), asyncio.new_event_loop()
+    engine.kv = RowsKV(256, slack=4)
+    sched = Scheduler(engine, Tok(), 1, 256, cache_ram=1 << 20)
+
+    def ask(prompt):
+        r = _request(loop, prompt, 2)
+        before = len(engine.calls)
+        sched.submit(r)
+        cached = _done(loop, r)[1]["timings"]["cache_n"]
+        return r, cached, [c for c in engine.calls[before:] if c[0] == "prefill"][0][2]
+
+    first, cached, start = ask(list(range(1, 21)))
+    assert cached == 0 and start == 0
+    held = list(range(1, 21)) + first.generated[:1]  # 21 positions written
+    second, cached, start = ask(held + [30, 31])
+    assert cached == start == 21  # goes on from all it held; 24 positions written now
+    third, cached, start = ask(held + [50])
+    assert cached == start == 21  # 3 behind what was written: within the slack
+    assert ask(list(range(1, 11)) + [41, 42])[1:] == (0, 0)  # 14 behind: prefilled whole
+    # the third's state went to RAM (the fourth kept less than half of it), with the 24 positions its ring had seen
+    kept = held + [50] + third.generated[:1]
+    assert ask(kept + [60])[1] == len(kept)  # from RAM: 1 behind those 24
+    # the slot (and its RAM copy, made now) have written 25: a prefix of 12 is 13 behind, prefilled whole
+    assert ask(kept[:12] + [61])[1] == 0
+    assert [(len(e[0]), e[3]) for e in sched.saved] == [(25, 25)]
     loop.close()

@@ -3,6 +3,7 @@ agreement for every way an op on a RAM-resident weight can run (ggml on the CPU,
 between both), at prompt u-batches and token by token, with experts in RAM (-ot exps=CPU) and with whole layers in
 RAM (-ngl N)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -491,6 +492,53 @@ def gptoss(tmp_path_factory):
     cpu, model = place(path, 8)
     tokens = list(range(11, 131))
     return path, tokens, Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
+
+
+@pytest.mark.parametrize("flags", [dict(n_gpu_layers=999), EXPS, dict(n_gpu_layers=999, type_k="q8_0", type_v="q8_0")],
+                         ids=["all-gpu", "experts-in-ram", "all-gpu-q8_0"])
+def test_gpt_oss_window_layers_rings_on_the_gpu_match_the_cpu(tmp_path_factory, flags):
+    """gpt-oss-tiny's window layers keep a ring of 512 rows (KVCache.ring): a 700-token prompt in u-batches of 96
+    wraps it, then 30 steps through CUDA graphs (the fused attention's store and the decode kernel at position mod
+    the ring); against the CPU over the same rings (tests/test_ring_cache.py holds the CPU's equal to --swa-full)."""
+    from ferry.cli import main
+
+    path = tmp_path_factory.mktemp("r") / "gpt-oss.gguf"
+    assert main(["synth", "gpt-oss-tiny", "--expert-type", "mxfp4", "-o", str(path), "-q"]) == 0
+    tokens = np.random.default_rng(3).integers(0, 2000, 730).tolist()
+    out = []
+    for placed in (dict(n_gpu_layers=0), flags):
+        backend, model = place(path, 8, n_ctx=2048, **placed)
+        e = Engine(model, backend, n_ctx=2048, n_batch=96, n_ubatch=96, type_k=placed.get("type_k", "f16"),
+                   type_v=placed.get("type_v", "f16"))
+        assert e.kv.ring == 512 and e.kv.k[0].shape[0] == 512
+        out.append(torch.cat([e.decode(tokens[:700], all_logits=True)] + [e.decode([t]) for t in tokens[700:]]))
+    _check(out[0], out[1], f"gpt-oss rings {'/'.join(f'{k}={v}' for k, v in flags.items())}")
+
+
+def test_server_slots_rings_on_the_gpu_match_the_cpu(tmp_path_factory):
+    """Two sequences in mixed batches (one's prompt chunk of 40 beside the other's 24, then both a token at a time)
+    over gpt-oss-tiny's rings on the GPU: every row against the same batches on the CPU."""
+    from ferry.cli import main
+
+    path = tmp_path_factory.mktemp("r") / "gpt-oss.gguf"
+    assert main(["synth", "gpt-oss-tiny", "-o", str(path), "-q"]) == 0
+    gen = np.random.default_rng(4)
+    a, b = (gen.integers(0, 2000, n).tolist() for n in (600, 560))
+    out = []
+    for placed in (dict(n_gpu_layers=0), dict(n_gpu_layers=999)):
+        backend, model = place(path, 8, n_ctx=2048, **placed)
+        e = Engine(model, backend, n_ctx=2048, n_batch=64, n_ubatch=64, n_seq=2)
+        assert e.kv.ring == 512
+        i, rows = [0, 0], []
+        for step in range(40):
+            toks, seqs, pos = [], [], []
+            for s, prompt, n in ((0, a, 40), (1, b, 24)):
+                take = prompt[i[s]:i[s] + (n if step < 15 else 1)]
+                toks, seqs, pos = toks + take, seqs + [s] * len(take), pos + list(range(i[s], i[s] + len(take)))
+                i[s] += len(take)
+            rows.append(e.decode_sequences(toks, seqs, pos, 1024))
+        out.append(torch.cat(rows))
+    _check(out[0], out[1], "gpt-oss rings, two slots")
 
 
 @pytest.mark.parametrize("policy,resident", [("all=on", False), ("balanced", False), ("all=off", True),

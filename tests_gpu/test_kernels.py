@@ -394,16 +394,17 @@ def _cache(rng, qtype, cells, width):
     return torch.from_numpy(raw.copy()).to(DEV), torch.from_numpy(reference(raw.reshape(-1), Q.Q8_0, (width, cells))).double()
 
 
-def _attention_reference(q, k, v, pos, base, heads_kv, window, sinks=None):
+def _attention_reference(q, k, v, pos, base, heads_kv, window, sinks=None, ring=0):
     """Each token's attention in float64 over its cells base + (pos - window + 1 or 0) .. base + pos of the float
-    caches k (cells, heads_kv * dk) and v; sinks: each head's logit added to the softmax's denominator, no value.
-    (n, heads * dv)."""
+    caches k (cells, heads_kv * dk) and v (ring: position j at cell base + j % ring); sinks: each head's logit added to
+    the softmax's denominator, no value. (n, heads * dv)."""
     n, heads, dk = q.shape
     dv = v.shape[1] // heads_kv
     want = torch.empty(n, heads, dv, dtype=torch.float64)
     for t in range(n):
         lo = max(0, int(pos[t]) - window + 1) if window else 0
-        cell = torch.arange(lo, int(pos[t]) + 1) + int(base[t])
+        positions = torch.arange(lo, int(pos[t]) + 1)
+        cell = (positions % ring if ring else positions) + int(base[t])
         for h in range(heads):
             kvh = h // (heads // heads_kv)
             scores = k[cell].view(-1, heads_kv, dk)[:, kvh] @ q[t, h] * dk ** -0.5
@@ -452,6 +453,27 @@ def test_attention_decode_adds_each_heads_sink(splits, n, heads, heads_kv, dk, w
                                      dk, dk ** -0.5, window, (32, 4), n_cells=cells, splits=splits,
                                      sinks=sinks.float().to(DEV))
     _close(got, _attention_reference(q, k, v, pos, base, heads_kv, window, sinks), 1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 4, None])
+@pytest.mark.parametrize("ktype,sinks", [(Q.F16, False), (Q.Q8_0, False), (Q.F16, True)], ids=str)
+@pytest.mark.parametrize("n,heads,heads_kv,dk,window,ring", [(1, 4, 2, 64, 8, 32), (3, 8, 2, 64, 20, 24),
+                                                              (5, 6, 3, 96, 1, 7), (2, 4, 4, 64, 64, 64)])
+def test_attention_decode_reads_a_ring(splits, ktype, sinks, n, heads, heads_kv, dk, window, ring):
+    """A sliding-window layer's ring (KVCache.ring): position j of a sequence at cell base + j % ring, positions far
+    past the ring's size (up to 300, three sequences' rings); flash-decoding's parts over those positions (4, or
+    attention_splits' pick for 300), with and without sinks, f16 and q8_0 rows."""
+    rng = np.random.default_rng(heads * dk + n + window + ring)
+    kraw, k = _cache(rng, ktype, 3 * ring, heads_kv * dk)
+    vraw, v = _cache(rng, ktype, 3 * ring, heads_kv * dk)
+    q = torch.from_numpy(rng.standard_normal((n, heads, dk)))
+    sink = torch.from_numpy(rng.standard_normal(heads) * 2) if sinks else None
+    pos = torch.from_numpy(rng.integers(0, 300, n))
+    base = torch.from_numpy(rng.integers(0, 3, n) * ring)
+    got = attention.attention_decode(q.float().to(DEV), kraw, vraw, ktype == Q.Q8_0, ktype == Q.Q8_0, pos.to(DEV),
+                                     base.to(DEV), heads_kv, dk, dk ** -0.5, window, (32, 4), n_cells=300,
+                                     splits=splits, sinks=None if sink is None else sink.float().to(DEV), ring=ring)
+    _close(got, _attention_reference(q, k, v, pos, base, heads_kv, window, sink, ring), 1e-5)
 
 
 @pytest.mark.parametrize("qtype", list(layout.GEMV_KINDS), ids=lambda q: q.name)

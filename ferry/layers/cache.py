@@ -37,6 +37,10 @@ class Compressed:
         return 2 * 4 * self.ring * self.width
 
 
+RING_ALIGN = 256
+RING_SLACK = 256  # positions a ring holds past its window and a u-batch's at least (CacheLayout.ring)
+
+
 @dataclass(frozen=True)
 class CacheLayout:
     """What one layer caches per position: n_head_kv keys of head_dim_k and values of head_dim_v; v_in_k: the
@@ -49,6 +53,23 @@ class CacheLayout:
     index_dim: int = 0  # DeepSeek sparse attention: the indexer's key per position in index_layers (index_value_bytes)
     index_layers: tuple[int, ...] = ()
     compressed: tuple[Compressed, ...] = ()  # DeepSeek-V4's compressors
+    windows: tuple[int, ...] = ()  # per layer, its sliding window (0: none); () where no layer keeps a ring
+
+    def ring(self, n_ctx_seq: int, n_ubatch: int) -> int:
+        """Rows per sequence each sliding-window layer keeps (a ring: position p at row p % ring), or 0 where every
+        layer keeps every position: the widest window and a u-batch (at least RING_SLACK), rounded up to RING_ALIGN,
+        where that is fewer than a sequence's n_ctx_seq positions (llama.cpp's SWA cache: n_swa + n_ubatch, padded to
+        256). The u-batch's share lets its tokens' windows reach back past the rows it writes; the rest is slack: a
+        sequence can be cut back by ring - window positions without losing a row still in some token's window."""
+        widest = max(self.windows, default=0)
+        if not widest:
+            return 0
+        ring = -(-(widest + max(n_ubatch, RING_SLACK)) // RING_ALIGN) * RING_ALIGN
+        return ring if ring < n_ctx_seq else 0
+
+    def rows(self, layer: int, n_ctx: int, n_seq: int, ring: int) -> int:
+        """Cache rows of a layer: n_ctx (every position of every sequence), or n_seq rings where it has a window."""
+        return n_seq * ring if ring and self.windows[layer] else n_ctx
 
     def bytes_per_position(self, key_bytes: float, value_bytes: float) -> float:
         """One layer's bytes per position, at key_bytes / value_bytes per cached value (the indexer's key apart:
@@ -60,7 +81,10 @@ class CacheLayout:
         return self.index_dim * index_value_bytes(key_bytes) if layer in self.index_layers else 0
 
     def bytes_per_token(self, n_layer: int, type_k: str = "f16", type_v: str = "f16") -> int:
+        """Bytes per position of context over the n_layer layers that keep one (the ones with a window keep a ring of
+        fixed size instead: ring)."""
         key_bytes = bytes_per_weight(kv_type("-ctk", type_k))
+        n_layer -= sum(1 for w in self.windows if w)
         return round(n_layer * self.bytes_per_position(key_bytes, bytes_per_weight(kv_type("-ctv", type_v)))
                      + self.index_dim * index_value_bytes(key_bytes) * len(self.index_layers)
                      + sum(4 * c.dim / c.ratio for c in self.compressed))
@@ -116,15 +140,17 @@ def mla_mode(args, flag: int | None) -> int:
     return 3 if flag is None else flag
 
 
-def cache_layout(args, mla: int) -> CacheLayout:
+def cache_layout(args, mla: int, swa_full: bool = False) -> CacheLayout:
     """What a model's KV cache holds per position and layer (ModelArgs): in MLA modes 1-3, the latent (also the
-    value) and the rope key."""
+    value) and the rope key; the sliding-window layers' rings (args.windows) unless swa_full (--swa-full: every
+    position kept, llama.cpp's flag)."""
     if args.v4 is not None:  # one head, the values its keys; the compressors' entries
         return CacheLayout(1, args.head_dim_k, args.head_dim_k, v_in_k=True, compressed=compressors(args))
     index = dict(index_dim=args.indexer_head_dim, index_layers=args.indexer_layers)
     if args.kv_lora_rank > 0 and mla:
         return CacheLayout(1, args.kv_lora_rank + args.n_rot, args.kv_lora_rank, v_in_k=True, **index)
-    return CacheLayout(args.n_head_kv, args.head_dim_k, args.head_dim_v, **index)
+    return CacheLayout(args.n_head_kv, args.head_dim_k, args.head_dim_v, **index,
+                       windows=() if swa_full else args.windows)
 
 
 def compressors(args) -> tuple[Compressed, ...]:
@@ -140,9 +166,11 @@ def compressors(args) -> tuple[Compressed, ...]:
     return tuple(out)
 
 
-def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> tuple[int, str]:
-    """A model's KV bytes per token (every layer) under an -mla mode and cache types, and a line saying so."""
-    cache = cache_layout(args, mla)
+def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16",
+                   swa_full: bool = False) -> tuple[int, str]:
+    """A model's KV bytes per token (the layers that keep every position) under an -mla mode and cache types, and a
+    line saying so."""
+    cache = cache_layout(args, mla, swa_full)
     per_token = cache.bytes_per_token(len(args.kv_layers), type_k, type_v)
     kinds = type_k if type_k == type_v or cache.v_in_k else f"{type_k}/{type_v}"
     what = ("the latent and rope key" if cache.v_in_k else "expanded keys and values") if args.kv_lora_rank > 0 else ""
@@ -167,6 +195,11 @@ def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16") -> 
         what = (f"{len(args.kv_layers)} attention layers; the {len(state.layers)} recurrent layers keep "
                 f"{state.bytes_per_sequence / 2**20:.1f} MiB of state per sequence instead")
         return per_token, f"KV cache: {per_token} bytes per token in {kinds} ({what})"
+    if any(cache.windows):
+        local = sum(1 for w in cache.windows if w)
+        return per_token, (f"KV cache: {per_token} bytes per token in {kinds} (the {len(cache.windows) - local} "
+                           f"full-attention layers; the {local} sliding-window layers keep a ring of their last "
+                           f"{max(cache.windows)} positions and a u-batch's instead; --swa-full keeps every position)")
     return per_token, f"KV cache: {per_token} bytes per token in {kinds}" + (f" (-mla {mla}: {what})" if what else "")
 
 

@@ -29,6 +29,22 @@ YARN_DEFAULTS = {"gpt-oss": dict(log_mul=0.1, truncate=False)}
 MAX_HEADS = 4096
 
 
+# the layers that attend within the sliding window: every one but each PATTERN-th (gemma3: 6, llama.cpp's and HF's),
+# or all but the odd ones (gpt-oss: 2, or the file's attention.sliding_window_pattern)
+SWA_PATTERNS = {"gemma3": 6, "gpt-oss": 2}
+
+
+def sliding_windows(f: GGUFFile, args: "ModelArgs") -> tuple[int, ...]:
+    """Per layer, the window it attends within (0: the whole context); () where no layer has one."""
+    pattern = SWA_PATTERNS.get(args.arch)
+    if not args.sliding_window or pattern is None:
+        return ()
+    if args.arch == "gpt-oss":  # layer i local when i % pattern < pattern - 1
+        pattern = int(f.get("gpt-oss.attention.sliding_window_pattern", pattern) or pattern)
+        return tuple(args.sliding_window if i % pattern < pattern - 1 else 0 for i in range(args.n_layer))
+    return tuple(args.sliding_window if (i + 1) % pattern else 0 for i in range(args.n_layer))
+
+
 @dataclass
 class ModelArgs:
     """Hyper-parameters from `{arch}.*` metadata keys (llama.cpp's names), validated."""
@@ -78,6 +94,7 @@ class ModelArgs:
     indexer_top_k: int = 0
     indexer_layers: tuple[int, ...] = ()
     v4: "V4Args | None" = None  # DeepSeek-V4 (deepseek4): its compressed attention, streams and hash routing
+    windows: tuple[int, ...] = ()  # per layer, the sliding window it attends within (0: every position); () none
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "ModelArgs":
@@ -161,6 +178,7 @@ class ModelArgs:
             args.indexer_layers = tuple(i for i, r in enumerate(args.v4.compress_ratios) if r == V4Args.CSA_RATIO)
         elif f.get(f"{arch}.attention.indexer.head_count") is not None:
             args.read_indexer(f, key)
+        args.windows = sliding_windows(f, args)
         if f.get(f"{arch}.attention.key_length_mla") is not None:
             # an MLA conversion (DeepSeek, split attn_k_b / attn_v_b): the cache sizes above are the latent's; the
             # args keep the per-head (expanded) sizes, and Model.cache_layout gives the latent cache's
@@ -408,10 +426,13 @@ class Model:
             attn.mla, attn.max_batch_mib = chosen, max_batch_mib
         return chosen
 
+    swa_full = False  # --swa-full: the sliding-window layers keep every position, not a ring (the loader sets it)
+
     def cache_layout(self) -> CacheLayout:
-        """What the KV cache holds per position and layer: the latent and rope key in MLA modes 1-3."""
+        """What the KV cache holds per position and layer: the latent and rope key in MLA modes 1-3; the
+        sliding-window layers' rings unless swa_full."""
         layers = self.latent_layers()
-        return cache_layout(self.args, layers[0].mla if layers else 0)
+        return cache_layout(self.args, layers[0].mla if layers else 0, self.swa_full)
 
     def state_layout(self) -> StateLayout | None:
         """What the recurrent layers keep per sequence, or None where there are none."""

@@ -14,7 +14,6 @@ from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
 from ferry.models.llama import attention, dense_ffn
 
-SWA_PATTERN = 6  # layer i is global when (i + 1) % 6 == 0, local (sliding window) otherwise
 ROPE_BASE_LOCAL = 10000.0  # llama.cpp and HF fix the local layers' rope base; the file holds the global one
 
 
@@ -40,11 +39,11 @@ def build(w: WeightLoader, a: ModelArgs) -> Model:
     rope_local = Rope(a.n_rot, ROPE_BASE_LOCAL, neox=True)
     blocks = []
     for i in range(a.n_layer):
-        local = (i + 1) % SWA_PATTERN != 0 and a.sliding_window > 0
+        window = a.windows[i] if a.windows else 0  # 5 of every 6 layers local (ModelArgs.windows)
         p = f"blk.{i}."
         blocks.append(Block(
             attn_norm=w.vector(p + "attn_norm.weight", a.n_embd),
-            attn=attention(w, a, i, rope_local if local else rope_global, window=a.sliding_window if local else 0),
+            attn=attention(w, a, i, rope_local if window else rope_global, window=window),
             post_attn_norm=w.vector(p + "post_attention_norm.weight", a.n_embd),
             ffn_norm=w.vector(p + "ffn_norm.weight", a.n_embd),
             ffn=dense_ffn(w, a, i, "gelu"),

@@ -11,8 +11,6 @@ from ferry.layers.rope import Rope
 from ferry.models.base import Model, ModelArgs, WeightLoader, load_head
 from ferry.models.llama import Block, attention, sparse_moe
 
-SWA_PATTERN = 2  # layer i attends within the window when i % 2 == 0 (llama.cpp's default for the arch, and HF's)
-
 
 def build(w: WeightLoader, a: ModelArgs) -> Model:
     if a.n_rot != a.head_dim_k:
@@ -22,11 +20,10 @@ def build(w: WeightLoader, a: ModelArgs) -> Model:
                          "supported; the known models rotate every dimension, re-convert the model")
     rope = Rope(a.n_rot, a.rope_base, neox=True, scale=a.rope_scale, yarn=a.yarn)
     scale = a.head_dim_k ** -0.5 * (a.yarn.attn_scale if a.yarn else 1.0)
-    pattern = int(w.f.get("gpt-oss.attention.sliding_window_pattern", SWA_PATTERN) or SWA_PATTERN)
     blocks = []
     for i in range(a.n_layer):
         p = f"blk.{i}."
-        attn = attention(w, a, i, rope, window=a.sliding_window if i % pattern < pattern - 1 else 0, scale=scale)
+        attn = attention(w, a, i, rope, window=a.windows[i] if a.windows else 0, scale=scale)
         attn.bo = w.vector(p + "attn_output.bias", a.n_embd)
         attn.sinks = w.vector(p + "attn_sinks.weight", a.n_head)
         moe = sparse_moe(w, a, i, a.n_ff_exp)

@@ -234,7 +234,7 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     f = GGUFFile(cfg.model_path, ik_in_place=native.ik_in_place())
     margs = ModelArgs.from_gguf(f)
     mla = mla_mode(margs, cfg.mla)
-    cache = cache_layout(margs, mla)
+    cache = cache_layout(margs, mla, cfg.swa_full)
     available = gpu_room(cfg.gpu_caps, planning=True)
     gpus = sorted(available) or ["CUDA0"]
     cfg, fitted = placed(cfg, f, margs, cache, available)
@@ -244,7 +244,7 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     split = tensor_split(cfg.tensor_split, gpus)
     # one GPU: the runtime keeps every layer's KV cache and the expert staging there (several GPUs: planned only)
     kv_on_gpu = len(gpus) == 1 and cfg.wants_gpu
-    per_token, cache_note = describe_cache(margs, mla, cfg.type_k, cfg.type_v)
+    per_token, cache_note = describe_cache(margs, mla, cfg.type_k, cfg.type_v, cfg.swa_full)
     n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else margs.n_ctx_train
     plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
                        available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,

@@ -23,7 +23,7 @@ class Batch:
     pos: torch.Tensor | None = None  # per token: its position in that sequence
     seq_len: int = 0
     expert_ids: list[torch.Tensor] = field(default_factory=list)  # per MoE layer: (n_tokens, n_expert_used) routed to
-    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
     _angles: dict[object, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @staticmethod
@@ -58,6 +58,44 @@ class Batch:
     def n_kv(self) -> int:
         """Cache cells attended: up to the last one written."""
         return int(self.cells.max()) + 1 if self.seq is not None else self.start + self.n_tokens
+
+    @property
+    def ring_cells(self) -> torch.Tensor:
+        """The row each token's keys and values go to in a ring layer (KVCache.ring): its sequence's ring, at its
+        position modulo the ring (the cells where the cache keeps no rings)."""
+        ring = self.kv.ring
+        if not ring:
+            return self.cells
+        return (0 if self.seq is None else self.seq * ring) + self.positions % ring
+
+    @property
+    def ring_kv(self) -> int:
+        """Ring rows attended: up to the last one written (a sequence's ring is full once it reaches ring positions)."""
+        ring = self.kv.ring
+        if self.seq is None:
+            return min(ring, self.start + self.n_tokens)
+        return int((self.seq * ring + torch.clamp(self.pos + 1, max=ring)).max())
+
+    def ring_mask(self, window: int, n_kv: int | None = None) -> torch.Tensor:
+        """(n_tokens, n_kv) bool over ring rows (mask's, for a ring layer): a row of the token's sequence whose
+        position is at or before the token's and within its window. After this batch's writes, row r of a sequence
+        whose last position here is L holds L - ((L - r) mod ring): rows written before a cut back (resumable) hold
+        later positions than that, but ones outside every window of the tokens that follow (so masked here too)."""
+        ring, n_kv = self.kv.ring, n_kv or self.ring_kv
+        key = ("ring", window, n_kv)
+        if key not in self._masks:
+            q = self.positions[:, None]
+            seq = torch.zeros(self.n_tokens, dtype=torch.long) if self.seq is None else self.seq.long()
+            last = torch.full((int(seq.max()) + 1,), -1, dtype=torch.long).scatter_reduce(
+                0, seq, self.positions.long(), "amax")[seq][:, None]  # each token's sequence's last position here
+            row = torch.arange(n_kv)[None, :]
+            held = last - (last - row % ring) % ring
+            if self.n_tokens + window > ring + 1 and self.seq is None:
+                raise ValueError(f"a u-batch of {self.n_tokens} tokens does not fit a ring of {ring} rows beside a "
+                                 f"window of {window}")
+            allowed = (row // ring == seq[:, None]) & (held >= 0) & (held <= q) & (q - held < window)
+            self._masks[key] = allowed
+        return self._masks[key]
 
     def routing_to_host(self) -> list[torch.Tensor]:
         """This u-batch's routing per MoE layer, copied to the host without waiting for the GPU (pinned memory,

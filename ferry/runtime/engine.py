@@ -70,16 +70,18 @@ class Engine:
         self.n_ubatch = min(n_ubatch, n_batch)
         devices = backend.kv_devices(a.n_layer)  # None: host memory, for ggml's graphs
         self.kv = KVCache.of(model.cache_layout(), a.n_layer, n_ctx, type_k, type_v,
-                             None if devices is None else [str(d) for d in devices], model.state_layout(), n_seq)
+                             None if devices is None else [str(d) for d in devices], model.state_layout(), n_seq,
+                             self.n_ubatch)
         self.runner = _runner(backend, devices, graph and model.ggml_graph)
         layer_first = backend.layer_first if layer_first is None else layer_first
         self.layer_first = layer_first and self.runner.layer_first
         self.n_past = 0
+        self.reach = 0  # the positions written since the sequence last started from 0 (a ring may hold up to these)
         self._hits: list[list[int]] = []
         self._routing: list[list[torch.Tensor]] = []  # prompt u-batches' routing on its way to the host
 
     def reset(self) -> None:
-        self.n_past = 0
+        self.n_past = self.reach = 0
         self._hits.clear()
         self._routing.clear()  # not counted: nothing waits for the GPU to drop it
 
@@ -109,14 +111,26 @@ class Engine:
         return self.kv.recurrent
 
     def save_state(self) -> tuple[int, list] | None:
-        """A copy of the recurrent state as it is now (None where the model has none), for truncate."""
-        return (self.n_past, self.kv.copy_state()) if self.recurrent else None
+        """A copy of the recurrent state (and a ring's rows: they may be written over) as it is now, for truncate;
+        None where the cache holds neither."""
+        if self.recurrent:
+            return self.n_past, self.kv.copy_state()
+        return (self.n_past, self.kv.copy_rows(0, self.n_past), self.reach) if self.kv.ring else None
 
     def truncate(self, n_past: int, saved: tuple[int, list] | None = None) -> None:
         """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them. A recurrent
         state holds every position at once: it goes back to the start, or to a state saved at n_past (save_state)."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot truncate to {n_past} of {self.n_past} positions")
+        if n_past and not self.recurrent and not self.kv.resumable(n_past, self.reach):  # a ring written over
+            if saved is None or saved[0] != n_past:
+                raise ValueError(f"the sliding-window layers' rings no longer hold the positions before {n_past} "
+                                 f"({self.reach} written since) and no state was saved there (save_state; or run "
+                                 "with --swa-full)")
+            self.kv.put_rows(0, saved[1], n_past)
+            self.reach = saved[2]
+        if not n_past:
+            self.reach = 0
         if self.recurrent and 0 < n_past < self.n_past:
             if saved is None or saved[0] != n_past:
                 raise ValueError(f"a recurrent model's state cannot go back to position {n_past} of {self.n_past} "
@@ -156,6 +170,7 @@ class Engine:
                     logits.append(self.runner.forward(self.model, ids[u0:u1], b))
                     self._count_hits(b)  # now: a replayed graph's routing is overwritten by its next replay
             self.n_past += b1 - b0
+            self.reach = max(self.reach, self.n_past)
             outs.extend(logits if all_logits else logits[-1:])
         return torch.cat(outs) if all_logits else outs[-1]
 
@@ -173,7 +188,8 @@ class Engine:
         if not tokens or len(tokens) > self.n_ubatch:
             raise ValueError(f"a multi-sequence batch holds 1..{self.n_ubatch} tokens, got {len(tokens)}")
         seq, pos = torch.tensor(seqs), torch.tensor(positions)
-        if int(pos.max()) >= seq_len or int((seq * seq_len + pos).max()) >= self.n_ctx:
+        if (int(pos.max()) >= seq_len or int((seq * seq_len + pos).max()) >= self.n_ctx
+                or (self.kv.ring and int(seq.max()) >= self.kv.n_seq)):
             raise FerryError("a sequence ran past its share of the context; raise -c or lower -np")
         if self.recurrent:
             return self._sequence_by_sequence(tokens, seq, pos, seq_len, all_logits, tail)

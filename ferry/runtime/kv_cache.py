@@ -3,7 +3,9 @@
 (-mla 1/2/3) a position's key is its latent and rope key, and its value the latent: the first values of the key
 row, so no value rows are stored. DeepSeek sparse attention's layers also keep their indexer's key per position
 (`index`, in layers/cache.py's index_type). DeepSeek-V4's compressors keep their pooled entries per window and the
-raw rows of their incomplete windows (`compressed`, layers/cache.py's Compressed)."""
+raw rows of their incomplete windows (`compressed`, layers/cache.py's Compressed). A sliding-window layer keeps only
+a ring per sequence (`ring` rows: position p of sequence s at row s * ring + p % ring; CacheLayout.ring), unless
+--swa-full."""
 
 from __future__ import annotations
 
@@ -20,16 +22,19 @@ TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat1
 
 
 class KVCache:
-    """Layer i's keys are `k[i]`: (n_ctx, row_bytes) uint8, one row per position holding every KV head."""
+    """Layer i's keys are `k[i]`: (n_ctx, row_bytes) uint8, one row per position holding every KV head; a ring layer's
+    (n_seq * ring, row_bytes)."""
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim_k: int, head_dim_v: int,
                  type_k: str = "f16", type_v: str = "f16", device: str | list[str] | None = None,
                  v_in_k: bool = False, state: StateLayout | None = None, n_seq: int = 1, index_dim: int = 0,
-                 index_layers: tuple[int, ...] = (), compressed: tuple[Compressed, ...] = ()):
+                 index_layers: tuple[int, ...] = (), compressed: tuple[Compressed, ...] = (),
+                 windows: tuple[int, ...] = (), ring: int = 0):
         """device: None (host memory), a GPU, or each layer's GPU (layers split across GPUs). state: the recurrent
         layers, which keep no KV rows but a state for each of n_seq sequences (`conv`, `delta`). index_layers: those
         that also keep an indexer key of index_dim values per position (`index[i]`: (n_ctx, bytes) uint8 rows of
-        type_index: f32 under an f32 key cache, else f16; no rows elsewhere)."""
+        type_index: f32 under an f32 key cache, else f16; no rows elsewhere). windows, ring: each layer's sliding
+        window, and the rows per sequence of the layers that have one (0: every layer keeps every position)."""
         self.type_k, self.type_v = kv_type("-ctk/--cache-type-k", type_k), kv_type("-ctv/--cache-type-v", type_v)
         self.v_in_k = v_in_k
         if compressed and self.type_k not in TORCH_TYPES:  # refused here, not at the first step
@@ -47,7 +52,10 @@ class KVCache:
         kb, vb = row_bytes(self.type_k, n_head_kv * head_dim_k), row_bytes(self.type_v, n_head_kv * head_dim_v)
         self.device = device
         recurrent = set(state.layers) if state else set()
-        rows = [0 if i in recurrent else n_ctx for i in range(n_layer)]
+        self.n_seq, self.ring = n_seq, ring if any(windows) else 0
+        self.windows = tuple(windows) if self.ring else ()
+        self.ring_layers = frozenset(i for i, w in enumerate(self.windows) if w)
+        rows = [0 if i in recurrent else n_seq * self.ring if i in self.ring_layers else n_ctx for i in range(n_layer)]
         self.state = state
         self.index_dim = index_dim
         self.type_index = index_type(self.type_k)
@@ -129,27 +137,52 @@ class KVCache:
             raise FerryError(f"a {qtype.name.lower()} KV cache is only read by the CPU graph path so far; "
                              "use -ctk/-ctv f16 here")
         rows = torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
-        return rows.view(TORCH_TYPES[qtype]).view(self.n_ctx, self.n_head_kv, dim)
+        return rows.view(TORCH_TYPES[qtype]).view(rows.shape[0], self.n_head_kv, dim)
 
     @classmethod
     def of(cls, layout: CacheLayout, n_layer: int, n_ctx: int, type_k: str = "f16", type_v: str = "f16",
-           device: str | list[str] | None = None, state: StateLayout | None = None, n_seq: int = 1) -> "KVCache":
+           device: str | list[str] | None = None, state: StateLayout | None = None, n_seq: int = 1,
+           n_ubatch: int = 512) -> "KVCache":
         return cls(n_layer, n_ctx, layout.n_head_kv, layout.head_dim_k, layout.head_dim_v, type_k, type_v, device,
-                   layout.v_in_k, state, n_seq, layout.index_dim, layout.index_layers, layout.compressed)
+                   layout.v_in_k, state, n_seq, layout.index_dim, layout.index_layers, layout.compressed,
+                   layout.windows, layout.ring(n_ctx // n_seq, n_ubatch))
 
-    def copy_rows(self, start: int, n: int) -> list:
-        """Positions start..start + n - 1 of every layer (keys, values, indexer keys), copied to host memory: what
-        put_rows writes back (the server's RAM prompt cache)."""
-        return [a[start:start + n].copy() if isinstance(a, np.ndarray) else a[start:start + n].to("cpu", copy=True)
-                for a in self._rows()]
+    def resumable(self, n_past: int, held: int) -> bool:
+        """Whether a sequence that holds `held` positions can go on from n_past <= held (the rest forgotten): always,
+        except in a ring, whose rows of positions n_past - window .. n_past - 1 may have been written over; they are
+        not while held - n_past is at most ring - window (a ring's slack: CacheLayout.ring)."""
+        return not self.ring or held - n_past <= self.ring - max(self.windows)
 
-    def put_rows(self, start: int, rows: list, n: int) -> None:
-        """The first n positions of copy_rows' rows into positions start..start + n - 1."""
-        for a, r in zip(self._rows(), rows):
-            if isinstance(a, np.ndarray):
-                a[start:start + n] = r[:n]
+    def _seq_rows(self, layer_rows: list, seq: int, n: int) -> list:
+        """Per array of _rows(), the rows of sequence seq's first n positions: [seq * seq_len + 0, + n), and a ring
+        layer's whole ring (its rows hold the last positions: resumable says when they serve)."""
+        seq_len, out = self.n_ctx // self.n_seq, []
+        for i, a in layer_rows:
+            if i in self.ring_layers:
+                out.append(a[seq * self.ring:(seq + 1) * self.ring])
             else:
-                a[start:start + n].copy_(r[:n])
+                out.append(a[seq * seq_len:seq * seq_len + n])
+        return out
+
+    def copy_rows(self, seq: int, n: int) -> list:
+        """Sequence seq's first n positions in every layer (keys, values, indexer keys), copied to host memory: what
+        put_rows writes back (the server's RAM prompt cache)."""
+        return [a.copy() if isinstance(a, np.ndarray) else a.to("cpu", copy=True)
+                for a in self._seq_rows(self._layer_rows(), seq, n)]
+
+    def put_rows(self, seq: int, rows: list, n: int) -> None:
+        """The first n positions of copy_rows' rows into sequence seq's (a ring's rows as they were: they serve n
+        where resumable(n, the positions copied))."""
+        for a, r in zip(self._seq_rows(self._layer_rows(), seq, n), rows):
+            if isinstance(a, np.ndarray):
+                a[...] = r[:len(a)]
+            else:
+                a.copy_(r[:len(a)])
+
+    def _layer_rows(self) -> list[tuple[int, object]]:
+        """_rows() with each array's layer."""
+        n = len(self.k)
+        return [(i % n, a) for i, a in enumerate(self._rows())]
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor | None,
               first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +196,15 @@ class KVCache:
         values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
         values[start:end] = v
         return keys[first:end].float(), values[first:end].float()
+
+    def store_ring(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a ring layer's k, v (n, n_head_kv, dim) into rows `cells` (Batch.ring_cells); return its first n_rows
+        rows' keys and values (Batch.ring_kv, in row order: Batch.ring_mask says which each token sees), as float32."""
+        keys = self._float_view(self.k[layer], self.type_k, self.head_dim_k)
+        values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
+        keys[cells], values[cells] = k.to(keys.dtype), v.to(values.dtype)
+        return keys[:n_rows].float(), values[:n_rows].float()
 
     def store_index(self, layer: int, start: int, k: torch.Tensor) -> torch.Tensor:
         """Write a layer's indexer keys k (n, index_dim) at `start`; return every one up to there, as float32."""

@@ -53,6 +53,7 @@ class RunConfig:
     n_ubatch: int = 512  # -ub
     type_k: str = "f16"  # -ctk
     type_v: str = "f16"  # -ctv
+    swa_full: bool = False  # --swa-full: the sliding-window layers keep every position (default: a ring)
     n_gpu_layers: int | None = None  # -ngl; None: not given (the fit places the weights where a GPU is, else the CPU)
     override_tensor: tuple[str, ...] = ()  # -ot, as given (for reports)
     gpu_experts: str | None = None  # --gpu-experts: routed experts kept on the GPU in layers whose experts are in RAM
@@ -174,6 +175,7 @@ def load(cfg: RunConfig) -> Loaded:
     t0 = time.perf_counter()
     f = GGUFFile(cfg.model_path, ik_in_place=native.ik_in_place(cfg.settings))
     model = load_model(f, cfg.mla, cfg.amb)
+    model.swa_full = cfg.swa_full
     asked = cfg
     cfg, fitted = placed(asked, f, model.args, model.cache_layout(), gpu_room(cfg.gpu_caps))
     on_gpu = _ik_experts_on_gpu(f, model, cfg)
@@ -181,6 +183,7 @@ def load(cfg: RunConfig) -> Loaded:
         g = GGUFFile(cfg.model_path, ik_in_place=native.ik_in_place(cfg.settings))
         g.rewrite(on_gpu)
         g_model = load_model(g, cfg.mla, cfg.amb)
+        g_model.swa_full = cfg.swa_full
         g_cfg, g_fitted = placed(asked, g, g_model.args, g_model.cache_layout(), gpu_room(cfg.gpu_caps))
         if _ik_experts_on_gpu(g, g_model, g_cfg, all_of=on_gpu):
             f.close()

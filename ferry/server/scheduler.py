@@ -77,9 +77,13 @@ class Scheduler:
         self.chunk = 1  # prompt tokens a mixed step takes (without -b), adapted to the steps' times
         self.credit = 0.0  # seconds of prompt work the decode steps have earned (PREFILL_SHARE of theirs)
         self.cache_ram = 0 if engine.recurrent else cache_ram  # RAM copies hold KV rows, not recurrent states
-        self.saved: list[tuple[list[int], list, int]] = []  # RAM copies (tokens, cache rows, bytes), oldest use first
+        # RAM copies (tokens, cache rows, bytes, reach: the positions their rings may hold), oldest use first
+        self.saved: list[tuple[list[int], list, int, int]] = []
         self.slots: list[Request | None] = [None] * n_slots
         self.held: list[list[int]] = [[] for _ in range(n_slots)]  # the tokens each slot's cache holds, in order
+        # per slot, the positions written since it last started from 0: a ring (KVCache.ring) may hold up to these,
+        # and goes on from a shorter prefix only where KVCache.resumable says so
+        self.reach = [0] * n_slots
         self.used = [0.0] * n_slots  # when each slot last ended a request (0: never)
         self.pending: queue.Queue[Request] = queue.Queue()
         self.requests_total = 0
@@ -181,7 +185,8 @@ class Scheduler:
         if r.cancelled.is_set():
             return
         free = [i for i, s in enumerate(self.slots) if s is None]
-        shared = {i: _common(self.held[i], r.prompt) if r.cache_prompt else 0 for i in free}
+        shared = {i: self._usable(_common(self.held[i], r.prompt), self.reach[i], r.prompt) if r.cache_prompt else 0
+                  for i in free}
         # the longest cached prefix, else the slot used longest ago (an empty one first): the least cache written over
         r.slot = max(free, key=lambda i: (shared[i], -self.used[i], -i))
         self.slots[r.slot] = r  # in its slot first: a fault from here on fails it (_run) rather than losing it
@@ -191,16 +196,23 @@ class Scheduler:
         r.n_cached = r.n_past = min(shared[r.slot], len(r.prompt) - 1)
         if self.engine.recurrent and r.n_past < len(self.held[r.slot]):  # a state holds all the slot's tokens or none
             r.n_cached = r.n_past = 0
+        if not r.n_past:
+            self.reach[r.slot] = 0
         r.t0 = time.perf_counter()
         r.sampler = Sampler(r.params)
         r.decoder = StreamDecoder(self.tok)
+
+    def _usable(self, common: int, reach: int, prompt: list[int]) -> int:
+        """A cached prefix of `common` tokens of the prompt, or 0 where the cache's rings (written up to `reach`)
+        no longer hold what precedes the position the request goes on from (KVCache.resumable)."""
+        return common if self.engine.kv.resumable(min(common, len(prompt) - 1), reach) else 0
 
     def _from_ram(self, slot: int, prompt: list[int], shared: int) -> int:
         """Keep the slot's state in RAM where the prompt shares less than half of it (a conversation's own next turn or
         edit keeps most, and is not copied); where a RAM copy shares more of the prompt than the slot, copy that back
         into the slot (set aside first, so that keeping the slot's state never drops it). The tokens of the prompt the
         slot then holds."""
-        commons = [_common(tokens, prompt) for tokens, _, _ in self.saved]
+        commons = [self._usable(_common(e[0], prompt), e[3], prompt) for e in self.saved]
         best = max(range(len(commons)), key=commons.__getitem__, default=None)
         n = commons[best] if best is not None else 0
         entry = self.saved.pop(best) if n > shared else None
@@ -208,22 +220,23 @@ class Scheduler:
             self._to_ram(slot, self.held[slot])
         if entry is None:
             return shared
-        self.engine.kv.put_rows(slot * self.seq_len, entry[1], n)
+        self.engine.kv.put_rows(slot, entry[1], n)
         self.held[slot] = entry[0][:n]
+        self.reach[slot] = entry[3]
         self.saved.append(entry)  # used last
         self._trim()
         return n
 
     def _to_ram(self, slot: int, held: list[int]) -> None:
         """A copy of the slot's cached tokens in RAM, unless one already holds them all; copies they extend go."""
-        if any(_common(t, held) == len(held) for t, _, _ in self.saved):
+        if any(_common(e[0], held) == len(held) for e in self.saved):
             return
-        rows = self.engine.kv.copy_rows(slot * self.seq_len, len(held))
+        rows = self.engine.kv.copy_rows(slot, len(held))
         nbytes = sum(r.nbytes for r in rows)
         if 0 <= self.cache_ram < nbytes:
             return
         self.saved = [e for e in self.saved if _common(e[0], held) < len(e[0])]
-        self.saved.append((list(held), rows, nbytes))
+        self.saved.append((list(held), rows, nbytes, max(self.reach[slot], len(held))))
         self._trim()
 
     def _trim(self) -> None:
@@ -323,6 +336,7 @@ class Scheduler:
             # what the cache holds: positions 0..n_past - 1 (the last token sampled was never fed; a prompt cut in its
             # prefill, the part that was in)
             self.held[r.slot] = (r.prompt + r.generated)[:r.n_past]
+            self.reach[r.slot] = max(self.reach[r.slot], r.n_past)
             self.used[r.slot] = time.perf_counter()
             self.slots[r.slot] = None
 

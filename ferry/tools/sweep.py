@@ -50,7 +50,8 @@ def sweep(engine, n_vocab: int, n_gen: int, seed: int = 0, on_row=None) -> list[
     rows = []
     n_kv = 0
     while n_kv + max(pp, tg) <= n_ctx:
-        saved = engine.save_state()
+        # a recurrent state, or rings the generated tokens write past their slack, come back from a copy
+        saved = engine.save_state() if engine.recurrent or not engine.kv.resumable(n_kv, n_kv + tg) else None
         t0 = time.perf_counter()
         for t in tokens(tg):
             engine.decode([t])

@@ -83,10 +83,11 @@ def _cache_row(cache, cell, col, row_stride, mask, Q8: tl.constexpr):
 
 @triton.jit
 def _attn_decode(q, kc, vc, pos, base, sel, n_sel, out, part, sinks, n_heads, group, dk, dv, k_row, v_row, scale,
-                 window, chunk, K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                 window, ring, chunk, K_Q8: tl.constexpr, V_Q8: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                  PARTIAL: tl.constexpr, SINKS: tl.constexpr, SELECT: tl.constexpr):
     """One query head of one token: softmax(q . k * scale) v over the cache cells base[t] + 0 .. pos[t] (the
-    last `window` of them when window > 0), online over blocks of BN cells; SINKS: the head's sink logit joins the
+    last `window` of them when window > 0; ring > 0: position j in cell base[t] + j % ring), online over blocks of BN
+    cells; SINKS: the head's sink logit joins the
     denominator (gpt-oss). SELECT (DeepSeek sparse attention): over the cells sel[t, 0 .. n_sel - 1] instead (-1: no
     cell), only those rows read. PARTIAL (flash-decoding): program s of axis 2 takes only positions (slots of sel)
     s * chunk .. (s + 1) * chunk - 1 (chunk a multiple of BN) and leaves its unnormalised sum in out, its running max
@@ -116,7 +117,7 @@ def _attn_decode(q, kc, vc, pos, base, sel, n_sel, out, part, sinks, n_heads, gr
             cell = tl.load(sel + t * n_sel + j, mask=j < end, other=-1)
             live = cell >= 0
         else:
-            cell = b0 + j
+            cell = b0 + tl.where(ring > 0, j % tl.maximum(ring, 1), j)
             live = (j >= lo) & (j <= p)
         kmask = live[:, None] & (d < dk)[None, :]
         k = _cache_row(kc, cell, kvh * dk + d, k_row, kmask, K_Q8)
@@ -216,12 +217,13 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      pos: torch.Tensor, base: torch.Tensor, n_head_kv: int, dv: int, scale: float,
                      window: int, config: tuple[int, int] | None = None, n_cells: int = 0,
                      splits: int | None = None, sinks: torch.Tensor | None = None,
-                     select: torch.Tensor | None = None) -> torch.Tensor:
+                     select: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """q (n, heads, dk) against cache rows (cells, bytes) of f16 or q8_0: (n, heads * dv) float32. config: (cells
     per step, warps). n_cells: the longest context a token may have (the cache's size; fixed for a recorded
     graph): long ones are cut into `splits` parts (attention_splits) computed side by side, then merged. sinks:
     (heads,) float32 on the GPU, each head's sink logit in the softmax's denominator (gpt-oss). select: (n, top_k)
-    int32 cell ids (-1: none) each token attends to instead of its whole context (kernels/cuda/indexer.py)."""
+    int32 cell ids (-1: none) each token attends to instead of its whole context (kernels/cuda/indexer.py). ring > 0:
+    a sliding window's ring of that many rows per sequence (KVCache.ring): position j at cell base + j % ring."""
     q = q.float().contiguous()
     n, heads, dk = q.shape
     width = triton.next_power_of_2(max(dk, dv))
@@ -245,7 +247,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sink_ptr = q if sinks is None else sinks.float().contiguous()
     _attn_decode[(heads, n, splits)](q, kc, vc, pos, base, pos if select is None else select, n_cells, acc, part,
                                      sink_ptr, heads, heads // n_head_kv, dk, dv, kc.shape[1], vc.shape[1], scale,
-                                     window, chunk, K_Q8=k_q8, V_Q8=v_q8, BN=bn, BD=width, PARTIAL=splits > 1,
+                                     window, ring, chunk, K_Q8=k_q8, V_Q8=v_q8, BN=bn, BD=width, PARTIAL=splits > 1,
                                      SINKS=sinks is not None, SELECT=select is not None, num_warps=warps)
     if splits > 1:
         _attn_combine[(heads, n)](acc, part, out, sink_ptr, heads, splits, dv, SP=triton.next_power_of_2(splits),

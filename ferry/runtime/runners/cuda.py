@@ -60,15 +60,17 @@ class LatentForms:
 
 
 class CudaOps(TorchOps):
-    """One forward's ops on the GPU: `pos` / `cells` (n,) int64 on the GPU; tables: Rope -> (cos, sin) of every
-    cache position."""
+    """One forward's ops on the GPU: `pos` / `cells` (n,) int64 on the GPU (`ring_cells`: the rows in a ring layer,
+    Batch.ring_cells; the cells where the cache keeps no rings); tables: Rope -> (cos, sin) of every cache position."""
 
     def __init__(self, backend, batch: Batch, tokens: torch.Tensor, pos: torch.Tensor, cells: torch.Tensor,
-                 tables: dict, latent_forms: LatentForms):
+                 tables: dict, latent_forms: LatentForms, ring_cells: torch.Tensor | None = None):
         super().__init__(backend, batch, tokens)
         self.pos, self.cells, self.tables = pos, cells, tables
+        self.ring_cells = cells if ring_cells is None else ring_cells
         self.latent_forms = latent_forms
         self._base: torch.Tensor | None = None
+        self._ring: torch.Tensor | None = None
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """x on this op set's GPU, made the current device: Triton launches on the current one."""
@@ -121,7 +123,7 @@ class CudaOps(TorchOps):
                            self.rms_norm(y[:, q_dim:q_dim + k_dim], attn.k_norm, attn.norm_eps),
                            y[:, q_dim + k_dim:]], 1)
             norms = (None, None)
-        q = qkv_rope_store(y, *norms, attn.norm_eps, cos, sin, self.pos, self.cells,
+        q = qkv_rope_store(y, *norms, attn.norm_eps, cos, sin, self.pos, self._cells(attn.layer),
                            kv.k[attn.layer], kv.v[attn.layer], k_q8, v_q8, attn.n_head, attn.n_head_kv,
                            attn.head_dim_k, attn.head_dim_v, attn.rope.n_rot, attn.rope.neox)
         return self._decode_attention(attn.layer, q, attn.scale, attn.window, attn.sinks)
@@ -135,10 +137,12 @@ class CudaOps(TorchOps):
 
         kv = self.batch.kv
         v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
+        ring = kv.ring if layer in kv.ring_layers else 0
         return attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
-                                kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, self._cell_base(),
-                                kv.n_head_kv, kv.head_dim_v, scale, window, n_cells=kv.n_ctx,
-                                sinks=None if sinks is None else self.backend.vector(sinks), select=select)
+                                kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos,
+                                self._ring_base() if ring else self._cell_base(), kv.n_head_kv, kv.head_dim_v, scale,
+                                window, n_cells=kv.n_ctx, sinks=None if sinks is None else self.backend.vector(sinks),
+                                select=select, ring=ring)
 
     def compressed_attention(self, attn, q: torch.Tensor, kv: torch.Tensor, pooled: tuple, indexed: tuple):
         """DeepSeek-V4's compressors, indexer and attention (TorchOps') over an f16 cache in kernels that read the
@@ -266,6 +270,16 @@ class CudaOps(TorchOps):
             self._base = self.cells - self.pos
         return self._base
 
+    def _ring_base(self) -> torch.Tensor:
+        """Each token's row in a ring layer minus its position modulo the ring (where its sequence's ring starts)."""
+        if self._ring is None:
+            self._ring = self.ring_cells - self.pos % self.batch.kv.ring
+        return self._ring
+
+    def _cells(self, layer: int) -> torch.Tensor:
+        """The rows this batch's keys and values go to in a layer (a ring layer's, or the cells)."""
+        return self.ring_cells if layer in self.batch.kv.ring_layers else self.cells
+
     def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         from ferry.kernels.cuda.norm_rope import norm_rope
 
@@ -276,14 +290,14 @@ class CudaOps(TorchOps):
         """This batch's keys and values into their cache cells (v None: a cache whose values are in the keys)."""
         from ferry.kernels.cuda.attention import store_q8_0
 
-        kv, n = self.batch.kv, k.shape[0]
+        kv, n, cells = self.batch.kv, k.shape[0], self._cells(layer)
         pairs = [(kv.k[layer], kv.type_k, k)] + ([] if v is None else [(kv.v[layer], kv.type_v, v)])
         for cache, qtype, x in pairs:
             if qtype == Q.Q8_0:
-                store_q8_0(x, cache, self.cells)
+                store_q8_0(x, cache, cells)
             else:
-                cache.view(TORCH_TYPES[qtype]).view(kv.n_ctx, -1).index_copy_(
-                    0, self.cells, x.reshape(n, -1).to(TORCH_TYPES[qtype]))
+                cache.view(TORCH_TYPES[qtype]).view(cache.shape[0], -1).index_copy_(
+                    0, cells, x.reshape(n, -1).to(TORCH_TYPES[qtype]))
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, scale: float,
                   window: int, sinks: torch.Tensor | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
@@ -298,14 +312,17 @@ class CudaOps(TorchOps):
         if n <= DECODE_MAX:
             return self._decode_attention(layer, q, scale, window, sinks, select)
 
+        ring = layer in kv.ring_layers
+
         def over_cache(q, *select):  # a prompt: flash / memory-efficient attention over the cache as f16
-            n_kv = self.batch.n_kv
+            n_kv = self.batch.ring_kv if ring else self.batch.n_kv  # a ring's rows under its mask
             keys = _floats(kv.k[layer][:n_kv], kv.type_k).view(n_kv, kv.n_head_kv, kv.head_dim_k)
             if kv.v_in_k:  # MLA: the values are the first of each key row
                 values = keys[..., :kv.head_dim_v]
             else:
                 values = _floats(kv.v[layer][:n_kv], kv.type_v).view(n_kv, kv.n_head_kv, kv.head_dim_v)
-            return self._sdpa_f16(q, keys, values, scale, window, sinks, *select)
+            mask = self._on(("ring", window), self.batch.ring_mask(window), q.device) if ring else None
+            return self._sdpa_f16(q, keys, values, scale, window, sinks, *select, mask=mask)
 
         inputs = (q,) if select is None else (q, select)
         return self.cache_sized(over_cache, inputs, (n, q.shape[1] * kv.head_dim_v))
@@ -338,9 +355,11 @@ class CudaOps(TorchOps):
         return recorder.defer(fn, shape, self.tokens.device, inputs=inputs, shared="cache_sized")
 
     def _sdpa_f16(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                  window: int, sinks: torch.Tensor | None = None, select: torch.Tensor | None = None) -> torch.Tensor:
+                  window: int, sinks: torch.Tensor | None = None, select: torch.Tensor | None = None,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
         """q (n, heads, d) to keys and values (n_kv, heads_kv, d) of every attended cell, in f16: (n, heads * d_v).
-        sinks: Attention.sinks (with_sinks' one more key, under the mask). select: dsa_select's cells, the mask."""
+        sinks: Attention.sinks (with_sinks' one more key, under the mask). select: dsa_select's cells, the mask.
+        mask: a (n, n_kv) bool mask in place of the batch's within `window` (a ring's)."""
         n = q.shape[0]
         keys = keys.to(torch.float16)
         # (1, heads, tokens, dim): torch's flash and memory-efficient kernels take only 4-D inputs (3-D ones fall
@@ -352,8 +371,9 @@ class CudaOps(TorchOps):
             keys, values = keys.expand(-1, q.shape[1], -1, -1), values.expand(-1, q.shape[1], -1, -1)
         elif group > 1:
             keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        if sinks is not None:
+        if mask is None and (sinks is not None or self.batch.seq is not None or window):
             mask = self._on(("mask", window), self.batch.mask(window), q.device)
+        if sinks is not None:
             q, keys, values, mask = with_sinks(q[0], keys[0], values[0], mask, self.backend.vector(sinks), scale)
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=scale)
             return out[0].transpose(0, 1).reshape(n, -1).float()
@@ -367,9 +387,8 @@ class CudaOps(TorchOps):
         elif self.batch.seq is None and not window:  # one sequence's next positions: causal to the cache's end, flash
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(n, keys.shape[2]),
                                                  scale=scale)
-        else:  # a mask (windows, server slots): the memory-efficient kernel
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=self._on(("mask", window), self.batch.mask(window), q.device), scale=scale)
+        else:  # a mask (windows, rings, server slots): the memory-efficient kernel
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1).reshape(n, -1).float()
 
     def cached_rows(self, layer: int, k: torch.Tensor) -> torch.Tensor:

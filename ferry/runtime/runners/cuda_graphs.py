@@ -154,12 +154,14 @@ class _Input:
     tokens: torch.Tensor
     pos: torch.Tensor
     cells: torch.Tensor
+    ring_cells: torch.Tensor  # Batch.ring_cells
     ops: CudaOps | None = None  # made once the inputs are on the GPU
 
     def load(self, tokens: torch.Tensor, batch: Batch, graph) -> None:
         self.tokens.copy_(tokens)  # straight from the host into the graph's inputs
         self.pos.copy_(batch.positions)
         self.cells.copy_(batch.cells)
+        self.ring_cells.copy_(batch.ring_cells)
         self.ops.rebind(batch)
         if isinstance(graph, _Recorder):
             graph.host_tokens[self.tokens.data_ptr()] = tokens.cpu()
@@ -210,13 +212,14 @@ class CudaGraphRunner:
             self._tables[key] = {r: tuple(t.to(self.device) for t in r.angles(torch.arange(n_ctx))) for r in ropes}
         return self._tables[key]
 
-    def _ops(self, model, batch: Batch, tokens, pos, cells) -> CudaOps:
+    def _ops(self, model, batch: Batch, tokens, pos, cells, ring_cells) -> CudaOps:
         return CudaOps(self.backend, batch, tokens, pos, cells, self._rope_tables(model, batch.kv.n_ctx),
-                       self.latent_forms)
+                       self.latent_forms, ring_cells)
 
     def placed_ops(self, model, batch: Batch, tokens: torch.Tensor) -> CudaOps:
         """The op set of an eager step: its tokens, positions and cache cells moved to this GPU."""
-        return self._ops(model, batch, *(t.to(self.device) for t in (tokens, batch.positions, batch.cells)))
+        return self._ops(model, batch, *(t.to(self.device) for t in (tokens, batch.positions, batch.cells,
+                                                                      batch.ring_cells)))
 
     def report(self) -> list[str]:
         """-mla 3's prompt forms timed and kept so far (LatentForms.report)."""
@@ -301,10 +304,11 @@ class CudaGraphRunner:
         weights in RAM), and replay it for this step's result. `forwards`: each op set's tokens and batch;
         `run(op sets)`: the step's logits, one tensor per u-batch; `routed`: the batch whose MoE layers record their
         routing."""
-        inputs = [_Input(*(t.to(self.device) for t in (tokens, b.positions, b.cells))) for tokens, b in forwards]
+        inputs = [_Input(*(t.to(self.device) for t in (tokens, b.positions, b.cells, b.ring_cells)))
+                  for tokens, b in forwards]
 
         def op_sets() -> list[CudaOps]:
-            return [self._ops(model, b, i.tokens, i.pos, i.cells) for i, (_, b) in zip(inputs, forwards)]
+            return [self._ops(model, b, i.tokens, i.pos, i.cells, i.ring_cells) for i, (_, b) in zip(inputs, forwards)]
 
         n_tokens = max(b.n_tokens for _, b in forwards)
         # a prompt's buffers cached by one stream serve no other stream nor the graph's pool: the eager run before,

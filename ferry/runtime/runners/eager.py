@@ -131,11 +131,17 @@ class TorchOps:
         (n, n_head * d_v). sinks: Attention.sinks."""
         if self.batch.seq is not None:
             raise NotImplementedError("batches of several sequences run through the ggml graph runner only")
-        keys, values = self.batch.kv.store(layer, self.batch.start, k, v)
+        kv = self.batch.kv
+        if layer in kv.ring_layers:  # its ring's rows, in row order, under the ring's mask
+            keys, values = kv.store_ring(layer, self.batch.ring_cells, k, v, self.batch.ring_kv)
+            mask = self._on(("ring", window), self.batch.ring_mask(window), q.device)
+            return self._sdpa(q, keys, values, scale, window, sinks, mask)
+        keys, values = kv.store(layer, self.batch.start, k, v)
         return self._sdpa(q, keys, values, scale, window, sinks, select)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int,
               sinks: torch.Tensor | None = None, select: torch.Tensor | None = None):
+        """select: a (n, n_kv) bool mask in place of the batch's causal one within `window` (dsa_select's, a ring's)."""
         n, n_head = q.shape[:2]
         mask = self._on(("mask", window), self.batch.mask(window), q.device) if select is None else select
         q, keys, values = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)

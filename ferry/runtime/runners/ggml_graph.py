@@ -39,8 +39,12 @@ class GraphOps:
         self.tokens = g.input(I32, (n_tokens,))
         self.positions = g.input(I32, (n_tokens,))
         self.cells = g.input(I32, (n_tokens,))  # the cache row of each token (its position, for one sequence)
-        self.masks: dict[int, object] = {}  # sliding window (0: none) -> its mask input, in creation order
+        # the row of each token in a ring layer (Batch.ring_cells), where the cache keeps rings
+        self.ring_cells = g.input(I32, (n_tokens,)) if kv.ring else None
+        # (sliding window (0: none), whether over a ring's rows) -> its mask input, in creation order
+        self.masks: dict[tuple[int, bool], object] = {}
         self.cache_views: list = []  # (d, n_kv, heads) views of the cache: ne[1] is set to the length at each run
+        self.ring_views: list = []  # the same over a ring layer's rows: ne[1] set to the rows attended
         self.expert_ids: list = []  # per MoE layer: the node that copies its expert ids out
         self.n_used = 1  # experts per token, of the MoE layers
         self._vectors: dict[int, object] = {}
@@ -158,27 +162,29 @@ class GraphOps:
         return ggml.ggml_rope_ext(self.c, x, self.positions, None, rope.n_rot, mode, y.n_ctx_orig, rope.base,
                                   1.0 / y.factor, 1.0, 1.0 / (1.0 + 0.1 * math.log(y.factor)), y.beta_fast, y.beta_slow)
 
-    def _mask(self, window: int):
-        if window not in self.masks:
-            self.masks[window] = self.g.input(F16, (self.n_ctx, self.n))
-        return self.masks[window]
+    def _mask(self, window: int, ring: bool = False):
+        if (window, ring) not in self.masks:
+            self.masks[window, ring] = self.g.input(F16, (self.n_ctx, self.n))
+        return self.masks[window, ring]
 
-    def _write(self, cache, x, dim: int, qtype):
-        """Write this u-batch's rows of x (dim, heads, n) into the cache: the cache after the write."""
+    def _write(self, cache, x, dim: int, qtype, ring: bool = False):
+        """Write this u-batch's rows of x (dim, heads, n) into the cache (its rows `cells`, or a ring's ring_cells):
+        the cache after the write."""
         c = self.c
         n_heads = x.contents.ne[1]
         if not ggml.ggml_is_contiguous(x):  # a piece of a split (MLA's values)
             x = ggml.ggml_cont(c, x)
-        leaf = self.g.leaf(qtype.value, (dim * n_heads, self.kv.n_ctx), cache.ctypes.data)
-        return ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n), self.cells)
+        leaf = self.g.leaf(qtype.value, (dim * n_heads, cache.shape[0]), cache.ctypes.data)
+        return ggml.ggml_set_rows(c, leaf, ggml.ggml_reshape_2d(c, x, dim * n_heads, self.n),
+                                  self.ring_cells if ring else self.cells)
 
-    def _store(self, cache, x, dim: int, qtype):
-        """_write, then the cache's first n_kv positions as (dim, n_kv, heads), a view whose length is set at each
-        run."""
-        stored = self._write(cache, x, dim, qtype)
-        view = ggml.ggml_view_3d(self.c, stored, dim, self.n_ctx, x.contents.ne[1], stored.contents.nb[1],
+    def _store(self, cache, x, dim: int, qtype, ring: bool = False):
+        """_write, then the cache's first n_kv positions (a ring's first rows attended) as (dim, n_kv, heads), a view
+        whose length is set at each run."""
+        stored = self._write(cache, x, dim, qtype, ring)
+        view = ggml.ggml_view_3d(self.c, stored, dim, cache.shape[0], x.contents.ne[1], stored.contents.nb[1],
                                  ggml.ggml_row_size(qtype.value, dim), 0)
-        self.cache_views.append(view)
+        (self.ring_views if ring else self.cache_views).append(view)
         return view
 
     def attention(self, layer: int, q, k, v, scale: float, window: int, sinks: torch.Tensor | None = None,
@@ -187,6 +193,10 @@ class GraphOps:
         `sinks` (n_head,): each head's sink logit, in the softmax's denominator only (gpt-oss); `select`: the mask of
         the positions each query attends to (dsa_select), in place of the causal one."""
         c, kv = self.c, self.kv
+        if layer in kv.ring_layers:  # its ring's rows under the ring's mask
+            keys = self._store(kv.k[layer], k, kv.head_dim_k, kv.type_k, ring=True)
+            values = self._store(kv.v[layer], v, kv.head_dim_v, kv.type_v, ring=True)
+            return self._flash(q, keys, values, scale, self._mask(window, ring=True), sinks)
         keys = self._store(kv.k[layer], k, kv.head_dim_k, kv.type_k)
         if v is None:
             t = keys.contents
@@ -349,15 +359,17 @@ class GraphOps:
         self.n_used = n_used
         return out if residual is None else self.add(residual, out)
 
-    def set_cache_length(self, n_kv: int) -> None:
-        """Attend to the first n_kv cache positions at the next run: no operation's work buffer or
-        intermediate depends on this length, so the built graph stays valid."""
+    def set_cache_length(self, n_kv: int, n_ring: int = 0) -> None:
+        """Attend to the first n_kv cache positions (a ring layer: its first n_ring rows) at the next run: no
+        operation's work buffer or intermediate depends on this length, so the built graph stays valid."""
         for view in self.cache_views:
             view.contents.ne[1] = n_kv
-        for mask in self.masks.values():
+        for view in self.ring_views:
+            view.contents.ne[1] = n_ring
+        for (_, ring), mask in self.masks.items():
             t = mask.contents
-            t.ne[0] = n_kv
-            t.nb[1] = t.nb[0] * n_kv
+            t.ne[0] = n_ring if ring else n_kv
+            t.nb[1] = t.nb[0] * t.ne[0]
             t.nb[2] = t.nb[1] * t.ne[1]
             t.nb[3] = t.nb[2] * t.ne[2]
 
@@ -415,15 +427,19 @@ class GgmlGraphRunner:
                 key += (n_kv,)
             self.graphs[key] = built
         g, ops = self.graphs[key]
-        ops.set_cache_length(n_kv)
+        n_ring = batch.ring_kv if kv.ring else 0
+        ops.set_cache_length(n_kv, n_ring)
         positions = batch.positions.to(torch.int32).contiguous()
-        masks = [torch.zeros(n, n_kv, dtype=torch.float16).masked_fill_(~batch.mask(window, n_kv), -math.inf)
-                 for window in ops.masks]
+        masks = [torch.zeros(n, n_ring if ring else n_kv, dtype=torch.float16).masked_fill_(
+                 ~(batch.ring_mask(window, n_ring) if ring else batch.mask(window, n_kv)), -math.inf)
+                 for window, ring in ops.masks]
         logits = torch.empty(batch.logit_rows, model.args.n_vocab, dtype=torch.float32)
         ids = torch.empty(len(ops.expert_ids), n, ops.n_used, dtype=torch.int32)
-        cells = batch.cells.to(torch.int32).contiguous()
+        cells = [batch.cells.to(torch.int32).contiguous()]
+        if kv.ring:
+            cells.append(batch.ring_cells.to(torch.int32).contiguous())
         seq = 0 if batch.seq is None else int(batch.seq[0])  # a recurrent model's batch holds one sequence
         states = [torch.from_numpy(getattr(kv, kind)[layer][seq]) for kind, layer in ops.states]
-        g.run([tokens.to(torch.int32).contiguous(), positions, cells, *states, *masks], logits, *ids)
+        g.run([tokens.to(torch.int32).contiguous(), positions, *cells, *states, *masks], logits, *ids)
         batch.expert_ids = list(ids)
         return logits
