@@ -118,14 +118,14 @@ def test_the_cache_keeps_the_indexers_keys_where_a_layer_has_an_indexer(sparse):
     assert layout.bytes_per_token(4, "q8_0", "q8_0") == 4 * 34 * 80 // 32 + 2 * 2 * 32  # a quantized one f16
     per_token, line = describe_cache(model.args, 3)
     assert per_token == latent + 128 and "indexer keys" in line and "16 best positions" in line
-    kv = KVCache.of(layout, 4, 64)
+    kv = KVCache.of(layout, 4, 64, n_seq=2)  # two sequences of 32 positions
     assert [a.shape for a in kv.index] == [(64, 64), (0, 64), (64, 64), (0, 64)]
     assert kv.n_bytes == 64 * (latent + 128)
     kv.index[2][5:8] = 7
-    rows = kv.copy_rows(5, 3)
+    rows = kv.copy_rows(0, 8)  # sequence 0's first 8 positions (the server's RAM prompt cache)
     kv.index[2][:] = 0
-    kv.put_rows(10, rows, 3)
-    assert (kv.index[2][10:13] == 7).all() and kv.index[2][:10].sum() == 0
+    kv.put_rows(1, rows, 8)  # into sequence 1's
+    assert (kv.index[2][37:40] == 7).all() and kv.index[2].sum() == 3 * 64 * 7
 
 
 class _File:

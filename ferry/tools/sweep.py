@@ -44,9 +44,13 @@ def sweep(engine, n_vocab: int, n_gen: int, seed: int = 0, on_row=None) -> list[
     def tokens(n: int) -> list[int]:
         return [rng.randrange(n_vocab) for _ in range(n)]
 
-    engine.decode(tokens(pp))  # warm-up: builds both graphs, as llama-sweep-bench's warm-up run does
-    engine.decode(tokens(1))
-    engine.reset()
+    # warm-up: builds both graphs, as llama-sweep-bench's warm-up run does; twice, since a GPU records a prompt shape's
+    # CUDA graphs at its second run (runners/cuda_graphs.py PROMPT_RECORDED_AT): the first timed depth paid for that
+    # recording, 0.26-0.48x of the later depths' S_PP on an H200 (docs/performance.md, session 44)
+    for _ in range(2):
+        engine.decode(tokens(pp))
+        engine.decode(tokens(1))
+        engine.reset()
     rows = []
     n_kv = 0
     while n_kv + max(pp, tg) <= n_ctx:
