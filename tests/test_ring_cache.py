@@ -74,16 +74,28 @@ def _logits(path, swa_full: bool, graph: bool, tokens: list[int], steps: int, ub
     return torch.cat(out), engine
 
 
-@pytest.mark.parametrize("graph", [True, False], ids=["ggml-graph", "op-by-op"])
-def test_a_ring_gives_the_logits_of_a_cache_that_keeps_every_position(gpt_oss, graph):
+@pytest.fixture(scope="module")
+def deepseek4(tmp_path_factory):
+    """deepseek4-tiny: every layer within a window of 8 (beside its compressed entries)."""
+    path = tmp_path_factory.mktemp("ring") / "deepseek4-tiny.gguf"
+    assert main(["synth", "deepseek4-tiny", "-o", str(path), "-q"]) == 0
+    return path
+
+
+@pytest.mark.parametrize("preset,graph", [("gpt_oss", True), ("gpt_oss", False), ("deepseek4", False)],
+                         ids=["gpt-oss-ggml-graph", "gpt-oss-op-by-op", "deepseek4-op-by-op"])
+def test_a_ring_gives_the_logits_of_a_cache_that_keeps_every_position(request, preset, graph):
     """A 700-token prompt in u-batches of 96 wraps the window layers' 512-row rings; then 30 decode steps. Every
     position's logits equal the --swa-full cache's (the same rows attended, in another order: 1e-5), and the window
-    layers hold 512 rows, not 2048."""
-    tokens = torch.randint(0, 2000, (700,), generator=torch.Generator().manual_seed(0)).tolist()
-    full, big = _logits(gpt_oss, True, graph, tokens, 30)
-    ringed, small = _logits(gpt_oss, False, graph, tokens, 30)
+    layers hold 512 rows, not 2048 (gpt-oss: its even layers; deepseek4: all, whose compressors' rings and entries
+    are apart)."""
+    path = request.getfixturevalue(preset)
+    tokens = torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(0)).tolist()
+    full, big = _logits(path, True, graph, tokens, 30)
+    ringed, small = _logits(path, False, graph, tokens, 30)
+    windowed = [512, 2048, 512, 2048] if preset == "gpt_oss" else [512] * 4
     assert big.kv.ring == 0 and [a.shape[0] for a in big.kv.k] == [2048] * 4
-    assert small.kv.ring == 512 and [a.shape[0] for a in small.kv.k] == [512, 2048, 512, 2048]
+    assert small.kv.ring == 512 and [a.shape[0] for a in small.kv.k] == windowed
     assert (ringed - full).abs().max() < 1e-5
     assert small.kv.n_bytes < big.kv.n_bytes
 
@@ -168,3 +180,20 @@ def test_the_plan_counts_the_rings_as_the_cache_holds_them(gpt_oss):
     kv = [next(d["kv_cache"] for d in json.loads(plan("--json", *a))["devices"] if d["device"] == "CUDA0")
           for a in ((), ("--swa-full",))]
     assert kv[0] < kv[1]
+
+
+def test_a_recurrent_models_saved_state_brings_its_rings_back(deepseek4):
+    """deepseek4 (compressors' states and rings both): a state saved at 600 positions, then 600 more written (past the
+    ring's slack), brings back the ring rows with the states: the next tokens' logits equal a fresh run's."""
+    gen = torch.Generator().manual_seed(5)
+    prompt, more, other = (torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (600, 40, 600))
+    loaded = load(RunConfig(model=deepseek4, n_ctx=2048, n_batch=96, n_ubatch=96, quiet=True, n_threads=2))
+    fresh = loaded.engine()
+    fresh.decode(prompt)
+    want = fresh.decode(more, all_logits=True)
+    engine = loaded.engine()
+    engine.decode(prompt)
+    saved = engine.save_state()
+    engine.decode(other)
+    engine.truncate(len(prompt), saved)
+    assert engine.kv.ring == 512 and (engine.decode(more, all_logits=True) - want).abs().max() < 1e-5

@@ -494,17 +494,23 @@ def gptoss(tmp_path_factory):
     return path, tokens, Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
 
 
-@pytest.mark.parametrize("flags", [dict(n_gpu_layers=999), EXPS, dict(n_gpu_layers=999, type_k="q8_0", type_v="q8_0")],
-                         ids=["all-gpu", "experts-in-ram", "all-gpu-q8_0"])
-def test_gpt_oss_window_layers_rings_on_the_gpu_match_the_cpu(tmp_path_factory, flags):
-    """gpt-oss-tiny's window layers keep a ring of 512 rows (KVCache.ring): a 700-token prompt in u-batches of 96
-    wraps it, then 30 steps through CUDA graphs (the fused attention's store and the decode kernel at position mod
-    the ring); against the CPU over the same rings (tests/test_ring_cache.py holds the CPU's equal to --swa-full)."""
+@pytest.mark.parametrize("preset,flags", [
+    ("gpt-oss-tiny", dict(n_gpu_layers=999)), ("gpt-oss-tiny", EXPS),
+    ("gpt-oss-tiny", dict(n_gpu_layers=999, type_k="q8_0", type_v="q8_0")),
+    ("deepseek4-tiny", dict(n_gpu_layers=999)), ("deepseek4-tiny", EXPS)],
+    ids=["gpt-oss-all-gpu", "gpt-oss-experts-in-ram", "gpt-oss-all-gpu-q8_0", "deepseek4-all-gpu",
+         "deepseek4-experts-in-ram"])
+def test_window_layers_rings_on_the_gpu_match_the_cpu(tmp_path_factory, preset, flags):
+    """The window layers keep a ring of 512 rows (KVCache.ring; gpt-oss-tiny's even layers, MXFP4 experts;
+    deepseek4-tiny's every layer, beside its compressors): a 700-token prompt in u-batches of 96 wraps it, then 30
+    steps through CUDA graphs (the store at position mod the ring, the decode kernels' reads there); against the
+    CPU over the same rings (tests/test_ring_cache.py holds the CPU's equal to --swa-full)."""
     from ferry.cli import main
 
-    path = tmp_path_factory.mktemp("r") / "gpt-oss.gguf"
-    assert main(["synth", "gpt-oss-tiny", "--expert-type", "mxfp4", "-o", str(path), "-q"]) == 0
-    tokens = np.random.default_rng(3).integers(0, 2000, 730).tolist()
+    path = tmp_path_factory.mktemp("r") / f"{preset}.gguf"
+    extra = ["--expert-type", "mxfp4"] if preset.startswith("gpt-oss") else []
+    assert main(["synth", preset, *extra, "-o", str(path), "-q"]) == 0
+    tokens = np.random.default_rng(3).integers(0, 1000, 730).tolist()
     out = []
     for placed in (dict(n_gpu_layers=0), flags):
         backend, model = place(path, 8, n_ctx=2048, **placed)
@@ -512,7 +518,7 @@ def test_gpt_oss_window_layers_rings_on_the_gpu_match_the_cpu(tmp_path_factory, 
                    type_v=placed.get("type_v", "f16"))
         assert e.kv.ring == 512 and e.kv.k[0].shape[0] == 512
         out.append(torch.cat([e.decode(tokens[:700], all_logits=True)] + [e.decode([t]) for t in tokens[700:]]))
-    _check(out[0], out[1], f"gpt-oss rings {'/'.join(f'{k}={v}' for k, v in flags.items())}")
+    _check(out[0], out[1], f"{preset} rings {'/'.join(f'{k}={v}' for k, v in flags.items())}")
 
 
 def test_server_slots_rings_on_the_gpu_match_the_cpu(tmp_path_factory):

@@ -1007,16 +1007,18 @@ def test_compress_step_matches_float64(neox, ratio, d, n_rot, overlap, step):
     assert not state[2][want.shape[0]:].any()  # no entry for the window still open
 
 
+@pytest.mark.parametrize("ringed", [False, True], ids=["cells", "ring"])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("n,heads,d,window,ratio,cap,select", [
     (1, 16, 64, 8, 4, 20, True), (1, 16, 64, 8, 4, 20, False), (3, 20, 96, 8, 16, 9, True),
     (3, 20, 96, 8, 16, 9, False), (1, 64, 512, 128, 4, 70, True), (1, 64, 512, 128, 128, 70, False),
     (2, 5, 64, 5, 0, 0, False)])
-def test_attention_compressed_matches_float64(select, splits, n, heads, d, window, ratio, cap):
+def test_attention_compressed_matches_float64(select, splits, n, heads, d, window, ratio, cap, ringed):
     """DeepSeek-V4's decode attention: each token's heads over the last `window` cells of its sequence (fewer near
     its start) and the entries it sees (a complete window each), all of them or those chosen (some slots empty,
     some chosen ones not yet complete), keys the values, each head's sink in the denominator; f16 queries, cache
-    rows and entries in the products. Cut into parts merged after (a part may see nothing)."""
+    rows and entries in the products. Cut into parts merged after (a part may see nothing). ringed: the window's
+    rows a ring of window + 3 (KVCache.ring), position a at base + a % ring."""
     from ferry.kernels.cuda.compressed import attention_compressed
 
     rng = np.random.default_rng(heads + d + n + window + ratio)
@@ -1024,7 +1026,8 @@ def test_attention_compressed_matches_float64(select, splits, n, heads, d, windo
         torch.tensor([max(cap - 1, 1) * max(ratio, 1) - 1])
     pos[0] = min(int(pos[0]), 3) if n > 1 else pos[0]  # one token near the start: fewer than `window` cells
     base = 40
-    cache = torch.from_numpy(rng.standard_normal((base + int(pos.max()) + 1, d))).half()
+    ring = window + 3 if ringed else 0
+    cache = torch.from_numpy(rng.standard_normal((base + (ring or int(pos.max()) + 1), d))).half()
     entries = torch.from_numpy(rng.standard_normal((max(cap, 1), d))).float()
     q = torch.from_numpy(rng.standard_normal((n, heads, d)))
     sinks = torch.from_numpy(rng.standard_normal(heads))
@@ -1034,7 +1037,8 @@ def test_attention_compressed_matches_float64(select, splits, n, heads, d, windo
     want = torch.empty(n, heads, d, dtype=torch.float64)
     for t in range(n):
         p = int(pos[t])
-        keys = cache[base + torch.arange(max(0, p - window + 1), p + 1)].double()
+        at = torch.arange(max(0, p - window + 1), p + 1)
+        keys = cache[base + (at % ring if ring else at)].double()
         if ratio:
             seen = torch.arange((p + 1) // ratio) if not select else ids[t][(ids[t] >= 0) & (ids[t] < (p + 1) // ratio)]
             keys = torch.cat([keys, entries[seen.long()].half().double()])
@@ -1044,5 +1048,5 @@ def test_attention_compressed_matches_float64(select, splits, n, heads, d, windo
     got = attention_compressed(q.float().to(DEV), cache.to(DEV), entries.to(DEV) if ratio else None,
                                ids.to(DEV) if select else None, pos.to(DEV),
                                torch.full((n,), base, device=DEV), window, ratio, d ** -0.5, sinks.float().to(DEV),
-                               splits)
+                               splits, ring=ring)
     _close(got, want.view(n, -1), 2e-3)  # the softmax weights go into the value product as f16

@@ -145,7 +145,8 @@ def cache_layout(args, mla: int, swa_full: bool = False) -> CacheLayout:
     value) and the rope key; the sliding-window layers' rings (args.windows) unless swa_full (--swa-full: every
     position kept, llama.cpp's flag)."""
     if args.v4 is not None:  # one head, the values its keys; the compressors' entries
-        return CacheLayout(1, args.head_dim_k, args.head_dim_k, v_in_k=True, compressed=compressors(args))
+        return CacheLayout(1, args.head_dim_k, args.head_dim_k, v_in_k=True, compressed=compressors(args),
+                           windows=() if swa_full else (args.sliding_window,) * args.n_layer)
     index = dict(index_dim=args.indexer_head_dim, index_layers=args.indexer_layers)
     if args.kv_lora_rank > 0 and mla:
         return CacheLayout(1, args.kv_lora_rank + args.n_rot, args.kv_lora_rank, v_in_k=True, **index)
@@ -186,10 +187,11 @@ def describe_cache(args, mla: int, type_k: str = "f16", type_v: str = "f16",
                  f"{len(cache.index_layers)} layers): each query attends to its {args.indexer_top_k} best positions")
     if cache.compressed:  # DeepSeek-V4
         rings = sum(c.ring_bytes for c in cache.compressed)
-        return per_token, (f"KV cache: {per_token} bytes per token in {kinds} (one key head per position and layer, "
-                           f"every position kept though each layer attends to its last {args.sliding_window}; "
-                           f"{len(cache.compressed)} compressors' pooled entries in f32; their incomplete windows keep "
-                           f"{rings / 2**10:.0f} KiB per sequence)")
+        kept = ("every position kept though each layer attends to its last {w}" if swa_full else
+                "a ring per layer of the last {w} positions and a u-batch's, --swa-full keeps every position")
+        return per_token, (f"KV cache: {per_token} bytes per token in {kinds} (one key head per position and layer: "
+                           f"{kept.format(w=args.sliding_window)}; {len(cache.compressed)} compressors' pooled entries "
+                           f"in f32; their incomplete windows keep {rings / 2**10:.0f} KiB per sequence)")
     state = state_layout(args)
     if state is not None:
         what = (f"{len(args.kv_layers)} attention layers; the {len(state.layers)} recurrent layers keep "

@@ -114,7 +114,7 @@ class Engine:
         """A copy of the recurrent state (and a ring's rows: they may be written over) as it is now, for truncate;
         None where the cache holds neither."""
         if self.recurrent:
-            return self.n_past, self.kv.copy_state()
+            return self.n_past, self.kv.copy_state(), self.reach
         return (self.n_past, self.kv.copy_rows(0, self.n_past), self.reach) if self.kv.ring else None
 
     def truncate(self, n_past: int, saved: tuple[int, list] | None = None) -> None:
@@ -136,6 +136,7 @@ class Engine:
                 raise ValueError(f"a recurrent model's state cannot go back to position {n_past} of {self.n_past} "
                                  "without a state saved there")
             self.kv.put_state(saved[1])
+            self.reach = saved[2]
         self.n_past = n_past
 
     @torch.inference_mode()

@@ -110,12 +110,17 @@ class KVCache:
             self.delta[i] = zeros((n_seq, state.n_v_heads, state.head_dim, state.head_dim), i)
 
     def copy_state(self) -> list:
-        """A copy of every sequence's recurrent state (put_state puts it back)."""
-        return [t.copy() if isinstance(t, np.ndarray) else t.clone() for t in self._state_arrays()]
+        """A copy of every sequence's recurrent state, and of the rings (their rows are written over: a state saved
+        at a position serves there only with them; put_state puts both back)."""
+        return [t.copy() if isinstance(t, np.ndarray) else t.clone() for t in self._state_arrays() + self._rings()]
 
     def put_state(self, saved: list) -> None:
-        for t, copy in zip(self._state_arrays(), saved, strict=True):
+        for t, copy in zip(self._state_arrays() + self._rings(), saved, strict=True):
             t[...] = copy
+
+    def _rings(self) -> list:
+        """The ring layers' row arrays (keys, values, indexer keys)."""
+        return [a for i, a in self._layer_rows() if i in self.ring_layers]
 
     def clear_state(self, seq: int = 0) -> None:
         """Sequence seq's recurrent state back to zero: it starts again at position 0."""
@@ -197,14 +202,21 @@ class KVCache:
         values[start:end] = v
         return keys[first:end].float(), values[first:end].float()
 
-    def store_ring(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write a ring layer's k, v (n, n_head_kv, dim) into rows `cells` (Batch.ring_cells); return its first n_rows
-        rows' keys and values (Batch.ring_kv, in row order: Batch.ring_mask says which each token sees), as float32."""
+    def store_ring(self, layer: int, cells: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                   rows: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a ring layer's k, v (n, n_head_kv, dim; v None: values in the keys) into rows `cells`
+        (Batch.ring_cells); return the keys and values of its first `rows` rows (Batch.ring_kv, in row order:
+        Batch.ring_mask says which each token sees), or of the rows a tensor gives, as float32."""
         keys = self._float_view(self.k[layer], self.type_k, self.head_dim_k)
-        values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
-        keys[cells], values[cells] = k.to(keys.dtype), v.to(values.dtype)
-        return keys[:n_rows].float(), values[:n_rows].float()
+        keys[cells] = k.to(keys.dtype)
+        if self.v_in_k:
+            values = keys[..., :self.head_dim_v]
+        else:
+            values = self._float_view(self.v[layer], self.type_v, self.head_dim_v)
+            values[cells] = v.to(values.dtype)
+        if isinstance(rows, int):
+            return keys[:rows].float(), values[:rows].float()
+        return keys[rows].float(), values[rows].float()
 
     def store_index(self, layer: int, start: int, k: torch.Tensor) -> torch.Tensor:
         """Write a layer's indexer keys k (n, index_dim) at `start`; return every one up to there, as float32."""

@@ -112,11 +112,11 @@ def compress_step(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, ring
 
 
 @triton.jit
-def _attn_compressed(q, cache, entries, sel, pos, base, acc_out, part, n_heads, n_sel, window, ratio, n_slots, d,
-                     k_row, scale, chunk, BH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+def _attn_compressed(q, cache, entries, sel, pos, base, acc_out, part, n_heads, n_sel, window, ratio, ring, n_slots,
+                     d, k_row, scale, chunk, BH: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SELECT: tl.constexpr):
     """Heads hb * BH .. of token t over its slots s * chunk .. (s + 1) * chunk - 1: slot j < window is the cell of
-    position pos - window + 1 + j (f16 cache rows from base), slot window + e the entry e (SELECT: the entry
+    position pos - window + 1 + j (f16 cache rows from base; ring > 0: position a at base + a % ring), slot window + e the entry e (SELECT: the entry
     sel[t, e], -1 none), seen where its window is complete, e < (pos + 1) / ratio. Keys are the values. The
     unnormalised sum, running max and denominator go to _attn_combine's layout."""
     t = tl.program_id(0).to(tl.int64)
@@ -138,7 +138,7 @@ def _attn_compressed(q, cache, entries, sel, pos, base, acc_out, part, n_heads, 
         j = n0 + tl.arange(0, BN)
         at = p - window + 1 + j
         in_win = (j < window) & (at >= 0) & (j < end)
-        cell = tl.where(in_win, b0 + at, 0)
+        cell = tl.where(in_win, b0 + tl.where(ring > 0, at % tl.maximum(ring, 1), at), 0)
         if SELECT:
             e = tl.load(sel + t * n_sel + j - window, mask=(j >= window) & (j < end), other=-1).to(tl.int64)
         else:
@@ -173,12 +173,13 @@ def _attn_compressed(q, cache, entries, sel, pos, base, acc_out, part, n_heads, 
 
 def attention_compressed(q: torch.Tensor, cache: torch.Tensor, entries: torch.Tensor | None,
                          select: torch.Tensor | None, pos: torch.Tensor, base: torch.Tensor, window: int, ratio: int,
-                         scale: float, sinks: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+                         scale: float, sinks: torch.Tensor, splits: int | None = None, ring: int = 0) -> torch.Tensor:
     """q (n, heads, d) of one sequence's batch (a decode step or a prompt u-batch): each token's heads over the cache
     cells base + the last `window` positions up to its own (cache: (cells, d) f16 rows, as bytes or f16), then the
     compressed entries (entries: (cap, d) float32, ratio their compression; None: none) that it sees, all of them or
     (select: (n, top_k) entry ids, -1 none) those chosen; sinks (heads,) float32 in each head's denominator: (n,
-    heads * d) float32."""
+    heads * d) float32. ring > 0: the window's cells are a ring of that many rows (KVCache.ring), position a at
+    base + a % ring."""
     n, heads, d = q.shape
     q = q.to(torch.float16).contiguous()
     cache = cache.view(torch.float16)
@@ -194,7 +195,7 @@ def attention_compressed(q: torch.Tensor, cache: torch.Tensor, entries: torch.Te
     part = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q.device)
     sel = select.to(torch.int32).contiguous() if select is not None else pos
     _attn_compressed[(n, blocks, splits)](q, cache, entries, sel, pos, base, acc, part, heads, n_sel, window, ratio,
-                                          n_slots, d, cache.shape[1], scale, chunk, BH=HEADS, BN=SLOTS, BK=64,
+                                          ring, n_slots, d, cache.shape[1], scale, chunk, BH=HEADS, BN=SLOTS, BK=64,
                                           BV=triton.next_power_of_2(d), SELECT=select is not None, num_warps=8)
     out = torch.empty(n, heads, d, dtype=torch.float32, device=q.device)
     _attn_combine[(heads, n)](acc, part, out, sinks.float().contiguous(), heads, splits, d,

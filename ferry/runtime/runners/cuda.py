@@ -182,8 +182,11 @@ class CudaOps(TorchOps):
             select = indexer_top_k(indexed[2], indexed[3], keys, last, torch.zeros_like(last), index.top_k,
                                    keys.shape[0])
         self._store(attn.layer, kv, None)
-        return attention_compressed(q, self.batch.kv.k[attn.layer], entries, select, self.pos, self._cell_base(),
-                                    attn.window, attn.ratio, attn.head_dim ** -0.5, self.backend.vector(attn.sinks))
+        cache = self.batch.kv
+        ring = cache.ring if attn.layer in cache.ring_layers else 0
+        return attention_compressed(q, cache.k[attn.layer], entries, select, self.pos,
+                                    self._ring_base() if ring else self._cell_base(), attn.window, attn.ratio,
+                                    attn.head_dim ** -0.5, self.backend.vector(attn.sinks), ring=ring)
 
     def _compress_step(self, comp, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         """A compressor's step (compress_step) over this batch's sequence's state: its entries (cap, dim)."""

@@ -371,9 +371,15 @@ class TorchOps:
         """DeepSeek-V4's attention: kv (n, 1, d) into the cache; q (n, heads, d) attends, with sinks, to the last
         `window` cached positions and to the compressed entries (entries, d) it sees (of them, those `select` gives
         it: compressed_select's): (n, heads * d)."""
-        _, cell, start = self._one_sequence()
+        seq, cell, start = self._one_sequence()
         first = max(0, start - window + 1)  # the first position a query of this batch sees
-        keys, _ = self.batch.kv.store(layer, cell + start, kv, None, cell + first)
+        cache = self.batch.kv
+        if layer in cache.ring_layers:  # the ring's rows of positions first .. the batch's last, in order
+            ring = cache.ring
+            rows = seq * ring + torch.arange(first, start + self.n_tokens) % ring
+            keys, _ = cache.store_ring(layer, self.batch.ring_cells, kv, None, rows)
+        else:
+            keys, _ = cache.store(layer, cell + start, kv, None, cell + first)
         if ("window", window) not in self._moved:
             seen = torch.arange(first, start + self.n_tokens)[None, :]
             pos = self.batch.positions[:, None]
