@@ -46,6 +46,16 @@ def tiny_dsa(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_swa(tmp_path_factory):
+    """A gpt-oss-tiny synthetic GGUF: its even layers attend within a window of 8 (rings: KVCache.ring)."""
+    from ferry.cli import main
+
+    path = tmp_path_factory.mktemp("synth") / "gpt-oss-tiny.gguf"
+    assert main(["synth", "gpt-oss-tiny", "-o", str(path), "-q"]) == 0
+    return path
+
+
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
@@ -398,3 +408,32 @@ def test_a_recurrent_models_slots_keep_their_own_states(tiny_recurrent):
             srv.should_exit = True
             thread.join(timeout=10)
     assert answers["3"] == answers["1"]
+
+
+def test_a_slots_ring_is_reused_within_its_slack_and_prefilled_again_past_it(tiny_swa):
+    """gpt-oss-tiny's window layers in rings of 512 rows (-ub 64): a conversation of some 900 tokens wraps them. Its
+    next turn reuses the slot's cache (cache_n) and answers, greedy, what it answers without the cache; a prompt that
+    shares only the conversation's first part (hundreds of positions behind what the ring has written) is prefilled
+    whole (cache_n 0) and answers as it does alone. The same with the slot's state from the RAM prompt cache."""
+    url, srv, thread = serve(["-m", str(tiny_swa), "-np", "1", "-c", "4096", "-ub", "64", "-t", "1",
+                              "--cache-ram", "256"])
+    try:
+        def ask(prompt, **kw):
+            return httpx.post(url + "/v1/completions", json={"prompt": prompt, "temperature": 0, "max_tokens": 6,
+                                                              **kw}, timeout=300).json()
+        base = " ".join(f"word{i} of a long conversation" for i in range(28))
+        first = ask(base)
+        assert first["usage"]["prompt_tokens"] > 600 and first["timings"]["cache_n"] == 0
+        turn = base + first["choices"][0]["text"] + " and then"
+        cached, fresh = ask(turn), ask(turn, cache_prompt=False)
+        assert cached["timings"]["cache_n"] > 600 and fresh["timings"]["cache_n"] == 0
+        assert cached["choices"][0]["text"] == fresh["choices"][0]["text"]
+        part = base[:len(base) // 4] + " but"  # shares a prefix far behind what the ring has written
+        again = ask(part)
+        alone = ask(part, cache_prompt=False)
+        assert again["timings"]["cache_n"] == 0 and again["choices"][0]["text"] == alone["choices"][0]["text"]
+        back = ask(turn)  # the long conversation's state came back from RAM (the short prompt wrote over the slot)
+        assert back["timings"]["cache_n"] > 600 and back["choices"][0]["text"] == fresh["choices"][0]["text"]
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
