@@ -495,16 +495,18 @@ def gptoss(tmp_path_factory):
 
 
 @pytest.mark.parametrize("preset,flags", [
-    ("gpt-oss-tiny", dict(n_gpu_layers=999)), ("gpt-oss-tiny", EXPS),
+    ("gpt-oss-tiny", dict(n_gpu_layers=999)), ("gpt-oss-tiny", EXPS), ("gpt-oss-tiny", EXPS | dict(n_batch=288)),
     ("gpt-oss-tiny", dict(n_gpu_layers=999, type_k="q8_0", type_v="q8_0")),
     ("deepseek4-tiny", dict(n_gpu_layers=999)), ("deepseek4-tiny", EXPS)],
-    ids=["gpt-oss-all-gpu", "gpt-oss-experts-in-ram", "gpt-oss-all-gpu-q8_0", "deepseek4-all-gpu",
-         "deepseek4-experts-in-ram"])
+    ids=["gpt-oss-all-gpu", "gpt-oss-experts-in-ram", "gpt-oss-experts-in-ram-layer-first", "gpt-oss-all-gpu-q8_0",
+         "deepseek4-all-gpu", "deepseek4-experts-in-ram"])
 def test_window_layers_rings_on_the_gpu_match_the_cpu(tmp_path_factory, preset, flags):
     """The window layers keep a ring of 512 rows (KVCache.ring; gpt-oss-tiny's even layers, MXFP4 experts;
     deepseek4-tiny's every layer, beside its compressors): a 700-token prompt in u-batches of 96 wraps it, then 30
     steps through CUDA graphs (the store at position mod the ring, the decode kernels' reads there); against the
-    CPU over the same rings (tests/test_ring_cache.py holds the CPU's equal to --swa-full)."""
+    CPU over the same rings (tests/test_ring_cache.py holds the CPU's equal to --swa-full). n_batch 288: logical
+    batches of three u-batches taken layer first (experts in RAM), each u-batch's attention before the next one's
+    writes."""
     from ferry.cli import main
 
     path = tmp_path_factory.mktemp("r") / f"{preset}.gguf"
@@ -512,11 +514,14 @@ def test_window_layers_rings_on_the_gpu_match_the_cpu(tmp_path_factory, preset, 
     assert main(["synth", preset, *extra, "-o", str(path), "-q"]) == 0
     tokens = np.random.default_rng(3).integers(0, 1000, 730).tolist()
     out = []
+    flags = dict(flags)
+    n_batch = flags.pop("n_batch", 96)
     for placed in (dict(n_gpu_layers=0), flags):
         backend, model = place(path, 8, n_ctx=2048, **placed)
-        e = Engine(model, backend, n_ctx=2048, n_batch=96, n_ubatch=96, type_k=placed.get("type_k", "f16"),
+        e = Engine(model, backend, n_ctx=2048, n_batch=n_batch, n_ubatch=96, type_k=placed.get("type_k", "f16"),
                    type_v=placed.get("type_v", "f16"))
         assert e.kv.ring == 512 and e.kv.k[0].shape[0] == 512
+        assert e.layer_first or placed is not flags or n_batch == 96  # three u-batches a layer at a time
         out.append(torch.cat([e.decode(tokens[:700], all_logits=True)] + [e.decode([t]) for t in tokens[700:]]))
     _check(out[0], out[1], f"{preset} rings {'/'.join(f'{k}={v}' for k, v in flags.items())}")
 
