@@ -56,6 +56,34 @@ def test_a_second_turn_decodes_only_what_the_cache_lacks_and_answers_as_a_fresh_
     assert fresh.turn("and again", lambda piece: None) == second
 
 
+def test_a_turn_that_keeps_less_than_a_ring_holds_is_decoded_whole(tmp_path):
+    """gpt-oss-tiny's window layers in 512-row rings (KVCache.ring): a first turn of some 700 tokens, then the
+    conversation started over with another message, which shares only the template's first tokens with the cache,
+    hundreds of positions behind what the rings hold: that turn is decoded from position 0 (before, truncate refused
+    to go back there) and answers what a fresh conversation answers."""
+    from ferry.cli import main
+
+    path = tmp_path / "gpt-oss-tiny.gguf"
+    assert main(["synth", "gpt-oss-tiny", "-o", str(path), "-q"]) == 0
+    loaded = load(RunConfig(path, n_threads=1, quiet=True))
+    tok = Tokenizer(loaded.file)
+    template, _ = chat_template(tok, loaded.model.args.arch)
+
+    def conversation():
+        engine = Engine(loaded.model, loaded.backend, n_ctx=2048, n_ubatch=96)
+        return Conversation(engine, tok, template, Sampler(SamplingParams(temp=0)), n_predict=4)
+
+    chat = conversation()
+    chat.turn(" ".join(f"item {i}" for i in range(100)), lambda piece: None)
+    assert chat.engine.kv.ring == 512 and chat.engine.n_past > 600
+    chat.messages = []  # started over: only the template's opening is shared
+    before = chat.decoded
+    answer = chat.turn("a different question", lambda piece: None)
+    prompt = tok.encode_chat(render_chat(template, chat.messages[:1], *tok.special_texts()))
+    assert chat.decoded - before == len(prompt)  # decoded whole, from position 0
+    assert answer == conversation().turn("a different question", lambda piece: None)
+
+
 def test_chat_reads_turns_from_stdin_and_run_cnv_is_the_same(tiny):
     a = ferry("chat", "-m", str(tiny), "--temp", "0", "-n", "4", "-t", "1", stdin="hello\nhow are you\n")
     b = ferry("run", "-cnv", "-m", str(tiny), "--temp", "0", "-n", "4", "-t", "1", stdin="hello\nhow are you\n")

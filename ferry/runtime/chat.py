@@ -39,7 +39,7 @@ class Conversation:
         self.messages.append({"role": "user", "content": text})
         ids = self.tok.encode_chat(render_chat(self.template, self.messages, *self.tok.special_texts()))
         keep = min(shared_prefix(ids, self.cached), len(ids) - 1)  # at least one token decoded: its logits sample
-        if self.engine.recurrent and keep < self.engine.n_past:  # a recurrent state holds all of it or nothing
+        if not self.engine.keeps(keep):  # a recurrent state holds all of it or nothing; a ring only its slack
             keep = 0
         self.engine.truncate(keep)
         stream = StreamDecoder(self.tok)

@@ -117,6 +117,13 @@ class Engine:
             return self.n_past, self.kv.copy_state(), self.reach
         return (self.n_past, self.kv.copy_rows(0, self.n_past), self.reach) if self.kv.ring else None
 
+    def keeps(self, n_past: int) -> bool:
+        """Whether the sequence can go back to n_past without a saved state (truncate): always to its start or where
+        it is; a recurrent state never elsewhere; a ring within its slack (KVCache.resumable)."""
+        if n_past in (0, self.n_past):
+            return True
+        return not self.recurrent and self.kv.resumable(n_past, self.reach)
+
     def truncate(self, n_past: int, saved: tuple[int, list] | None = None) -> None:
         """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them. A recurrent
         state holds every position at once: it goes back to the start, or to a state saved at n_past (save_state)."""
