@@ -126,20 +126,25 @@ def test_server_slots_each_keep_a_ring(gpt_oss):
     assert (out[False] - out[True]).abs().max() < 1e-5
 
 
+def _saved_at_a_prompt(path, seed: int, n_other: int):
+    """An engine (rings of 512 rows at -ub 96) that holds a 600-token prompt, its state saved there (save_state); the
+    prompt, 40 more tokens and n_other others; and a fresh run's logits for the 40 after the prompt."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (600, 40, n_other)]
+    loaded = load(RunConfig(model=path, n_ctx=2048, n_batch=96, n_ubatch=96, quiet=True, n_threads=2))
+    fresh = loaded.engine()
+    fresh.decode(tokens[0])
+    want = fresh.decode(tokens[1], all_logits=True)
+    engine = loaded.engine()
+    engine.decode(tokens[0])
+    return engine, engine.save_state(), tokens, want
+
+
 def test_a_sequence_cut_back_within_the_slack_goes_on_as_if_never_written_past(gpt_oss):
     """truncate within ring - window positions of what was written: the next tokens' logits equal a fresh run's;
     further back the rows are gone: refused without a saved state, served with one (save_state, as ferry sweep
     removes its generated tokens)."""
-    gen = torch.Generator().manual_seed(2)
-    prompt, more, other = (torch.randint(0, 2000, (n,), generator=gen).tolist() for n in (600, 40, 300))
-    cfg = RunConfig(model=gpt_oss, n_ctx=2048, n_batch=96, n_ubatch=96, quiet=True, n_threads=2)
-    loaded = load(cfg)
-    fresh = loaded.engine()
-    fresh.decode(prompt)
-    want = fresh.decode(more, all_logits=True)
-    engine = loaded.engine()
-    engine.decode(prompt)
-    saved = engine.save_state()
+    engine, saved, (prompt, more, other), want = _saved_at_a_prompt(gpt_oss, 2, 300)
     engine.decode(other[:100])  # 100 past: within 512 - 8
     engine.truncate(len(prompt))
     assert (engine.decode(more, all_logits=True) - want).abs().max() < 1e-5
@@ -185,15 +190,7 @@ def test_the_plan_counts_the_rings_as_the_cache_holds_them(gpt_oss):
 def test_a_recurrent_models_saved_state_brings_its_rings_back(deepseek4):
     """deepseek4 (compressors' states and rings both): a state saved at 600 positions, then 600 more written (past the
     ring's slack), brings back the ring rows with the states: the next tokens' logits equal a fresh run's."""
-    gen = torch.Generator().manual_seed(5)
-    prompt, more, other = (torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (600, 40, 600))
-    loaded = load(RunConfig(model=deepseek4, n_ctx=2048, n_batch=96, n_ubatch=96, quiet=True, n_threads=2))
-    fresh = loaded.engine()
-    fresh.decode(prompt)
-    want = fresh.decode(more, all_logits=True)
-    engine = loaded.engine()
-    engine.decode(prompt)
-    saved = engine.save_state()
+    engine, saved, (prompt, more, other), want = _saved_at_a_prompt(deepseek4, 5, 600)
     engine.decode(other)
     engine.truncate(len(prompt), saved)
     assert engine.kv.ring == 512 and (engine.decode(more, all_logits=True) - want).abs().max() < 1e-5

@@ -110,7 +110,7 @@ class Engine:
         only to its start (truncate), not to an earlier position."""
         return self.kv.recurrent
 
-    def save_state(self) -> tuple[int, list] | None:
+    def save_state(self) -> tuple[int, list, int] | None:
         """A copy of the recurrent state (and a ring's rows: they may be written over) as it is now, for truncate;
         None where the cache holds neither."""
         if self.recurrent:
@@ -124,26 +124,25 @@ class Engine:
             return True
         return not self.recurrent and self.kv.resumable(n_past, self.reach)
 
-    def truncate(self, n_past: int, saved: tuple[int, list] | None = None) -> None:
+    def truncate(self, n_past: int, saved: tuple | None = None) -> None:
         """Forget every position from n_past on (llama.cpp's seq_rm): later tokens overwrite them. A recurrent
-        state holds every position at once: it goes back to the start, or to a state saved at n_past (save_state)."""
+        state holds every position at once, and a ring the last ones: where keeps(n_past) says no, it goes back to a
+        state saved at n_past (save_state)."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot truncate to {n_past} of {self.n_past} positions")
-        if n_past and not self.recurrent and not self.kv.resumable(n_past, self.reach):  # a ring written over
+        if not self.keeps(n_past):  # a recurrent state, or a ring written over since n_past: back from a copy
             if saved is None or saved[0] != n_past:
-                raise ValueError(f"the sliding-window layers' rings no longer hold the positions before {n_past} "
-                                 f"({self.reach} written since) and no state was saved there (save_state; or run "
-                                 "with --swa-full)")
-            self.kv.put_rows(0, saved[1], n_past)
+                what = (f"a recurrent model's state cannot go back to position {n_past} of {self.n_past}"
+                        if self.recurrent else f"the sliding-window layers' rings no longer hold the positions before "
+                        f"{n_past} ({self.reach} written since; --swa-full keeps them)")
+                raise ValueError(f"{what}, and no state was saved there (save_state)")
+            if self.recurrent:
+                self.kv.put_state(saved[1])
+            else:
+                self.kv.put_rows(0, saved[1], n_past)
             self.reach = saved[2]
         if not n_past:
             self.reach = 0
-        if self.recurrent and 0 < n_past < self.n_past:
-            if saved is None or saved[0] != n_past:
-                raise ValueError(f"a recurrent model's state cannot go back to position {n_past} of {self.n_past} "
-                                 "without a state saved there")
-            self.kv.put_state(saved[1])
-            self.reach = saved[2]
         self.n_past = n_past
 
     @torch.inference_mode()

@@ -158,11 +158,11 @@ class KVCache:
         not while held - n_past is at most ring - window (a ring's slack: CacheLayout.ring)."""
         return not self.ring or held - n_past <= self.ring - max(self.windows)
 
-    def _seq_rows(self, layer_rows: list, seq: int, n: int) -> list:
+    def _seq_rows(self, seq: int, n: int) -> list:
         """Per array of _rows(), the rows of sequence seq's first n positions: [seq * seq_len + 0, + n), and a ring
         layer's whole ring (its rows hold the last positions: resumable says when they serve)."""
         seq_len, out = self.n_ctx // self.n_seq, []
-        for i, a in layer_rows:
+        for i, a in self._layer_rows():
             if i in self.ring_layers:
                 out.append(a[seq * self.ring:(seq + 1) * self.ring])
             else:
@@ -173,12 +173,12 @@ class KVCache:
         """Sequence seq's first n positions in every layer (keys, values, indexer keys), copied to host memory: what
         put_rows writes back (the server's RAM prompt cache)."""
         return [a.copy() if isinstance(a, np.ndarray) else a.to("cpu", copy=True)
-                for a in self._seq_rows(self._layer_rows(), seq, n)]
+                for a in self._seq_rows(seq, n)]
 
     def put_rows(self, seq: int, rows: list, n: int) -> None:
         """The first n positions of copy_rows' rows into sequence seq's (a ring's rows as they were: they serve n
         where resumable(n, the positions copied))."""
-        for a, r in zip(self._seq_rows(self._layer_rows(), seq, n), rows):
+        for a, r in zip(self._seq_rows(seq, n), rows):
             if isinstance(a, np.ndarray):
                 a[...] = r[:len(a)]
             else:

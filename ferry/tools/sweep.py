@@ -46,7 +46,7 @@ def sweep(engine, n_vocab: int, n_gen: int, seed: int = 0, on_row=None) -> list[
 
     # warm-up: builds both graphs, as llama-sweep-bench's warm-up run does; twice, since a GPU records a prompt shape's
     # CUDA graphs at its second run (runners/cuda_graphs.py PROMPT_RECORDED_AT): the first timed depth paid for that
-    # recording, 0.26-0.48x of the later depths' S_PP on an H200 (docs/performance.md, session 44)
+    # recording, 0.26-0.48x of the later depths' S_PP on an H200 (docs/performance.md, 2026-11-28: the sweep to 32k)
     for _ in range(2):
         engine.decode(tokens(pp))
         engine.decode(tokens(1))
