@@ -137,11 +137,10 @@ class CudaOps(TorchOps):
 
         kv = self.batch.kv
         v_rows = kv.k[layer] if kv.v_in_k else kv.v[layer]  # MLA: the values are the first of each key row
-        ring = kv.ring if layer in kv.ring_layers else 0
+        base, ring = self._row_base(layer)
         return attention_decode(q, _typed(kv.k[layer], kv.type_k), _typed(v_rows, kv.type_v),
-                                kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos,
-                                self._ring_base() if ring else self._cell_base(), kv.n_head_kv, kv.head_dim_v, scale,
-                                window, n_cells=kv.n_ctx, sinks=None if sinks is None else self.backend.vector(sinks),
+                                kv.type_k == Q.Q8_0, kv.type_v == Q.Q8_0, self.pos, base, kv.n_head_kv,
+                                kv.head_dim_v, scale, window, n_cells=kv.n_ctx, sinks=None if sinks is None else self.backend.vector(sinks),
                                 select=select, ring=ring)
 
     def compressed_attention(self, attn, q: torch.Tensor, kv: torch.Tensor, pooled: tuple, indexed: tuple):
@@ -182,11 +181,9 @@ class CudaOps(TorchOps):
             select = indexer_top_k(indexed[2], indexed[3], keys, last, torch.zeros_like(last), index.top_k,
                                    keys.shape[0])
         self._store(attn.layer, kv, None)
-        cache = self.batch.kv
-        ring = cache.ring if attn.layer in cache.ring_layers else 0
-        return attention_compressed(q, cache.k[attn.layer], entries, select, self.pos,
-                                    self._ring_base() if ring else self._cell_base(), attn.window, attn.ratio,
-                                    attn.head_dim ** -0.5, self.backend.vector(attn.sinks), ring=ring)
+        base, ring = self._row_base(attn.layer)
+        return attention_compressed(q, self.batch.kv.k[attn.layer], entries, select, self.pos, base, attn.window,
+                                    attn.ratio, attn.head_dim ** -0.5, self.backend.vector(attn.sinks), ring=ring)
 
     def _compress_step(self, comp, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         """A compressor's step (compress_step) over this batch's sequence's state: its entries (cap, dim)."""
@@ -278,6 +275,12 @@ class CudaOps(TorchOps):
         if self._ring is None:
             self._ring = self.ring_cells - self.pos % self.batch.kv.ring
         return self._ring
+
+    def _row_base(self, layer: int) -> tuple[torch.Tensor, int]:
+        """(each token's row minus its position's place in the layer, the layer's ring or 0): what the decode kernels
+        add a position to (modulo the ring) to read its row."""
+        kv = self.batch.kv
+        return (self._ring_base(), kv.ring) if layer in kv.ring_layers else (self._cell_base(), 0)
 
     def _cells(self, layer: int) -> torch.Tensor:
         """The rows this batch's keys and values go to in a layer (a ring layer's, or the cells)."""
