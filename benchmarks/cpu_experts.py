@@ -25,8 +25,11 @@ from ferry.backends.cpu import CpuBackend
 from ferry.kernels.cpu import native
 from ferry.gguf.synth import random_tensor
 from ferry.kernels.capabilities import can_ggml
-from ferry.quant import IkQuant, parse_qtype, quantize
+from ferry.quant import IkQuant, Q, parse_qtype, quantize
 from ferry.weight import Weight
+
+
+AMX_TYPES = (Q.Q4_0, Q.Q8_0)  # the weights the kernels' AMX path reads
 
 
 def stacked(rng, qtype, n_expert: int, rows: int, cols: int, distinct: int) -> Weight:
@@ -69,15 +72,20 @@ def main() -> None:
     rng, pick = np.random.default_rng(0), random.Random(0)
     ours, ggml = CpuBackend(a.threads), CpuBackend(a.threads, native_kernels=False)
     rows = []
+    amx_here = native.amx()
     print(f"one layer: {a.embd} wide, experts of {a.ff}, {a.used} of {a.experts} per token, {a.act}"
           f"{', biases' if a.biases else ''}, {a.threads} threads")
-    print("| experts (up/down) | tokens | ferry ms | ggml ms | ggml / ferry | ferry GB/s | ggml GB/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    extra = (" ferry on VNNI ms | VNNI / AMX |", " ---: | ---: |") if amx_here else ("", "")
+    print(f"| experts (up/down) | tokens | ferry ms{' (AMX)' if amx_here else ''} | ggml ms | ggml / ferry | ferry GB/s |"
+          f" ggml GB/s |{extra[0]}")
+    print(f"| --- | ---: | ---: | ---: | ---: | ---: | ---: |{extra[1]}")
     for spec in a.types.split(","):
         up_name, _, down_name = spec.partition("/")
         up_t, down_t = (IkQuant[n] if n in IkQuant.__members__ else parse_qtype(n)
                         for n in (up_name, down_name or up_name))
-        engines = (("ferry", ours), ("ggml", ggml)) if can_ggml(up_t) and can_ggml(down_t) else (("ferry", ours),)
+        engines = [("ferry", ours)] + ([("ggml", ggml)] if can_ggml(up_t) and can_ggml(down_t) else [])
+        if amx_here and (up_t in AMX_TYPES or down_t in AMX_TYPES):
+            engines.append(("ferry vnni", ours))  # the same kernels with AMX off: the VNNI path's figure
         up = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
         gate = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
         down = stacked(rng, down_t, a.experts, a.embd, a.ff, 4)
@@ -86,6 +94,7 @@ def main() -> None:
                 w.bias = torch.randn(a.experts, w.ne[1])
         # ggml's own Weight objects over the same bytes: each backend repacks (or not) what it reads as it would
         layers = {"ferry": (up, gate, down), "ggml": tuple(_twin(w) for w in (up, gate, down))}
+        layers["ferry vnni"] = layers["ferry"]
         read = sum(w.data.nbytes for w in (up, gate, down)) / a.experts * a.used  # one token's experts
         for n in tokens:
             x = torch.randn(n, a.embd)
@@ -93,6 +102,7 @@ def main() -> None:
             out = torch.empty(n, a.embd)
             ms = {}
             for name, cpu in engines:
+                native.use_amx(amx_here and name == "ferry")
                 up, gate, down = layers[name]
                 if name == "ferry" and cpu.native_experts(n, True, up, gate, down, a.act) is None:
                     raise SystemExit(f"ferry's kernel does not take {spec} experts")
@@ -108,7 +118,8 @@ def main() -> None:
             rows.append({"experts": spec, "tokens": n, "threads": a.threads, "ms": ms, "gb_s": rate})
             gbs = [f"{rate[k]:.1f}" if rate.get(k) else "" for k in ("ferry", "ggml")]
             theirs = f"{ms['ggml']:.2f} | {ms['ggml'] / ms['ferry']:.2f}" if "ggml" in ms else "(no ggml kernel) |"
-            print(f"| {spec} | {n} | {ms['ferry']:.2f} | {theirs} | {gbs[0]} | {gbs[1]} |", flush=True)
+            vnni = f" {ms['ferry vnni']:.2f} | {ms['ferry vnni'] / ms['ferry']:.2f} |" if "ferry vnni" in ms else ""
+            print(f"| {spec} | {n} | {ms['ferry']:.2f} | {theirs} | {gbs[0]} | {gbs[1]} |{vnni}", flush=True)
     with open(a.json, "w") as fh:
         json.dump(rows, fh, indent=1)
 

@@ -32,6 +32,8 @@ class Settings:
                             metadata={"env": "FERRY_CACHE", "parse": Path})
     # ferry's own CPU kernels where they run (0: ggml's everywhere)
     native_kernels: bool = field(default=True, metadata={"env": "FERRY_NATIVE", "parse": _flag})
+    # AMX-INT8 tiles for many tokens' Q4_0 / Q8_0 weights where the CPU has them (0: the AVX512-VNNI kernels)
+    amx: bool = field(default=True, metadata={"env": "FERRY_AMX", "parse": _flag})
     # extra C compiler flags for ferry's CPU kernels, e.g. -DPREFETCH_AHEAD=4096 to try another prefetch distance
     native_cflags: tuple[str, ...] = field(default=(), metadata={"env": "FERRY_NATIVE_CFLAGS",
                                                                   "parse": lambda t: tuple(t.split())})

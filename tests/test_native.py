@@ -2,6 +2,10 @@
 where CpuBackend runs it instead of ggml. The kernel's own tests need a CPU with AVX512-VNNI, as the dev, CI and GPU
 machines have (the first test says which machine this is)."""
 
+import os
+import subprocess
+import sys
+
 import ggml
 import numpy as np
 import pytest
@@ -19,6 +23,28 @@ from ferry.quant import IK_TYPES, IkQuant, Q, dequantize, ik_type_bytes, quantiz
 def _has_vnni() -> bool:
     with open("/proc/cpuinfo") as fh:
         return " avx512_vnni" in next((line for line in fh if line.startswith("flags")), "")
+
+
+def _has_amx() -> bool:
+    with open("/proc/cpuinfo") as fh:
+        flags = next((line for line in fh if line.startswith("flags")), "").split()
+    return "amx_int8" in flags and "amx_tile" in flags
+
+
+# the kernels' paths this CPU runs: many tokens' Q4_0 / Q8_0 weights on AMX-INT8 tiles where it has them, else VNNI
+ISAS = ["vnni", "amx"] if _has_amx() else ["vnni"]
+
+
+@pytest.fixture
+def path():
+    """path(isa) runs the kernels' calls from then on the path named ("vnni" or "amx"); the test's end restores it."""
+    before = native.amx()
+
+    def use(isa: str) -> None:
+        assert native.use_amx(isa == "amx") == (isa == "amx")
+
+    yield use
+    native.use_amx(before)
 
 
 def _weight(rng, qtype, *shape):
@@ -40,9 +66,12 @@ def _weight(rng, qtype, *shape):
 def _as_kernel_rounds(v: np.ndarray, block: int) -> np.ndarray:
     """v in float64 after the kernel's activation rounding: blocks (32 for Q4_0 weights, 256 for Q4_K) to int8 with
     scale max|v| / 127."""
-    blocks = v.reshape(-1, block)
-    d = np.abs(blocks).max(axis=1, keepdims=True) / 127
-    return (np.rint(blocks / np.where(d > 0, d, 1)) * d).reshape(v.shape)
+    # in float32 as the kernel computes it (scale max / 127, each value times 1 / scale, to nearest even), so that a
+    # value near a half rounds the same way
+    blocks = v.reshape(-1, block).astype(np.float32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    inv = np.float32(1) / np.where(d > 0, d, np.float32(1))
+    return (np.rint(blocks * inv).astype(np.float64) * d).reshape(v.shape)
 
 
 def _layer(rng, n_expert, n_embd, n_ff, qtype=Q.Q4_0, down_type=None):
@@ -56,6 +85,16 @@ def test_the_kernel_is_there_exactly_where_the_cpu_has_avx512_vnni():
     assert (native.library() is not None) == _has_vnni(), native.why_not()
     if not _has_vnni():
         assert "AVX512-VNNI" in native.why_not()
+
+
+def test_amx_is_on_exactly_where_the_cpu_has_it_and_ferry_amx_0_turns_it_off():
+    probe = "from ferry.kernels.cpu import native; print(native.amx(), native.kernel_id())"
+    env = {k: v for k, v in os.environ.items() if k != "FERRY_AMX"}
+    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    off = subprocess.run([sys.executable, "-c", probe], env={**env, "FERRY_AMX": "0"}, capture_output=True, text=True,
+                         check=True).stdout
+    assert on.split()[0] == str(_has_amx() and _has_vnni()) and off.split()[0] == "False"
+    assert (on.split()[1] != off.split()[1]) == (_has_amx() and _has_vnni())  # a calibration of the other is stale
 
 
 # (up and gate's type, down's type, n_embd, n_ff, n_expert, n_used): Qwen3-30B-A3B's layer; odd block counts (Q4_0:
@@ -162,14 +201,22 @@ BATCHES = [(Q40, Q40, 2048, 768, 16, 8, 37, 3), (Q40, Q40, 96, 64, 3, 2, 2, 3), 
            (I3S, I3S, 2048, 768, 16, 8, 13, 3), (I2S, I2S, 1280, 256, 1, 1, 6, 2), (I2S, I3S, 256, 768, 9, 4, 30, 3),
            (Q40, I3S, 96, 512, 5, 2, 11, 2), (I5S, I5S, 2048, 768, 16, 8, 13, 3), (I5S, Q6K, 256, 768, 9, 4, 30, 3),
            (I4SS, I4SS, 2048, 768, 16, 8, 13, 3), (I2L, I2L, 1280, 256, 1, 1, 6, 2), (I2L, I4SS, 256, 768, 9, 4, 30, 3),
-           (I2K, I3K, 2048, 768, 16, 8, 13, 3), (I3K, I3K, 1280, 256, 1, 1, 6, 2), (I2K, Q6K, 256, 768, 9, 4, 30, 3)]
+           (I2K, I3K, 2048, 768, 16, 8, 13, 3), (I3K, I3K, 1280, 256, 1, 1, 6, 2), (I2K, Q6K, 256, 768, 9, 4, 30, 3),
+           # AMX's tiles (16 rows, 16 tokens; experts of 12 tokens and more): odd block counts, a last tile of a few
+           # tokens, an expert just at 12 and one just below, many tiles
+           (Q40, Q40, 96, 160, 2, 2, 40, 3), (Q40, Q40, 160, 96, 3, 1, 50, 2), (Q40, Q40, 2048, 768, 4, 2, 23, 2),
+           (Q40, Q40, 64, 64, 2, 1, 24, 1), (Q40, Q6K, 256, 512, 2, 2, 100, 3)]
 
 
-@pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n,threads", BATCHES)
+@pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n,threads,isa",
+                         [(*b, "vnni") for b in BATCHES] + [(*b, isa) for b in BATCHES for isa in ISAS[1:]
+                                                            if Q40 in b[:2]])
 def test_the_batch_kernel_matches_float64_given_its_activation_rounding(up_type, down_type, n_embd, n_ff, n_expert,
-                                                                          n_used, n, threads):
+                                                                          n_used, n, threads, isa, path):
     """Many tokens at once (ferry_moe_batch: the pairs sorted by expert, tiles of tokens per weight group), some slots
-    of id -1 (experts computed elsewhere: they add nothing), against float64 with the kernel's rounding of x and h."""
+    of id -1 (experts computed elsewhere: they add nothing), against float64 with the kernel's rounding of x and h;
+    Q4_0 on each of the CPU's paths (isa)."""
+    path(isa)
     rng = np.random.default_rng(n_embd * n + n_used)
     cpu = CpuBackend(threads)
     (up, gate, down), (up64, gate64, down64) = _layer(rng, n_expert, n_embd, n_ff, up_type, down_type)
@@ -193,13 +240,15 @@ def test_the_batch_kernel_matches_float64_given_its_activation_rounding(up_type,
     assert np.all(np.abs(got - rounded) <= 3e-3 * np.maximum(scale, 1e-30)), np.abs(got - rounded).max()
     assert np.linalg.norm(got - rounded) / np.linalg.norm(rounded) < 1e-3  # the exact result is 1e-2 away
     assert not np.any(got[(ids < 0).all(axis=1)])  # a token whose every slot is elsewhere: exact zeros
-    # token by token through the one-token kernel (its live slots): the same sums in another order
+    # token by token through the one-token kernel (its live slots): the same sums in another order. On AMX a block's
+    # sum is added whole, not as the VNNI kernels' two halves, so that an h value here and there rounds the other way
+    tolerance = 3e-3 if isa == "amx" else 1e-5
     for i in range(n):
         live = ids[i] >= 0
         if live.any():
             one = cpu.moe_experts(torch.from_numpy(x[i:i + 1]), torch.from_numpy(ids[i:i + 1, live]),
                                   torch.from_numpy(weights[i:i + 1, live]), up, gate, down, "silu").numpy()[0]
-            assert np.abs(got[i] - one).max() <= 1e-5 * np.abs(one).max()
+            assert np.abs(got[i] - one).max() <= tolerance * np.abs(one).max()
 
 
 MX = Q.MXFP4
@@ -370,13 +419,17 @@ LINEAR = [(Q.Q8_0, 8, 32, 1, 1), (Q.Q8_0, 24, 96, 3, 3), (Q.Q8_0, 72, 160, 17, 2
           (Q4K, 16, 768, 5, 2), (Q4K, 8, 256, 1, 1), (Q4K, 136, 1280, 19, 3),
           (Q6K, 8, 256, 2, 3), (Q6K, 56, 768, 13, 2), (Q6K, 24, 1280, 1, 1),
           (Q5K, 8, 256, 1, 1), (Q5K, 40, 768, 9, 3), (Q5K, 136, 1280, 5, 2),
-          (IQ4, 8, 256, 3, 2), (IQ4, 72, 1280, 1, 3), (IQ4, 24, 768, 17, 2)]
+          (IQ4, 8, 256, 3, 2), (IQ4, 72, 1280, 1, 3), (IQ4, 24, 768, 17, 2),
+          # AMX's tiles (12 tokens and more): a last group of 8 rows alone, many tiles, one tile just full
+          (Q.Q8_0, 2048, 512, 33, 3), (Q40, 24, 96, 12, 1), (Q.Q8_0, 8, 32, 16, 2), (Q40, 136, 2048, 70, 2)]
 
 
-@pytest.mark.parametrize("qtype,m,k,n,threads", LINEAR)
-def test_the_matrix_kernel_matches_float64_given_its_activation_rounding(qtype, m, k, n, threads):
+@pytest.mark.parametrize("qtype,m,k,n,threads,isa", [(*c, "vnni") for c in LINEAR] + [
+    (*c, isa) for c in LINEAR for isa in ISAS[1:] if c[0] in (Q40, Q.Q8_0)])
+def test_the_matrix_kernel_matches_float64_given_its_activation_rounding(qtype, m, k, n, threads, isa, path):
     """Dense weights (ferry_linear: Q8_0 in ferry's own interleaved copy, Q4_0 / Q4_K in ggml's repacked one, Q5_K,
-    Q6_K and IQ4_XS plain), one token and many."""
+    Q6_K and IQ4_XS plain), one token and many; Q4_0 and Q8_0 on each of the CPU's paths (isa)."""
+    path(isa)
     rng = np.random.default_rng(m * k + n)
     w, w64 = _weight(rng, qtype, m, k)
     x = rng.standard_normal((n, k)).astype(np.float32)

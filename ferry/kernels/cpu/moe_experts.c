@@ -48,6 +48,13 @@
 #else
 #define FAST 0
 #endif
+#if FAST && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1 /* Q4_0 / Q8_0 weights against many tokens on AMX-INT8 tiles (amx_tile), where ferry_amx turned it on */
+#else
+#define AMX 0
+#endif
 
 #define GROUP 8 /* rows interleaved */
 enum { F16 = 1, Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39 }; /* ggml's numbers */
@@ -121,6 +128,38 @@ typedef struct { /* an activation block of 64 for MXFP4 weights: two blocks of 3
 } act_mxfp4;
 
 int ferry_moe_fast(void) { return FAST; }
+
+static int amx_on; /* ferry_amx's choice: 1 where the CPU has AMX-INT8, the OS lets this process use it, and it is asked */
+
+/* AMX-INT8 for many tokens' Q4_0 / Q8_0 weights, on (want 1), off (0: AVX512-VNNI's kernels everywhere) or as it is
+ * (-1): returns whether it is on. Linux gives a process the tiles' state only when asked (ARCH_REQ_XCOMP_PERM). */
+int ferry_amx(int want) {
+#if AMX
+    static int granted = -1;
+    if (want > 0 && granted < 0)
+        granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    if (want >= 0) amx_on = want && granted > 0;
+#else
+    (void)want;
+#endif
+    return amx_on;
+}
+
+#define AMX_ROWS 16
+#define AMX_TOKENS 16
+#define AMX_B 512 /* bytes of one block's B tile: its 8 rows of 64, row r columns 4r..4r + 3 of the 16 weight rows */
+#ifndef AMX_MIN_TOKENS
+#define AMX_MIN_TOKENS 12 /* calls of fewer tokens stay on the VNNI kernels */
+#endif
+#ifndef AMX_MIN_PAIRS
+#define AMX_MIN_PAIRS 12 /* an expert with fewer tokens in a call stays on them too: a block of 16 rows costs AMX
+                          * about 33 ns and 1.2 a token, VNNI 3.9 ns a token (dev VM's Xeon, one thread) */
+#endif
+
+/* whether a phase of `tokens` tokens over weights of type runs on AMX (amx_units) where it is on (amx_can: the scratch
+ * is sized for it whether it is on or not, so that ferry_amx may turn it on between calls) */
+static int amx_can(int type, int tokens) { return AMX && (type == Q4_0 || type == Q8_0) && tokens >= AMX_MIN_TOKENS; }
+static int amx_for(int type, int tokens) { return amx_on && amx_can(type, tokens); }
 
 static int block_of(int type) {
     return type == Q4_0 || type == Q8_0 ? QK4_0
@@ -197,6 +236,21 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
     if (type == Q4_0 || type == Q8_0) {
         const int32_t offset = type == Q4_0 ? 8 : 128;
         act_q4_0 *a = (act_q4_0 *)dst;
+#if FAST /* the loop below, 16 values a vector (the same roundings: max / 127, then to nearest even) */
+        for (int b = 0; b < n / QK4_0; b++) {
+            const __m512 v0 = _mm512_loadu_ps(x + (size_t)b * QK4_0), v1 = _mm512_loadu_ps(x + (size_t)b * QK4_0 + 16);
+            const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / 127.0f;
+            const __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+            _mm_storeu_si128((__m128i *)a[b].q, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(a[b].q + 16), _mm512_cvtsepi32_epi8(q1));
+            const __m512i q = _mm512_add_epi32(q0, q1); /* elements i and i + 16 share their lane's parity */
+            a[b].corr[0] = -offset * _mm512_mask_reduce_add_epi32(0x0f0f, q);
+            a[b].corr[1] = -offset * _mm512_mask_reduce_add_epi32(0xf0f0, q);
+            a[b].d = d;
+        }
+        return;
+#endif
         for (int b = 0; b < n / QK4_0; b++) {
             const float *v = x + (size_t)b * QK4_0;
             const float d = scale_of(v, QK4_0), id = d > 0.0f ? 1.0f / d : 0.0f;
@@ -1074,16 +1128,177 @@ typedef struct {
     const uint8_t *act;
     size_t act_stride, out_stride, out_matrix;
     float *out;
+    int amx; /* units of amx_units (AMX_ROWS rows, AMX_TOKENS tokens; act_row(p) is act_row(first of e) + p - first) */
 } phase;
 
-static void run_units(const phase *ph, int64_t lo, int64_t hi) {
-    if (lo >= hi) return;
-    int e = 0;
-    while (ph->first[e + 1] <= lo) e++;
+#if AMX
+/* Many tokens on AMX-INT8 tiles, for Q4_0 and Q8_0 weights: a unit is AMX_ROWS weight rows (two groups) against a tile
+ * of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load takes a block's 32 bytes of
+ * all of them. The rows' blocks are unpacked once into signed bytes in a B tile's order (amx_unpack) and kept while
+ * the thread's next units read the same rows. A block's 16 x 16 int32 sums are scaled by its rows' and tokens' scales
+ * and added in float32, as the VNNI kernel does: the same roundings, the sums in another order. */
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tiles 0-3: sums (16 tokens x 16 int32), 4-5: tokens' blocks (16 x 32 bytes), 6-7: weights' blocks (8 x 64) */
+static void amx_configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = i < 6 ? 16 : 8;
+        c.colsb[i] = i == 4 || i == 5 ? 32 : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* a group's block (Q4_0: ggml's block_q4_0x8, Q8_0: ferry_repack_q8_0's) as 4 vectors of signed bytes, vector k
+ * columns 8k..8k + 7 of the 8 rows (row i's at bytes 8i..8i + 7) */
+static inline void amx_group(const uint8_t *g, int q8, __m512i *w) {
+    if (q8) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int k = 0; k < 4; k++) w[k] = _mm512_xor_si512(_mm512_loadu_si512(g + 16 + 64 * k), flip);
+    } else { /* a stored nibble is q ^ 8 (ggml's XOR 0x88), which read as 4-bit two's complement is q - 8 */
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        const __m512i sext = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
+        const __m512i lo = _mm512_loadu_si512(g + 16), hi = _mm512_loadu_si512(g + 80);
+        w[0] = _mm512_shuffle_epi8(sext, _mm512_and_si512(lo, low));
+        w[1] = _mm512_shuffle_epi8(sext, _mm512_and_si512(hi, low));
+        w[2] = _mm512_shuffle_epi8(sext, _mm512_and_si512(_mm512_srli_epi16(lo, 4), low));
+        w[3] = _mm512_shuffle_epi8(sext, _mm512_and_si512(_mm512_srli_epi16(hi, 4), low));
+    }
+}
+
+/* groups g0 and g1 (NULL: zeros, where the rows end in an odd group) of n columns as B tiles (n / 32 of AMX_B bytes
+ * at wb) and their 16 rows' scales (16 floats a block at ws) */
+static void amx_unpack(const uint8_t *g0, const uint8_t *g1, int n, int q8, int8_t *wb, float *ws) {
+    const int bytes = q8 ? Q8_0_BYTES : Q4_0_BYTES;
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int b = 0; b < n / QK4_0; b++) {
+        const uint8_t *b0 = g0 + (size_t)b * bytes, *b1 = g1 ? g1 + (size_t)b * bytes : NULL;
+        __m512i w0[4], w1[4];
+        amx_group(b0, q8, w0);
+        if (b1)
+            amx_group(b1, q8, w1);
+        else
+            for (int k = 0; k < 4; k++) w1[k] = _mm512_setzero_si512();
+        /* B row r: the 32-bit word r % 2 of each row's 8 bytes in vector r / 2, the first group's 8 rows then the
+         * second's */
+        for (int r = 0; r < 8; r++)
+            _mm512_store_si512(wb + (size_t)b * AMX_B + 64 * r,
+                               _mm512_permutex2var_epi32(w0[r / 2], r % 2 ? odd : even, w1[r / 2]));
+        const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b0));
+        const __m256 s1 = b1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b1)) : _mm256_setzero_ps();
+        _mm512_store_ps(ws + 16 * b, _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1));
+    }
+}
+
+/* block b's sums of 16 tokens against the 16 rows into tile C (its tokens' blocks through tile A, its rows' through
+ * tile B), when b is a block */
+#define AMX_SUMS(C, A, B, b)                                                                                          \
+    if ((b) < blocks) {                                                                                               \
+        _tile_zero(C);                                                                                                \
+        _tile_loadd(A, a + (size_t)(b) * sizeof(act_q4_0), stride);                                                   \
+        _tile_loadd(B, wb + (size_t)(b) * AMX_B, 64);                                                                 \
+        _tile_dpbssd(C, A, B);                                                                                        \
+    }
+
+/* T (1..16) tokens' activation rows (act_q4_0 blocks) at a, stride bytes apart (16 rows readable), against the 16
+ * weight rows unpacked at wb / ws: out[t][0..rows). Four blocks a step in tiles 0-3, the sums of the next two asked
+ * for before those of the last two are scaled, so that the tiles' latency hides behind the float32 work. */
+static void amx_tile(const int8_t *wb, const float *ws, const uint8_t *a, size_t stride, int n, int T,
+                     float *const *out, int rows) {
+    int32_t sums[4][AMX_TOKENS * 16] __attribute__((aligned(64)));
+    __m512 acc[AMX_TOKENS];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    const int blocks = n / QK4_0;
+#define AMX_SCALE(k, b)                                                                                               \
+    if ((b) < blocks) {                                                                                               \
+        _tile_stored(k, sums[k], 64);                                                                                 \
+        const __m512 dw = _mm512_load_ps(ws + 16 * (b));                                                              \
+        for (int t = 0; t < T; t++) {                                                                                 \
+            const float da = ((const act_q4_0 *)(a + t * stride) + (b))->d;                                          \
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[k] + 16 * t)),                         \
+                                     _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc[t]);                                  \
+        }                                                                                                             \
+    }
+    AMX_SUMS(0, 4, 6, 0)
+    AMX_SUMS(1, 5, 7, 1)
+    for (int b = 0; b < blocks; b += 4) {
+        AMX_SUMS(2, 4, 6, b + 2)
+        AMX_SUMS(3, 5, 7, b + 3)
+        AMX_SCALE(0, b)
+        AMX_SCALE(1, b + 1)
+        AMX_SUMS(0, 4, 6, b + 4)
+        AMX_SUMS(1, 5, 7, b + 5)
+        AMX_SCALE(2, b + 2)
+        AMX_SCALE(3, b + 3)
+    }
+#undef AMX_SCALE
+    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(out[t], rows == AMX_ROWS ? 0xffff : 0x00ff, acc[t]);
+}
+#undef AMX_SUMS
+
+/* units lo..hi of expert e of a phase on AMX (all within e's): unit u is (matrix, AMX_ROWS rows, tile of up to
+ * AMX_TOKENS of e's pairs), the tile innermost. *unpacked: the (expert, matrix, rows) whose blocks are at the thread's
+ * buffer, -1 for none (the first call of a phase configures the tiles) */
+static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *unpacked) {
+    static _Thread_local int8_t *buf;
+    static _Thread_local size_t cap;
+    const int blocks = ph->n / QK4_0, q8 = ph->type == Q8_0, quads = (ph->groups + 1) / 2;
+    const size_t need = (size_t)blocks * (AMX_B + 16 * sizeof(float));
+    if (cap < need) {
+        free(buf);
+        buf = aligned_alloc(64, need);
+        cap = buf ? need : 0;
+        if (!buf) abort(); /* a few kB a thread: out of memory */
+    }
+    if (*unpacked < 0) amx_configure();
+    int8_t *wb = buf;
+    float *ws = (float *)(buf + (size_t)blocks * AMX_B);
     const size_t per_group = group_bytes(ph->type, ph->n), per_expert = per_group * ph->groups;
+    const int count = ph->start[e + 1] - ph->start[e], tiles = (count + AMX_TOKENS - 1) / AMX_TOKENS;
     for (int64_t u = lo; u < hi; u++) {
-        while (ph->first[e + 1] <= u) e++;
-        const int count = ph->start[e + 1] - ph->start[e], tiles = (count + TILE - 1) / TILE;
+        const int64_t rem = u - ph->first[e];
+        const int tile = (int)(rem % tiles), quad = (int)(rem / tiles % quads), m = (int)(rem / tiles / quads);
+        const int group = 2 * quad, two = group + 1 < ph->groups;
+        const int64_t rows_id = ((int64_t)e * ph->mats + m) * quads + quad;
+        if (rows_id != *unpacked) {
+            const uint8_t *g = ph->base[m] + (size_t)e * per_expert + (size_t)group * per_group;
+            amx_unpack(g, two ? g + per_group : NULL, ph->n, q8, wb, ws);
+            *unpacked = rows_id;
+        }
+        const int p0 = ph->start[e] + tile * AMX_TOKENS;
+        const int T = count - tile * AMX_TOKENS < AMX_TOKENS ? count - tile * AMX_TOKENS : AMX_TOKENS;
+        float *out[AMX_TOKENS];
+        for (int t = 0; t < T; t++)
+            out[t] = ph->out + (size_t)(p0 + t) * ph->out_stride + (size_t)m * ph->out_matrix + (size_t)group * GROUP;
+        amx_tile(wb, ws, ph->act + (size_t)ph->act_row[p0] * ph->act_stride, ph->act_stride, ph->n, T, out,
+                 two ? AMX_ROWS : GROUP);
+    }
+}
+#endif
+
+/* whether expert e of a phase runs on AMX: the phase may (amx_for) and e has pairs enough to fill its tiles */
+static inline int amx_expert(int amx, int count) { return amx && count >= AMX_MIN_PAIRS; }
+
+/* a phase's units for `count` pairs of one expert (groups row groups, mats matrices) */
+static int64_t units_of(int count, int groups, int mats, int amx) {
+    return amx_expert(amx, count) ? (int64_t)(count + AMX_TOKENS - 1) / AMX_TOKENS * ((groups + 1) / 2) * mats
+                                  : (int64_t)(count + TILE - 1) / TILE * groups * mats;
+}
+
+/* units lo..hi of expert e of a phase on the VNNI kernels: unit u is (matrix, row group, tile of up to TILE of e's
+ * pairs), the tile innermost */
+static void vnni_units(const phase *ph, int e, int64_t lo, int64_t hi) {
+    const size_t per_group = group_bytes(ph->type, ph->n), per_expert = per_group * ph->groups;
+    const int count = ph->start[e + 1] - ph->start[e], tiles = (count + TILE - 1) / TILE;
+    for (int64_t u = lo; u < hi; u++) {
         const int64_t rem = u - ph->first[e];
         const int tile = (int)(rem % tiles), group = (int)(rem / tiles % ph->groups);
         const int m = (int)(rem / tiles / ph->groups);
@@ -1097,6 +1312,25 @@ static void run_units(const phase *ph, int64_t lo, int64_t hi) {
         }
         tile_of(ph->type, g, act, ph->n, out, T);
     }
+}
+
+/* units lo..hi of one phase, each expert's on AMX or the VNNI kernels (amx_expert) */
+static void run_units(const phase *ph, int64_t lo, int64_t hi) {
+    int64_t unpacked = -1;
+    for (int e = 0; lo < hi; e++) {
+        if (ph->first[e + 1] <= lo) continue;
+        const int64_t end = ph->first[e + 1] < hi ? ph->first[e + 1] : hi;
+#if AMX
+        if (amx_expert(ph->amx, ph->start[e + 1] - ph->start[e]))
+            amx_units(ph, e, lo, end, &unpacked);
+        else
+#endif
+            vnni_units(ph, e, lo, end);
+        lo = end;
+    }
+#if AMX
+    if (unpacked >= 0) _tile_release();
+#endif
 }
 #endif
 
@@ -1207,8 +1441,9 @@ size_t ferry_moe_batch_scratch(int n, int n_used, int n_embd, int n_ff, int n_ex
     const size_t pairs = (size_t)n * n_used;
     return aligned((size_t)n * act_bytes(up_type, n_embd)) + aligned(sizeof(int32_t) * (n_expert + 1))
            + 2 * aligned(sizeof(int64_t) * (n_expert + 1)) + 3 * aligned(sizeof(int32_t) * pairs)
-           + aligned(sizeof(float) * pairs * 2 * n_ff) + aligned(pairs * act_bytes(down_type, n_ff))
-           + sizeof(float) * pairs * n_embd;
+           + aligned(sizeof(float) * pairs * 2 * n_ff) + aligned((pairs + AMX_TOKENS) * act_bytes(down_type, n_ff))
+           + aligned(sizeof(float) * pairs * n_embd)
+           + (amx_can(up_type, n) ? (pairs + AMX_TOKENS) * act_bytes(up_type, n_embd) : 0);
 }
 
 /* whether the call's sizes and types are ones the kernel covers, and its ids in range (-1 allowed over many tokens) */
@@ -1356,9 +1591,12 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
     at += 3 * aligned(sizeof(int32_t) * pairs);
     float *ug = (float *)at; /* per pair: its up rows, then its gate rows */
     at += aligned(sizeof(float) * pairs * 2 * n_ff);
-    uint8_t *hq = at;
-    at += aligned(pairs * h_bytes);
+    uint8_t *hq = at; /* AMX_TOKENS rows more, which a last tile of AMX reads and leaves */
+    at += aligned((pairs + AMX_TOKENS) * h_bytes);
     float *y = (float *)at; /* per pair: its down rows */
+    at += aligned(sizeof(float) * pairs * n_embd);
+    uint8_t *xs = at; /* on AMX: each pair's x row, in expert order, so that an expert's tokens are consecutive */
+    const int amx_up = amx_for(c->up_type, n), amx_down = amx_for(c->down_type, n);
     const uint8_t *up_gate[2] = {c->up, c->gate};
     const int ff_groups = n_ff / GROUP, embd_groups = n_embd / GROUP;
     int64_t lo, hi;
@@ -1375,9 +1613,9 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
         for (int e = 0; e < n_expert; e++) start[e + 1] += start[e];
         first_ug[0] = first_down[0] = 0;
         for (int e = 0; e < n_expert; e++) {
-            const int64_t tiles = (start[e + 1] - start[e] + TILE - 1) / TILE;
-            first_ug[e + 1] = first_ug[e] + tiles * 2 * ff_groups;
-            first_down[e + 1] = first_down[e] + tiles * embd_groups;
+            const int count = start[e + 1] - start[e];
+            first_ug[e + 1] = first_ug[e] + units_of(count, ff_groups, 2, amx_up);
+            first_down[e + 1] = first_down[e] + units_of(count, embd_groups, 1, amx_down);
         }
         for (int e = n_expert; e > 0; e--) start[e] = start[e - 1]; /* shifted: start[e + 1] is e's next free */
         for (int i = 0; i < n; i++)
@@ -1395,8 +1633,13 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
     }
     sync_threads(b, nt);
     const int live = start[n_expert];
-    const phase up_phase = {c->up_type, n_embd, ff_groups, 2, up_gate, first_ug, start, token_of, xq, x_bytes,
-                            (size_t)2 * n_ff, (size_t)n_ff, ug};
+    if (amx_up) {
+        thread_range(live, t, nt, &lo, &hi);
+        for (int64_t p = lo; p < hi; p++) memcpy(xs + p * x_bytes, xq + (size_t)token_of[p] * x_bytes, x_bytes);
+        sync_threads(b, nt);
+    }
+    const phase up_phase = {c->up_type, n_embd, ff_groups, 2, up_gate, first_ug, start, amx_up ? self : token_of,
+                            amx_up ? xs : xq, x_bytes, (size_t)2 * n_ff, (size_t)n_ff, ug, amx_up};
     thread_range(first_ug[n_expert], t, nt, &lo, &hi);
     run_units(&up_phase, lo, hi);
     sync_threads(b, nt);
@@ -1409,7 +1652,7 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
     }
     sync_threads(b, nt);
     const phase down_phase = {c->down_type, n_ff, embd_groups, 1, &c->down, first_down, start, self, hq, h_bytes,
-                              (size_t)n_embd, 0, y};
+                              (size_t)n_embd, 0, y, amx_down};
     thread_range(first_down[n_expert], t, nt, &lo, &hi);
     run_units(&down_phase, lo, hi);
     sync_threads(b, nt);
@@ -1828,8 +2071,8 @@ typedef struct {
     uint8_t *scratch;
 } linear_call;
 
-size_t ferry_linear_scratch(int n, int k, int type) {
-    return aligned((size_t)n * act_bytes(type, k)) + sizeof(int32_t) * (size_t)n;
+size_t ferry_linear_scratch(int n, int k, int type) { /* AMX_TOKENS rows more, which a last tile of AMX reads */
+    return aligned((size_t)(n + AMX_TOKENS) * act_bytes(type, k)) + sizeof(int32_t) * (size_t)n;
 }
 
 #if FAST
@@ -1837,7 +2080,7 @@ size_t ferry_linear_scratch(int n, int k, int type) {
 static void linear_body(const linear_call *c, int t, int nt, spin_barrier *b) {
     const size_t x_bytes = act_bytes(c->type, c->k);
     uint8_t *xq = c->scratch;
-    int32_t *rows = (int32_t *)(xq + aligned((size_t)c->n * x_bytes));
+    int32_t *rows = (int32_t *)(xq + aligned((size_t)(c->n + AMX_TOKENS) * x_bytes));
     int64_t lo, hi;
     thread_range(c->n, t, nt, &lo, &hi);
     for (int64_t i = lo; i < hi; i++) {
@@ -1845,11 +2088,11 @@ static void linear_body(const linear_call *c, int t, int nt, spin_barrier *b) {
         rows[i] = (int32_t)i;
     }
     sync_threads(b, nt);
-    const int groups = c->m / GROUP;
-    const int64_t first[2] = {0, (int64_t)groups * ((c->n + TILE - 1) / TILE)};
+    const int groups = c->m / GROUP, amx = amx_for(c->type, c->n);
+    const int64_t first[2] = {0, units_of(c->n, groups, 1, amx)};
     const int32_t start[2] = {0, c->n};
     const phase ph = {c->type, c->k, groups, 1, &c->w, first, start, rows, xq, x_bytes, (size_t)c->out_stride, 0,
-                      c->out};
+                      c->out, amx};
     thread_range(first[1], t, nt, &lo, &hi);
     run_units(&ph, lo, hi);
 }

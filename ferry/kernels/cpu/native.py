@@ -99,6 +99,9 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             lib.ferry_attention.restype = ctypes.c_int
             lib.ferry_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, i64, p, p, i, i, i, i, i, i, i,
                                             i, ctypes.c_float, i]
+            lib.ferry_amx.restype = i
+            lib.ferry_amx.argtypes = [i]
+            lib.ferry_amx(int(s.amx))
             lib.ferry_ik_to_q8_0.restype = i64
             lib.ferry_ik_to_q8_0.argtypes = [p, p, i64, i64, i, i, i, i]
             _built[key] = lib
@@ -174,6 +177,19 @@ def library(s: Settings | None = None) -> ctypes.CDLL | None:
     return lib if lib is not None and lib.ferry_moe_fast() else None
 
 
+def amx(s: Settings | None = None) -> bool:
+    """Whether many tokens' Q4_0 / Q8_0 weights run on AMX-INT8 tiles here: the CPU has them, Linux lets the process
+    use them, and Settings.amx (FERRY_AMX) was on when the kernels loaded (or use_amx turned them on since)."""
+    lib = library(s)
+    return lib is not None and bool(lib.ferry_amx(-1))
+
+
+def use_amx(on: bool, s: Settings | None = None) -> bool:
+    """AMX on or off for this process from now (the kernels' tests and A/B runs take both paths); returns amx()."""
+    lib = library(s)
+    return lib is not None and bool(lib.ferry_amx(int(on)))
+
+
 def compiled(s: Settings | None = None) -> ctypes.CDLL | None:
     """The compiled C file whatever this CPU's instructions (its portable functions: ik_to_q8_0), or None with
     Settings.native_kernels off or no working C compiler."""
@@ -188,7 +204,7 @@ def kernel_id(s: Settings | None = None) -> str:
     s = s or settings()
     if library(s) is None:
         return "ggml"
-    return "ferry-" + hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    return "ferry-" + hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12] + ("-amx" if amx(s) else "")
 
 
 def why_not(s: Settings | None = None) -> str:
