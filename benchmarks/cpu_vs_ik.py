@@ -8,6 +8,7 @@ read bandwidth at that thread count (torch's sum of 1 GiB of float32, best of 5)
 (CUDA_VISIBLE_DEVICES=); ferry runs with -ngl 0 either way. Build ik_llama.cpp once into a cache folder
 (../shared/anchors/README.md: the CPU build, about 15 minutes on 2 cores). Usage:
   python benchmarks/cpu_vs_ik.py --ik ~/.cache/ferry-anchors/ik/build/bin/llama-bench -m q12.gguf -t 1,2 --out r.json
+--ferry-env FERRY_AMX=0 runs ferry a second time with that variable (here: the VNNI kernels where AMX would run).
 """
 
 import argparse
@@ -60,14 +61,14 @@ def token_bytes(path: Path) -> int:
     return total
 
 
-def ferry_rows(path: Path, threads: int, prompts: list[int], n_gen: int, reps: int) -> dict:
+def ferry_rows(path: Path, threads: int, prompts: list[int], n_gen: int, reps: int, env: dict | None = None) -> dict:
     out = {}
     for p in prompts + [0]:
         n = 0 if p else n_gen
         cmd = [sys.executable, "-m", "ferry", "bench", "-m", str(path), "-t", str(threads), "-ngl", "0",
                "-p", str(p), "-n", str(n), "-r", str(reps), "-b", str(max(p, 512)), "-ub", str(max(p, 512)),
                "-o", "json"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
         if r.returncode:
             raise RuntimeError(f"ferry bench failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
         for row in json.loads(r.stdout):
@@ -98,6 +99,8 @@ def main() -> None:
     ap.add_argument("-r", type=int, default=2, help="repetitions within a run")
     ap.add_argument("--rounds", type=int, default=1, help="engines in turn, this many times")
     ap.add_argument("--out", type=Path, default=Path("cpu_vs_ik.json"))
+    ap.add_argument("--ferry-env", action="append", default=[], metavar="VAR=VALUE",
+                    help="ferry again with this variable set (e.g. FERRY_AMX=0), reported as one more engine")
     a = ap.parse_args()
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     cores = _cores()
@@ -106,6 +109,7 @@ def main() -> None:
     engines = [("ik_llama.cpp", a.ik, ["-rtr", "1", "-mmp", "0"])]
     if a.llama_bench:
         engines.append(("llama.cpp", a.llama_bench, []))
+    engines += [(f"ferry {v}", None, [v]) for v in a.ferry_env]  # ferry itself under another setting
     results = []
     for path in a.model:
         per_token = token_bytes(path)
@@ -113,8 +117,12 @@ def main() -> None:
             bandwidth = read_bandwidth(t)
             rounds: list[dict] = []
             for _ in range(a.rounds):
-                got = {name: anchor_rows(exe, extra, path, t, prompts, a.n, a.r) for name, exe, extra in engines}
+                got = {name: anchor_rows(exe, extra, path, t, prompts, a.n, a.r) for name, exe, extra in engines
+                       if exe is not None}
                 got["ferry"] = ferry_rows(path, t, prompts, a.n, a.r)
+                for name, _, extra in engines:
+                    if name.startswith("ferry "):
+                        got[name] = ferry_rows(path, t, prompts, a.n, a.r, dict([extra[0].split("=", 1)]))
                 rounds.append(got)
             for test in rounds[0]["ferry"]:
                 row = {"model": path.name, "threads": t, "test": test, "read_GBps": bandwidth,

@@ -32,7 +32,8 @@
 #           model alone; KM=1 adds the preset with Q4_K_M experts (llama.cpp's mix); with the ik stage (or its build from an earlier call), ik_llama.cpp's fit and --n-cpu-moe
 #           sweep too (waited for after ferry's and llama.cpp's runs)
 #   ik      start ik_llama.cpp's CUDA build (.whl/ik_llama.cpp-*.tar.gz, ../shared/anchors) in the background with setsid,
-#           into .build/ik; it outlives the call (about 13 minutes): a later call, while the machine is warm, uses it
+#           into .build/ik; it outlives the call (about 13 minutes): a later call, while the machine is warm, uses it;
+#           IK_CPU=1: its CPU build instead (for the cpu stage, a few minutes: one call can build and use it)
 #   cpu     CPU only, GPU hidden: ferry against ik_llama.cpp -rtr 1 (benchmarks/cpu_vs_ik.py) on the big model at
 #           CPU_THREADS (default 16), pp512 / pp2048 / tg64; waits for the ik build (CPU_ARGS: more options)
 #   dsa     DeepSeek sparse attention with depth (benchmarks/dsa_depth.py) on PRESET (a deepseek32 / glm-dsa one):
@@ -69,10 +70,14 @@ if has llama; then  # the CUDA build takes minutes: start it first
     BUILD=$!
 fi
 IK_PATH=$PWD/.build/ik_bench_path.txt
+IK_CUDA="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90"
+if [ -n "${IK_CPU:-}" ]; then  # its CPU build alone (a few minutes on 16 cores): the cpu stage needs no more
+    IK_PATH=$PWD/.build/ik_cpu_bench_path.txt; IK_CUDA="-DGGML_CUDA=OFF"
+fi
 if has ik && [ ! -f "$IK_PATH" ]; then
-    mkdir -p .build/ik && tar xzf .whl/ik_llama.cpp-*.tar.gz -C .build/ik --strip-components=1
+    rm -rf .build/ik && mkdir -p .build/ik && tar xzf .whl/ik_llama.cpp-*.tar.gz -C .build/ik --strip-components=1
     setsid nohup bash -c "cd .build/ik && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-        -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_SCHED_MAX_COPIES=1 -DLLAMA_CURL=OFF \
+        $IK_CUDA -DGGML_SCHED_MAX_COPIES=1 -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF > ../ik_build.log 2>&1 && nice -n 10 cmake --build build -j 16 --target llama-bench \
         >> ../ik_build.log 2>&1 && echo $PWD/.build/ik/build/bin/llama-bench > $IK_PATH.tmp \
         && mv $IK_PATH.tmp $IK_PATH || echo failed > $IK_PATH" > /dev/null 2>&1 < /dev/null &
@@ -166,6 +171,9 @@ if has cpu; then
     wait_build
     IK=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import llamacpp; print(llamacpp.wait_for_build('$IK_PATH') or '')")
     [ -n "$IK" ] || { tail -20 .build/ik_build.log; exit 1; }
+    { lscpu | grep -i "model name"; grep -o -w "amx_int8\|avx512_vnni" /proc/cpuinfo | sort | uniq -c
+      python3 -c "from ferry.kernels.cpu import native; print('ferry CPU kernels:', native.kernel_id())"; } \
+        | tee "$OUT/cpu.txt"
     CUDA_VISIBLE_DEVICES= python3 benchmarks/cpu_vs_ik.py --ik "$IK" -m "$BIG" -t "${CPU_THREADS:-16}" ${CPU_ARGS:-} \
         --out "$OUT/cpu_vs_ik.json" 2> "$OUT/cpu_vs_ik.log" | tee "$OUT/cpu_vs_ik.md"
     # ferry on ggml's kernels alone, for the change ferry's own made
