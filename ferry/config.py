@@ -32,8 +32,6 @@ class Settings:
                             metadata={"env": "FERRY_CACHE", "parse": Path})
     # ferry's own CPU kernels where they run (0: ggml's everywhere)
     native_kernels: bool = field(default=True, metadata={"env": "FERRY_NATIVE", "parse": _flag})
-    # AMX-INT8 tiles for many tokens' Q4_0 / Q8_0 weights where the CPU has them (0: the AVX512-VNNI kernels)
-    amx: bool = field(default=True, metadata={"env": "FERRY_AMX", "parse": _flag})
     # extra C compiler flags for ferry's CPU kernels, e.g. -DPREFETCH_AHEAD=4096 to try another prefetch distance
     native_cflags: tuple[str, ...] = field(default=(), metadata={"env": "FERRY_NATIVE_CFLAGS",
                                                                   "parse": lambda t: tuple(t.split())})
@@ -43,6 +41,8 @@ class Settings:
     handshakes: bool = field(default=True, metadata={"env": "FERRY_HANDSHAKES", "parse": _flag})
     # prompt u-batches up to this many tokens are replayed as CUDA graphs; above, a recording costs more than it saves
     prompt_graph_max: int = field(default=2048, metadata={"env": "FERRY_PROMPT_GRAPH_MAX", "parse": _count})
+    # AMX-INT8 tiles for many tokens' Q4_0 / Q8_0 weights where the CPU has them (0: the AVX512-VNNI kernels)
+    amx: bool = field(default=True, metadata={"env": "FERRY_AMX", "parse": _flag})
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
