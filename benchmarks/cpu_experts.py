@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-20b's layer (see above)")
     ap.add_argument("-r", "--reps", type=int, default=5)
     ap.add_argument("--json", default="cpu_experts.json")
+    ap.add_argument("--phases", action="store_true",
+                    help="over many tokens, where ferry's threads spend a call: each phase's mean and longest thread")
     a = ap.parse_args()
     if a.gpt_oss:
         a.types, a.embd, a.ff, a.experts, a.used, a.act, a.biases = "MXFP4", 2880, 2880, 32, 4, "swiglu_oai", True
@@ -71,7 +73,7 @@ def main() -> None:
     tokens = [int(n) for n in a.tokens.split(",")]
     rng, pick = np.random.default_rng(0), random.Random(0)
     ours, ggml = CpuBackend(a.threads), CpuBackend(a.threads, native_kernels=False)
-    rows = []
+    rows, phase_lines = [], []
     amx_here = native.amx()
     print(f"one layer: {a.embd} wide, experts of {a.ff}, {a.used} of {a.experts} per token, {a.act}"
           f"{', biases' if a.biases else ''}, {a.threads} threads")
@@ -116,10 +118,26 @@ def main() -> None:
                 ms[name] = statistics.median(times)
             rate = {k: read / v / 1e6 if n == 1 else None for k, v in ms.items()}
             rows.append({"experts": spec, "tokens": n, "threads": a.threads, "ms": ms, "gb_s": rate})
+            if a.phases and n > 1:
+                native.use_amx(amx_here)
+                up, gate, down = layers["ferry"]
+                native.phases(True)
+                for _ in range(a.reps):
+                    ids = torch.tensor([pick.sample(range(a.experts), a.used) for _ in range(n)], dtype=torch.int32)
+                    ours.moe_experts(x, ids, weights, up, gate, down, a.act, out=out)
+                per = native.phases(False) / a.reps / 1e6  # ms a call, threads x phases
+                rows[-1]["phases_ms"] = {name: per[:, i].tolist() for i, name in enumerate(native.PHASES)}
+                phase_lines.append(f"| {spec} | {n} | " + " | ".join(
+                    f"{per[:, i].mean():.2f} / {per[:, i].max():.2f}" for i in range(len(native.PHASES))) + " |")
             gbs = [f"{rate[k]:.1f}" if rate.get(k) else "" for k in ("ferry", "ggml")]
             theirs = f"{ms['ggml']:.2f} | {ms['ggml'] / ms['ferry']:.2f}" if "ggml" in ms else "(no ggml kernel) |"
             vnni = f" {ms['ferry vnni']:.2f} | {ms['ferry vnni'] / ms['ferry']:.2f} |" if "ferry vnni" in ms else ""
             print(f"| {spec} | {n} | {ms['ferry']:.2f} | {theirs} | {gbs[0]} | {gbs[1]} |{vnni}", flush=True)
+    if phase_lines:
+        print(f"\nferry's threads, ms a call, mean / longest of {a.threads} threads (wait: at the barriers):")
+        print("| experts | tokens | " + " | ".join(native.PHASES) + " |")
+        print("| --- | ---: | " + " | ".join("---:" for _ in native.PHASES) + " |")
+        print("\n".join(phase_lines))
     with open(a.json, "w") as fh:
         json.dump(rows, fh, indent=1)
 

@@ -33,11 +33,13 @@
  *
  * Why it is faster than ggml's mul_mat_id at one token (docs/decisions.md): each 32-bit lane's dot product belongs
  * to one row and the activation's 8 bytes are a broadcast load, so no shuffles but the scales' spread per block.
- * Each phase splits a flattened list of equal units ((expert slot or tile of tokens, matrix, row group)) into one
- * contiguous range per thread; the phases are separated by barriers (sync_threads). */
+ * One token's work is a list of bundles the threads take from a counter; many tokens' phases hand out (expert,
+ * matrix, row group) jobs of tiles of tokens from a counter too (run_jobs); the phases are separated by barriers
+ * (sync_threads). */
 
 #include <math.h>
 #include <sched.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1116,9 +1118,9 @@ static void tile_of(int type, const uint8_t *g, const uint8_t *const *act, int n
 #undef K_TILE
 }
 
-/* units lo..hi of one phase: unit u of expert e (units first[e]..first[e + 1]) is (matrix, row group, tile of e's
- * pairs), the tile innermost so that a group's tiles run one after another. Pair p (in expert order) reads activation
- * row act + act_row(p) * act_stride and writes out + p * out_stride + matrix * out_matrix + 8 group. */
+/* one phase's units: unit u of expert e (units first[e]..first[e + 1]) is (matrix, row group, tile of e's pairs), the
+ * tile innermost so that a group's tiles run one after another (run_jobs hands them out). Pair p (in expert order)
+ * reads activation row act + act_row(p) * act_stride and writes out + p * out_stride + matrix * out_matrix + 8 group. */
 typedef struct {
     int type, n, groups, mats;
     const uint8_t *const *base; /* each matrix's n_expert stacked experts */
@@ -1314,25 +1316,70 @@ static void vnni_units(const phase *ph, int e, int64_t lo, int64_t hi) {
     }
 }
 
-/* units lo..hi of one phase, each expert's on AMX or the VNNI kernels (amx_expert) */
-static void run_units(const phase *ph, int64_t lo, int64_t hi) {
-    int64_t unpacked = -1;
-    for (int e = 0; lo < hi; e++) {
-        if (ph->first[e + 1] <= lo) continue;
-        const int64_t end = ph->first[e + 1] < hi ? ph->first[e + 1] : hi;
+/* the tiles of tokens of expert e's units in a phase: units of one (matrix, row block) follow each other */
+static inline int64_t tiles_of(const phase *ph, int e) {
+    const int count = ph->start[e + 1] - ph->start[e];
+    return amx_expert(ph->amx, count) ? (count + AMX_TOKENS - 1) / AMX_TOKENS : (count + TILE - 1) / TILE;
+}
+
+/* One phase's units, taken in jobs from the counter *next (zeroed before the phase), each job all the tiles of one
+ * (expert, matrix, row block): a thread that finishes its job early takes the next, so that threads whose units ran
+ * slower (partial tiles, rows to unpack, the memory) do fewer (an even split of the units left the slowest thread
+ * 17-40% behind the mean). A thread's jobs come in rising order, so that its expert only moves forward. */
+static void run_jobs(const phase *ph, int64_t *next, int n_expert) {
+    int64_t unpacked = -1, base = 0; /* jobs of the experts before e */
+    int e = 0;
+    for (;;) {
+        const int64_t j = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        int64_t tiles = 0;
+        for (; e < n_expert; e++) {
+            tiles = tiles_of(ph, e);
+            const int64_t jobs = tiles ? (ph->first[e + 1] - ph->first[e]) / tiles : 0;
+            if (j < base + jobs) break;
+            base += jobs;
+        }
+        if (e >= n_expert) break;
+        const int64_t lo = ph->first[e] + (j - base) * tiles;
 #if AMX
         if (amx_expert(ph->amx, ph->start[e + 1] - ph->start[e]))
-            amx_units(ph, e, lo, end, &unpacked);
+            amx_units(ph, e, lo, lo + tiles, &unpacked);
         else
 #endif
-            vnni_units(ph, e, lo, end);
-        lo = end;
+            vnni_units(ph, e, lo, lo + tiles);
     }
 #if AMX
     if (unpacked >= 0) _tile_release();
 #endif
 }
 #endif
+
+/* Where a batch call's threads spend their time, while ferry_phases turned it on: nanoseconds per thread and phase,
+ * the waits at the barriers apart (benchmarks/cpu_experts.py --phases) */
+enum { PH_QUANTIZE, PH_SORT, PH_GATHER, PH_UP, PH_GLU, PH_DOWN, PH_SUM, PH_WAIT, PH_COUNT };
+#define PH_THREADS 256
+static int phases_on;
+static int64_t phase_ns[PH_THREADS][PH_COUNT];
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* the time since *last, to phase k of thread t */
+static inline void phase_end(int t, int k, int64_t *last) {
+    if (!phases_on || t >= PH_THREADS) return;
+    const int64_t now = now_ns();
+    phase_ns[t][k] += now - *last;
+    *last = now;
+}
+
+/* out (PH_THREADS x PH_COUNT int64, or NULL): the times so far; then all zeroed, and the timing on (1) or off (0) */
+void ferry_phases(int on, int64_t *out) {
+    if (out) memcpy(out, phase_ns, sizeof phase_ns);
+    memset(phase_ns, 0, sizeof phase_ns);
+    phases_on = on;
+}
 
 static void thread_range(int64_t total, int t, int nt, int64_t *lo, int64_t *hi) {
     *lo = total * t / nt;
@@ -1442,7 +1489,7 @@ size_t ferry_moe_batch_scratch(int n, int n_used, int n_embd, int n_ff, int n_ex
     return aligned((size_t)n * act_bytes(up_type, n_embd)) + aligned(sizeof(int32_t) * (n_expert + 1))
            + 2 * aligned(sizeof(int64_t) * (n_expert + 1)) + 3 * aligned(sizeof(int32_t) * pairs)
            + aligned(sizeof(float) * pairs * 2 * n_ff) + aligned((pairs + AMX_TOKENS) * act_bytes(down_type, n_ff))
-           + aligned(sizeof(float) * pairs * n_embd)
+           + aligned(sizeof(float) * pairs * n_embd) + 2 * 64
            + (amx_can(up_type, n) ? (pairs + AMX_TOKENS) * act_bytes(up_type, n_embd) : 0);
 }
 
@@ -1595,15 +1642,20 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
     at += aligned((pairs + AMX_TOKENS) * h_bytes);
     float *y = (float *)at; /* per pair: its down rows */
     at += aligned(sizeof(float) * pairs * n_embd);
+    int64_t *next_up = (int64_t *)at, *next_down = (int64_t *)(at + 64); /* run_jobs' counters, a line each */
+    at += 2 * 64;
     uint8_t *xs = at; /* on AMX: each pair's x row, in expert order, so that an expert's tokens are consecutive */
     const int amx_up = amx_for(c->up_type, n), amx_down = amx_for(c->down_type, n);
     const uint8_t *up_gate[2] = {c->up, c->gate};
     const int ff_groups = n_ff / GROUP, embd_groups = n_embd / GROUP;
-    int64_t lo, hi;
+    int64_t lo, hi, last = phases_on ? now_ns() : 0;
+#define SYNC(k) phase_end(t, k, &last), sync_threads(b, nt), phase_end(t, PH_WAIT, &last)
 
     thread_range(n, t, nt, &lo, &hi);
     for (int64_t i = lo; i < hi; i++) quantize_row(c->up_type, c->x + i * c->x_stride, n_embd, xq + i * x_bytes);
+    phase_end(t, PH_QUANTIZE, &last);
     if (t == 0) { /* counting sort of the pairs by expert, and each phase's units per expert */
+        *next_up = *next_down = 0;
         memset(start, 0, sizeof(int32_t) * (n_expert + 1));
         for (int i = 0; i < n; i++)
             for (int j = 0; j < n_used; j++) {
@@ -1631,18 +1683,17 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
                 self[p] = p;
             }
     }
-    sync_threads(b, nt);
+    SYNC(PH_SORT);
     const int live = start[n_expert];
     if (amx_up) {
         thread_range(live, t, nt, &lo, &hi);
         for (int64_t p = lo; p < hi; p++) memcpy(xs + p * x_bytes, xq + (size_t)token_of[p] * x_bytes, x_bytes);
-        sync_threads(b, nt);
+        SYNC(PH_GATHER);
     }
     const phase up_phase = {c->up_type, n_embd, ff_groups, 2, up_gate, first_ug, start, amx_up ? self : token_of,
                             amx_up ? xs : xq, x_bytes, (size_t)2 * n_ff, (size_t)n_ff, ug, amx_up};
-    thread_range(first_ug[n_expert], t, nt, &lo, &hi);
-    run_units(&up_phase, lo, hi);
-    sync_threads(b, nt);
+    run_jobs(&up_phase, next_up, n_expert);
+    SYNC(PH_UP);
     thread_range(live, t, nt, &lo, &hi);
     for (int64_t p = lo, e = 0; p < hi; p++) {
         while (start[e + 1] <= p) e++; /* pair p's expert */
@@ -1650,12 +1701,12 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
         glu(c, (int)e, 0, u, u + n_ff, n_ff);
         quantize_row(c->down_type, u, n_ff, hq + p * h_bytes);
     }
-    sync_threads(b, nt);
+    SYNC(PH_GLU);
     const phase down_phase = {c->down_type, n_ff, embd_groups, 1, &c->down, first_down, start, self, hq, h_bytes,
                               (size_t)n_embd, 0, y, amx_down};
-    thread_range(first_down[n_expert], t, nt, &lo, &hi);
-    run_units(&down_phase, lo, hi);
-    sync_threads(b, nt);
+    run_jobs(&down_phase, next_down, n_expert);
+    SYNC(PH_DOWN);
+#undef SYNC
     const int chunks = (n_embd + 63) / 64; /* (token, 64 columns) units, so that a few tokens use every thread */
     thread_range((int64_t)n * chunks, t, nt, &lo, &hi);
     for (int64_t u = lo; u < hi; u++) {
@@ -1671,6 +1722,7 @@ static void batch_body(const moe_call *c, int t, int nt, spin_barrier *b) {
             for (int col = c0; col < c1; col++) o[col] += w * (yp[col] + down_bias(c, e, col));
         }
     }
+    phase_end(t, PH_SUM, &last);
 }
 
 static void run_call(const moe_call *c, int t, int nt, spin_barrier *b) {
@@ -2071,30 +2123,32 @@ typedef struct {
     uint8_t *scratch;
 } linear_call;
 
-size_t ferry_linear_scratch(int n, int k, int type) { /* AMX_TOKENS rows more, which a last tile of AMX reads */
-    return aligned((size_t)(n + AMX_TOKENS) * act_bytes(type, k)) + sizeof(int32_t) * (size_t)n;
+size_t ferry_linear_scratch(int n, int k, int type) { /* AMX_TOKENS rows more, which a last tile of AMX reads; the
+                                                        * jobs' counter */
+    return aligned((size_t)(n + AMX_TOKENS) * act_bytes(type, k)) + 64 + sizeof(int32_t) * (size_t)n;
 }
 
 #if FAST
-/* x quantized once (rows split between threads), then (row group, tile of tokens) units, the tile innermost */
+/* x quantized once (rows split between threads), then (row block, tile of tokens) units in jobs (run_jobs) */
 static void linear_body(const linear_call *c, int t, int nt, spin_barrier *b) {
     const size_t x_bytes = act_bytes(c->type, c->k);
     uint8_t *xq = c->scratch;
-    int32_t *rows = (int32_t *)(xq + aligned((size_t)(c->n + AMX_TOKENS) * x_bytes));
+    int64_t *next = (int64_t *)(xq + aligned((size_t)(c->n + AMX_TOKENS) * x_bytes));
+    int32_t *rows = (int32_t *)((uint8_t *)next + 64);
     int64_t lo, hi;
     thread_range(c->n, t, nt, &lo, &hi);
     for (int64_t i = lo; i < hi; i++) {
         quantize_row(c->type, c->x + i * c->x_stride, c->k, xq + i * x_bytes);
         rows[i] = (int32_t)i;
     }
+    if (t == 0) *next = 0;
     sync_threads(b, nt);
     const int groups = c->m / GROUP, amx = amx_for(c->type, c->n);
     const int64_t first[2] = {0, units_of(c->n, groups, 1, amx)};
     const int32_t start[2] = {0, c->n};
     const phase ph = {c->type, c->k, groups, 1, &c->w, first, start, rows, xq, x_bytes, (size_t)c->out_stride, 0,
                       c->out, amx};
-    thread_range(first[1], t, nt, &lo, &hi);
-    run_units(&ph, lo, hi);
+    run_jobs(&ph, next, 1);
 }
 #endif
 

@@ -102,6 +102,8 @@ def _load(s: Settings) -> ctypes.CDLL | str:
             lib.ferry_amx.restype = i
             lib.ferry_amx.argtypes = [i]
             lib.ferry_amx(int(s.amx))
+            lib.ferry_phases.restype = None
+            lib.ferry_phases.argtypes = [i, p]
             lib.ferry_ik_to_q8_0.restype = i64
             lib.ferry_ik_to_q8_0.argtypes = [p, p, i64, i64, i, i, i, i]
             _built[key] = lib
@@ -182,6 +184,20 @@ def amx(s: Settings | None = None) -> bool:
     use them, and Settings.amx (FERRY_AMX) was on when the kernels loaded (or use_amx turned them on since)."""
     lib = library(s)
     return lib is not None and bool(lib.ferry_amx(-1))
+
+
+PHASES = ("quantize", "sort", "gather", "up", "glu", "down", "sum", "wait")  # moe_experts.c's PH_*, in order
+
+
+def phases(on: bool, s: Settings | None = None) -> np.ndarray | None:
+    """The many-token expert calls' time per thread and phase (PHASES) since the last call, in ns (threads x phases,
+    every row of a thread that ran), then timing on or off from now; None where the kernels do not run."""
+    lib = library(s)
+    if lib is None:
+        return None
+    out = np.zeros((256, len(PHASES)), dtype=np.int64)
+    lib.ferry_phases(int(on), out.ctypes.data)
+    return out[:max(1, int((out.sum(axis=1) > 0).nonzero()[0].max(initial=0)) + 1)]
 
 
 def use_amx(on: bool, s: Settings | None = None) -> bool:
