@@ -150,17 +150,16 @@ int ferry_amx(int want) {
 #define AMX_ROWS 16
 #define AMX_TOKENS 16
 #define AMX_B 512 /* bytes of one block's B tile: its 8 rows of 64, row r columns 4r..4r + 3 of the 16 weight rows */
-#ifndef AMX_MIN_TOKENS
-#define AMX_MIN_TOKENS 12 /* calls of fewer tokens stay on the VNNI kernels */
-#endif
 #ifndef AMX_MIN_PAIRS
-#define AMX_MIN_PAIRS 12 /* an expert with fewer tokens in a call stays on them too: a block of 16 rows costs AMX
-                          * about 33 ns and 1.2 a token, VNNI 3.9 ns a token (dev VM's Xeon, one thread) */
+#define AMX_MIN_PAIRS 12 /* an expert (or a dense weight) with fewer of a call's tokens stays on the VNNI kernels: a
+                          * block of 16 rows costs AMX about 33 ns and 1.2 a token, VNNI 3.9 ns a token (dev VM's Xeon,
+                          * one thread) */
 #endif
 
-/* whether a phase of `tokens` tokens over weights of type runs on AMX (amx_units) where it is on (amx_can: the scratch
- * is sized for it whether it is on or not, so that ferry_amx may turn it on between calls) */
-static int amx_can(int type, int tokens) { return AMX && (type == Q4_0 || type == Q8_0) && tokens >= AMX_MIN_TOKENS; }
+/* whether a phase of `tokens` tokens over weights of type may run experts on AMX (amx_units) where it is on: fewer
+ * tokens give no expert AMX_MIN_PAIRS (amx_can: the scratch is sized for it whether it is on or not, so that
+ * ferry_amx may turn it on between calls) */
+static int amx_can(int type, int tokens) { return AMX && (type == Q4_0 || type == Q8_0) && tokens >= AMX_MIN_PAIRS; }
 static int amx_for(int type, int tokens) { return amx_on && amx_can(type, tokens); }
 
 static int block_of(int type) {
