@@ -400,7 +400,9 @@ def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
         assert mixed.startswith("ferry's own kernel") and "in 1 of 3 layers" in mixed and "theirs are Q6_K, Q8_0" in mixed
         for layers in ([{"Q4_K"}, {"Q4_K", "Q6_K"}], [{"Q5_K"}, {"Q5_K", "Q6_K"}], [{"IQ4_XS"}], [{"MXFP4"}]):
             assert experts_kernel(layers).startswith("ferry's own kernel ("), layers
-        assert experts_kernel([{"Q4_0"}, {"Q4_K"}]).startswith("ferry's own kernel (")
+        q4_0 = experts_kernel([{"Q4_0"}, {"Q4_K"}])
+        assert q4_0.startswith("ferry's own kernel (") and ("AMX-INT8" in q4_0) == native.amx()
+        assert "AMX" not in experts_kernel([{"Q4_K"}])  # only Q4_0 experts take the tiles
     else:
         assert mixed.startswith("ggml's kernel")
     q8 = experts_kernel([{"Q8_0"}, {"Q8_0"}])
