@@ -1288,10 +1288,14 @@ static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *u
 /* whether expert e of a phase runs on AMX: the phase may (amx_for) and e has pairs enough to fill its tiles */
 static inline int amx_expert(int amx, int count) { return amx && count >= AMX_MIN_PAIRS; }
 
+/* the tiles of tokens of an expert of `count` pairs in a phase: its units of one (matrix, row block) */
+static inline int64_t tiles_for(int count, int amx) {
+    return amx_expert(amx, count) ? (count + AMX_TOKENS - 1) / AMX_TOKENS : (count + TILE - 1) / TILE;
+}
+
 /* a phase's units for `count` pairs of one expert (groups row groups, mats matrices) */
 static int64_t units_of(int count, int groups, int mats, int amx) {
-    return amx_expert(amx, count) ? (int64_t)(count + AMX_TOKENS - 1) / AMX_TOKENS * ((groups + 1) / 2) * mats
-                                  : (int64_t)(count + TILE - 1) / TILE * groups * mats;
+    return tiles_for(count, amx) * (amx_expert(amx, count) ? (groups + 1) / 2 : groups) * mats;
 }
 
 /* units lo..hi of expert e of a phase on the VNNI kernels: unit u is (matrix, row group, tile of up to TILE of e's
@@ -1315,12 +1319,6 @@ static void vnni_units(const phase *ph, int e, int64_t lo, int64_t hi) {
     }
 }
 
-/* the tiles of tokens of expert e's units in a phase: units of one (matrix, row block) follow each other */
-static inline int64_t tiles_of(const phase *ph, int e) {
-    const int count = ph->start[e + 1] - ph->start[e];
-    return amx_expert(ph->amx, count) ? (count + AMX_TOKENS - 1) / AMX_TOKENS : (count + TILE - 1) / TILE;
-}
-
 /* One phase's units, taken in jobs from the counter *next (zeroed before the phase), each job all the tiles of one
  * (expert, matrix, row block): a thread that finishes its job early takes the next, so that threads whose units ran
  * slower (partial tiles, rows to unpack, the memory) do fewer (an even split of the units left the slowest thread
@@ -1332,7 +1330,7 @@ static void run_jobs(const phase *ph, int64_t *next, int n_expert) {
         const int64_t j = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
         int64_t tiles = 0;
         for (; e < n_expert; e++) {
-            tiles = tiles_of(ph, e);
+            tiles = tiles_for(ph->start[e + 1] - ph->start[e], ph->amx);
             const int64_t jobs = tiles ? (ph->first[e + 1] - ph->first[e]) / tiles : 0;
             if (j < base + jobs) break;
             base += jobs;

@@ -197,7 +197,8 @@ def phases(on: bool, s: Settings | None = None) -> np.ndarray | None:
         return None
     out = np.zeros((256, len(PHASES)), dtype=np.int64)
     lib.ferry_phases(int(on), out.ctypes.data)
-    return out[:max(1, int((out.sum(axis=1) > 0).nonzero()[0].max(initial=0)) + 1)]
+    ran = np.flatnonzero(out.any(axis=1))
+    return out[:ran[-1] + 1 if ran.size else 1]
 
 
 def use_amx(on: bool, s: Settings | None = None) -> bool:
