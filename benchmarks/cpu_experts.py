@@ -24,12 +24,11 @@ import torch
 from ferry.backends.cpu import CpuBackend
 from ferry.kernels.cpu import native
 from ferry.gguf.synth import random_tensor
-from ferry.kernels.capabilities import can_ggml
+from ferry.kernels.capabilities import CPU_AMX_TYPES, can_ggml
 from ferry.quant import IkQuant, Q, parse_qtype, quantize
 from ferry.weight import Weight
 
 
-AMX_TYPES = (Q.Q4_0, Q.Q8_0)  # the weights the kernels' AMX path reads
 
 
 def stacked(rng, qtype, n_expert: int, rows: int, cols: int, distinct: int) -> Weight:
@@ -86,7 +85,7 @@ def main() -> None:
         up_t, down_t = (IkQuant[n] if n in IkQuant.__members__ else parse_qtype(n)
                         for n in (up_name, down_name or up_name))
         engines = [("ferry", ours)] + ([("ggml", ggml)] if can_ggml(up_t) and can_ggml(down_t) else [])
-        if amx_here and (up_t in AMX_TYPES or down_t in AMX_TYPES):
+        if amx_here and (up_t in CPU_AMX_TYPES or down_t in CPU_AMX_TYPES):
             engines.append(("ferry vnni", ours))  # the same kernels with AMX off: the VNNI path's figure
         up = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)
         gate = stacked(rng, up_t, a.experts, a.ff, a.embd, 4)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.kernels.capabilities import cpu_native_types
+from ferry.kernels.capabilities import CPU_AMX_TYPES, cpu_native_types
 from ferry.kernels.cpu import native
 from ferry.offload.cost import Calibration
 from ferry.offload.policy import Policy
@@ -186,8 +186,10 @@ def experts_kernel(layers: list[set[str]]) -> str:
         return f"ggml's kernel ({native.why_not()})"
     own = ("ferry's own kernel (ferry/kernels/cpu/moe_experts.c; ggml's with FERRY_NATIVE=0, or --no-repack but for Q5_K, "
            "Q6_K, IQ4_XS and MXFP4)")
-    if native.amx() and any("Q4_0" in t for t in layers):
-        own += "; Q4_0 experts with 12 tokens of a u-batch or more on AMX-INT8 tiles (FERRY_AMX=0: AVX512-VNNI)"
+    tiled = sorted({q.name for q in CPU_AMX_TYPES} & types & set().union(*layers))
+    if native.amx() and tiled:
+        own += (f"; {' and '.join(tiled)} experts with 12 tokens of a u-batch or more on AMX-INT8 tiles (FERRY_AMX=0: "
+                "AVX512-VNNI)")
     if not other:
         return own
     return (f"{own} in {len(layers) - len(other)} of {len(layers)} layers, ggml's in the others ({covers}; theirs "

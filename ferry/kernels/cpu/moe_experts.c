@@ -53,7 +53,7 @@
 #if FAST && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX 1 /* Q4_0 / Q8_0 weights against many tokens on AMX-INT8 tiles (amx_tile), where ferry_amx turned it on */
+#define AMX 1 /* Q4_0 / Q8_0 / Q4_K weights against many tokens on AMX-INT8 tiles (amx_tile), where ferry_amx turned it on */
 #else
 #define AMX 0
 #endif
@@ -110,6 +110,7 @@ typedef struct { /* an activation block of 256 for Q4_K (Q5_K) weights, quantize
     int8_t q[QK_K];
     int32_t sum[8]; /* the sum of q over each sub-block of 32: what the weights' mins multiply */
     float d;
+    float dsum[8]; /* d times each sum (AMX's tiles take the mins in float32) */
 } act_q4_k;
 
 typedef struct { /* an activation block of 256 for Q6_K (IQ4_XS) weights: Q8_K's rounding, and what the weights'
@@ -133,7 +134,7 @@ int ferry_moe_fast(void) { return FAST; }
 
 static int amx_on; /* ferry_amx's choice: 1 where the CPU has AMX-INT8, the OS lets this process use it, and it is asked */
 
-/* AMX-INT8 for many tokens' Q4_0 / Q8_0 weights, on (want 1), off (0: AVX512-VNNI's kernels everywhere) or as it is
+/* AMX-INT8 for many tokens' Q4_0 / Q8_0 / Q4_K weights, on (want 1), off (0: AVX512-VNNI's kernels everywhere) or as it is
  * (-1): returns whether it is on. Linux gives a process the tiles' state only when asked (ARCH_REQ_XCOMP_PERM). */
 int ferry_amx(int want) {
 #if AMX
@@ -159,7 +160,9 @@ int ferry_amx(int want) {
 /* whether a phase of `tokens` tokens over weights of type may run experts on AMX (amx_units) where it is on: fewer
  * tokens give no expert AMX_MIN_PAIRS (amx_can: the scratch is sized for it whether it is on or not, so that
  * ferry_amx may turn it on between calls) */
-static int amx_can(int type, int tokens) { return AMX && (type == Q4_0 || type == Q8_0) && tokens >= AMX_MIN_PAIRS; }
+static int amx_can(int type, int tokens) {
+    return AMX && (type == Q4_0 || type == Q8_0 || type == Q4_K) && tokens >= AMX_MIN_PAIRS;
+}
 static int amx_for(int type, int tokens) { return amx_on && amx_can(type, tokens); }
 
 static int block_of(int type) {
@@ -199,9 +202,32 @@ static float scale_of(const float *v, int n) {
 
 /* v (256 values) rounded as ggml's Q8_K: one scale, max|v| / 127 */
 static float round_q8_k(const float *v, int8_t *q) {
+#if FAST /* the loop below, 16 values a vector (the same roundings) */
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < QK_K; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(v + i)));
+    const float d = _mm512_reduce_max_ps(amax) / 127.0f;
+    const __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    for (int i = 0; i < QK_K; i += 16)
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + i),
+                                                                                                    id))));
+    return d;
+#else
     const float d = scale_of(v, QK_K), id = d > 0.0f ? 1.0f / d : 0.0f;
     for (int i = 0; i < QK_K; i++) q[i] = (int8_t)lrintf(v[i] * id);
     return d;
+#endif
+}
+
+/* the sum of 32 int8 values */
+static inline int32_t sum_32(const int8_t *q) {
+#if FAST
+    const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    return _mm512_reduce_add_epi32(_mm512_madd_epi16(wide, _mm512_set1_epi16(1)));
+#else
+    int32_t s = 0;
+    for (int i = 0; i < 32; i++) s += q[i];
+    return s;
+#endif
 }
 
 /* Where column i of a super-block goes in the activation block that the plain Q5_K / IQ4_XS kernels read: in the
@@ -286,11 +312,13 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
         for (int b = 0; b < n / QK_K; b++) {
             a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
             for (int j = 0; j < 8; j++) {
-                int32_t s = 0;
-                for (int i = 32 * j; i < 32 * (j + 1); i++) s += q[i];
-                a[b].sum[j] = s;
+                a[b].sum[j] = sum_32(q + 32 * j);
+                a[b].dsum[j] = a[b].d * (float)a[b].sum[j];
             }
-            for (int i = 0; i < QK_K; i++) a[b].q[type == Q5_K ? q5_k_order(i) : i] = q[i];
+            if (type == Q5_K)
+                for (int i = 0; i < QK_K; i++) a[b].q[q5_k_order(i)] = q[i];
+            else
+                memcpy(a[b].q, q, QK_K);
         }
     } else {
         const int iq4 = type == IQ4_XS || type == IQ4_KS || type == IQ4_K || type == IQ4_KSS; /* one nibble order */
@@ -1133,11 +1161,13 @@ typedef struct {
 } phase;
 
 #if AMX
-/* Many tokens on AMX-INT8 tiles, for Q4_0 and Q8_0 weights: a unit is AMX_ROWS weight rows (two groups) against a tile
- * of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load takes a block's 32 bytes of
- * all of them. The rows' blocks are unpacked once into signed bytes in a B tile's order (amx_unpack) and kept while
- * the thread's next units read the same rows. A block's 16 x 16 int32 sums are scaled by its rows' and tokens' scales
- * and added in float32, as the VNNI kernel does: the same roundings, the sums in another order. */
+/* Many tokens on AMX-INT8 tiles, for Q4_0, Q8_0 and Q4_K weights: a unit is AMX_ROWS weight rows (two groups) against
+ * a tile of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load takes a block's 32
+ * bytes of all of them. The rows' blocks are unpacked once into signed bytes in a B tile's order (amx_unpack,
+ * amx_unpack_q4_k) and kept while the thread's next units read the same rows. A block's 16 x 16 int32 sums are scaled
+ * by its rows' and tokens' scales and added in float32: for Q4_0 and Q8_0 as the VNNI kernel does (the same roundings,
+ * the sums in another order); Q4_K's sub-blocks each take their d sc and dmin m in float32, where its VNNI kernel sums
+ * a super-block's sc-weighted sums in int32 first. */
 typedef struct {
     uint8_t palette, start;
     uint8_t reserved[14];
@@ -1174,12 +1204,19 @@ static inline void amx_group(const uint8_t *g, int q8, __m512i *w) {
     }
 }
 
+/* one block's B tile at wb from its two groups' 4 vectors each (w0, w1: vector k columns 8k..8k + 7 of the 8 rows):
+ * B row r is the 32-bit word r % 2 of each row's 8 bytes in vector r / 2, the first group's 8 rows then the second's */
+static inline void amx_store_b(const __m512i *w0, const __m512i *w1, int8_t *wb) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int r = 0; r < 8; r++) _mm512_store_si512(wb + 64 * r, _mm512_permutex2var_epi32(w0[r / 2], r % 2 ? odd : even,
+                                                                                         w1[r / 2]));
+}
+
 /* groups g0 and g1 (NULL: zeros, where the rows end in an odd group) of n columns as B tiles (n / 32 of AMX_B bytes
  * at wb) and their 16 rows' scales (16 floats a block at ws) */
 static void amx_unpack(const uint8_t *g0, const uint8_t *g1, int n, int q8, int8_t *wb, float *ws) {
     const int bytes = q8 ? Q8_0_BYTES : Q4_0_BYTES;
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int b = 0; b < n / QK4_0; b++) {
         const uint8_t *b0 = g0 + (size_t)b * bytes, *b1 = g1 ? g1 + (size_t)b * bytes : NULL;
         __m512i w0[4], w1[4];
@@ -1188,44 +1225,94 @@ static void amx_unpack(const uint8_t *g0, const uint8_t *g1, int n, int q8, int8
             amx_group(b1, q8, w1);
         else
             for (int k = 0; k < 4; k++) w1[k] = _mm512_setzero_si512();
-        /* B row r: the 32-bit word r % 2 of each row's 8 bytes in vector r / 2, the first group's 8 rows then the
-         * second's */
-        for (int r = 0; r < 8; r++)
-            _mm512_store_si512(wb + (size_t)b * AMX_B + 64 * r,
-                               _mm512_permutex2var_epi32(w0[r / 2], r % 2 ? odd : even, w1[r / 2]));
+        amx_store_b(w0, w1, wb + (size_t)b * AMX_B);
         const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b0));
         const __m256 s1 = b1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b1)) : _mm256_setzero_ps();
         _mm512_store_ps(ws + 16 * b, _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1));
     }
 }
 
+/* one Q4_K group's super-block (ggml's block_q4_Kx8) at g, or zeros (g NULL): sub-block j's 4 vectors of nibbles
+ * (0..15) at w[4j..4j + 3], in amx_group's order, and its 8 rows' scales d sc and mins dmin m */
+static inline void amx_group_q4_k(const uint8_t *g, __m512i *w, __m256 *sc, __m256 *mins) {
+    if (!g) {
+        for (int k = 0; k < 32; k++) w[k] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) sc[j] = mins[j] = _mm256_setzero_ps();
+        return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+    for (int c = 0; c < 4; c++) /* columns 64c..64c + 63: sub-block 2c in the low nibbles, 2c + 1 in the high */
+        for (int k = 0; k < 4; k++) {
+            const __m512i v = _mm512_loadu_si512(g + 128 + 64 * (4 * c + k));
+            w[4 * (2 * c) + k] = _mm512_and_si512(v, low);
+            w[4 * (2 * c + 1) + k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *p = g + 32 + 12 * j;
+        const __m128i s = _mm_cvtsi64_si128((long long)six_bits(load_u32(p), load_u32(p + 8), 0));
+        const __m128i m = _mm_cvtsi64_si128((long long)six_bits(load_u32(p + 4), load_u32(p + 8), 4));
+        sc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s)));
+        mins[j] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m)));
+    }
+}
+
+/* Q4_K groups g0 and g1 (g1 NULL as amx_unpack's) of n columns as B tiles (a sub-block of 32 columns a tile) and, per
+ * sub-block, the 16 rows' scales and then their mins (32 floats at ws) */
+static void amx_unpack_q4_k(const uint8_t *g0, const uint8_t *g1, int n, int8_t *wb, float *ws) {
+    for (int sb = 0; sb < n / QK_K; sb++) {
+        __m512i w0[32], w1[32];
+        __m256 sc0[8], sc1[8], m0[8], m1[8];
+        amx_group_q4_k(g0 + (size_t)sb * Q4_K_BYTES, w0, sc0, m0);
+        amx_group_q4_k(g1 ? g1 + (size_t)sb * Q4_K_BYTES : NULL, w1, sc1, m1);
+        for (int j = 0; j < 8; j++) {
+            const int b = 8 * sb + j;
+            amx_store_b(w0 + 4 * j, w1 + 4 * j, wb + (size_t)b * AMX_B);
+            _mm512_store_ps(ws + 32 * b, _mm512_insertf32x8(_mm512_castps256_ps512(sc0[j]), sc1[j], 1));
+            _mm512_store_ps(ws + 32 * b + 16, _mm512_insertf32x8(_mm512_castps256_ps512(m0[j]), m1[j], 1));
+        }
+    }
+}
+
+/* where block b (32 columns) of a token's activation row starts: an act_q4_0, or sub-block b % 8 of act_q4_k b / 8 */
+#define AMX_BLOCK(b) (kq ? (size_t)((b) / 8) * sizeof(act_q4_k) + 32 * ((b) % 8) : (size_t)(b) * sizeof(act_q4_0))
+
 /* block b's sums of 16 tokens against the 16 rows into tile C (its tokens' blocks through tile A, its rows' through
  * tile B), when b is a block */
 #define AMX_SUMS(C, A, B, b)                                                                                          \
     if ((b) < blocks) {                                                                                               \
         _tile_zero(C);                                                                                                \
-        _tile_loadd(A, a + (size_t)(b) * sizeof(act_q4_0), stride);                                                   \
+        _tile_loadd(A, a + AMX_BLOCK(b), stride);                                                                     \
         _tile_loadd(B, wb + (size_t)(b) * AMX_B, 64);                                                                 \
         _tile_dpbssd(C, A, B);                                                                                        \
     }
 
-/* T (1..16) tokens' activation rows (act_q4_0 blocks) at a, stride bytes apart (16 rows readable), against the 16
- * weight rows unpacked at wb / ws: out[t][0..rows). Four blocks a step in tiles 0-3, the sums of the next two asked
- * for before those of the last two are scaled, so that the tiles' latency hides behind the float32 work. */
-static void amx_tile(const int8_t *wb, const float *ws, const uint8_t *a, size_t stride, int n, int T,
-                     float *const *out, int rows) {
+/* T (1..16) tokens' activation rows at a (act_q4_0 blocks, or act_q4_k where kq), stride bytes apart (16 rows
+ * readable), against the 16 weight rows unpacked at wb / ws: out[t][0..rows). Four blocks a step in tiles 0-3, the
+ * sums of the next two asked for before those of the last two are scaled, so that the tiles' latency hides behind the
+ * float32 work. Q4_K's blocks are its sub-blocks of 32, each with its rows' scales and mins (the mins against the
+ * token's sum over the sub-block). */
+static inline __attribute__((always_inline)) void amx_tile_of(const int8_t *wb, const float *ws, const uint8_t *a,
+                                                               size_t stride, int n, int T, float *const *out, int rows,
+                                                               const int kq) {
     int32_t sums[4][AMX_TOKENS * 16] __attribute__((aligned(64)));
     __m512 acc[AMX_TOKENS];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    const int blocks = n / QK4_0;
+    const int blocks = n / QK4_0, per_block = kq ? 32 : 16;
 #define AMX_SCALE(k, b)                                                                                               \
     if ((b) < blocks) {                                                                                               \
         _tile_stored(k, sums[k], 64);                                                                                 \
-        const __m512 dw = _mm512_load_ps(ws + 16 * (b));                                                              \
+        const __m512 dw = _mm512_load_ps(ws + per_block * (b));                                                       \
         for (int t = 0; t < T; t++) {                                                                                 \
-            const float da = ((const act_q4_0 *)(a + t * stride) + (b))->d;                                          \
+            const uint8_t *at = a + t * stride;                                                                       \
+            const float da = kq ? ((const act_q4_k *)at + (b) / 8)->d : ((const act_q4_0 *)at + (b))->d;            \
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[k] + 16 * t)),                         \
                                      _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc[t]);                                  \
+            if (kq)                                                                                                   \
+                acc[t] = _mm512_fnmadd_ps(_mm512_load_ps(ws + per_block * (b) + 16),                                  \
+                                          _mm512_set1_ps(((const act_q4_k *)at + (b) / 8)->dsum[(b) % 8]),           \
+                                          acc[t]);                                                                    \
         }                                                                                                             \
     }
     AMX_SUMS(0, 4, 6, 0)
@@ -1244,6 +1331,15 @@ static void amx_tile(const int8_t *wb, const float *ws, const uint8_t *a, size_t
     for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(out[t], rows == AMX_ROWS ? 0xffff : 0x00ff, acc[t]);
 }
 #undef AMX_SUMS
+#undef AMX_BLOCK
+
+static void amx_tile(const int8_t *wb, const float *ws, const uint8_t *a, size_t stride, int n, int T,
+                     float *const *out, int rows, int type) {
+    if (type == Q4_K)
+        amx_tile_of(wb, ws, a, stride, n, T, out, rows, 1);
+    else
+        amx_tile_of(wb, ws, a, stride, n, T, out, rows, 0);
+}
 
 /* units lo..hi of expert e of a phase on AMX (all within e's): unit u is (matrix, AMX_ROWS rows, tile of up to
  * AMX_TOKENS of e's pairs), the tile innermost. *unpacked: the (expert, matrix, rows) whose blocks are at the thread's
@@ -1251,8 +1347,8 @@ static void amx_tile(const int8_t *wb, const float *ws, const uint8_t *a, size_t
 static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *unpacked) {
     static _Thread_local int8_t *buf;
     static _Thread_local size_t cap;
-    const int blocks = ph->n / QK4_0, q8 = ph->type == Q8_0, quads = (ph->groups + 1) / 2;
-    const size_t need = (size_t)blocks * (AMX_B + 16 * sizeof(float));
+    const int blocks = ph->n / QK4_0, q8 = ph->type == Q8_0, kq = ph->type == Q4_K, quads = (ph->groups + 1) / 2;
+    const size_t need = (size_t)blocks * (AMX_B + (kq ? 32 : 16) * sizeof(float));
     if (cap < need) {
         free(buf);
         buf = aligned_alloc(64, need);
@@ -1271,7 +1367,10 @@ static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *u
         const int64_t rows_id = ((int64_t)e * ph->mats + m) * quads + quad;
         if (rows_id != *unpacked) {
             const uint8_t *g = ph->base[m] + (size_t)e * per_expert + (size_t)group * per_group;
-            amx_unpack(g, two ? g + per_group : NULL, ph->n, q8, wb, ws);
+            if (kq)
+                amx_unpack_q4_k(g, two ? g + per_group : NULL, ph->n, wb, ws);
+            else
+                amx_unpack(g, two ? g + per_group : NULL, ph->n, q8, wb, ws);
             *unpacked = rows_id;
         }
         const int p0 = ph->start[e] + tile * AMX_TOKENS;
@@ -1280,7 +1379,7 @@ static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *u
         for (int t = 0; t < T; t++)
             out[t] = ph->out + (size_t)(p0 + t) * ph->out_stride + (size_t)m * ph->out_matrix + (size_t)group * GROUP;
         amx_tile(wb, ws, ph->act + (size_t)ph->act_row[p0] * ph->act_stride, ph->act_stride, ph->n, T, out,
-                 two ? AMX_ROWS : GROUP);
+                 two ? AMX_ROWS : GROUP, ph->type);
     }
 }
 #endif

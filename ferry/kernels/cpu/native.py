@@ -180,8 +180,9 @@ def library(s: Settings | None = None) -> ctypes.CDLL | None:
 
 
 def amx(s: Settings | None = None) -> bool:
-    """Whether many tokens' Q4_0 / Q8_0 weights run on AMX-INT8 tiles here: the CPU has them, Linux lets the process
-    use them, and Settings.amx (FERRY_AMX) was on when the kernels loaded (or use_amx turned them on since)."""
+    """Whether many tokens' Q4_0 / Q8_0 / Q4_K weights (CPU_AMX_TYPES) run on AMX-INT8 tiles here: the CPU has them,
+    Linux lets the process use them, and Settings.amx (FERRY_AMX) was on when the kernels loaded (or use_amx turned
+    them on since)."""
     lib = library(s)
     return lib is not None and bool(lib.ferry_amx(-1))
 
