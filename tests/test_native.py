@@ -208,17 +208,18 @@ BATCHES = [(Q40, Q40, 2048, 768, 16, 8, 37, 3), (Q40, Q40, 96, 64, 3, 2, 2, 3), 
            (Q40, Q40, 96, 160, 2, 2, 40, 3), (Q40, Q40, 160, 96, 3, 1, 50, 2), (Q40, Q40, 2048, 768, 4, 2, 23, 2),
            (Q40, Q40, 64, 64, 2, 1, 24, 1), (Q40, Q6K, 256, 512, 2, 2, 100, 3),
            (Q4K, Q4K, 768, 1280, 2, 2, 40, 3), (Q4K, Q4K, 1280, 256, 3, 1, 50, 2), (Q4K, Q6K, 2048, 768, 4, 2, 23, 2),
-           (Q4K, Q40, 256, 96, 2, 1, 24, 1), (Q40, Q4K, 96, 512, 2, 2, 100, 3)]
+           (Q4K, Q40, 256, 96, 2, 1, 24, 1), (Q40, Q4K, 96, 512, 2, 2, 100, 3),
+           (Q6K, Q6K, 768, 1280, 2, 2, 40, 3), (Q6K, Q6K, 1280, 256, 3, 1, 50, 2), (Q6K, Q4K, 256, 768, 2, 1, 24, 1)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n,threads,isa",
                          [(*b, "vnni") for b in BATCHES] + [(*b, isa) for b in BATCHES for isa in ISAS[1:]
-                                                            if Q40 in b[:2] or Q4K in b[:2]])
+                                                            if set(b[:2]) & set(CPU_AMX_TYPES)])
 def test_the_batch_kernel_matches_float64_given_its_activation_rounding(up_type, down_type, n_embd, n_ff, n_expert,
                                                                           n_used, n, threads, isa, path):
     """Many tokens at once (ferry_moe_batch: the pairs sorted by expert, tiles of tokens per weight group), some slots
     of id -1 (experts computed elsewhere: they add nothing), against float64 with the kernel's rounding of x and h;
-    Q4_0 and Q4_K on each of the CPU's paths (isa)."""
+    the tiled types (CPU_AMX_TYPES) on each of the CPU's paths (isa)."""
     path(isa)
     rng = np.random.default_rng(n_embd * n + n_used)
     cpu = CpuBackend(threads)
@@ -404,8 +405,8 @@ def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
         for layers in ([{"Q4_K"}, {"Q4_K", "Q6_K"}], [{"Q5_K"}, {"Q5_K", "Q6_K"}], [{"IQ4_XS"}], [{"MXFP4"}]):
             assert experts_kernel(layers).startswith("ferry's own kernel ("), layers
         q4 = experts_kernel([{"Q4_0"}, {"Q4_K", "Q6_K"}])
-        assert q4.startswith("ferry's own kernel (") and ("Q4_0 and Q4_K experts" in q4) == native.amx()
-        assert "AMX" not in experts_kernel([{"Q6_K"}, {"IQ4_XS"}])  # only Q4_0 and Q4_K experts take the tiles
+        assert q4.startswith("ferry's own kernel (") and ("Q4_0 and Q4_K and Q6_K experts" in q4) == native.amx()
+        assert "AMX" not in experts_kernel([{"Q5_K"}, {"IQ4_XS"}])  # only Q4_0, Q4_K and Q6_K experts take the tiles
         assert "Q8_0 experts" not in experts_kernel([{"Q8_0", "Q4_K"}])  # Q8_0's are ggml's
     else:
         assert mixed.startswith("ggml's kernel")
@@ -428,14 +429,15 @@ LINEAR = [(Q.Q8_0, 8, 32, 1, 1), (Q.Q8_0, 24, 96, 3, 3), (Q.Q8_0, 72, 160, 17, 2
           (IQ4, 8, 256, 3, 2), (IQ4, 72, 1280, 1, 3), (IQ4, 24, 768, 17, 2),
           # AMX's tiles (12 tokens and more): a last group of 8 rows alone, many tiles, one tile just full
           (Q.Q8_0, 2048, 512, 33, 3), (Q40, 24, 96, 12, 1), (Q.Q8_0, 8, 32, 16, 2), (Q40, 136, 2048, 70, 2),
-          (Q4K, 24, 768, 12, 1), (Q4K, 8, 256, 16, 2), (Q4K, 136, 1280, 45, 3)]
+          (Q4K, 24, 768, 12, 1), (Q4K, 8, 256, 16, 2), (Q4K, 136, 1280, 45, 3),
+          (Q6K, 24, 768, 12, 1), (Q6K, 8, 256, 16, 2), (Q6K, 136, 1280, 45, 3)]
 
 
 @pytest.mark.parametrize("qtype,m,k,n,threads,isa", [(*c, "vnni") for c in LINEAR] + [
     (*c, isa) for c in LINEAR for isa in ISAS[1:] if c[0] in CPU_AMX_TYPES])
 def test_the_matrix_kernel_matches_float64_given_its_activation_rounding(qtype, m, k, n, threads, isa, path):
     """Dense weights (ferry_linear: Q8_0 in ferry's own interleaved copy, Q4_0 / Q4_K in ggml's repacked one, Q5_K,
-    Q6_K and IQ4_XS plain), one token and many; Q4_0, Q8_0 and Q4_K on each of the CPU's paths (isa)."""
+    Q6_K and IQ4_XS plain), one token and many; the tiled types on each of the CPU's paths (isa)."""
     path(isa)
     rng = np.random.default_rng(m * k + n)
     w, w64 = _weight(rng, qtype, m, k)

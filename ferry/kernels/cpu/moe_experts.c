@@ -53,7 +53,7 @@
 #if FAST && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX 1 /* Q4_0 / Q8_0 / Q4_K weights against many tokens on AMX-INT8 tiles (amx_tile), where ferry_amx turned it on */
+#define AMX 1 /* Q4_0 / Q8_0 / Q4_K / Q6_K weights against many tokens on AMX-INT8 tiles (amx_tile), where ferry_amx turned it on */
 #else
 #define AMX 0
 #endif
@@ -110,7 +110,7 @@ typedef struct { /* an activation block of 256 for Q4_K (Q5_K) weights, quantize
     int8_t q[QK_K];
     int32_t sum[8]; /* the sum of q over each sub-block of 32: what the weights' mins multiply */
     float d;
-    float dsum[8]; /* d times each sum (AMX's tiles take the mins in float32) */
+    float sumf[8]; /* the sums in float32 (exact): AMX's tiles take the mins in float32 */
 } act_q4_k;
 
 typedef struct { /* an activation block of 256 for Q6_K (IQ4_XS) weights: Q8_K's rounding, and what the weights'
@@ -134,7 +134,7 @@ int ferry_moe_fast(void) { return FAST; }
 
 static int amx_on; /* ferry_amx's choice: 1 where the CPU has AMX-INT8, the OS lets this process use it, and it is asked */
 
-/* AMX-INT8 for many tokens' Q4_0 / Q8_0 / Q4_K weights, on (want 1), off (0: AVX512-VNNI's kernels everywhere) or as it is
+/* AMX-INT8 for many tokens' Q4_0 / Q8_0 / Q4_K / Q6_K weights, on (want 1), off (0: AVX512-VNNI's kernels everywhere) or as it is
  * (-1): returns whether it is on. Linux gives a process the tiles' state only when asked (ARCH_REQ_XCOMP_PERM). */
 int ferry_amx(int want) {
 #if AMX
@@ -161,7 +161,7 @@ int ferry_amx(int want) {
  * tokens give no expert AMX_MIN_PAIRS (amx_can: the scratch is sized for it whether it is on or not, so that
  * ferry_amx may turn it on between calls) */
 static int amx_can(int type, int tokens) {
-    return AMX && (type == Q4_0 || type == Q8_0 || type == Q4_K) && tokens >= AMX_MIN_PAIRS;
+    return AMX && (type == Q4_0 || type == Q8_0 || type == Q4_K || type == Q6_K) && tokens >= AMX_MIN_PAIRS;
 }
 static int amx_for(int type, int tokens) { return amx_on && amx_can(type, tokens); }
 
@@ -313,7 +313,7 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
             a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
             for (int j = 0; j < 8; j++) {
                 a[b].sum[j] = sum_32(q + 32 * j);
-                a[b].dsum[j] = a[b].d * (float)a[b].sum[j];
+                a[b].sumf[j] = (float)a[b].sum[j];
             }
             if (type == Q5_K)
                 for (int i = 0; i < QK_K; i++) a[b].q[q5_k_order(i)] = q[i];
@@ -1161,13 +1161,14 @@ typedef struct {
 } phase;
 
 #if AMX
-/* Many tokens on AMX-INT8 tiles, for Q4_0, Q8_0 and Q4_K weights: a unit is AMX_ROWS weight rows (two groups) against
- * a tile of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load takes a block's 32
- * bytes of all of them. The rows' blocks are unpacked once into signed bytes in a B tile's order (amx_unpack,
- * amx_unpack_q4_k) and kept while the thread's next units read the same rows. A block's 16 x 16 int32 sums are scaled
- * by its rows' and tokens' scales and added in float32: for Q4_0 and Q8_0 as the VNNI kernel does (the same roundings,
- * the sums in another order); Q4_K's sub-blocks each take their d sc and dmin m in float32, where its VNNI kernel sums
- * a super-block's sc-weighted sums in int32 first. */
+/* Many tokens on AMX-INT8 tiles, for Q4_0, Q8_0, Q4_K and Q6_K weights: a unit is AMX_ROWS weight rows (two groups)
+ * against a tile of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load takes a
+ * block's bytes of all of them (32 columns; Q6_K's 16, its scales' width). The rows' blocks are unpacked once into
+ * signed bytes in a B tile's order (amx_unpack, amx_unpack_q4_k, amx_unpack_q6_k) and kept while the thread's next
+ * units read the same rows. A block's 16 x 16 int32 sums are scaled by its rows' and tokens' scales and added in
+ * float32: for Q4_0 and Q8_0 as the VNNI kernel does (the same roundings, the sums in another order); the K-quants'
+ * sub-blocks each take their rows' d sc (and dmin m) in float32, where their VNNI kernels sum a super-block's
+ * sc-weighted sums in int32 first. */
 typedef struct {
     uint8_t palette, start;
     uint8_t reserved[14];
@@ -1175,14 +1176,18 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tiles 0-3: sums (16 tokens x 16 int32), 4-5: tokens' blocks (16 x 32 bytes), 6-7: weights' blocks (8 x 64) */
-static void amx_configure(void) {
+/* the columns of one block of a type's tiles: Q6_K's scales are per 16 columns, the others' per 32 */
+static inline int amx_width(int type) { return type == Q6_K ? 16 : 32; }
+
+/* tiles 0-3: sums (16 tokens x 16 int32), 4-5: tokens' blocks (16 x width bytes), 6-7: weights' blocks (width / 4 x
+ * 64) */
+static void amx_configure(int width) {
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 8; i++) {
-        c.rows[i] = i < 6 ? 16 : 8;
-        c.colsb[i] = i == 4 || i == 5 ? 32 : 64;
+        c.rows[i] = i < 6 ? 16 : width / 4;
+        c.colsb[i] = i == 4 || i == 5 ? width : 64;
     }
     _tile_loadconfig(&c);
 }
@@ -1275,8 +1280,92 @@ static void amx_unpack_q4_k(const uint8_t *g0, const uint8_t *g1, int n, int8_t 
     }
 }
 
-/* where block b (32 columns) of a token's activation row starts: an act_q4_0, or sub-block b % 8 of act_q4_k b / 8 */
-#define AMX_BLOCK(b) (kq ? (size_t)((b) / 8) * sizeof(act_q4_k) + 32 * ((b) % 8) : (size_t)(b) * sizeof(act_q4_0))
+/* a Q6_K row's super-block at s as 256 signed bytes q - 32 in column order */
+static inline void q6_k_values(const uint8_t *s, int8_t *w) {
+    const __m512i low = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3), offset = _mm512_set1_epi8(32);
+    /* 16-bit lanes 0-15 (bytes 0-31) shifted by the first count, 16-31 by the second */
+    const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    for (int h = 0; h < 2; h++) { /* columns 128h..128h + 127: ql's 64 bytes, qh's 32 twice */
+        const __m512i ql = _mm512_loadu_si512(s + 64 * h);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(s + 128 + 32 * h));
+        const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+        const __m512i hi_lo = _mm512_and_si512(_mm512_srlv_epi16(qh2, shift_lo), three);
+        const __m512i hi_hi = _mm512_and_si512(_mm512_srlv_epi16(qh2, shift_hi), three);
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_slli_epi16(hi_lo, 4));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), _mm512_slli_epi16(hi_hi, 4));
+        _mm512_store_si512(w + 128 * h, _mm512_sub_epi8(lo, offset));
+        _mm512_store_si512(w + 128 * h + 64, _mm512_sub_epi8(hi, offset));
+    }
+}
+
+/* r[m] becomes the 16 rows' 32-bit words m (a 16 x 16 transpose) */
+static inline void transpose_16x16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + k]: lane L holds rows 4i..4i + 3 of word 4L + k */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), v2 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+        const __m512i w2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+        r[k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+        r[4 + k] = _mm512_shuffle_i32x4(v2, w2, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(v2, w2, 0xdd);
+    }
+}
+
+/* Q6_K groups g0 and g1 (8 plain rows each; g1 NULL as amx_unpack's) of n columns as B tiles, a sub-block of 16
+ * columns a tile of 4 rows of 64 bytes (B row r: each weight row's columns 4r..4r + 3), and per sub-block the 16
+ * rows' d sc (16 floats at ws) */
+static void amx_unpack_q6_k(const uint8_t *g0, const uint8_t *g1, int n, int8_t *wb, float *ws) {
+    const size_t row_bytes = (size_t)Q6_K_BYTES * (n / QK_K);
+    int8_t w[16][QK_K] __attribute__((aligned(64)));
+    for (int sb = 0; sb < n / QK_K; sb++) {
+        float d[16];
+        const int8_t *sc[16];
+        static const int8_t none[16];
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *row = r < 8 ? g0 + r * row_bytes : g1 ? g1 + (r - 8) * row_bytes : NULL;
+            if (!row) {
+                memset(w[r], 0, QK_K);
+                d[r] = 0.0f;
+                sc[r] = none;
+                continue;
+            }
+            const uint8_t *at = row + (size_t)sb * Q6_K_BYTES;
+            q6_k_values(at, w[r]);
+            uint16_t h;
+            memcpy(&h, at + 208, 2);
+            d[r] = _cvtsh_ss(h);
+            sc[r] = (const int8_t *)(at + 192);
+        }
+        for (int c = 0; c < 4; c++) { /* columns 64c..64c + 63: sub-blocks 4c..4c + 3, word 4j + r of sub-block 4c + j */
+            __m512i v[16];
+            for (int r = 0; r < 16; r++) v[r] = _mm512_load_si512(w[r] + 64 * c);
+            transpose_16x16(v);
+            for (int m = 0; m < 16; m++)
+                _mm512_store_si512(wb + ((size_t)(16 * sb + 4 * c + m / 4) * 4 + m % 4) * 64, v[m]);
+        }
+        for (int j = 0; j < 16; j++)
+            for (int r = 0; r < 16; r++) ws[(16 * sb + j) * 16 + r] = d[r] * (float)sc[r][j];
+    }
+}
+
+enum { AMX_32, AMX_Q4_K, AMX_Q6_K }; /* the tiles' kinds: Q4_0 / Q8_0 (a token scale a block of 32), Q4_K, Q6_K */
+
+/* where block b (of width columns) of a token's activation row starts: an act_q4_0, or sub-block b % per_sb of the
+ * act_q4_k / act_q6_k b / per_sb (q first in both) */
+#define AMX_BLOCK(b)                                                                                                  \
+    (kind == AMX_32 ? (size_t)(b) * sizeof(act_q4_0) : (size_t)((b) / per_sb) * act_size + width * ((b) % per_sb))
 
 /* block b's sums of 16 tokens against the 16 rows into tile C (its tokens' blocks through tile A, its rows' through
  * tile B), when b is a block */
@@ -1284,35 +1373,55 @@ static void amx_unpack_q4_k(const uint8_t *g0, const uint8_t *g1, int n, int8_t 
     if ((b) < blocks) {                                                                                               \
         _tile_zero(C);                                                                                                \
         _tile_loadd(A, a + AMX_BLOCK(b), stride);                                                                     \
-        _tile_loadd(B, wb + (size_t)(b) * AMX_B, 64);                                                                 \
+        _tile_loadd(B, wb + (size_t)(b) * b_bytes, 64);                                                               \
         _tile_dpbssd(C, A, B);                                                                                        \
     }
 
-/* T (1..16) tokens' activation rows at a (act_q4_0 blocks, or act_q4_k where kq), stride bytes apart (16 rows
- * readable), against the 16 weight rows unpacked at wb / ws: out[t][0..rows). Four blocks a step in tiles 0-3, the
- * sums of the next two asked for before those of the last two are scaled, so that the tiles' latency hides behind the
- * float32 work. Q4_K's blocks are its sub-blocks of 32, each with its rows' scales and mins (the mins against the
- * token's sum over the sub-block). */
+/* T (1..16) tokens' activation rows at a (act_q4_0 blocks, act_q4_k or act_q6_k super-blocks, by kind), stride bytes
+ * apart (16 rows readable), against the 16 weight rows unpacked at wb / ws: out[t][0..rows). Four blocks a step in
+ * tiles 0-3, the sums of the next two asked for before those of the last two are scaled, so that the tiles' latency
+ * hides behind the float32 work. A block's sums times its rows' scales (Q4_K: less its rows' mins times the token's
+ * sum) add up over a super-block in float32; the token's scale multiplies the super-block's once (Q4_0 / Q8_0: each
+ * block's, its scale being the block's). */
 static inline __attribute__((always_inline)) void amx_tile_of(const int8_t *wb, const float *ws, const uint8_t *a,
                                                                size_t stride, int n, int T, float *const *out, int rows,
-                                                               const int kq) {
+                                                               const int kind) {
     int32_t sums[4][AMX_TOKENS * 16] __attribute__((aligned(64)));
-    __m512 acc[AMX_TOKENS];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    const int blocks = n / QK4_0, per_block = kq ? 32 : 16;
+    float total[AMX_TOKENS][16] __attribute__((aligned(64))); /* super-block kinds: the sum of the finished ones */
+    __m512 acc[AMX_TOKENS]; /* AMX_32: the result; else the super-block's, before the token's scale */
+    const int width = kind == AMX_Q6_K ? 16 : 32, blocks = n / width, per_sb = QK_K / width;
+    const int per_block = kind == AMX_Q4_K ? 32 : 16; /* floats of ws a block: the rows' scales (Q4_K: and mins) */
+    const size_t act_size = kind == AMX_Q4_K ? sizeof(act_q4_k) : sizeof(act_q6_k), b_bytes = (size_t)16 * width;
+    for (int t = 0; t < T; t++) {
+        acc[t] = _mm512_setzero_ps();
+        if (kind != AMX_32) _mm512_store_ps(total[t], acc[t]);
+    }
 #define AMX_SCALE(k, b)                                                                                               \
     if ((b) < blocks) {                                                                                               \
         _tile_stored(k, sums[k], 64);                                                                                 \
         const __m512 dw = _mm512_load_ps(ws + per_block * (b));                                                       \
-        for (int t = 0; t < T; t++) {                                                                                 \
-            const uint8_t *at = a + t * stride;                                                                       \
-            const float da = kq ? ((const act_q4_k *)at + (b) / 8)->d : ((const act_q4_0 *)at + (b))->d;            \
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[k] + 16 * t)),                         \
-                                     _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc[t]);                                  \
-            if (kq)                                                                                                   \
-                acc[t] = _mm512_fnmadd_ps(_mm512_load_ps(ws + per_block * (b) + 16),                                  \
-                                          _mm512_set1_ps(((const act_q4_k *)at + (b) / 8)->dsum[(b) % 8]),           \
-                                          acc[t]);                                                                    \
+        if (kind == AMX_32) {                                                                                         \
+            for (int t = 0; t < T; t++) {                                                                             \
+                const float da = ((const act_q4_0 *)(a + t * stride) + (b))->d;                                      \
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[k] + 16 * t)),                     \
+                                         _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc[t]);                              \
+            }                                                                                                         \
+        } else {                                                                                                      \
+            for (int t = 0; t < T; t++)                                                                               \
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[k] + 16 * t)), dw, acc[t]);        \
+            if (kind == AMX_Q4_K) {                                                                                   \
+                const __m512 dm = _mm512_load_ps(ws + per_block * (b) + 16);                                          \
+                for (int t = 0; t < T; t++)                                                                           \
+                    acc[t] = _mm512_fnmadd_ps(                                                                        \
+                        dm, _mm512_set1_ps(((const act_q4_k *)(a + t * stride) + (b) / 8)->sumf[(b) % 8]), acc[t]);   \
+            }                                                                                                         \
+            if ((b) % per_sb == per_sb - 1)                                                                           \
+                for (int t = 0; t < T; t++) {                                                                         \
+                    const float da = kind == AMX_Q4_K ? ((const act_q4_k *)(a + t * stride) + (b) / per_sb)->d        \
+                                                      : ((const act_q6_k *)(a + t * stride) + (b) / per_sb)->d;       \
+                    _mm512_store_ps(total[t], _mm512_fmadd_ps(acc[t], _mm512_set1_ps(da), _mm512_load_ps(total[t]))); \
+                    acc[t] = _mm512_setzero_ps();                                                                     \
+                }                                                                                                     \
         }                                                                                                             \
     }
     AMX_SUMS(0, 4, 6, 0)
@@ -1328,7 +1437,9 @@ static inline __attribute__((always_inline)) void amx_tile_of(const int8_t *wb, 
         AMX_SCALE(3, b + 3)
     }
 #undef AMX_SCALE
-    for (int t = 0; t < T; t++) _mm512_mask_storeu_ps(out[t], rows == AMX_ROWS ? 0xffff : 0x00ff, acc[t]);
+    for (int t = 0; t < T; t++)
+        _mm512_mask_storeu_ps(out[t], rows == AMX_ROWS ? 0xffff : 0x00ff,
+                              kind == AMX_32 ? acc[t] : _mm512_load_ps(total[t]));
 }
 #undef AMX_SUMS
 #undef AMX_BLOCK
@@ -1336,9 +1447,11 @@ static inline __attribute__((always_inline)) void amx_tile_of(const int8_t *wb, 
 static void amx_tile(const int8_t *wb, const float *ws, const uint8_t *a, size_t stride, int n, int T,
                      float *const *out, int rows, int type) {
     if (type == Q4_K)
-        amx_tile_of(wb, ws, a, stride, n, T, out, rows, 1);
+        amx_tile_of(wb, ws, a, stride, n, T, out, rows, AMX_Q4_K);
+    else if (type == Q6_K)
+        amx_tile_of(wb, ws, a, stride, n, T, out, rows, AMX_Q6_K);
     else
-        amx_tile_of(wb, ws, a, stride, n, T, out, rows, 0);
+        amx_tile_of(wb, ws, a, stride, n, T, out, rows, AMX_32);
 }
 
 /* units lo..hi of expert e of a phase on AMX (all within e's): unit u is (matrix, AMX_ROWS rows, tile of up to
@@ -1347,17 +1460,18 @@ static void amx_tile(const int8_t *wb, const float *ws, const uint8_t *a, size_t
 static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *unpacked) {
     static _Thread_local int8_t *buf;
     static _Thread_local size_t cap;
-    const int blocks = ph->n / QK4_0, q8 = ph->type == Q8_0, kq = ph->type == Q4_K, quads = (ph->groups + 1) / 2;
-    const size_t need = (size_t)blocks * (AMX_B + (kq ? 32 : 16) * sizeof(float));
+    const int width = amx_width(ph->type), blocks = ph->n / width, quads = (ph->groups + 1) / 2;
+    const int q8 = ph->type == Q8_0, kq = ph->type == Q4_K;
+    const size_t b_bytes = (size_t)16 * width, need = (size_t)blocks * (b_bytes + (kq ? 32 : 16) * sizeof(float));
     if (cap < need) {
         free(buf);
         buf = aligned_alloc(64, need);
         cap = buf ? need : 0;
         if (!buf) abort(); /* a few kB a thread: out of memory */
     }
-    if (*unpacked < 0) amx_configure();
+    if (*unpacked < 0) amx_configure(amx_width(ph->type));
     int8_t *wb = buf;
-    float *ws = (float *)(buf + (size_t)blocks * AMX_B);
+    float *ws = (float *)(buf + (size_t)blocks * b_bytes);
     const size_t per_group = group_bytes(ph->type, ph->n), per_expert = per_group * ph->groups;
     const int count = ph->start[e + 1] - ph->start[e], tiles = (count + AMX_TOKENS - 1) / AMX_TOKENS;
     for (int64_t u = lo; u < hi; u++) {
@@ -1369,6 +1483,8 @@ static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *u
             const uint8_t *g = ph->base[m] + (size_t)e * per_expert + (size_t)group * per_group;
             if (kq)
                 amx_unpack_q4_k(g, two ? g + per_group : NULL, ph->n, wb, ws);
+            else if (ph->type == Q6_K)
+                amx_unpack_q6_k(g, two ? g + per_group : NULL, ph->n, wb, ws);
             else
                 amx_unpack(g, two ? g + per_group : NULL, ph->n, q8, wb, ws);
             *unpacked = rows_id;
