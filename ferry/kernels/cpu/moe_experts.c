@@ -1160,6 +1160,30 @@ typedef struct {
     int amx; /* units of amx_units (AMX_ROWS rows, AMX_TOKENS tokens; act_row(p) is act_row(first of e) + p - first) */
 } phase;
 
+/* r[m] becomes the 16 rows' 32-bit words m (a 16 x 16 transpose) */
+static inline void transpose_16x16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + k]: lane L holds rows 4i..4i + 3 of word 4L + k */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), v2 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+        const __m512i w2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+        r[k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+        r[4 + k] = _mm512_shuffle_i32x4(v2, w2, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(v2, w2, 0xdd);
+    }
+}
+
 #if AMX
 /* Many tokens on AMX-INT8 tiles, for Q4_0, Q8_0, Q4_K and Q6_K weights: a unit is AMX_ROWS weight rows (two groups)
  * against a tile of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load takes a
@@ -1296,30 +1320,6 @@ static inline void q6_k_values(const uint8_t *s, int8_t *w) {
         const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), _mm512_slli_epi16(hi_hi, 4));
         _mm512_store_si512(w + 128 * h, _mm512_sub_epi8(lo, offset));
         _mm512_store_si512(w + 128 * h + 64, _mm512_sub_epi8(hi, offset));
-    }
-}
-
-/* r[m] becomes the 16 rows' 32-bit words m (a 16 x 16 transpose) */
-static inline void transpose_16x16(__m512i *r) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* u[4i + k]: lane L holds rows 4i..4i + 3 of word 4L + k */
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int k = 0; k < 4; k++) {
-        const __m512i v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), v2 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
-        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
-        const __m512i w2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
-        r[k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-        r[8 + k] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
-        r[4 + k] = _mm512_shuffle_i32x4(v2, w2, 0x88);
-        r[12 + k] = _mm512_shuffle_i32x4(v2, w2, 0xdd);
     }
 }
 
@@ -2505,32 +2505,52 @@ static void att_scores(const float *qs, int rows, int d, const float *kt, float 
     }
 }
 
-/* o (d_v) = o alpha + sum over the block's nk keys of p[j] vf[j]; DV16 a constant in each call (registers) */
-static inline __attribute__((always_inline)) void att_values(float *o, float alpha, const float *p, const float *vf,
-                                                              int nk, const int DV16) {
-    __m512 acc[ATT_DIM / 16];
+/* o (d_v) = o alpha + sum over the block's nk keys of p[j] vf[j] (vf's rows d_v apart); DV16 a constant in each call
+ * (registers). Two rows at once (o2, alpha2, p2: a second row's, or o2 NULL) read each value row once for both. */
+static inline __attribute__((always_inline)) void att_values(float *o, float alpha, const float *p, float *o2,
+                                                              float alpha2, const float *p2, const float *vf, int nk,
+                                                              const int DV16) {
+    __m512 acc[ATT_DIM / 16], acc2[8]; /* two rows: d_v of 128 or less */
     const __m512 a = _mm512_set1_ps(alpha);
     for (int i = 0; i < DV16; i++) acc[i] = _mm512_mul_ps(_mm512_load_ps(o + 16 * i), a);
-    for (int j = 0; j < nk; j++) {
-        if (p[j] == 0.0f) continue; /* a closed key */
-        const __m512 pj = _mm512_set1_ps(p[j]);
-        const float *row = vf + (size_t)j * ATT_DIM;
-        for (int i = 0; i < DV16; i++) acc[i] = _mm512_fmadd_ps(pj, _mm512_load_ps(row + 16 * i), acc[i]);
+    if (DV16 <= 8 && o2) {
+        const __m512 a2 = _mm512_set1_ps(alpha2);
+        for (int i = 0; i < DV16; i++) acc2[i] = _mm512_mul_ps(_mm512_load_ps(o2 + 16 * i), a2);
+        for (int j = 0; j < nk; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j]), pj2 = _mm512_set1_ps(p2[j]);
+            const float *row = vf + (size_t)j * 16 * DV16;
+            for (int i = 0; i < DV16; i++) {
+                const __m512 v = _mm512_load_ps(row + 16 * i);
+                acc[i] = _mm512_fmadd_ps(pj, v, acc[i]);
+                acc2[i] = _mm512_fmadd_ps(pj2, v, acc2[i]);
+            }
+        }
+        for (int i = 0; i < DV16; i++) _mm512_store_ps(o2 + 16 * i, acc2[i]);
+    } else {
+        for (int j = 0; j < nk; j++) {
+            if (p[j] == 0.0f) continue; /* a closed key */
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            const float *row = vf + (size_t)j * 16 * DV16;
+            for (int i = 0; i < DV16; i++) acc[i] = _mm512_fmadd_ps(pj, _mm512_load_ps(row + 16 * i), acc[i]);
+        }
     }
     for (int i = 0; i < DV16; i++) _mm512_store_ps(o + 16 * i, acc[i]);
 }
 
-static void att_values_any(float *o, float alpha, const float *p, const float *vf, int nk, int d_v) {
+/* att_values for any d_v (a multiple of 16): one row, or two (o2 not NULL) where d_v is 128 or less */
+static void att_values_any(float *o, float alpha, const float *p, float *o2, float alpha2, const float *p2,
+                           const float *vf, int nk, int d_v) {
     switch (d_v / 16) {
-    case 4: att_values(o, alpha, p, vf, nk, 4); break;
-    case 8: att_values(o, alpha, p, vf, nk, 8); break;
-    case 16: att_values(o, alpha, p, vf, nk, 16); break;
+    case 4: att_values(o, alpha, p, o2, alpha2, p2, vf, nk, 4); return;
+    case 8: att_values(o, alpha, p, o2, alpha2, p2, vf, nk, 8); return;
+    case 16: att_values(o, alpha, p, NULL, 0.0f, NULL, vf, nk, 16); break;
     default: {
         for (int i = 0; i < d_v; i++) o[i] *= alpha;
         for (int j = 0; j < nk; j++)
-            for (int i = 0; i < d_v; i++) o[i] += p[j] * vf[(size_t)j * ATT_DIM + i];
+            for (int i = 0; i < d_v; i++) o[i] += p[j] * vf[(size_t)j * d_v + i];
     }
     }
+    if (o2) att_values_any(o2, alpha2, p2, NULL, 0.0f, NULL, vf, nk, d_v);
 }
 
 /* a cache row of d values (float16, or Q8_0 blocks: fp16 scale, 32 int8) as float32 */
@@ -2548,6 +2568,16 @@ static inline void att_row(const uint8_t *src, int type, int d, float *dst) {
             _mm512_storeu_ps(dst + QK4_0 * b + k, _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                                    _mm_loadu_si128((const __m128i *)(src + 2 + k))))));
     }
+}
+
+/* 16 values of a cache row from column k (a multiple of 16) as float32 */
+static inline __m512 att_16(const uint8_t *src, int type, int k) {
+    if (type == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + 2 * k)));
+    const uint8_t *b = src + 34 * (k / QK4_0);
+    uint16_t h;
+    memcpy(&h, b, 2);
+    return _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(h)),
+                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + k % QK4_0)))));
 }
 
 static inline const uint16_t *mask_row_of(const attn_call *c, int i) {
@@ -2569,7 +2599,7 @@ static void open_range(const attn_call *c, int i, int *first, int *last) {
 
 typedef struct {
     float qs[ATT_ROWS * ATT_DIM], kt[ATT_DIM * ATT_KEYS], vf[ATT_KEYS * ATT_DIM], s[ATT_ROWS * ATT_KEYS],
-        o[ATT_ROWS * ATT_DIM], m[ATT_ROWS], l[ATT_ROWS];
+        o[ATT_ROWS * ATT_DIM], m[ATT_ROWS], l[ATT_ROWS], alpha[ATT_ROWS];
 } att_scratch;
 
 static _Thread_local att_scratch att_tls __attribute__((aligned(64)));
@@ -2614,17 +2644,20 @@ static void att_unit(const attn_call *c, int g, int h0, int hn, int i0, int qn, 
     const uint8_t *kbase = c->k + (int64_t)g * c->k_head, *vbase = c->v + (int64_t)g * c->v_head;
     for (int kb = lo; kb < hi; kb += ATT_KEYS) {
         const int nk = hi - kb < ATT_KEYS ? hi - kb : ATT_KEYS;
-        for (int j = 0; j < ATT_KEYS; j++) { /* keys transposed, the block's missing ones zero; values in rows */
-            if (j < nk) {
-                float key[ATT_DIM];
-                att_row(kbase + (int64_t)(kb + j) * c->k_row, c->type_k, d, key);
-                for (int k = 0; k < d; k++) w->kt[(size_t)k * ATT_KEYS + j] = key[k];
-                att_row(vbase + (int64_t)(kb + j) * c->v_row, c->type_v, d_v, w->vf + (size_t)j * ATT_DIM);
-            } else {
-                for (int k = 0; k < d; k++) w->kt[(size_t)k * ATT_KEYS + j] = 0.0f;
+        for (int j0 = 0; j0 < ATT_KEYS; j0 += 16) /* keys transposed 16 x 16 at a time, the missing ones zero */
+            for (int k0 = 0; k0 < d; k0 += 16) {
+                __m512i r[16];
+                for (int j = 0; j < 16; j++)
+                    r[j] = j0 + j < nk ? _mm512_castps_si512(att_16(kbase + (int64_t)(kb + j0 + j) * c->k_row,
+                                                                    c->type_k, k0))
+                                       : _mm512_setzero_si512();
+                transpose_16x16(r);
+                for (int m = 0; m < 16; m++) _mm512_store_si512(w->kt + (size_t)(k0 + m) * ATT_KEYS + j0, r[m]);
             }
-        }
+        for (int j = 0; j < nk; j++) /* values in rows, d_v apart */
+            att_row(vbase + (int64_t)(kb + j) * c->v_row, c->type_v, d_v, w->vf + (size_t)j * d_v);
         att_scores(w->qs, rows, d, w->kt, w->s);
+        int held = -1; /* a row whose values wait to be added with the next row's (att_values' two rows) */
         for (int r = 0; r < rows; r++) {
             float *s = w->s + (size_t)r * ATT_KEYS;
             const uint16_t *mr = c->mask ? mask_row_of(c, i0 + r / hn) + kb : NULL;
@@ -2648,8 +2681,18 @@ static void att_unit(const attn_call *c, int g, int h0, int hn, int i0, int qn, 
             }
             w->l[r] = w->l[r] * alpha + _mm512_reduce_add_ps(sum);
             w->m[r] = m_new;
-            att_values_any(w->o + (size_t)r * ATT_DIM, alpha, s, w->vf, nk, d_v);
+            w->alpha[r] = alpha;
+            if (held < 0) {
+                held = r;
+                continue;
+            }
+            att_values_any(w->o + (size_t)held * ATT_DIM, w->alpha[held], w->s + (size_t)held * ATT_KEYS,
+                           w->o + (size_t)r * ATT_DIM, alpha, s, w->vf, nk, d_v);
+            held = -1;
         }
+        if (held >= 0)
+            att_values_any(w->o + (size_t)held * ATT_DIM, w->alpha[held], w->s + (size_t)held * ATT_KEYS, NULL, 0.0f,
+                           NULL, w->vf, nk, d_v);
     }
     for (int r = 0; r < rows; r++) {
         if (partial) {
