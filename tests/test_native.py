@@ -209,7 +209,9 @@ BATCHES = [(Q40, Q40, 2048, 768, 16, 8, 37, 3), (Q40, Q40, 96, 64, 3, 2, 2, 3), 
            (Q40, Q40, 64, 64, 2, 1, 24, 1), (Q40, Q6K, 256, 512, 2, 2, 100, 3),
            (Q4K, Q4K, 768, 1280, 2, 2, 40, 3), (Q4K, Q4K, 1280, 256, 3, 1, 50, 2), (Q4K, Q6K, 2048, 768, 4, 2, 23, 2),
            (Q4K, Q40, 256, 96, 2, 1, 24, 1), (Q40, Q4K, 96, 512, 2, 2, 100, 3),
-           (Q6K, Q6K, 768, 1280, 2, 2, 40, 3), (Q6K, Q6K, 1280, 256, 3, 1, 50, 2), (Q6K, Q4K, 256, 768, 2, 1, 24, 1)]
+           (Q6K, Q6K, 768, 1280, 2, 2, 40, 3), (Q6K, Q6K, 1280, 256, 3, 1, 50, 2), (Q6K, Q4K, 256, 768, 2, 1, 24, 1),
+           (Q5K, Q5K, 768, 1280, 2, 2, 40, 3), (Q5K, Q6K, 1280, 256, 3, 1, 50, 2), (IQ4, IQ4, 768, 1280, 2, 2, 40, 3),
+           (IQ4, Q5K, 1280, 256, 3, 1, 50, 2), (Q40, IQ4, 96, 512, 2, 2, 100, 3)]
 
 
 @pytest.mark.parametrize("up_type,down_type,n_embd,n_ff,n_expert,n_used,n,threads,isa",
@@ -405,8 +407,8 @@ def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
         for layers in ([{"Q4_K"}, {"Q4_K", "Q6_K"}], [{"Q5_K"}, {"Q5_K", "Q6_K"}], [{"IQ4_XS"}], [{"MXFP4"}]):
             assert experts_kernel(layers).startswith("ferry's own kernel ("), layers
         q4 = experts_kernel([{"Q4_0"}, {"Q4_K", "Q6_K"}])
-        assert q4.startswith("ferry's own kernel (") and ("Q4_0 and Q4_K and Q6_K experts" in q4) == native.amx()
-        assert "AMX" not in experts_kernel([{"Q5_K"}, {"IQ4_XS"}])  # only Q4_0, Q4_K and Q6_K experts take the tiles
+        assert q4.startswith("ferry's own kernel (") and ("Q4_0, Q4_K, Q6_K experts" in q4) == native.amx()
+        assert "AMX" not in experts_kernel([{"MXFP4"}])  # MXFP4's experts stay on VNNI
         assert "Q8_0 experts" not in experts_kernel([{"Q8_0", "Q4_K"}])  # Q8_0's are ggml's
     else:
         assert mixed.startswith("ggml's kernel")
@@ -430,7 +432,9 @@ LINEAR = [(Q.Q8_0, 8, 32, 1, 1), (Q.Q8_0, 24, 96, 3, 3), (Q.Q8_0, 72, 160, 17, 2
           # AMX's tiles (12 tokens and more): a last group of 8 rows alone, many tiles, one tile just full
           (Q.Q8_0, 2048, 512, 33, 3), (Q40, 24, 96, 12, 1), (Q.Q8_0, 8, 32, 16, 2), (Q40, 136, 2048, 70, 2),
           (Q4K, 24, 768, 12, 1), (Q4K, 8, 256, 16, 2), (Q4K, 136, 1280, 45, 3),
-          (Q6K, 24, 768, 12, 1), (Q6K, 8, 256, 16, 2), (Q6K, 136, 1280, 45, 3)]
+          (Q6K, 24, 768, 12, 1), (Q6K, 8, 256, 16, 2), (Q6K, 136, 1280, 45, 3),
+          (Q5K, 24, 768, 12, 1), (Q5K, 8, 256, 16, 2), (Q5K, 136, 1280, 45, 3),
+          (IQ4, 24, 768, 12, 1), (IQ4, 8, 256, 16, 2), (IQ4, 136, 1280, 45, 3)]
 
 
 @pytest.mark.parametrize("qtype,m,k,n,threads,isa", [(*c, "vnni") for c in LINEAR] + [

@@ -62,7 +62,7 @@ _TABLE = {
 _NONE = Can()
 _CPU_BLOCK = {Q.MXFP4: 64}  # columns the CPU kernels quantize an activation block of, where not the type's block
 # the weights moe_experts.c runs many tokens of on AMX-INT8 tiles (its amx_can)
-CPU_AMX_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+CPU_AMX_TYPES = (Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 CPU_ACTS = ("silu", "swiglu_oai", "silu_clamp")  # the activations ferry's CPU expert kernel computes, in moe_experts.c's ACT_* order
 
 

@@ -188,7 +188,7 @@ def experts_kernel(layers: list[set[str]]) -> str:
            "Q6_K, IQ4_XS and MXFP4)")
     tiled = sorted({q.name for q in CPU_AMX_TYPES} & types & set().union(*layers))
     if native.amx() and tiled:
-        own += (f"; {' and '.join(tiled)} experts with 12 tokens of a u-batch or more on AMX-INT8 tiles (FERRY_AMX=0: "
+        own += (f"; {', '.join(tiled)} experts with 12 tokens of a u-batch or more on AMX-INT8 tiles (FERRY_AMX=0: "
                 "AVX512-VNNI)")
     if not other:
         return own

@@ -53,7 +53,7 @@
 #if FAST && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX 1 /* Q4_0 / Q8_0 / Q4_K / Q6_K weights against many tokens on AMX-INT8 tiles (amx_tile), where ferry_amx turned it on */
+#define AMX 1 /* Q4_0 / Q8_0 / K-quant / IQ4_XS weights against many tokens on AMX-INT8 tiles (amx_tile), where ferry_amx turned it on */
 #else
 #define AMX 0
 #endif
@@ -110,7 +110,8 @@ typedef struct { /* an activation block of 256 for Q4_K (Q5_K) weights, quantize
     int8_t q[QK_K];
     int32_t sum[8]; /* the sum of q over each sub-block of 32: what the weights' mins multiply */
     float d;
-    float sumf[8]; /* the sums in float32 (exact): AMX's tiles take the mins in float32 */
+    float sumf[8]; /* the sums in float32 (exact), of q's 32 bytes m (for Q5_K in q5_k_order): AMX's tiles take the
+                    * mins in float32 */
 } act_q4_k;
 
 typedef struct { /* an activation block of 256 for Q6_K (IQ4_XS) weights: Q8_K's rounding, and what the weights'
@@ -134,7 +135,7 @@ int ferry_moe_fast(void) { return FAST; }
 
 static int amx_on; /* ferry_amx's choice: 1 where the CPU has AMX-INT8, the OS lets this process use it, and it is asked */
 
-/* AMX-INT8 for many tokens' Q4_0 / Q8_0 / Q4_K / Q6_K weights, on (want 1), off (0: AVX512-VNNI's kernels everywhere) or as it is
+/* AMX-INT8 for many tokens' Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS weights, on (want 1), off (0: AVX512-VNNI's kernels everywhere) or as it is
  * (-1): returns whether it is on. Linux gives a process the tiles' state only when asked (ARCH_REQ_XCOMP_PERM). */
 int ferry_amx(int want) {
 #if AMX
@@ -161,7 +162,8 @@ int ferry_amx(int want) {
  * tokens give no expert AMX_MIN_PAIRS (amx_can: the scratch is sized for it whether it is on or not, so that
  * ferry_amx may turn it on between calls) */
 static int amx_can(int type, int tokens) {
-    return AMX && (type == Q4_0 || type == Q8_0 || type == Q4_K || type == Q6_K) && tokens >= AMX_MIN_PAIRS;
+    return AMX && (type == Q4_0 || type == Q8_0 || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS)
+           && tokens >= AMX_MIN_PAIRS;
 }
 static int amx_for(int type, int tokens) { return amx_on && amx_can(type, tokens); }
 
@@ -311,10 +313,9 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
         int8_t q[QK_K];
         for (int b = 0; b < n / QK_K; b++) {
             a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
-            for (int j = 0; j < 8; j++) {
-                a[b].sum[j] = sum_32(q + 32 * j);
-                a[b].sumf[j] = (float)a[b].sum[j];
-            }
+            for (int j = 0; j < 8; j++) a[b].sum[j] = sum_32(q + 32 * j);
+            for (int m = 0; m < 8; m++) /* Q5_K: q's 32 bytes m hold sub-block 4 (m / 4) + (m / 2) % 2 + 2 (m % 2) */
+                a[b].sumf[m] = (float)a[b].sum[type == Q5_K ? 4 * (m / 4) + (m / 2) % 2 + 2 * (m % 2) : m];
             if (type == Q5_K)
                 for (int i = 0; i < QK_K; i++) a[b].q[q5_k_order(i)] = q[i];
             else
@@ -550,8 +551,9 @@ static inline __attribute__((always_inline)) void tile_q6_k(const uint8_t *g, co
 /* the 8 Q5_K rows at g (plain, one after another) against up to 4 tokens: each super-block's 5-bit values unpacked
  * once for all (low nibbles, and the high bit of qh moved to bit 4), its scales per 32-bit lane; w = d sc q - dmin m,
  * the mins against the activation's sums per sub-block */
-static inline __attribute__((always_inline)) void tile_q5_k(const uint8_t *g, const uint8_t *const *act, int n,
-                                                             float *const *out, const int T) {
+/* a Q5_K row's super-block at row as its 4 vectors of values (0..31) in q5_k_order: vector 2h the low nibbles of
+ * bytes 64h..64h + 63 with their fifth bits, 2h + 1 the high */
+static inline __attribute__((always_inline)) void q5_k_vectors(const uint8_t *row, __m512i *w) {
     const __m512i nibble = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
     /* qh's bit 4h (lower 256 bits) and 4h + 2 (upper) to bit 4 for vector 2h, bits 4h + 1 and 4h + 3 for 2h + 1:
      * 16-bit shifts (a byte's bit 4 comes from its own bits for shifts of 4 left to 3 right) */
@@ -559,6 +561,19 @@ static inline __attribute__((always_inline)) void tile_q5_k(const uint8_t *g, co
     const __m512i left1 = _mm512_inserti64x4(_mm512_set1_epi16(3), _mm256_set1_epi16(1), 1);
     const __m512i right0 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const __m512i right1 = _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16)));
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_loadu_si512(row + 48 + 64 * h);
+        const __m512i hi0 = h ? _mm512_srlv_epi16(qh, right0) : _mm512_sllv_epi16(qh, left0);
+        const __m512i hi1 = h ? _mm512_srlv_epi16(qh, right1) : _mm512_sllv_epi16(qh, left1);
+        /* ternary logic 0xf8: A | (B & C) */
+        w[2 * h] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, nibble), hi0, bit4, 0xf8);
+        w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), hi1, bit4, 0xf8);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_q5_k(const uint8_t *g, const uint8_t *const *act, int n,
+                                                             float *const *out, const int T) {
     __m512i lane_of[4]; /* vector k's sub-blocks per lane: lower 8 lanes 4h + (k & 1), upper 4h + (k & 1) + 2 */
     for (int k = 0; k < 4; k++) {
         const int s = 4 * (k / 2) + (k & 1);
@@ -576,17 +591,8 @@ static inline __attribute__((always_inline)) void tile_q5_k(const uint8_t *g, co
             const uint64_t m8 = six_bits(load_u32(row + 8), load_u32(row + 12), 4);
             const __m512i scales = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8));
             const __m256i m32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)m8));
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16)));
             __m512i w[4];
-            for (int h = 0; h < 2; h++) {
-                const __m512i v = _mm512_loadu_si512(row + 48 + 64 * h);
-                const __m512i hi0 = h ? _mm512_srlv_epi16(qh, right0) : _mm512_sllv_epi16(qh, left0);
-                const __m512i hi1 = h ? _mm512_srlv_epi16(qh, right1) : _mm512_sllv_epi16(qh, left1);
-                /* ternary logic 0xf8: A | (B & C) */
-                w[2 * h] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, nibble), hi0, bit4, 0xf8);
-                w[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), hi1, bit4,
-                                                         0xf8);
-            }
+            q5_k_vectors(row, w);
             __m512i sc[4];
             for (int k = 0; k < 4; k++) {
                 sc[k] = _mm512_permutexvar_epi32(lane_of[k], scales);
@@ -1185,10 +1191,12 @@ static inline void transpose_16x16(__m512i *r) {
 }
 
 #if AMX
-/* Many tokens on AMX-INT8 tiles, for Q4_0, Q8_0, Q4_K and Q6_K weights: a unit is AMX_ROWS weight rows (two groups)
- * against a tile of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load takes a
- * block's bytes of all of them (32 columns; Q6_K's 16, its scales' width). The rows' blocks are unpacked once into
- * signed bytes in a B tile's order (amx_unpack, amx_unpack_q4_k, amx_unpack_q6_k) and kept while the thread's next
+/* Many tokens on AMX-INT8 tiles, for Q4_0, Q8_0, Q4_K, Q5_K, Q6_K and IQ4_XS weights: a unit is AMX_ROWS weight rows
+ * (two groups) against a tile of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load
+ * takes a block's bytes of all of them (32 columns; Q6_K's and IQ4_XS's 16: a block has one scale, and their
+ * activations' 32 bytes hold two). Q5_K and IQ4_XS blocks are in their activations' order (q5_k_order,
+ * iq4_xs_order), which the dot products do not mind. The rows' blocks are unpacked once into
+ * signed bytes in a B tile's order (amx_unpack, amx_unpack_q4_k, amx_unpack_rows) and kept while the thread's next
  * units read the same rows. A block's 16 x 16 int32 sums are scaled by its rows' and tokens' scales and added in
  * float32: for Q4_0 and Q8_0 as the VNNI kernel does (the same roundings, the sums in another order); the K-quants'
  * sub-blocks each take their rows' d sc (and dmin m) in float32, where their VNNI kernels sum a super-block's
@@ -1201,7 +1209,7 @@ typedef struct {
 } tile_config;
 
 /* the columns of one block of a type's tiles: Q6_K's scales are per 16 columns, the others' per 32 */
-static inline int amx_width(int type) { return type == Q6_K ? 16 : 32; }
+static inline int amx_width(int type) { return type == Q6_K || type == IQ4_XS ? 16 : 32; }
 
 /* tiles 0-3: sums (16 tokens x 16 int32), 4-5: tokens' blocks (16 x width bytes), 6-7: weights' blocks (width / 4 x
  * 64) */
@@ -1323,40 +1331,80 @@ static inline void q6_k_values(const uint8_t *s, int8_t *w) {
     }
 }
 
-/* Q6_K groups g0 and g1 (8 plain rows each; g1 NULL as amx_unpack's) of n columns as B tiles, a sub-block of 16
- * columns a tile of 4 rows of 64 bytes (B row r: each weight row's columns 4r..4r + 3), and per sub-block the 16
- * rows' d sc (16 floats at ws) */
-static void amx_unpack_q6_k(const uint8_t *g0, const uint8_t *g1, int n, int8_t *wb, float *ws) {
-    const size_t row_bytes = (size_t)Q6_K_BYTES * (n / QK_K);
+/* the AMX blocks of a plain row's super-block at `at` (Q5_K, Q6_K, IQ4_XS): its 256 values as signed bytes w, in the
+ * order of the activation block the type reads (act_q4_k's / act_q6_k's q), and per block of amx_width(type) of them
+ * its scale (sc) and, for Q5_K, its min (mn: dmin m, against act_q4_k.sumf) */
+static void amx_row(int type, const uint8_t *at, int8_t *w, float *sc, float *mn) {
+    uint16_t h[2]; /* d, and Q5_K's dmin */
+    memcpy(h, at + (type == Q6_K ? 208 : 0), type == Q5_K ? 4 : 2);
+    const float d = _cvtsh_ss(h[0]);
+    if (type == Q6_K) {
+        q6_k_values(at, w);
+        for (int j = 0; j < 16; j++) sc[j] = d * (float)((const int8_t *)(at + 192))[j];
+    } else if (type == Q5_K) { /* q5_k_order: 32 bytes m of it are sub-block 4 (m / 4) + (m / 2) % 2 + 2 (m % 2) */
+        __m512i v[4];
+        q5_k_vectors(at, v);
+        for (int k = 0; k < 4; k++) _mm512_store_si512(w + 64 * k, v[k]);
+        const uint64_t sc8 = six_bits(load_u32(at + 4), load_u32(at + 12), 0);
+        const uint64_t m8 = six_bits(load_u32(at + 8), load_u32(at + 12), 4);
+        const float dmin = _cvtsh_ss(h[1]);
+        for (int m = 0; m < 8; m++) {
+            const int sub = 4 * (m / 4) + (m / 2) % 2 + 2 * (m % 2);
+            sc[m] = d * (float)(uint8_t)(sc8 >> (8 * sub));
+            mn[m] = dmin * (float)(uint8_t)(m8 >> (8 * sub));
+        }
+    } else { /* IQ4_XS in iq4_xs_order: 16 bytes m of it are half m % 8 / 4 of sub-block 4 (m / 8) + m % 4 */
+        const __m512i table = _mm512_xor_si512(iq4nl_table(), _mm512_set1_epi8((char)0x80)), low = _mm512_set1_epi8(0x0f);
+        for (int k = 0; k < 2; k++) {
+            const __m512i v = _mm512_loadu_si512(at + 8 + 64 * k);
+            _mm512_store_si512(w + 128 * k, _mm512_shuffle_epi8(table, _mm512_and_si512(v, low)));
+            _mm512_store_si512(w + 128 * k + 64, _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low)));
+        }
+        uint16_t high;
+        memcpy(&high, at + 2, 2);
+        for (int m = 0; m < 16; m++) {
+            const int sub = 4 * (m / 8) + m % 4;
+            const int ls = ((at[4 + sub / 2] >> (4 * (sub % 2))) & 0x0f) | (((high >> (2 * sub)) & 3) << 4);
+            sc[m] = d * (float)(ls - 32);
+        }
+    }
+}
+
+/* groups g0 and g1 of plain rows (8 each; g1 NULL as amx_unpack's) of n columns as B tiles of their blocks of
+ * amx_width(type) columns (B row r: each weight row's columns 4r..4r + 3 of the block), from the rows' values
+ * transposed in 32-bit words; per block the 16 rows' scales (16 floats at ws) and for Q5_K then their mins (16 more) */
+static void amx_unpack_rows(int type, const uint8_t *g0, const uint8_t *g1, int n, int8_t *wb, float *ws) {
+    const int width = amx_width(type), per_sb = QK_K / width, per_block = type == Q5_K ? 32 : 16;
+    const size_t sb_bytes = type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : IQ4_XS_BYTES;
+    const size_t row_bytes = sb_bytes * (n / QK_K), b_bytes = (size_t)16 * width;
     int8_t w[16][QK_K] __attribute__((aligned(64)));
+    float sc[16][16], mn[16][8];
     for (int sb = 0; sb < n / QK_K; sb++) {
-        float d[16];
-        const int8_t *sc[16];
-        static const int8_t none[16];
         for (int r = 0; r < 16; r++) {
             const uint8_t *row = r < 8 ? g0 + r * row_bytes : g1 ? g1 + (r - 8) * row_bytes : NULL;
-            if (!row) {
+            if (row) {
+                amx_row(type, row + sb * sb_bytes, w[r], sc[r], mn[r]);
+            } else {
                 memset(w[r], 0, QK_K);
-                d[r] = 0.0f;
-                sc[r] = none;
-                continue;
+                memset(sc[r], 0, sizeof sc[r]);
+                memset(mn[r], 0, sizeof mn[r]);
             }
-            const uint8_t *at = row + (size_t)sb * Q6_K_BYTES;
-            q6_k_values(at, w[r]);
-            uint16_t h;
-            memcpy(&h, at + 208, 2);
-            d[r] = _cvtsh_ss(h);
-            sc[r] = (const int8_t *)(at + 192);
         }
-        for (int c = 0; c < 4; c++) { /* columns 64c..64c + 63: sub-blocks 4c..4c + 3, word 4j + r of sub-block 4c + j */
+        for (int c = 0; c < 4; c++) { /* bytes 64c..64c + 63: word m is B row m % (width / 4) of block c (64 / width) +
+                                       * m / (width / 4) */
             __m512i v[16];
             for (int r = 0; r < 16; r++) v[r] = _mm512_load_si512(w[r] + 64 * c);
             transpose_16x16(v);
-            for (int m = 0; m < 16; m++)
-                _mm512_store_si512(wb + ((size_t)(16 * sb + 4 * c + m / 4) * 4 + m % 4) * 64, v[m]);
+            for (int m = 0; m < 16; m++) {
+                const int block = per_sb * sb + c * (64 / width) + m / (width / 4);
+                _mm512_store_si512(wb + (size_t)block * b_bytes + (size_t)(m % (width / 4)) * 64, v[m]);
+            }
         }
-        for (int j = 0; j < 16; j++)
-            for (int r = 0; r < 16; r++) ws[(16 * sb + j) * 16 + r] = d[r] * (float)sc[r][j];
+        for (int j = 0; j < per_sb; j++)
+            for (int r = 0; r < 16; r++) {
+                ws[(size_t)(per_sb * sb + j) * per_block + r] = sc[r][j];
+                if (type == Q5_K) ws[(size_t)(per_sb * sb + j) * per_block + 16 + r] = mn[r][j];
+            }
     }
 }
 
@@ -1446,9 +1494,9 @@ static inline __attribute__((always_inline)) void amx_tile_of(const int8_t *wb, 
 
 static void amx_tile(const int8_t *wb, const float *ws, const uint8_t *a, size_t stride, int n, int T,
                      float *const *out, int rows, int type) {
-    if (type == Q4_K)
+    if (type == Q4_K || type == Q5_K)
         amx_tile_of(wb, ws, a, stride, n, T, out, rows, AMX_Q4_K);
-    else if (type == Q6_K)
+    else if (type == Q6_K || type == IQ4_XS)
         amx_tile_of(wb, ws, a, stride, n, T, out, rows, AMX_Q6_K);
     else
         amx_tile_of(wb, ws, a, stride, n, T, out, rows, AMX_32);
@@ -1461,7 +1509,7 @@ static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *u
     static _Thread_local int8_t *buf;
     static _Thread_local size_t cap;
     const int width = amx_width(ph->type), blocks = ph->n / width, quads = (ph->groups + 1) / 2;
-    const int q8 = ph->type == Q8_0, kq = ph->type == Q4_K;
+    const int q8 = ph->type == Q8_0, kq = ph->type == Q4_K || ph->type == Q5_K; /* kq: mins beside the scales */
     const size_t b_bytes = (size_t)16 * width, need = (size_t)blocks * (b_bytes + (kq ? 32 : 16) * sizeof(float));
     if (cap < need) {
         free(buf);
@@ -1481,10 +1529,10 @@ static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *u
         const int64_t rows_id = ((int64_t)e * ph->mats + m) * quads + quad;
         if (rows_id != *unpacked) {
             const uint8_t *g = ph->base[m] + (size_t)e * per_expert + (size_t)group * per_group;
-            if (kq)
+            if (ph->type == Q4_K)
                 amx_unpack_q4_k(g, two ? g + per_group : NULL, ph->n, wb, ws);
-            else if (ph->type == Q6_K)
-                amx_unpack_q6_k(g, two ? g + per_group : NULL, ph->n, wb, ws);
+            else if (ph->type == Q5_K || ph->type == Q6_K || ph->type == IQ4_XS)
+                amx_unpack_rows(ph->type, g, two ? g + per_group : NULL, ph->n, wb, ws);
             else
                 amx_unpack(g, two ? g + per_group : NULL, ph->n, q8, wb, ws);
             *unpacked = rows_id;
