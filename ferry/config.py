@@ -41,7 +41,7 @@ class Settings:
     handshakes: bool = field(default=True, metadata={"env": "FERRY_HANDSHAKES", "parse": _flag})
     # prompt u-batches up to this many tokens are replayed as CUDA graphs; above, a recording costs more than it saves
     prompt_graph_max: int = field(default=2048, metadata={"env": "FERRY_PROMPT_GRAPH_MAX", "parse": _count})
-    # AMX-INT8 tiles for many tokens' Q4_0 / Q8_0 / Q4_K weights where the CPU has them (0: the AVX512-VNNI kernels)
+    # AMX-INT8 tiles for many tokens' weights (CPU_AMX_TYPES) where the CPU has them (0: the AVX512-VNNI kernels)
     amx: bool = field(default=True, metadata={"env": "FERRY_AMX", "parse": _flag})
 
     @classmethod

@@ -180,7 +180,7 @@ def library(s: Settings | None = None) -> ctypes.CDLL | None:
 
 
 def amx(s: Settings | None = None) -> bool:
-    """Whether many tokens' Q4_0 / Q8_0 / Q4_K weights (CPU_AMX_TYPES) run on AMX-INT8 tiles here: the CPU has them,
+    """Whether many tokens' weights of the types CPU_AMX_TYPES lists run on AMX-INT8 tiles here: the CPU has them,
     Linux lets the process use them, and Settings.amx (FERRY_AMX) was on when the kernels loaded (or use_amx turned
     them on since)."""
     lib = library(s)
