@@ -17,6 +17,7 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--biases", action="store_true", help="each expert's up, gate and down with biases (gpt-oss's)")
     ap.add_argument("--gpt-oss", action="store_true", help="gpt-oss-20b's layer (see above)")
     ap.add_argument("-r", "--reps", type=int, default=5)
-    ap.add_argument("--json", default="cpu_experts.json")
+    ap.add_argument("--json", default="out/cpu_experts.json")  # out/: git-ignored
     ap.add_argument("--phases", action="store_true",
                     help="over many tokens, where ferry's threads spend a call: each phase's mean and longest thread")
     a = ap.parse_args()
@@ -137,6 +138,7 @@ def main() -> None:
         print("| experts | tokens | " + " | ".join(native.PHASES) + " |")
         print("| --- | ---: | " + " | ".join("---:" for _ in native.PHASES) + " |")
         print("\n".join(phase_lines))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     with open(a.json, "w") as fh:
         json.dump(rows, fh, indent=1)
 
