@@ -53,7 +53,8 @@
 #if FAST && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX 1 /* Q4_0 / Q8_0 / K-quant / IQ4_XS weights against many tokens on AMX-INT8 tiles (amx_tile), where ferry_amx turned it on */
+/* many tokens against Q4_0 / Q8_0 / K-quant / IQ4_XS weights on AMX-INT8 tiles (amx_tile), where ferry_amx says */
+#define AMX 1
 #else
 #define AMX 0
 #endif
@@ -135,8 +136,8 @@ int ferry_moe_fast(void) { return FAST; }
 
 static int amx_on; /* ferry_amx's choice: 1 where the CPU has AMX-INT8, the OS lets this process use it, and it is asked */
 
-/* AMX-INT8 for many tokens' Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS weights, on (want 1), off (0: AVX512-VNNI's kernels everywhere) or as it is
- * (-1): returns whether it is on. Linux gives a process the tiles' state only when asked (ARCH_REQ_XCOMP_PERM). */
+/* AMX-INT8 for many tokens' Q4_0 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS weights, on (want 1), off (0: AVX512-VNNI's
+ * kernels everywhere) or as it is (-1): returns whether it is on. Linux gives a process the tiles' state only when asked (ARCH_REQ_XCOMP_PERM). */
 int ferry_amx(int want) {
 #if AMX
     static int granted = -1;
@@ -241,6 +242,8 @@ static int q5_k_order(int i) {
     const int h = i / 128, r = i % 128, half = r / 64, high = r % 64 / 32;
     return 64 * (2 * h + high) + 32 * half + r % 32;
 }
+/* the sub-block whose 32 columns q5_k_order puts at bytes 32m..32m + 31 */
+static inline int q5_k_sub(int m) { return 4 * (m / 4) + (m / 2) % 2 + 2 * (m % 2); }
 /* IQ4_XS: sub-block s (32 columns) is 16 bytes, byte j holding columns 32s + j (low nibble) and 32s + 16 + j (high);
  * a load of 64 holds sub-blocks 4h..4h + 3, vector 2h their low nibbles, 2h + 1 their high */
 static int iq4_xs_order(int i) {
@@ -314,8 +317,7 @@ static void quantize_row(int type, const float *x, int n, void *dst) {
         for (int b = 0; b < n / QK_K; b++) {
             a[b].d = round_q8_k(x + (size_t)b * QK_K, q);
             for (int j = 0; j < 8; j++) a[b].sum[j] = sum_32(q + 32 * j);
-            for (int m = 0; m < 8; m++) /* Q5_K: q's 32 bytes m hold sub-block 4 (m / 4) + (m / 2) % 2 + 2 (m % 2) */
-                a[b].sumf[m] = (float)a[b].sum[type == Q5_K ? 4 * (m / 4) + (m / 2) % 2 + 2 * (m % 2) : m];
+            for (int m = 0; m < 8; m++) a[b].sumf[m] = (float)a[b].sum[type == Q5_K ? q5_k_sub(m) : m];
             if (type == Q5_K)
                 for (int i = 0; i < QK_K; i++) a[b].q[q5_k_order(i)] = q[i];
             else
@@ -1195,9 +1197,9 @@ static inline void transpose_16x16(__m512i *r) {
  * (two groups) against a tile of up to AMX_TOKENS tokens whose activation rows are consecutive, so that one tile load
  * takes a block's bytes of all of them (32 columns; Q6_K's and IQ4_XS's 16: a block has one scale, and their
  * activations' 32 bytes hold two). Q5_K and IQ4_XS blocks are in their activations' order (q5_k_order,
- * iq4_xs_order), which the dot products do not mind. The rows' blocks are unpacked once into
- * signed bytes in a B tile's order (amx_unpack, amx_unpack_q4_k, amx_unpack_rows) and kept while the thread's next
- * units read the same rows. A block's 16 x 16 int32 sums are scaled by its rows' and tokens' scales and added in
+ * iq4_xs_order), which the dot products do not mind. The rows' blocks are unpacked once into signed bytes in a B
+ * tile's order (amx_unpack, amx_unpack_q4_k, amx_unpack_rows) and kept while the thread's next units read the same
+ * rows. A block's 16 x 16 int32 sums are scaled by its rows' and tokens' scales and added in
  * float32: for Q4_0 and Q8_0 as the VNNI kernel does (the same roundings, the sums in another order); the K-quants'
  * sub-blocks each take their rows' d sc (and dmin m) in float32, where their VNNI kernels sum a super-block's
  * sc-weighted sums in int32 first. */
@@ -1208,7 +1210,8 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* the columns of one block of a type's tiles: Q6_K's scales are per 16 columns, the others' per 32 */
+/* the columns of one block of a type's tiles: Q6_K's scales are per 16 columns, and IQ4_XS's order puts halves of two
+ * sub-blocks in 32 bytes of its activations; the others' blocks are 32 */
 static inline int amx_width(int type) { return type == Q6_K || type == IQ4_XS ? 16 : 32; }
 
 /* tiles 0-3: sums (16 tokens x 16 int32), 4-5: tokens' blocks (16 x width bytes), 6-7: weights' blocks (width / 4 x
@@ -1341,7 +1344,7 @@ static void amx_row(int type, const uint8_t *at, int8_t *w, float *sc, float *mn
     if (type == Q6_K) {
         q6_k_values(at, w);
         for (int j = 0; j < 16; j++) sc[j] = d * (float)((const int8_t *)(at + 192))[j];
-    } else if (type == Q5_K) { /* q5_k_order: 32 bytes m of it are sub-block 4 (m / 4) + (m / 2) % 2 + 2 (m % 2) */
+    } else if (type == Q5_K) { /* in q5_k_order: 32 bytes m of it are sub-block q5_k_sub(m) */
         __m512i v[4];
         q5_k_vectors(at, v);
         for (int k = 0; k < 4; k++) _mm512_store_si512(w + 64 * k, v[k]);
@@ -1349,7 +1352,7 @@ static void amx_row(int type, const uint8_t *at, int8_t *w, float *sc, float *mn
         const uint64_t m8 = six_bits(load_u32(at + 8), load_u32(at + 12), 4);
         const float dmin = _cvtsh_ss(h[1]);
         for (int m = 0; m < 8; m++) {
-            const int sub = 4 * (m / 4) + (m / 2) % 2 + 2 * (m % 2);
+            const int sub = q5_k_sub(m);
             sc[m] = d * (float)(uint8_t)(sc8 >> (8 * sub));
             mn[m] = dmin * (float)(uint8_t)(m8 >> (8 * sub));
         }
