@@ -486,15 +486,28 @@ static inline __attribute__((always_inline)) void tile_q4_k(const uint8_t *g, co
     for (int t = 0; t < T; t++) _mm256_storeu_ps(out[t], acc[t]);
 }
 
-/* the 8 Q6_K rows at g (n columns each, one after another: plain, so that all types share the (slot, matrix, group)
- * split) against up to 4 tokens: each row's quarter-blocks and scales unpacked once for all */
-static inline __attribute__((always_inline)) void tile_q6_k(const uint8_t *g, const uint8_t *const *act, int n,
-                                                             float *const *out, const int T) {
-    const __m512i nibble = _mm512_set1_epi8(0x0f), pair = _mm512_set1_epi8(0x30), low16 = _mm512_set1_epi32(0xffff);
+/* a Q6_K row's super-block at row as its 4 vectors of values q (0..63; the weight is d sc (q - 32)) in column order:
+ * vector 2h + i columns 128h + 64i..128h + 64i + 63 */
+static inline __attribute__((always_inline)) void q6_k_vectors(const uint8_t *row, __m512i *v) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), pair = _mm512_set1_epi8(0x30);
     /* the high pairs to bits 4-5 of each byte: weights l, l + 32 (lower, upper 256 bits) shift left 4 and 2, weights
      * l + 64, l + 96 right 0 and 2 (16-bit shifts; the 0x30 mask keeps each byte's own bits) */
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int h = 0; h < 2; h++) {
+        const __m512i lo = _mm512_loadu_si512(row + 64 * h);
+        const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 128 + 32 * h)));
+        v[2 * h] = _mm512_or_si512(_mm512_and_si512(lo, nibble), _mm512_and_si512(_mm512_sllv_epi16(hi, left), pair));
+        v[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble),
+                                       _mm512_and_si512(_mm512_srlv_epi16(hi, right), pair));
+    }
+}
+
+/* the 8 Q6_K rows at g (n columns each, one after another: plain, so that all types share the (slot, matrix, group)
+ * split) against up to 4 tokens: each row's quarter-blocks and scales unpacked once for all */
+static inline __attribute__((always_inline)) void tile_q6_k(const uint8_t *g, const uint8_t *const *act, int n,
+                                                             float *const *out, const int T) {
+    const __m512i low16 = _mm512_set1_epi32(0xffff);
     __m512i lane_of[4]; /* the scale index of each 32-bit lane of the block's 64-column quarter k */
     for (int k = 0; k < 4; k++) lane_of[k] = groups_of_16(k);
     const int blocks = n / QK_K;
@@ -510,13 +523,10 @@ static inline __attribute__((always_inline)) void tile_q6_k(const uint8_t *g, co
             const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)));
             __m512i isum[4];
             for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+            __m512i v[4];
+            q6_k_vectors(row, v);
             for (int h = 0; h < 2; h++) { /* columns 128h..128h+127 */
-                const __m512i lo = _mm512_loadu_si512(row + 64 * h);
-                const __m512i hi = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 128 + 32 * h)));
-                const __m512i v0 = _mm512_or_si512(_mm512_and_si512(lo, nibble),
-                                                   _mm512_and_si512(_mm512_sllv_epi16(hi, left), pair));
-                const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), nibble),
-                                                   _mm512_and_si512(_mm512_srlv_epi16(hi, right), pair));
+                const __m512i v0 = v[2 * h], v1 = v[2 * h + 1];
                 const __m512i s0 = _mm512_permutexvar_epi32(lane_of[2 * h], scales);
                 const __m512i s1 = _mm512_permutexvar_epi32(lane_of[2 * h + 1], scales);
                 /* each lane's scale in both its 16-bit halves, for vpmaddwd after vpmaddubsw (vpmulld after vpdpbusd
@@ -1213,6 +1223,8 @@ typedef struct {
 /* the columns of one block of a type's tiles: Q6_K's scales are per 16 columns, and IQ4_XS's order puts halves of two
  * sub-blocks in 32 bytes of its activations; the others' blocks are 32 */
 static inline int amx_width(int type) { return type == Q6_K || type == IQ4_XS ? 16 : 32; }
+/* floats of a block's rows at ws: their 16 scales, then for Q4_K and Q5_K their 16 mins */
+static inline int amx_floats(int type) { return type == Q4_K || type == Q5_K ? 32 : 16; }
 
 /* tiles 0-3: sums (16 tokens x 16 int32), 4-5: tokens' blocks (16 x width bytes), 6-7: weights' blocks (width / 4 x
  * 64) */
@@ -1315,25 +1327,6 @@ static void amx_unpack_q4_k(const uint8_t *g0, const uint8_t *g1, int n, int8_t 
     }
 }
 
-/* a Q6_K row's super-block at s as 256 signed bytes q - 32 in column order */
-static inline void q6_k_values(const uint8_t *s, int8_t *w) {
-    const __m512i low = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3), offset = _mm512_set1_epi8(32);
-    /* 16-bit lanes 0-15 (bytes 0-31) shifted by the first count, 16-31 by the second */
-    const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-    for (int h = 0; h < 2; h++) { /* columns 128h..128h + 127: ql's 64 bytes, qh's 32 twice */
-        const __m512i ql = _mm512_loadu_si512(s + 64 * h);
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(s + 128 + 32 * h));
-        const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-        const __m512i hi_lo = _mm512_and_si512(_mm512_srlv_epi16(qh2, shift_lo), three);
-        const __m512i hi_hi = _mm512_and_si512(_mm512_srlv_epi16(qh2, shift_hi), three);
-        const __m512i lo = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_slli_epi16(hi_lo, 4));
-        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), _mm512_slli_epi16(hi_hi, 4));
-        _mm512_store_si512(w + 128 * h, _mm512_sub_epi8(lo, offset));
-        _mm512_store_si512(w + 128 * h + 64, _mm512_sub_epi8(hi, offset));
-    }
-}
-
 /* the AMX blocks of a plain row's super-block at `at` (Q5_K, Q6_K, IQ4_XS): its 256 values as signed bytes w, in the
  * order of the activation block the type reads (act_q4_k's / act_q6_k's q), and per block of amx_width(type) of them
  * its scale (sc) and, for Q5_K, its min (mn: dmin m, against act_q4_k.sumf) */
@@ -1342,7 +1335,9 @@ static void amx_row(int type, const uint8_t *at, int8_t *w, float *sc, float *mn
     memcpy(h, at + (type == Q6_K ? 208 : 0), type == Q5_K ? 4 : 2);
     const float d = _cvtsh_ss(h[0]);
     if (type == Q6_K) {
-        q6_k_values(at, w);
+        __m512i v[4];
+        q6_k_vectors(at, v);
+        for (int k = 0; k < 4; k++) _mm512_store_si512(w + 64 * k, _mm512_sub_epi8(v[k], _mm512_set1_epi8(32)));
         for (int j = 0; j < 16; j++) sc[j] = d * (float)((const int8_t *)(at + 192))[j];
     } else if (type == Q5_K) { /* in q5_k_order: 32 bytes m of it are sub-block q5_k_sub(m) */
         __m512i v[4];
@@ -1377,7 +1372,7 @@ static void amx_row(int type, const uint8_t *at, int8_t *w, float *sc, float *mn
  * amx_width(type) columns (B row r: each weight row's columns 4r..4r + 3 of the block), from the rows' values
  * transposed in 32-bit words; per block the 16 rows' scales (16 floats at ws) and for Q5_K then their mins (16 more) */
 static void amx_unpack_rows(int type, const uint8_t *g0, const uint8_t *g1, int n, int8_t *wb, float *ws) {
-    const int width = amx_width(type), per_sb = QK_K / width, per_block = type == Q5_K ? 32 : 16;
+    const int width = amx_width(type), per_sb = QK_K / width, per_block = amx_floats(type);
     const size_t sb_bytes = type == Q5_K ? Q5_K_BYTES : type == Q6_K ? Q6_K_BYTES : IQ4_XS_BYTES;
     const size_t row_bytes = sb_bytes * (n / QK_K), b_bytes = (size_t)16 * width;
     int8_t w[16][QK_K] __attribute__((aligned(64)));
@@ -1512,8 +1507,8 @@ static void amx_units(const phase *ph, int e, int64_t lo, int64_t hi, int64_t *u
     static _Thread_local int8_t *buf;
     static _Thread_local size_t cap;
     const int width = amx_width(ph->type), blocks = ph->n / width, quads = (ph->groups + 1) / 2;
-    const int q8 = ph->type == Q8_0, kq = ph->type == Q4_K || ph->type == Q5_K; /* kq: mins beside the scales */
-    const size_t b_bytes = (size_t)16 * width, need = (size_t)blocks * (b_bytes + (kq ? 32 : 16) * sizeof(float));
+    const int q8 = ph->type == Q8_0;
+    const size_t b_bytes = (size_t)16 * width, need = (size_t)blocks * (b_bytes + amx_floats(ph->type) * sizeof(float));
     if (cap < need) {
         free(buf);
         buf = aligned_alloc(64, need);
