@@ -4,8 +4,9 @@ with their default configuration and a sweep of (rows per program, columns per s
 over K-quant blocks (`kquant`:
 Q4_K dense, Q4_K_M's experts, a sweep of rows per program and warps) beside what a token cost before those kernels
 (the weight expanded to floats, then a matmul); the float32 router GEMV, attention over the cache (a sweep of cells per
-step and warps) and the router's top-k. Prints a table, writes JSON.
-  python benchmarks/gemv_kernels.py [--json out.json]
+step and warps) and the router's top-k. Prints a table, writes JSON. With --graphs the expert and K-quant kernels are
+timed replayed in CUDA graphs, as a decode step runs them (do_bench's figures carry each call's launches).
+  python benchmarks/gemv_kernels.py [--json out.json] [--only experts,kquant] [--graphs]
 """
 
 import argparse
@@ -46,11 +47,11 @@ def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) 
     return layout.Split(qtype, ne, qs.view(torch.int8) if qtype == Q.Q8_0 else qs, d)
 
 
-def _best(fn) -> tuple[tuple, float]:
+def _best(fn, timer=do_bench) -> tuple[tuple, float]:
     times = {}
     for cfg in SWEEP:
         try:
-            times[cfg] = do_bench(lambda: fn(cfg))
+            times[cfg] = timer(lambda: fn(cfg))
         except Exception:  # a configuration the compiler refuses (registers, shared memory)
             continue
     return min(times.items(), key=lambda kv: kv[1])
@@ -61,36 +62,38 @@ def _kquant_bytes(qtype: Q, ne: tuple[int, ...], dev) -> torch.Tensor:
                             .view(np.uint8).reshape(-1).copy()).to(dev)
 
 
-def _kquants(dev, report) -> None:
+def _kquants(dev, report, timer=do_bench) -> None:
     """Q4_K dense weights and Q4_K_M experts (gate and up Q4_K, down Q6_K) read in place, each against the weight
-    expanded then multiplied (a token's cost before kernels/cuda/kquant.py; for experts, the whole layer expanded)."""
+    expanded then multiplied (a token's cost before kernels/cuda/kquant.py; for experts, the whole layer expanded), and
+    a Q5_K_M file's experts. timer: do_bench, or do_bench_cudagraph (--graphs: each call replayed in a CUDA graph, as
+    a decode step runs it, without its launches' host time)."""
     def best(fn, sweep=KQUANT_SWEEP):
-        times = {cfg: do_bench(lambda: fn(*cfg)) for cfg in sweep}
+        times = {cfg: timer(lambda: fn(*cfg)) for cfg in sweep}
         return min(times.items(), key=lambda kv: kv[1])
 
     for name, (cols, rows) in {"qwen3 attn_q": (2048, 4096), "qwen3 attn_output": (4096, 2048),
                                "qwen3 output": (2048, 151936)}.items():
         raw = _kquant_bytes(Q.Q4_K, (cols, rows), dev)
         x = torch.randn(1, cols, device=dev)
-        expanded = do_bench(lambda: x @ dequant.dequantize(raw, Q.Q4_K, (cols, rows), torch.float32).T)
+        expanded = timer(lambda: x @ dequant.dequantize(raw, Q.Q4_K, (cols, rows), torch.float32).T)
         print(f"  {name} Q4_K expanded then matmul: {1e3 * expanded:.1f} us", flush=True)
-        report(f"{name} Q4_K", f"{rows}x{cols}", raw.numel(),
-               do_bench(lambda: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x)),
+        report(f"{name} Q4_K", f"{rows}x{cols}", raw.numel(), timer(lambda: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x)),
                best(lambda br, w: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x, br, w)))
     n_expert, n_used, n_embd, n_ff = EXPERTS["qwen3"]
-    tensors = tuple((_kquant_bytes(q, ne, dev), q, ne) for q, ne in zip((Q.Q4_K, Q.Q4_K, Q.Q6_K),
-                                                                         ((n_embd, n_ff, n_expert),
-                                                                          (n_embd, n_ff, n_expert),
-                                                                          (n_ff, n_embd, n_expert))))
     x = torch.randn(1, n_embd, device=dev)
     ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
     weights = torch.rand(1, n_used, device=dev)
-    nbytes = sum(t.numel() for t, _, _ in tensors) * n_used / n_expert
-    layer = do_bench(lambda: [dequant.dequantize(t, q, ne, torch.bfloat16) for t, q, ne in tensors])
-    print(f"  qwen3 Q4_K_M experts: expanding the layer alone {1e3 * layer:.1f} us", flush=True)
-    report("qwen3 experts Q4_K_M", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
-           do_bench(lambda: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu")),
-           best(lambda br, w: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu", rows_per_program=br, warps=w)))
+    for mix, types in {"Q4_K_M": (Q.Q4_K, Q.Q4_K, Q.Q6_K), "Q5_K_M": (Q.Q5_K, Q.Q5_K, Q.Q6_K)}.items():
+        tensors = tuple((_kquant_bytes(q, ne, dev), q, ne) for q, ne in zip(types, ((n_embd, n_ff, n_expert),
+                                                                                    (n_embd, n_ff, n_expert),
+                                                                                    (n_ff, n_embd, n_expert))))
+        nbytes = sum(t.numel() for t, _, _ in tensors) * n_used / n_expert
+        if mix == "Q4_K_M":
+            layer = timer(lambda: [dequant.dequantize(t, q, ne, torch.bfloat16) for t, q, ne in tensors])
+            print(f"  qwen3 Q4_K_M experts: expanding the layer alone {1e3 * layer:.1f} us", flush=True)
+        report(f"qwen3 experts {mix}", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
+               timer(lambda: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu")),
+               best(lambda br, w: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu", rows_per_program=br, warps=w)))
 
 
 def main() -> None:
@@ -98,8 +101,11 @@ def main() -> None:
     ap.add_argument("--json", default="gemv_kernels.json")
     ap.add_argument("--only", default="gemv,experts,kquant,router,attention,route",
                     help="which kernels, comma-separated")
+    ap.add_argument("--graphs", action="store_true",
+                    help="time the expert and K-quant kernels replayed in CUDA graphs, as a decode step runs them")
     a = ap.parse_args()
     only = set(a.only.split(","))
+    timer = do_bench_cudagraph if a.graphs else do_bench
     dev = torch.device("cuda")
     results = []
     print("| kernel | shape | default us | best us | best (rows, cols/step, warps) | GB/s default | GB/s best |")
@@ -132,10 +138,11 @@ def main() -> None:
             weights = torch.rand(1, n_used, device=dev)
             nbytes = n_used * 3 * n_embd * n_ff * (18 if qtype == Q.Q4_0 else 17) / 32
             report(f"{name} experts {qtype.name}", f"{n_used} x 3 x {n_ff}x{n_embd}", nbytes,
-                   do_bench(lambda: moe.moe_gemv(x, ids, weights, gate, up, down, act, biases=biases)),
-                   _best(lambda cfg: moe.moe_gemv(x, ids, weights, gate, up, down, act, config=cfg, biases=biases)))
+                   timer(lambda: moe.moe_gemv(x, ids, weights, gate, up, down, act, biases=biases)),
+                   _best(lambda cfg: moe.moe_gemv(x, ids, weights, gate, up, down, act, config=cfg, biases=biases),
+                         timer))
     if "kquant" in only:
-        _kquants(dev, report)
+        _kquants(dev, report, timer)
     for name, (n_expert, n_used, n_embd, _) in EXPERTS.items() if "router" in only else ():  # the f32 router
         w = torch.randn(n_expert, n_embd, device=dev)
         x = torch.randn(1, n_embd, device=dev)
