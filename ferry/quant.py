@@ -404,6 +404,23 @@ def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...], rows_at_once
     return out.reshape(-1)
 
 
+def q5_0_as_q8_0(raw: np.ndarray, blocks_at_once: int = 1 << 20) -> np.ndarray:
+    """Q5_0 blocks as Q8_0 blocks of exactly the same values: a Q5_0 block (fp16 d, the 32-bit qh of fifth bits, 16
+    bytes of nibbles: byte j holds value j (low nibble, fifth bit j) and value j + 16 (high, bit j + 16)) stands for
+    d (q - 16), q of 5 bits, which a Q8_0 block (fp16 d, 32 int8) holds with the same d. 34 bytes for 22."""
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 22)
+    out = np.empty((len(blocks), 34), dtype=np.uint8)
+    bit = np.arange(32, dtype=np.uint32)
+    for b0 in range(0, len(blocks), blocks_at_once):
+        part = blocks[b0:b0 + blocks_at_once]
+        qh = np.ascontiguousarray(part[:, 2:6]).view("<u4")
+        nibbles = np.concatenate([part[:, 6:] & 0xF, part[:, 6:] >> 4], axis=1)
+        q = (nibbles | (((qh >> bit) & 1).astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        out[b0:b0 + len(part), :2] = part[:, :2]
+        out[b0:b0 + len(part), 2:] = q.view(np.uint8)
+    return out.reshape(-1)
+
+
 def parse_qtype(name: str) -> GGMLQuantizationType:
     """'q4_k' or 'Q4_K' -> GGMLQuantizationType.Q4_K, with an error that lists the valid names."""
     try:

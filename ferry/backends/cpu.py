@@ -21,6 +21,7 @@ from ferry.kernels.activations import SILU_CLAMP_LIMIT, SWIGLU_OAI
 from ferry.kernels.capabilities import can, can_ggml, cpu_native_experts, cpu_native_linear, cpu_reads_plain
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
+from ferry.quant import Q, q5_0_as_q8_0
 from ferry.weight import Weight
 
 
@@ -69,6 +70,11 @@ def _kernel_layout(w: Weight) -> int:
     if can(w.qtype).cpu_native == "plain" or not w.repacked:
         return w.data.ctypes.data
     return w.repacked.tensor.contents.data
+
+
+def _linear_type(w: Weight) -> int:
+    """The type ferry's matrix kernel reads a dense weight as: its own (Q8_0) copy's, else the weight's."""
+    return Q.Q8_0.value if can(w.qtype).cpu_linear == "own" else w.qtype.value
 
 
 def _biases(up: Weight, gate: Weight, down: Weight) -> tuple[int, int, int]:
@@ -219,11 +225,11 @@ class CpuBackend:
 
     def linear_node(self, g: _Graph, x, w: Weight):
         """W x for x (k, n) float32: ferry's matrix kernel where it runs W (native_linear), else ggml's mul_mat."""
-        at = self.native_linear(w)
         c = x.contents
+        at = self.native_linear(w, c.ne[1])
         if at is None or c.type != ggml.GGML_TYPE_F32 or c.nb[0] != 4 or c.ne[2] != 1 or c.ne[3] != 1:
             return ggml.ggml_mul_mat(g.ctx, self._weight_leaf(g, w), x)
-        return self._dense().node(g.ctx, x, at, w.qtype.value, w.ne[1], g.keep)
+        return self._dense().node(g.ctx, x, at, _linear_type(w), w.ne[1], g.keep)
 
     def ffn_nodes(self, g: _Graph, x, gate: Weight, up: Weight, down: Weight, act: str):
         """down(act(gate x) * up x) for x (n_embd, n)."""
@@ -353,11 +359,12 @@ class CpuBackend:
     def report(self) -> list[str]:
         return []
 
-    def native_linear(self, w: Weight) -> int | None:
+    def native_linear(self, w: Weight, n: int | None = None) -> int | None:
         """The address ferry's matrix kernel reads dense weight w at, where it runs it (capabilities.cpu_native_linear:
-        Q4_0 / Q4_K repacked by ggml, Q5_K / Q6_K / IQ4_XS plain, Q8_0 in its own copy, made here once), on a CPU it
-        was built for; None where ggml runs it. Decided once per weight."""
-        if not self.native_kernels or len(w.ne) != 2:
+        Q4_0 / Q4_K repacked by ggml, Q5_K / Q6_K / IQ4_XS plain, Q8_0 and Q5_0 in its own Q8_0 copy, made here once),
+        on a CPU it was built for, for calls of n tokens (None: any; fewer than the type's cpu_linear_from: ggml's);
+        None where ggml runs it. Decided once per weight."""
+        if not self.native_kernels or len(w.ne) != 2 or (n is not None and n < can(w.qtype).cpu_linear_from):
             return None
         known = w.graphs.get("native linear")
         if known is None or known[0] is not self:
@@ -368,7 +375,8 @@ class CpuBackend:
                 kind = can(w.qtype).cpu_linear
                 if kind == "own":
                     if w.own_copy is None:
-                        w.own_copy = native.repack_q8_0(lib, w.data, w.ne[1], w.ne[0], self.n_threads_batch)
+                        q8 = q5_0_as_q8_0(w.data) if w.qtype == Q.Q5_0 else w.data
+                        w.own_copy = native.repack_q8_0(lib, q8, w.ne[1], w.ne[0], self.n_threads_batch)
                     at = w.own_copy.ctypes.data
                 else:
                     at = w.data.ctypes.data if kind == "plain" else w.repacked.tensor.contents.data
@@ -400,9 +408,9 @@ class CpuBackend:
         x = x.contiguous().float()
         n, k = x.shape
         m = w.ne[1]
-        at = self.native_linear(w)
+        at = self.native_linear(w, n)
         if at is not None:
-            return self._dense()(x, at, w.qtype.value, m, torch.empty(n, m, dtype=torch.float32))
+            return self._dense()(x, at, _linear_type(w), m, torch.empty(n, m, dtype=torch.float32))
 
         def build() -> _Graph:
             g = _Graph(self, n)

@@ -21,8 +21,10 @@ class Can:
     kquant.py); its prompts and streamed experts expand it;
     cpu_native: ferry's CPU expert kernel reads it: "repacked" (ggml's interleaved copy), "plain" (its GGUF layout),
     or "" (ggml runs it);
-    cpu_linear: ferry's CPU matrix kernel reads it as a dense weight: as cpu_native, or "own" (its own interleaved copy,
-    made at load where ggml has none)."""
+    cpu_linear: ferry's CPU matrix kernel reads it as a dense weight: as cpu_native, or "own" (its own interleaved Q8_0
+    copy, made at first use where ggml has none: Q8_0's bytes, Q5_0's values exactly in 34 bytes for 22);
+    cpu_linear_from: the fewest tokens of a call the kernel takes it for (Q5_0's copy reads more bytes than ggml's
+    kernel does at one token; for a prompt its tiles pay)."""
 
     gpu_gemv: bool = False
     gpu_expand: bool = False
@@ -30,6 +32,7 @@ class Can:
     gpu_token: bool = False
     cpu_native: str = ""
     cpu_linear: str = ""
+    cpu_linear_from: int = 1
 
 
 _TABLE = {
@@ -39,7 +42,7 @@ _TABLE = {
     Q.Q8_0: Can(gpu_gemv=True, gpu_expand=True, cpu_linear="own"),
     Q.Q4_0: Can(gpu_gemv=True, gpu_expand=True, cpu_native="repacked", cpu_linear="repacked"),
     Q.Q4_1: Can(gpu_expand=True),
-    Q.Q5_0: Can(gpu_expand=True),
+    Q.Q5_0: Can(gpu_expand=True, cpu_linear="own", cpu_linear_from=2),
     Q.Q5_1: Can(gpu_expand=True),
     Q.Q2_K: Can(gpu_expand=True),
     Q.Q3_K: Can(gpu_expand=True),
