@@ -404,18 +404,27 @@ def ik_to_q8_0(raw: np.ndarray, raw_type: int, ne: tuple[int, ...], rows_at_once
     return out.reshape(-1)
 
 
-def q5_0_as_q8_0(raw: np.ndarray, blocks_at_once: int = 1 << 20) -> np.ndarray:
-    """Q5_0 blocks as Q8_0 blocks of exactly the same values: a Q5_0 block (fp16 d, the 32-bit qh of fifth bits, 16
-    bytes of nibbles: byte j holds value j (low nibble, fifth bit j) and value j + 16 (high, bit j + 16)) stands for
-    d (q - 16), q of 5 bits, which a Q8_0 block (fp16 d, 32 int8) holds with the same d. 34 bytes for 22."""
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, 22)
+AS_Q8_0 = (Q.Q5_0, Q.IQ4_NL)  # types whose values a Q8_0 block holds exactly, with the same d (as_q8_0)
+
+
+def as_q8_0(raw: np.ndarray, qtype, blocks_at_once: int = 1 << 20) -> np.ndarray:
+    """Blocks of one of AS_Q8_0's types as Q8_0 blocks (fp16 d, 32 int8) of exactly the same values, the same d:
+    - Q5_0 (22 bytes: fp16 d, the 32-bit qh of fifth bits, 16 bytes of nibbles, byte j holding value j (low nibble,
+      fifth bit j) and value j + 16 (high nibble, bit j + 16)) stands for d (q - 16), q of 5 bits;
+    - IQ4_NL (18 bytes: fp16 d, 16 bytes of nibbles as Q5_0's) for d table[q], the table's 16 values int8."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, size)
     out = np.empty((len(blocks), 34), dtype=np.uint8)
     bit = np.arange(32, dtype=np.uint32)
     for b0 in range(0, len(blocks), blocks_at_once):
         part = blocks[b0:b0 + blocks_at_once]
-        qh = np.ascontiguousarray(part[:, 2:6]).view("<u4")
-        nibbles = np.concatenate([part[:, 6:] & 0xF, part[:, 6:] >> 4], axis=1)
-        q = (nibbles | (((qh >> bit) & 1).astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        qs = part[:, size - 16:]
+        nibbles = np.concatenate([qs & 0xF, qs >> 4], axis=1)
+        if qtype == Q.Q5_0:
+            qh = np.ascontiguousarray(part[:, 2:6]).view("<u4")
+            q = (nibbles | (((qh >> bit) & 1).astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+        else:
+            q = IQ4K_VALUES[:16][nibbles]
         out[b0:b0 + len(part), :2] = part[:, :2]
         out[b0:b0 + len(part), 2:] = q.view(np.uint8)
     return out.reshape(-1)

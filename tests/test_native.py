@@ -18,7 +18,7 @@ from ferry.kernels.capabilities import CPU_AMX_TYPES
 from ferry.offload.plan import experts_kernel
 from ferry.backends.cpu import CpuBackend
 from ferry.gguf.synth import _IK_UNIT_RMS
-from ferry.quant import IK_TYPES, IkQuant, Q, dequantize, ik_type_bytes, quantize
+from ferry.quant import AS_Q8_0, IK_TYPES, IkQuant, Q, dequantize, ik_type_bytes, quantize
 
 
 def _has_vnni() -> bool:
@@ -455,7 +455,7 @@ def test_plan_says_which_layers_run_on_ferrys_kernel_by_their_expert_types():
 
 def _rounded_rows(x: np.ndarray, qtype) -> np.ndarray:
     """x's rows after the kernel's activation rounding for weights of qtype (blocks of 32 for Q4_0 / Q8_0, else 256)."""
-    return np.stack([_as_kernel_rounds(r.astype(np.float64), 32 if qtype in (Q40, Q.Q8_0, Q.Q5_0) else 256)
+    return np.stack([_as_kernel_rounds(r.astype(np.float64), 32 if qtype in (Q40, Q.Q8_0, Q.Q5_0, Q.IQ4_NL) else 256)
                      for r in x])
 
 
@@ -467,8 +467,9 @@ LINEAR = [(Q.Q8_0, 8, 32, 1, 1), (Q.Q8_0, 24, 96, 3, 3), (Q.Q8_0, 72, 160, 17, 2
           (Q6K, 8, 256, 2, 3), (Q6K, 56, 768, 13, 2), (Q6K, 24, 1280, 1, 1),
           (Q5K, 8, 256, 1, 1), (Q5K, 40, 768, 9, 3), (Q5K, 136, 1280, 5, 2),
           (IQ4, 8, 256, 3, 2), (IQ4, 72, 1280, 1, 3), (IQ4, 24, 768, 17, 2),
-          # Q5_0 as its Q8_0 copy (Gemma 3's 640-wide matrices: no K-quant fits them)
+          # Q5_0 and IQ4_NL as their Q8_0 copies (Gemma 3's 640-wide matrices: no K-quant fits them)
           (Q.Q5_0, 8, 32, 2, 1), (Q.Q5_0, 24, 640, 5, 2), (Q.Q5_0, 136, 160, 17, 3), (Q.Q5_0, 2048, 640, 40, 2),
+          (Q.IQ4_NL, 8, 32, 3, 1), (Q.IQ4_NL, 24, 640, 13, 2), (Q.IQ4_NL, 136, 160, 2, 3),
           # AMX's tiles (12 tokens and more): a last group of 8 rows alone, many tiles, one tile just full
           (Q.Q8_0, 2048, 512, 33, 3), (Q40, 24, 96, 12, 1), (Q.Q8_0, 8, 32, 16, 2), (Q40, 136, 2048, 70, 2),
           (Q4K, 24, 768, 12, 1), (Q4K, 8, 256, 16, 2), (Q4K, 136, 1280, 45, 3),
@@ -478,9 +479,9 @@ LINEAR = [(Q.Q8_0, 8, 32, 1, 1), (Q.Q8_0, 24, 96, 3, 3), (Q.Q8_0, 72, 160, 17, 2
 
 
 @pytest.mark.parametrize("qtype,m,k,n,threads,isa", [(*c, "vnni") for c in LINEAR] + [
-    (*c, isa) for c in LINEAR for isa in ISAS[1:] if c[0] in (*CPU_AMX_TYPES, Q.Q5_0)])
+    (*c, isa) for c in LINEAR for isa in ISAS[1:] if c[0] in (*CPU_AMX_TYPES, *AS_Q8_0)])
 def test_the_matrix_kernel_matches_float64_given_its_activation_rounding(qtype, m, k, n, threads, isa, path):
-    """Dense weights (ferry_linear: Q8_0 and Q5_0 in ferry's own interleaved Q8_0 copy, Q4_0 / Q4_K in ggml's
+    """Dense weights (ferry_linear: Q8_0, Q5_0 and IQ4_NL in ferry's own interleaved Q8_0 copy, Q4_0 / Q4_K in ggml's
     repacked one, Q5_K, Q6_K and IQ4_XS plain), one token and many; the tiled types on each of the CPU's paths
     (isa)."""
     path(isa)
@@ -496,26 +497,28 @@ def test_the_matrix_kernel_matches_float64_given_its_activation_rounding(qtype, 
     assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 2e-2  # 8-bit activations: about 0.5%
     if qtype == Q.Q8_0:
         assert w.own_copy is not None and w.own_copy.nbytes == w.data.nbytes  # the same bytes, interleaved
-    if qtype == Q.Q5_0:
-        assert w.own_copy is not None and w.own_copy.nbytes == w.data.nbytes // 22 * 34  # Q8_0's blocks
+    if qtype in AS_Q8_0:
+        assert w.own_copy is not None and w.own_copy.nbytes == w.data.nbytes // (22 if qtype == Q.Q5_0 else 18) * 34
 
 
-def test_q5_0_keeps_ggmls_kernel_for_one_token_and_takes_its_copy_for_more():
-    """A Q5_0 weight's Q8_0 copy reads 34 bytes where ggml's kernel reads 22: one token (generation, bandwidth-bound
-    on many cores) stays ggml's on the GGUF bytes, two tokens and more run ferry's kernel on the copy; both agree
-    with float64 (ggml's Q5_0 kernel rounds the activations as the copy's does), in a graph's FFN and alone."""
+@pytest.mark.parametrize("qtype", AS_Q8_0, ids=lambda q: q.name)
+def test_the_q8_0_copy_keeps_ggmls_kernel_for_one_token_and_takes_its_copy_for_more(qtype):
+    """A Q5_0 (IQ4_NL) weight's Q8_0 copy reads 34 bytes where ggml's kernel reads 22 (18): one token (generation,
+    bandwidth-bound on many cores) stays ggml's on the GGUF bytes, two tokens and more run ferry's kernel on the copy;
+    both agree with float64 (ggml's kernels round the activations to 8 bits per 32 as the copy's does), in a graph's
+    FFN and alone."""
     rng = np.random.default_rng(31)
-    (up, up64), (gate, gate64), (down, down64) = (_weight(rng, Q.Q5_0, 64, 96), _weight(rng, Q.Q5_0, 64, 96),
-                                                  _weight(rng, Q.Q5_0, 96, 64))
+    (up, up64), (gate, gate64), (down, down64) = (_weight(rng, qtype, 64, 96), _weight(rng, qtype, 64, 96),
+                                                  _weight(rng, qtype, 96, 64))
     cpu = CpuBackend(2)
     assert cpu.native_linear(up, 1) is None and cpu.native_linear(up, 2) is not None
     for n in (1, 2, 13):
         x = rng.standard_normal((n, 96)).astype(np.float32)
         ours = cpu.ffn(torch.from_numpy(x), gate, up, down, "silu").numpy()
         theirs = CpuBackend(2, native_kernels=False).ffn(torch.from_numpy(x), gate, up, down, "silu").numpy()
-        xr = _rounded_rows(x, Q.Q5_0)
+        xr = _rounded_rows(x, qtype)
         g, u = xr @ gate64.T, xr @ up64.T
-        ref = _rounded_rows(g / (1 + np.exp(-g)) * u, Q.Q5_0) @ down64.T
+        ref = _rounded_rows(g / (1 + np.exp(-g)) * u, qtype) @ down64.T
         assert np.abs(ours - ref).max() <= 3e-3 * np.abs(ref).max(), n
         assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-2, n  # h rounded apart here and there
         alone, want = cpu.linear(torch.from_numpy(x), up).numpy(), xr @ up64.T

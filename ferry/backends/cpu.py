@@ -21,7 +21,7 @@ from ferry.kernels.activations import SILU_CLAMP_LIMIT, SWIGLU_OAI
 from ferry.kernels.capabilities import can, can_ggml, cpu_native_experts, cpu_native_linear, cpu_reads_plain
 from ferry.kernels.cpu import native
 from ferry.kernels.cpu.ggml import _Graph, _ggml_log, _RepackBuffer, _Repacked, _repack_buffer_type, has_repack_layout
-from ferry.quant import Q, q5_0_as_q8_0
+from ferry.quant import AS_Q8_0, Q, as_q8_0
 from ferry.weight import Weight
 
 
@@ -361,7 +361,8 @@ class CpuBackend:
 
     def native_linear(self, w: Weight, n: int | None = None) -> int | None:
         """The address ferry's matrix kernel reads dense weight w at, where it runs it (capabilities.cpu_native_linear:
-        Q4_0 / Q4_K repacked by ggml, Q5_K / Q6_K / IQ4_XS plain, Q8_0 and Q5_0 in its own Q8_0 copy, made here once),
+        Q4_0 / Q4_K repacked by ggml, Q5_K / Q6_K / IQ4_XS plain, Q8_0, Q5_0 and IQ4_NL in its own Q8_0 copy, made
+        here once),
         on a CPU it was built for, for calls of n tokens (None: any; fewer than the type's cpu_linear_from: ggml's);
         None where ggml runs it. Decided once per weight."""
         if not self.native_kernels or len(w.ne) != 2 or (n is not None and n < can(w.qtype).cpu_linear_from):
@@ -375,7 +376,7 @@ class CpuBackend:
                 kind = can(w.qtype).cpu_linear
                 if kind == "own":
                     if w.own_copy is None:
-                        q8 = q5_0_as_q8_0(w.data) if w.qtype == Q.Q5_0 else w.data
+                        q8 = as_q8_0(w.data, w.qtype) if w.qtype in AS_Q8_0 else w.data
                         w.own_copy = native.repack_q8_0(lib, q8, w.ne[1], w.ne[0], self.n_threads_batch)
                     at = w.own_copy.ctypes.data
                 else:

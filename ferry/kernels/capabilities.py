@@ -22,9 +22,10 @@ class Can:
     cpu_native: ferry's CPU expert kernel reads it: "repacked" (ggml's interleaved copy), "plain" (its GGUF layout),
     or "" (ggml runs it);
     cpu_linear: ferry's CPU matrix kernel reads it as a dense weight: as cpu_native, or "own" (its own interleaved Q8_0
-    copy, made at first use where ggml has none: Q8_0's bytes, Q5_0's values exactly in 34 bytes for 22);
-    cpu_linear_from: the fewest tokens of a call the kernel takes it for (Q5_0's copy reads more bytes than ggml's
-    kernel does at one token; for a prompt its tiles pay)."""
+    copy, made at first use where ggml has none: Q8_0's bytes; Q5_0's and IQ4_NL's values exactly, in 34 bytes for 22
+    and 18: quant.as_q8_0);
+    cpu_linear_from: the fewest tokens of a call the kernel takes it for (Q5_0's and IQ4_NL's copies read more bytes
+    than ggml's kernels do at one token; for a prompt its tiles pay)."""
 
     gpu_gemv: bool = False
     gpu_expand: bool = False
@@ -50,7 +51,7 @@ _TABLE = {
     Q.Q5_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain", cpu_linear="plain"),
     Q.Q6_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain", cpu_linear="plain"),
     Q.IQ4_XS: Can(gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
-    Q.IQ4_NL: Can(gpu_expand=True),
+    Q.IQ4_NL: Can(gpu_expand=True, cpu_linear="own", cpu_linear_from=2),
     Q.MXFP4: Can(gpu_gemv=True, gpu_expand=True, cpu_native="plain", cpu_linear="plain"),
     IkQuant.IQ4_KS: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
     IkQuant.IQ4_K: Can(gpu_expand=True, gpu_token=True, cpu_native="plain"),
