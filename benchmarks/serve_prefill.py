@@ -64,7 +64,7 @@ def one(url: str, prompt_tokens: int, n_stream: int) -> dict:
 
     def stream_a() -> None:
         body = {"prompt": "Once upon a time", "max_tokens": n_stream, "temperature": 0, "stream": True,
-                "cache_prompt": False}
+                "cache_prompt": False, "ignore_eos": True}  # A runs to its limit: through all of B's prefill
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -80,6 +80,8 @@ def one(url: str, prompt_tokens: int, n_stream: int) -> dict:
                                                   "cache_prompt": False}, timeout=600).json()
     t1 = time.perf_counter()
     a.join()
+    if "usage" not in b:
+        raise SystemExit(f"serve_prefill: prompt B failed: {b}")
     gaps = [(y - x) * 1e3 for x, y in zip(arrivals, arrivals[1:])]
     during = [(y - x) * 1e3 for x, y in zip(arrivals, arrivals[1:]) if y > t0 and x < t1]
     before = [t for t in arrivals if t < t0]
@@ -107,7 +109,8 @@ def main() -> None:
           "A's median gap, ms | A's speed during B / before |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for ub, b in ((int(u), int(b)) for u in a.ub.split(",") for b in a.b.split(",")):
-        flags = (["-m", a.model] if a.model else []) + ["-np", "2", "-c", "8192", "-t", a.threads, "-ub", str(ub),
+        ctx = 2 * max(4096, a.prompt_tokens + a.stream_tokens + 512)  # two slots: each holds B's prompt or A's stream
+        flags = (["-m", a.model] if a.model else []) + ["-np", "2", "-c", str(ctx), "-t", a.threads, "-ub", str(ub),
                                                         "-b", str(b)]
         url, srv, thread = serve(flags)
         try:

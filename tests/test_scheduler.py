@@ -43,11 +43,13 @@ class RecordingEngine:
 
 
 class Tok:
+    eog_ids = {0}
+
     def decode(self, ids):
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
     def is_eog(self, token):
-        return token == 0
+        return token in self.eog_ids
 
 
 def _request(loop, prompt, max_tokens, **kw):
@@ -132,6 +134,31 @@ def test_the_prompt_cache_prefills_only_what_the_slot_does_not_hold():
     sched.submit(third)
     _, info = _done(loop, third)
     assert info["timings"]["cache_n"] == 0 and info["timings"]["prompt_n"] == len(held) + 3
+    loop.close()
+
+
+class EndingEngine(RecordingEngine):
+    """Rows whose likeliest token is always 0, the end of generation; RecordingEngine's next token second."""
+
+    def decode_sequences(self, tokens, slots, positions, seq_len, all_logits=True, tail=0):
+        rows = super().decode_sequences(tokens, slots, positions, seq_len, all_logits, tail)
+        rows[:, 0] = 2.0
+        return rows
+
+
+def test_ignore_eos_rules_the_end_of_generation_out_and_runs_to_the_limit():
+    """llama-server's ignore_eos: where the end of generation is the likeliest token, a request without it ends at
+    once (stop, eos), one with it samples the next likeliest every step and ends at its max_tokens."""
+    loop = asyncio.new_event_loop()
+    sched = Scheduler(EndingEngine(), Tok(), 1, 256)
+    ends = _request(loop, range(1, 6), 4)
+    sched.submit(ends)
+    _, info = _done(loop, ends)
+    assert info["finish_reason"] == "stop" and info["stop_type"] == "eos" and ends.generated == []
+    goes_on = _request(loop, range(1, 6), 4, ignore_eos=True)
+    sched.submit(goes_on)
+    _, info = _done(loop, goes_on)
+    assert info["finish_reason"] == "length" and len(goes_on.generated) == 4 and 0 not in goes_on.generated
     loop.close()
 
 

@@ -111,6 +111,8 @@ def test_bad_requests_get_4xx_json_errors_and_the_server_keeps_serving(server, c
         client.completions.create(model="tiny.gguf", prompt="word " * 400, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="'messages' must be"):
         client.chat.completions.create(model="tiny.gguf", messages=[])
+    r = httpx.post(server + "/completion", json={"prompt": "hi", "ignore_eos": "yes"}, headers=headers)
+    assert r.status_code == 400 and "'ignore_eos' must be true or false" in r.json()["error"]["message"]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0).models.list()
     assert [m.id for m in client.models.list().data] == ["tiny.gguf"]

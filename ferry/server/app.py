@@ -136,7 +136,8 @@ def create_app(scheduler: Scheduler, tokenizer, model_name: str, api_key: str | 
             max_tokens = number(body, max_key, default_max, int, low=-1)
         loop = asyncio.get_running_loop()
         return Request(prompt, params, max_tokens, stop, loop, asyncio.Queue(),
-                       cache_prompt=flag(body, "cache_prompt", True), logprobs=logprobs)
+                       cache_prompt=flag(body, "cache_prompt", True), logprobs=logprobs,
+                       ignore_eos=flag(body, "ignore_eos", False))
 
     def piece(token: int) -> dict:
         text = tokenizer.decode([token])

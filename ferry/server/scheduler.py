@@ -50,6 +50,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     cache_prompt: bool = True  # reuse a slot's cached prefix of the prompt
     logprobs: int = -1  # >= 0: each token's log probability and that many alternatives'
+    ignore_eos: bool = False  # llama-server's: the end-of-generation tokens never sampled; it ends at its limit
     slot: int = -1
     n_cached: int = 0  # prompt tokens reused from the slot's cache (timings.cache_n)
     n_past: int = 0
@@ -155,7 +156,7 @@ class Scheduler:
         self._measured(time.perf_counter() - t0, k)
         for r, row in zip(active, logits[int(ends):]):
             r.n_past += 1
-            self._accept(r, r.sampler(row, r.prompt + r.generated), row)
+            self._accept(r, self._sample(r, row, r.prompt + r.generated), row)
         if k:
             first.n_past += k
             if ends:
@@ -270,7 +271,14 @@ class Scheduler:
         self.prompt_tokens_total += len(r.prompt) - r.n_cached
         if r.max_tokens == 0:  # llama-server's n_predict 0: the prompt evaluated into the cache, no token
             return self._finish(r, "length")
-        self._accept(r, r.sampler(row, r.prompt), row)
+        self._accept(r, self._sample(r, row, r.prompt), row)
+
+    def _sample(self, r: Request, row: torch.Tensor, history: list[int]) -> int:
+        """r's next token from its row of logits; with ignore_eos the end-of-generation tokens ruled out first."""
+        if r.ignore_eos and self.tok.eog_ids:
+            row = row.clone()
+            row[sorted(self.tok.eog_ids)] = -float("inf")
+        return r.sampler(row, history)
 
     def _accept(self, r: Request, token: int, row: torch.Tensor) -> None:
         if r.cancelled.is_set():
