@@ -362,9 +362,8 @@ class CpuBackend:
     def native_linear(self, w: Weight, n: int | None = None) -> int | None:
         """The address ferry's matrix kernel reads dense weight w at, where it runs it (capabilities.cpu_native_linear:
         Q4_0 / Q4_K repacked by ggml, Q5_K / Q6_K / IQ4_XS plain, Q8_0, Q5_0 and IQ4_NL in its own Q8_0 copy, made
-        here once),
-        on a CPU it was built for, for calls of n tokens (None: any; fewer than the type's cpu_linear_from: ggml's);
-        None where ggml runs it. Decided once per weight."""
+        here once), on a CPU it was built for, for calls of n tokens (None: any; fewer than the type's
+        cpu_linear_from: ggml's); None where ggml runs it. Decided once per weight."""
         if not self.native_kernels or len(w.ne) != 2 or (n is not None and n < can(w.qtype).cpu_linear_from):
             return None
         known = w.graphs.get("native linear")
