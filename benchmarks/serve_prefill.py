@@ -7,6 +7,7 @@ Per -ub and -b, one server in this process (-np 2): stream A generates (greedy) 
 tokens) arrives; measured: B's time to its first token, A's longest gap between two tokens while B prefills, and A's
 median gap, and A's tokens per second while B prefills over before. Prints a table, writes JSON.
   python benchmarks/serve_prefill.py [-m MODEL] [--ub 64,256,512,4096] [--b 0,2048] [-t 2] [--prompt-tokens 2000]
+      [--alone]
 (no -m: the embedded Gemma 3 270M)
 """
 
@@ -59,25 +60,30 @@ def ram_conversation(path, slots: str, cache_ram: str, other: bool, flags: list[
         thread.join(timeout=10)
 
 
-def one(url: str, prompt_tokens: int, n_stream: int) -> dict:
+def one(url: str, prompt_tokens: int, n_stream: int, alone: bool = False) -> dict:
+    """alone: stream A runs once by itself first, so that its speed while B prefills compares with its own over the
+    same tokens (the same context lengths), not only with its first tokens'."""
     arrivals: list[float] = []
 
-    def stream_a() -> None:
+    def stream_a(times: list[float]) -> None:
         body = {"prompt": "Once upon a time", "max_tokens": n_stream, "temperature": 0, "stream": True,
                 "cache_prompt": False, "ignore_eos": True}  # A runs to its limit: through all of B's prefill
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    arrivals.append(time.perf_counter())
+                    times.append(time.perf_counter())
 
-    a = threading.Thread(target=stream_a)
+    solo: list[float] = []
+    if alone:
+        stream_a(solo)
+    a = threading.Thread(target=stream_a, args=(arrivals,))
     a.start()
     while len(arrivals) < 20:
         time.sleep(0.01)
     words = " ".join(["the cat sat on the mat and"] * (prompt_tokens // 7))  # a word a token, in most vocabularies
     t0 = time.perf_counter()
     b = httpx.post(url + "/v1/completions", json={"prompt": words, "max_tokens": 1, "temperature": 0,
-                                                  "cache_prompt": False}, timeout=600).json()
+                                                  "cache_prompt": False}, timeout=3600).json()
     t1 = time.perf_counter()
     a.join()
     if "usage" not in b:
@@ -88,8 +94,13 @@ def one(url: str, prompt_tokens: int, n_stream: int) -> dict:
     rate_before = (len(before) - 1) / (before[-1] - before[0])
     inside = [t for t in arrivals if t0 <= t <= t1]
     rate_during = len(inside) / (min(t1, arrivals[-1]) - t0) if inside else 0.0
+    kept_alone = None
+    if alone and inside:  # A's tokens i0..i1 arrived while B prefilled: the same tokens' time alone
+        i0, i1 = arrivals.index(inside[0]), arrivals.index(inside[-1])
+        if i1 > i0 and i1 < len(solo):
+            kept_alone = (solo[i1] - solo[i0]) / (arrivals[i1] - arrivals[i0])
     return {"b_prompt_tokens": b["usage"]["prompt_tokens"], "b_first_token_s": t1 - t0,
-            "a_speed_kept_during_b": rate_during / rate_before,
+            "a_speed_kept_during_b": rate_during / rate_before, "a_speed_kept_vs_alone": kept_alone,
             "a_max_gap_ms_during_b": max(during) if during else None, "a_median_gap_ms": statistics.median(gaps),
             "a_tokens_during_b": len(during)}
 
@@ -102,29 +113,32 @@ def main() -> None:
     ap.add_argument("-t", "--threads", default="2")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--stream-tokens", type=int, default=400)
+    ap.add_argument("--alone", action="store_true",
+                    help="stream A once by itself first: its speed while B prefills against its own over the same tokens")
     ap.add_argument("--json", default="serve_prefill.json")
     a = ap.parse_args()
     rows = []
     print("| -ub | -b | B's prompt tokens | B's first token s | A's longest gap during B, ms | A's tokens during B | "
-          "A's median gap, ms | A's speed during B / before |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "A's median gap, ms | A's speed during B / before | the same / A alone over those tokens |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for ub, b in ((int(u), int(b)) for u in a.ub.split(",") for b in a.b.split(",")):
         ctx = 2 * max(4096, a.prompt_tokens + a.stream_tokens + 512)  # two slots: each holds B's prompt or A's stream
         flags = (["-m", a.model] if a.model else []) + ["-np", "2", "-c", str(ctx), "-t", a.threads, "-ub", str(ub),
                                                         "-b", str(b)]
         url, srv, thread = serve(flags)
         try:
-            row = {"ub": ub, "b": b, **one(url, a.prompt_tokens, a.stream_tokens)}
+            row = {"ub": ub, "b": b, **one(url, a.prompt_tokens, a.stream_tokens, a.alone)}
         finally:
             srv.should_exit = True
             thread.join(timeout=30)
         rows.append(row)
-        gap = row["a_max_gap_ms_during_b"]
+        gap, vs = row["a_max_gap_ms_during_b"], row["a_speed_kept_vs_alone"]
+        vs = f"{vs:.2f}" if vs is not None else "-"
         print(f"| {ub} | {b} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | "
               f"{gap:.0f} | {row['a_tokens_during_b']} | {row['a_median_gap_ms']:.1f} | "
-              f"{row['a_speed_kept_during_b']:.2f} |" if gap is not None else
+              f"{row['a_speed_kept_during_b']:.2f} | {vs} |" if gap is not None else
               f"| {ub} | {b} | {row['b_prompt_tokens']} | {row['b_first_token_s']:.2f} | - | 0 | "
-              f"{row['a_median_gap_ms']:.1f} | 0 |",
+              f"{row['a_median_gap_ms']:.1f} | 0 | {vs} |",
               flush=True)
     with open(a.json, "w") as fh:
         json.dump(rows, fh, indent=1)
