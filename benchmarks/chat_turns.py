@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import time
 
 import httpx
 
 try:
-    from benchmarks.serve_prefill import serve
+    from benchmarks.serve_prefill import free_port, serve
 except ImportError:  # run as a script from the repository root
-    from serve_prefill import serve
+    from serve_prefill import free_port, serve
 
 TOPICS = ["rivers", "old towns", "the sea", "mountains", "rain", "bridges", "markets", "forests", "ships", "winter",
           "roads", "gardens"]
@@ -84,9 +83,7 @@ def conversation(url: str, turns: int, answer: int) -> list[dict]:
 def llama_server(path: str, model: str, threads: str):
     """llama.cpp's llama-server on `model` with ferry's flags here (one slot, -c 16384, its prompt cache on by
     default), on a free port: (its URL, the process) once /health answers 200."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([path, "-m", model, "-np", "1", "-c", "16384", "-t", threads, "--host", "127.0.0.1",
                              "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -24,13 +24,18 @@ import uvicorn
 from ferry.cli import build_parser, build_server
 
 
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def serve(flags: list[str]):
     """`ferry serve FLAGS` in this process (uvicorn in a thread, any free port): (its URL, the uvicorn server, the
     thread); set the server's should_exit and join the thread to stop it. tests/test_server.py starts its servers so."""
     app = build_server(build_parser().parse_args(["serve", *flags]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
