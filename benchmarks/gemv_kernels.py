@@ -1,10 +1,10 @@
 """The token-generation kernels alone, for one token: the quantized GEMV at the dense shapes of the benchmark
 models (Q8_0) and the expert GEMVs (Q4_0, the router's n_expert_used experts; gpt-oss's also MXFP4 with its biases),
 with their default configuration and a sweep of (rows per program, columns per step, warps) that chose it; the same
-over K-quant blocks (`kquant`:
-Q4_K dense, Q4_K_M's experts, a sweep of rows per program and warps) beside what a token cost before those kernels
-(the weight expanded to floats, then a matmul); the float32 router GEMV, attention over the cache (a sweep of cells per
-step and warps) and the router's top-k. Prints a table, writes JSON. With --graphs the expert and K-quant kernels are
+over K-quant blocks (`kquant`: Q4_K_M's dense types and experts, a sweep of rows per program and warps) beside what a
+token cost before those kernels (the weight expanded to floats, then a matmul); the dense ones rewritten into
+krows.py's rows (`krows`); the float32 router GEMV, attention over the cache (a sweep of cells per step and warps) and
+the router's top-k. Prints a table, writes JSON. With --graphs the expert and K-quant kernels are
 timed replayed in CUDA graphs, as a decode step runs them (do_bench's figures carry each call's launches).
   python benchmarks/gemv_kernels.py [--json out.json] [--only experts,kquant] [--graphs]
 """
@@ -18,7 +18,7 @@ import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 from ferry.gguf.synth import random_tensor
-from ferry.kernels.cuda import attention, dequant, gemv, kquant, layout, moe, route
+from ferry.kernels.cuda import attention, dequant, gemv, kquant, krows, layout, moe, route
 from ferry.quant import Q
 
 DENSE = {  # name: (cols, rows), Q8_0
@@ -32,6 +32,9 @@ SWEEP = list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 
 ATTENTION = {"qwen3": (32, 4, 128, 128), "v2-lite latent": (16, 1, 576, 512)}  # heads, kv heads, key and value size
 ATTENTION_SWEEP = list(itertools.product((16, 32, 64, 128), (1, 2, 4, 8)))
 KQUANT_SWEEP = list(itertools.product((1, 2, 4, 8, 16), (1, 2, 4, 8)))  # rows per program, warps
+KROWS_SWEEP = list(itertools.product((1, 2, 4, 8), (1, 2), (1, 2)))  # rows, blocks a step, warps
+K_DENSE = {"qwen3 attn_q": (Q.Q4_K, 2048, 4096), "qwen3 attn_output": (Q.Q4_K, 4096, 2048),
+           "qwen3 attn_v": (Q.Q6_K, 2048, 512), "qwen3 output": (Q.Q6_K, 2048, 151936)}  # Q4_K_M's dense types
 
 
 def _split(qtype: Q, n_blocks_shape: tuple[int, ...], ne: tuple[int, ...], dev) -> layout.Split:
@@ -63,7 +66,7 @@ def _kquant_bytes(qtype: Q, ne: tuple[int, ...], dev) -> torch.Tensor:
 
 
 def _kquants(dev, report, timer=do_bench) -> None:
-    """Q4_K dense weights and Q4_K_M experts (gate and up Q4_K, down Q6_K) read in place, each against the weight
+    """Q4_K_M's dense weights (Q4_K, Q6_K) and experts (gate and up Q4_K, down Q6_K) read in place, each against the weight
     expanded then multiplied (a token's cost before kernels/cuda/kquant.py; for experts, the whole layer expanded), and
     a Q5_K_M file's experts. timer: do_bench, or do_bench_cudagraph (--graphs: each call replayed in a CUDA graph, as
     a decode step runs it, without its launches' host time)."""
@@ -71,19 +74,19 @@ def _kquants(dev, report, timer=do_bench) -> None:
         times = {cfg: timer(lambda: fn(*cfg)) for cfg in sweep}
         return min(times.items(), key=lambda kv: kv[1])
 
-    for name, (cols, rows) in {"qwen3 attn_q": (2048, 4096), "qwen3 attn_output": (4096, 2048),
-                               "qwen3 output": (2048, 151936)}.items():
-        raw = _kquant_bytes(Q.Q4_K, (cols, rows), dev)
+    for name, (qtype, cols, rows) in K_DENSE.items():
+        raw = _kquant_bytes(qtype, (cols, rows), dev)
         x = torch.randn(1, cols, device=dev)
-        expanded = timer(lambda: x @ dequant.dequantize(raw, Q.Q4_K, (cols, rows), torch.float32).T)
-        print(f"  {name} Q4_K expanded then matmul: {1e3 * expanded:.1f} us", flush=True)
-        report(f"{name} Q4_K", f"{rows}x{cols}", raw.numel(), timer(lambda: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x)),
-               best(lambda br, w: kquant.kgemv(raw, Q.Q4_K, (cols, rows), x, br, w)))
+        expanded = timer(lambda: x @ dequant.dequantize(raw, qtype, (cols, rows), torch.float32).T)
+        print(f"  {name} {qtype.name} expanded then matmul: {1e3 * expanded:.1f} us", flush=True)
+        report(f"{name} {qtype.name}", f"{rows}x{cols}", raw.numel(), timer(lambda: kquant.kgemv(raw, qtype, (cols, rows), x)),
+               best(lambda br, w: kquant.kgemv(raw, qtype, (cols, rows), x, br, w)))
     n_expert, n_used, n_embd, n_ff = EXPERTS["qwen3"]
     x = torch.randn(1, n_embd, device=dev)
     ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)
     weights = torch.rand(1, n_used, device=dev)
-    for mix, types in {"Q4_K_M": (Q.Q4_K, Q.Q4_K, Q.Q6_K), "Q5_K_M": (Q.Q5_K, Q.Q5_K, Q.Q6_K)}.items():
+    for mix, types in {"Q4_K_M": (Q.Q4_K, Q.Q4_K, Q.Q6_K), "Q5_K_M": (Q.Q5_K, Q.Q5_K, Q.Q6_K),
+                       "Q4_K": (Q.Q4_K,) * 3}.items():
         tensors = tuple((_kquant_bytes(q, ne, dev), q, ne) for q, ne in zip(types, ((n_embd, n_ff, n_expert),
                                                                                     (n_embd, n_ff, n_expert),
                                                                                     (n_ff, n_embd, n_expert))))
@@ -96,10 +99,29 @@ def _kquants(dev, report, timer=do_bench) -> None:
                best(lambda br, w: kquant.kmoe_gemv(x, ids, weights, *tensors, "silu", rows_per_program=br, warps=w)))
 
 
+def _krows(dev, report, timer=do_bench) -> None:
+    """The same dense K-quant weights rewritten into krows.py's rows (KRows: scales unpacked, every load aligned), as
+    the GPU backend holds them, beside _kquants' figures of their blocks read in place."""
+    def best(fn):
+        times = {}
+        for cfg in KROWS_SWEEP:
+            try:
+                times[cfg] = timer(lambda: fn(*cfg))
+            except Exception:  # a configuration the compiler refuses (registers, shared memory)
+                continue
+        return min(times.items(), key=lambda kv: kv[1])
+
+    for name, (qtype, cols, rows) in K_DENSE.items():
+        m = krows.KRows.of(_kquant_bytes(qtype, (cols, rows), dev), qtype, (cols, rows))
+        x = torch.randn(1, cols, device=dev)
+        report(f"{name} {qtype.name} rows", f"{rows}x{cols}", m.packed.numel(), timer(lambda: m.gemv(x)),
+               best(lambda br, nb, wp: krows.rgemv(m.packed, qtype, (cols, rows), x, br, nb, wp)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="gemv_kernels.json")
-    ap.add_argument("--only", default="gemv,experts,kquant,router,attention,route",
+    ap.add_argument("--only", default="gemv,experts,kquant,krows,router,attention,route",
                     help="which kernels, comma-separated")
     ap.add_argument("--graphs", action="store_true",
                     help="time the expert and K-quant kernels replayed in CUDA graphs, as a decode step runs them")
@@ -143,6 +165,8 @@ def main() -> None:
                          timer))
     if "kquant" in only:
         _kquants(dev, report, timer)
+    if "krows" in only:
+        _krows(dev, report, timer)
     for name, (n_expert, n_used, n_embd, _) in EXPERTS.items() if "router" in only else ():  # the f32 router
         w = torch.randn(n_expert, n_embd, device=dev)
         x = torch.randn(1, n_embd, device=dev)

@@ -30,6 +30,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":  # kernels on the CPU: Triton 3.6'
     from ferry.kernels.cuda import kquant as _kquant
 
     _kquant.ROWS = _kquant.ROWS_BIG = _kquant.MOE_ROWS = 32
+    from ferry.kernels.cuda import krows as _krows
+
+    _krows.gemv_config = lambda cols, rows: (32, 1, 1)
     # the same for the split-layout GEMVs and the experts' (a few rows a program by default): deepseek4-tiny's decode test took
     # 7 minutes, 50 of each step's 73 s in them
     from ferry.kernels.cuda import gemv as _gemv, moe as _moe

@@ -12,6 +12,7 @@ import torch
 from ferry.cli import main
 from ferry.backends.cuda import CudaBackend
 from ferry.runtime.runners.cuda import DECODE_MAX
+from ferry.runtime.runners.cuda import held_krows
 from ferry.runtime.runners.cuda_graphs import CudaGraphRunner
 from ferry.runtime.engine import Engine
 from conftest import kl_top1, place
@@ -22,7 +23,7 @@ if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 
 
 # 2048: flash-decoding cuts the cache; a Q4_K_M file (every matrix Q4_K, half the layers' expert downs Q6_K): the
-# K-quant GEMVs (kernels/cuda/kquant.py) in place of the fused split-layout ones
+# K-quant GEMVs (kernels/cuda/krows.py's dense, kquant.py's experts) in place of the split-layout ones
 @pytest.mark.parametrize("cache,n_ctx,kquants", [("f16", 32, False), ("q8_0", 2048, False), ("f16", 32, True)])
 def test_gpu_decode_steps_match_the_cpu(tmp_path, cache, n_ctx, kquants):
     path = tmp_path / "tiny.gguf"
@@ -33,8 +34,9 @@ def test_gpu_decode_steps_match_the_cpu(tmp_path, cache, n_ctx, kquants):
     backend = CudaBackend(DEV)
     for group in model.fusable():
         backend.upload_fused(group)
-    # the decode path under test is the fused one, or for K-quants the unfused one that reads their blocks
+    # the decode path under test is the fused one: q, k and v one matrix, or for K-quants three in krows.py's rows
     assert (backend.fused(model.fusable()[0]) is None) == kquants
+    assert (held_krows(backend, model.fusable()[0]) is not None) == kquants
     runs = []
     for b in (cpu, backend):
         e = Engine(model, b, n_ctx=n_ctx, type_k=cache, type_v=cache)

@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from ferry.gguf.synth import random_tensor
 from ferry.kernels.activations import GLU, SILU_CLAMP_LIMIT
-from ferry.kernels.cuda import attention, gemv, indexer, kquant, layout, moe, norm_rope, route
+from ferry.kernels.cuda import attention, gemv, indexer, kquant, krows, layout, moe, norm_rope, route
 from ferry.quant import IkQuant, dequantize as reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,6 +203,35 @@ def test_kquant_moe_gemv_matches_float64(types, act, shape):
                            (uraw, types[1], (n_embd, n_ff, n_expert)), (draw, types[2], (n_ff, n_embd, n_expert)),
                            act, residual=_on(residual), biases=_on(biases))
     _close(got, _experts_reference(x, ids, weights, g, u, d, act, residual, biases), 5e-5)
+
+
+@pytest.mark.parametrize("qtype", list(krows.KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("n,rows,cols,config", [(1, 1, 256, (4, 1, 4)), (1, 17, 768, (4, 2, 4)), (3, 33, 512, (8, 2, 2)),
+                                                (1, 40, 2048, (16, 4, 8)), (5, 7, 1280, (1, 1, 1)), (2, 19, 1024, (2, 4, 1))])
+def test_krows_gemv_matches_float64(qtype, n, rows, cols, config):
+    """K-quant matrices rewritten into krows.py's rows (scales unpacked): the GEMV against float64, blocks a step
+    that do and do not divide a row's blocks."""
+    rng = np.random.default_rng(rows + cols + n + 1)
+    raw, w = _kquant(rng, qtype, rows, cols)
+    x = torch.from_numpy(rng.standard_normal((n, cols))).float()
+    packed = krows.from_blocks(raw, qtype, cols)
+    assert packed.shape == (rows, krows.row_bytes(qtype, cols)) and packed.shape[1] % 16 == 0
+    _close(krows.rgemv(packed, qtype, (cols, rows), x.to(DEV), *config), x.double() @ w.T)
+
+
+@pytest.mark.parametrize("qtype", list(krows.KINDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_krows_expand_to_the_reference_and_gather_rows(qtype, dtype):
+    """KRows (a dense K-quant matrix in krows.py's rows) expanded for cuBLAS, and some of its rows (a token
+    embedding's), against float64: each value rounded once to the type."""
+    rng = np.random.default_rng(7)
+    raw, w = _kquant(rng, qtype, 5, 768)
+    m = krows.KRows.of(raw, qtype, (768, 5))
+    _close(m.floats(dtype), w.to(dtype).double(), 0)
+    ids = torch.tensor([4, 0, 4], device=DEV)
+    _close(m.rows(ids).floats(torch.float32), w[[4, 0, 4]], 0)
+    assert krows.KRows.takes(qtype, (768, 5)) and not krows.KRows.takes(qtype, (768, 5, 2))
+    assert not krows.KRows.takes(qtype, (640, 5)) and not krows.KRows.takes(Q.Q4_0, (768, 5))
 
 
 MXFP4_MOE = [((1, 4, 2, 96, 160), None), ((3, 6, 4, 160, 64), (2, 1024, 2))]

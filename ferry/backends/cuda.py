@@ -87,8 +87,9 @@ class CudaBackend:
         pass  # the GPU's memory goes with the backend
 
     def upload(self, w: Weight):
-        """The weight on the GPU (once): Q8_0 / Q4_0 / MXFP4 split into quants and scales (Split), other types
-        as their GGUF bytes."""
+        """The weight on the GPU (once): Q8_0 / Q4_0 / MXFP4 split into quants and scales (Split), dense Q4_K / Q5_K /
+        Q6_K matrices in krows.py's rows (KRows), other types as their GGUF bytes."""
+        from ferry.kernels.cuda.krows import KRows
         from ferry.kernels.cuda.layout import Split
 
         t = self._raw.get(id(w))
@@ -96,6 +97,8 @@ class CudaBackend:
             t = w.host_tensor().to(self.device)
             if can(w.qtype).gpu_gemv:
                 t = Split.of(t, w.qtype, w.ne)
+            elif KRows.takes(w.qtype, w.ne):
+                t = KRows.of(t, w.qtype, w.ne)
             self._raw[id(w)] = t
         return t
 
@@ -173,12 +176,15 @@ class CudaBackend:
         return self.matmul(x, w.qtype, self.upload(w), w.ne)
 
     def matmul(self, x: torch.Tensor, qtype, raw, ne: tuple[int, ...]) -> torch.Tensor:
-        """linear() on a weight already on the GPU: its GGUF bytes or a Split (uploaded, or staged by the
+        """linear() on a weight already on the GPU: its GGUF bytes, a Split or KRows (uploaded, or staged by the
         hybrid runtime)."""
         from ferry.kernels.cuda import kquant
         from ferry.kernels.cuda.gemv import gemv, gemv_float
+        from ferry.kernels.cuda.krows import KRows
 
         if x.shape[0] <= GEMV_MAX:
+            if isinstance(raw, KRows):
+                return raw.gemv(x)
             if not isinstance(raw, torch.Tensor):
                 return gemv(raw, x)
             if qtype in (Q.F32, Q.F16) and len(ne) == 2:  # a router: read in place

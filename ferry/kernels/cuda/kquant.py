@@ -416,9 +416,11 @@ def _or(table: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
 
 # One warp a program reads fastest on the H100 (benchmarks/gemv_kernels.py --only kquant; docs/performance.md, "K-quant
 # GEMVs tuned"): a row a program for the attention's matrices (13.5 against 31.7 us with 4 rows and 4 warps at
-# 4096x2048), 8 for an output matrix's 151936 rows (141 against 839 us), 4 for the experts (46 against 100 us). The
-# defaults below are read at each call (the GPU tests under the interpreter widen them: fewer programs to step through)
-ROWS, BIG_ROWS, ROWS_BIG, MOE_ROWS = 1, 65536, 8, 4
+# 4096x2048), 8 for an output matrix's 151936 rows (141 against 839 us). The experts: 8 rows, replayed in CUDA graphs
+# on an H200 as decode runs them (Qwen3-30B-A3B's Q4_K_M experts 31.1 against 34.6 us with 4, all-Q4_K 25.8 against
+# 34.3; --graphs, 2026-11-29). The defaults below are read at each call (the GPU tests under the interpreter widen
+# them: fewer programs to step through)
+ROWS, BIG_ROWS, ROWS_BIG, MOE_ROWS = 1, 65536, 8, 8
 
 
 def kgemv(raw: torch.Tensor, qtype: Q, ne: tuple[int, ...], x: torch.Tensor, rows_per_program: int = 0,

@@ -96,16 +96,17 @@ class CudaOps(TorchOps):
 
     def fused_attention(self, attn, x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
         """A decode step's attention layer in three launches: one GEMV for q, k and v (their rows uploaded as one
-        matrix; the pre-norm taken inside it), one kernel for the q/k norms, rope and both cache stores, and
-        attention over the cache. Biases (gpt-oss's) join the GEMV's output in one add, and norms across all heads
+        matrix; the pre-norm taken inside it; dense K-quants held as KRows: the norm, then a GEMV each into one
+        output), one kernel for the q/k norms, rope and both cache stores, and attention over the cache. Biases (gpt-oss's) join the GEMV's output in one add, and norms across all heads
         (minimax-m2) run between the first two as two norm kernels over q's and k's columns."""
         from ferry.kernels.cuda.attention import qkv_rope_store
         from ferry.kernels.cuda.gemv import gemv
 
         kv, n = self.batch.kv, x.shape[0]
         w = self.backend.fused((attn.wq, attn.wk, attn.wv))
+        rows = None if w is not None else held_krows(self.backend, (attn.wq, attn.wk, attn.wv))
         biases = (attn.bq, attn.bk, attn.bv)
-        if (w is None or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
+        if ((w is None and rows is None) or n > DECODE_MAX or self.batch.seq is not None or kv.v_in_k
                 or len({b is None for b in biases}) > 1
                 or any(t not in (Q.F16, Q.Q8_0) or (t == Q.Q8_0 and d % 32)
                        for t, d in ((kv.type_k, attn.head_dim_k), (kv.type_v, attn.head_dim_v)))):
@@ -114,7 +115,10 @@ class CudaOps(TorchOps):
         cos, sin = self.tables[attn.rope]
         norms = (None, None) if attn.q_norm is None else (self.backend.vector(attn.q_norm),
                                                            self.backend.vector(attn.k_norm))
-        y = gemv(w, x, norm=None if norm is None else (self.backend.vector(norm), eps))
+        if w is not None:
+            y = gemv(w, x, norm=None if norm is None else (self.backend.vector(norm), eps))
+        else:
+            y = _krows_gemvs(rows, x if norm is None else self.rms_norm(x, norm, eps))
         if attn.bq is not None:
             y = y + self.backend.joined(biases)
         if attn.norm_whole and attn.q_norm is not None:
@@ -469,3 +473,23 @@ def _floats(rows: torch.Tensor, qtype: Q) -> torch.Tensor:
 def _root_inverse(n: int) -> torch.Tensor:
     """n values of n^-1/2 (CudaOps.l2_norm's weight; one tensor per size, uploaded once)."""
     return torch.full((n,), n ** -0.5)
+
+
+def held_krows(backend, ws: tuple) -> list | None:
+    """The weights' KRows on the backend's GPU (dense K-quant matrices in krows.py's rows), or None unless all are
+    held so."""
+    from ferry.kernels.cuda.krows import KRows
+
+    held = [backend.upload(w) for w in ws]
+    return held if all(isinstance(t, KRows) for t in held) else None
+
+
+def _krows_gemvs(rows: list, x: torch.Tensor) -> torch.Tensor:
+    """x (n, cols) through each of `rows` (KRows of one input: attention's q, k and v), their outputs side by side
+    in one (n, sum of rows) float32 tensor as the fused GEMV's, each GEMV writing its own columns."""
+    y = torch.empty(x.shape[0], sum(m.ne[1] for m in rows), dtype=torch.float32, device=x.device)
+    at = 0
+    for m in rows:
+        m.gemv(x, out=y[:, at:at + m.ne[1]])
+        at += m.ne[1]
+    return y
