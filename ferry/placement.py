@@ -275,7 +275,8 @@ def memory_plan(tensors: dict[str, int], args, n_gpu_layers: int, overrides: lis
                 cache: CacheLayout | None = None, n_batch: int = 0,
                 resident: dict[int, tuple[int, ...]] | None = None, expands: frozenset[int] = frozenset(),
                 n_logits: int | None = None, expanded: frozenset[int] | None = None, n_seq: int = 1) -> MemoryPlan:
-    """Bytes per device: `tensors` maps names to sizes; the KV cache of a layer lives with its attention
+    """Bytes per device: `tensors` maps names to sizes (as a GPU holds them: capabilities.gpu_nbytes, at most 2.8%
+    over the file's for dense K-quants); the KV cache of a layer lives with its attention
     weights (kv_on_gpu: every layer's on the first GPU, as ferry's hybrid runtime keeps it); the compute
     estimate is a u-batch of float32 activations through the widest layer and the logits, plus, on the first
     GPU, the staging buffers for routed experts left in RAM (a layer's slots and the buffer copies land in; two sets

@@ -119,3 +119,16 @@ def test_a_layers_experts_are_described_once_for_the_run_and_the_plan():
     assert not refused.gpu_takes and "IQ3_S" in refused.gpu_refuses
     s = refused.split([1, 1, 0, 0], MACHINE, parse_policy("all=on"))
     assert not s.gpu and s.cpu == (0, 1) and "under every policy" in s.why
+
+
+def test_gpu_nbytes_counts_dense_k_quants_in_krows_rows():
+    """A dense Q4_K / Q5_K / Q6_K matrix takes krows.py's rows on a GPU (scales a byte each, rows padded to 16):
+    Q4_K 148 bytes a block of 256 for the file's 144, Q6_K its 210 (a row of 3 blocks padded from 630 to 640);
+    stacked experts, other types and rows of part blocks as in the file."""
+    W, gpu_nbytes = SimpleNamespace, caps.gpu_nbytes
+    assert gpu_nbytes(W(qtype=Q.Q4_K, ne=(2048, 4096), nbytes=4096 * 8 * 144)) == 4096 * 8 * 148
+    assert gpu_nbytes(W(qtype=Q.Q5_K, ne=(2048, 3), nbytes=3 * 8 * 176)) == 3 * 8 * 180
+    assert gpu_nbytes(W(qtype=Q.Q6_K, ne=(768, 5), nbytes=5 * 630)) == 5 * 640
+    for w in (W(qtype=Q.Q4_K, ne=(2048, 768, 8), nbytes=1), W(qtype=Q.Q4_0, ne=(2048, 8), nbytes=2),
+              W(qtype=Q.Q4_K, ne=(640, 8), nbytes=3)):
+        assert gpu_nbytes(w) == w.nbytes

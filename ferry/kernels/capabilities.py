@@ -141,6 +141,19 @@ def gpu_holds(qtypes, biased: bool = False) -> bool:
     return gpu_reads(qtypes) or (not biased and all(can(q).gpu_token for q in qtypes))
 
 
+# a block of 256 values in kernels/cuda/krows.py's rows (dense Q4_K / Q5_K / Q6_K on a GPU): its quants, its
+# sub-block scales (and mins) one byte each, its f16 d (and dmin); each row padded to 16 bytes
+KROWS_BLOCK_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210}
+
+
+def gpu_nbytes(t) -> int:
+    """The bytes a weight (anything with qtype, ne and nbytes) takes where a GPU holds it: a dense Q4_K / Q5_K / Q6_K
+    matrix in krows.py's rows (up to 2.8% more), every other as in the file."""
+    if t.qtype not in KROWS_BLOCK_BYTES or len(t.ne) != 2 or t.ne[0] % 256:
+        return t.nbytes
+    return t.ne[1] * ((t.ne[0] // 256 * KROWS_BLOCK_BYTES[t.qtype] + 15) // 16 * 16)
+
+
 def gpu_dense(qtype: Q) -> bool:
     """Whether a matmul weight of this type can cross PCIe and run on the GPU: as floats, read in place, or expanded."""
     c = can(qtype)

@@ -256,7 +256,7 @@ def placed(cfg, f, args, cache, room: dict[str, int]):
     -ngl / -ot / --gpu-experts / -c where it has none, --fit is on and `room` holds a GPU; else on the CPU. f: the GGUF
     file; args: its ModelArgs; cache: the model's cache layout. The routing counted for this file (`ferry calibrate
     --routing`), where there is some, orders the experts."""
-    from ferry.kernels.capabilities import gpu_holds
+    from ferry.kernels.capabilities import gpu_holds, gpu_nbytes
     from ferry.offload import routing
 
     if cfg.placed_by_hand or not cfg.fit or "CUDA0" not in room:
@@ -265,7 +265,7 @@ def placed(cfg, f, args, cache, room: dict[str, int]):
     expert_types = {t.qtype for t in f.tensors.values() if EXPERTS_RE.match(t.name)}
     biased = any(t.name.endswith("_exps.bias") for t in f.tensors.values())
     per_expert = bool(expert_types) and gpu_holds(expert_types, biased)
-    result = fit({t.name: t.nbytes for t in f.tensors.values()}, args, cache, kv_bytes(cfg.type_k, cfg.type_v),
+    result = fit({t.name: gpu_nbytes(t) for t in f.tensors.values()}, args, cache, kv_bytes(cfg.type_k, cfg.type_v),
                  "CUDA0", room["CUDA0"], n_ctx, cfg.n_ubatch, cfg.n_batch if cfg.layer_first else 0,
                  cfg.fit_target[0] << 20, cfg.fit_ctx, per_expert=per_expert,
                  routing=routing.load(f.path) if expert_types else None, expands=expanding_layers(f.tensors.values()),

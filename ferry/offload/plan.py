@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ferry.errors import FerryError
 from ferry.gguf.file import GGUFFile
-from ferry.kernels.capabilities import CPU_AMX_TYPES, cpu_native_types
+from ferry.kernels.capabilities import CPU_AMX_TYPES, cpu_native_types, gpu_nbytes
 from ferry.kernels.cpu import native
 from ferry.offload.cost import Calibration
 from ferry.offload.policy import Policy
@@ -250,7 +250,7 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     kv_on_gpu = len(gpus) == 1 and cfg.wants_gpu
     per_token, cache_note = describe_cache(margs, mla, cfg.type_k, cfg.type_v, cfg.swa_full)
     n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else margs.n_ctx_train
-    plan = memory_plan({t.name: t.nbytes for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
+    plan = memory_plan({t.name: gpu_nbytes(t) for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
                        available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
                        cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
                        expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows,

@@ -24,15 +24,14 @@ import triton
 import triton.language as tl
 from gguf.constants import GGMLQuantizationType as Q
 
+from ferry.kernels.capabilities import KROWS_BLOCK_BYTES
+
 KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}
-QUANT_BYTES = {Q.Q4_K: 128, Q.Q5_K: 160, Q.Q6_K: 192}  # a block's quants (and high bits) in its row
-META_BYTES = {Q.Q4_K: 20, Q.Q5_K: 20, Q.Q6_K: 18}  # a block's scales and d's in its row
 
 
 def row_bytes(qtype: Q, cols: int) -> int:
     """The bytes of one row of `cols` columns in this layout, padded to 16."""
-    n = cols // 256 * (QUANT_BYTES[qtype] + META_BYTES[qtype])
-    return (n + 15) // 16 * 16
+    return (cols // 256 * KROWS_BLOCK_BYTES[qtype] + 15) // 16 * 16
 
 
 @triton.jit
