@@ -340,6 +340,30 @@ def test_k_quant_experts_on_the_gpu_match_the_cpu(kmix, ubatch):
     _check(want[280:292], steps, "Q4_K_M on the GPU, decode")
 
 
+@pytest.mark.parametrize("placement", ["experts in RAM", "all on the GPU"])
+def test_k_quant_attention_in_krows_matches_the_cpu(tmp_path, placement):
+    """A Q4_K_M file as llama.cpp writes it, its attention and output K-quants too (`--type q4_k`): on the GPU those
+    are held in krows.py's rows (KRows), read by its GEMV and, in decode, by the fused attention path (the norm, q, k
+    and v into one output, rope and the cache stores in one kernel); prompts expand them for cuBLAS. With the experts
+    in RAM and all on the GPU, a prompt, then steps through recorded CUDA graphs, against the CPU."""
+    from ferry.cli import main
+    from ferry.runtime.runners.cuda import held_krows
+
+    path = tmp_path / "kattn.gguf"
+    assert main(["synth", "qwen3-moe-mid", "--expert-type", "q4_k_m", "--type", "q4_k", "--layers", "4", "-o",
+                 str(path), "-q"]) == 0
+    cpu, model = place(path, 8)
+    tokens = list(range(11, 151))
+    want = Engine(model, cpu, n_ctx=512).decode(tokens, all_logits=True)
+    flags = EXPS if placement == "experts in RAM" else dict(n_gpu_layers=999)
+    backend, model = place(path, 8, **flags, n_ctx=512)
+    e = Engine(model, backend, n_ctx=512, n_ubatch=64)
+    _check(want[:120], e.decode(tokens[:120], all_logits=True), f"Q4_K attention, {placement}, prompt")
+    steps = torch.cat([e.decode([t]) for t in tokens[120:140]])
+    _check(want[120:140], steps, f"Q4_K attention, {placement}, decode")
+    assert held_krows(backend, model.fusable()[0]) is not None  # q, k and v in rows: the path under test
+
+
 @pytest.mark.parametrize("policy", ["all=off", "all=on", "balanced"])
 @pytest.mark.parametrize("ubatch", [300, 5])
 def test_k_quant_experts_kept_on_the_gpu_beside_the_rest_match_the_cpu(kmix, policy, ubatch):
