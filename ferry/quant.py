@@ -237,8 +237,10 @@ def _ik_k_parts(raw: np.ndarray, raw_type: int, ne: tuple[int, ...]) -> tuple[np
 # and into llama.cpp's types: Q8_0_R8, Q4_K_R4, Q6_K_R4, Q5_K_R4, IQ4_XS_R8, Q4_0_R8 (a plain id below 100: gguf-py's)
 IK_INTERLEAVED = {344: 144, 339: 139, 352: 152, 337: 137, 338: 138, 340: 140,
                   208: 8, 212: 12, 214: 14, 213: 13, 223: 23, 202: 2,
-                  # Q6_0_R4, IQ4_NL_R4, MXFP4_R8, BF16_R16, Q5_0_R4, Q3_K_R4, Q2_K_R4, IQ3_XXS_R4, IQ3_S_R4
-                  233: 133, 220: 20, 353: 39, 230: 30, 206: 6, 211: 11, 210: 10, 218: 18, 221: 21}
+                  # Q6_0_R4, IQ4_NL_R4, MXFP4_R8, BF16_R16, Q5_0_R4, Q3_K_R4, Q2_K_R4, IQ3_XXS_R4, IQ3_S_R4,
+                  # IQ2_XXS_R4, IQ2_XS_R4, IQ2_S_R4
+                  233: 133, 220: 20, 353: 39, 230: 30, 206: 6, 211: 11, 210: 10, 218: 18, 221: 21, 216: 16, 217: 17,
+                  222: 22}
 
 
 def _iq4_nibbles(qs: np.ndarray) -> np.ndarray:

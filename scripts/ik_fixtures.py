@@ -64,17 +64,23 @@ MODELS = {"qwen3moe-ik": ("IQ4_KS", "attn_q=iq5_ks,attn_k=iq3_ks,attn_v=iq2_ks,a
           "qwen3moe-ik-k2-r4": ("IQ2_K_R4", "ffn_down_exps=iq3_k_r4,attn_q=iq5_ks_r4,attn_output=iq5_k_r4,"
                                             "output=q6_0,token_embd=q6_0"),
           "qwen3moe-ik-kt": ("IQ2_KT", "ffn_down_exps=iq3_kt,attn_q=iq4_kt,attn_k=iq1_kt,output=q6_0,token_embd=q6_0"),
+          "qwen3moe-ik-iq2": ("IQ2_XXS_R4", "ffn_down_exps=iq2_xs_r4,attn_q=iq2_s_r4,attn_k=iq2_s_r4,output=q6_0,"
+                                            "token_embd=q6_0"),
           "qwen3moe-ik-r8": ("Q4_K_R4", "ffn_down_exps=q6_k_r4,attn_q=q8_0_r8,attn_k=q5_k_r4,attn_v=iq4_xs_r8,"
                                        "attn_output=q4_0_r8,output=q6_0,token_embd=q6_0")}
 TYPES = ("Q6_0,IQ4_KS,IQ5_KS,IQ4_KSS,IQ3_KS,IQ2_KS,IQ2_KL,IQ2_K,IQ3_K,IQ4_K,IQ5_K,IQ6_K,IQ4_KS_R4,IQ4_K_R4,IQ5_KS_R4,"
          "IQ2_K_R4,IQ3_K_R4,IQ5_K_R4,IQ1_KT,IQ2_KT,IQ3_KT,IQ4_KT,Q8_0_R8,Q4_K_R4,Q6_K_R4,Q5_K_R4,IQ4_XS_R8,Q4_0_R8,"
-         "Q6_0_R4,IQ4_NL_R4,MXFP4_R8,BF16_R16,Q5_0_R4,Q3_K_R4,Q2_K_R4,IQ3_XXS_R4,IQ3_S_R4")
+         "Q6_0_R4,IQ4_NL_R4,MXFP4_R8,BF16_R16,Q5_0_R4,Q3_K_R4,Q2_K_R4,IQ3_XXS_R4,IQ3_S_R4,IQ2_XXS_R4,IQ2_XS_R4,"
+         "IQ2_S_R4")
 # ik's F32 conversion fails for these (MXFP4_R8's dequantizer runs past its rows, BF16_R16 has none): their values come
 # from ik's plain MXFP4 quantization of the same rows (the same blocks) and from the F16 rows truncated to bf16 (what
 # ik's BF16_R16 quantizer does; ik's matmul on such a file gives exactly these)
 NO_F32 = {"MXFP4_R8": "MXFP4", "BF16_R16": "truncated"}
 # ik's llama-quantize refuses its lowest-bit types without an importance matrix unless told to go on
 NO_IMATRIX = ["--ignore-imatrix-rules"]
+# types its llama-quantize has no file type for: written by --custom-q into the attention and routed experts of a file
+# of another type
+CUSTOM = {"IQ2_S_R4": "IQ2_XXS_R4"}
 ROWS = 64
 PPL_ARGS = ["-c", "128", "--chunks", "8", "-t", "2"]
 
@@ -128,8 +134,9 @@ def main() -> None:
                         "f16", "-o", str(f16), "-q"], check=True, cwd=ROOT)
         for name in filter(None, a.types.split(",")):
             quantized, back = Path(tmp) / f"{name}.gguf", Path(tmp) / f"{name}-f32.gguf"
-            subprocess.run([str(quantize), *NO_IMATRIX, str(f16), str(quantized), name, "1"], check=True,
-                           capture_output=True)
+            custom = ["--custom-q", f"ffn_.*_exps={name.lower()},attn_.*={name.lower()}"] if name in CUSTOM else []
+            subprocess.run([str(quantize), *NO_IMATRIX, *custom, str(f16), str(quantized), CUSTOM.get(name, name), "1"],
+                           check=True, capture_output=True)
             if NO_F32.get(name, "F32") != "truncated":
                 subprocess.run([str(quantize), "--allow-requantize", *NO_IMATRIX, str(f16 if name in NO_F32 else quantized),
                                 str(back), NO_F32.get(name, "F32"), "1"], check=True, capture_output=True)

@@ -104,8 +104,8 @@ def test_unknown_quant_type(tmp_path):
     assert "unknown quant type 250" in _error(path)
 
 
-@pytest.mark.parametrize("raw,name", [(134, "IQ1_BN"), (216, "IQ2_XXS_R4"), (135, "IQ2_BN"),
-                                      (217, "IQ2_XS_R4")])
+@pytest.mark.parametrize("raw,name", [(134, "IQ1_BN"), (219, "IQ1_S_R4"), (135, "IQ2_BN"),
+                                      (229, "IQ1_M_R4")])
 def test_an_ik_llama_cpp_quant_type_is_named_as_such_not_called_corrupt(tmp_path, raw, name):
     """A file ik_llama.cpp's llama-quantize wrote is valid: its type is named, as ik_llama.cpp's, with what to do."""
     path = _valid(tmp_path / "m.gguf", n_tensors=1)

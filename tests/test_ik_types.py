@@ -25,7 +25,8 @@ TYPES = ["Q6_0", "IQ4_KS", "IQ5_KS", "IQ4_KSS", "IQ3_KS", "IQ2_KS", "IQ2_KL"] + 
 
 INTERLEAVED = ["IQ4_KS_R4", "IQ4_K_R4", "IQ5_KS_R4", "IQ2_K_R4", "IQ3_K_R4", "IQ5_K_R4",  # ik's own types, and
                "Q8_0_R8", "Q4_K_R4", "Q6_K_R4", "Q5_K_R4", "IQ4_XS_R8", "Q4_0_R8",  # llama.cpp's
-               "Q6_0_R4", "IQ4_NL_R4", "MXFP4_R8", "BF16_R16", "Q5_0_R4", "Q3_K_R4", "Q2_K_R4", "IQ3_XXS_R4", "IQ3_S_R4"]
+               "Q6_0_R4", "IQ4_NL_R4", "MXFP4_R8", "BF16_R16", "Q5_0_R4", "Q3_K_R4", "Q2_K_R4", "IQ3_XXS_R4", "IQ3_S_R4",
+               "IQ2_XXS_R4", "IQ2_XS_R4", "IQ2_S_R4"]
 
 
 @pytest.mark.parametrize("name", TYPES + INTERLEAVED)
@@ -83,7 +84,8 @@ def test_a_reader_that_asks_keeps_ik_tensors_apart(tmp_path):
                                          r"IQ2_KS, IQ4_KSS, IQ5_KS, IQ2_KT, IQ3_KT, IQ4_KT, IQ3_KS, IQ2_KL, IQ1_KT, "
                                          r"IQ4_KS_R4, IQ4_K_R4, IQ5_KS_R4, IQ2_K_R4, IQ3_K_R4, IQ5_K_R4, Q8_0_R8, "
                                          r"Q4_K_R4, Q6_K_R4, Q5_K_R4, IQ4_XS_R8, Q4_0_R8, Q6_0_R4, IQ4_NL_R4, "
-                                         r"MXFP4_R8, BF16_R16, Q5_0_R4, Q3_K_R4, Q2_K_R4, IQ3_XXS_R4, IQ3_S_R4\)"):
+                                         r"MXFP4_R8, BF16_R16, Q5_0_R4, Q3_K_R4, Q2_K_R4, IQ3_XXS_R4, IQ3_S_R4, "
+                                         r"IQ2_XXS_R4, IQ2_XS_R4, IQ2_S_R4\)"):
         GGUFFile(path)
 
 
@@ -185,7 +187,7 @@ def test_a_layer_keeps_its_experts_in_place_only_where_the_kernel_reads_them_all
                                                          ("qwen3moe-ik-low", True, 0.001), ("qwen3moe-ik-r4", True, 0.001),
                                                          ("qwen3moe-ik-kl", True, 0.001), ("qwen3moe-ik-k2", True, 0.001),
                                                          ("qwen3moe-ik-k2-r4", True, 0.0015), ("qwen3moe-ik-kt", False, 0.001),
-                                                         ("qwen3moe-ik-r8", False, 0.0015)])
+                                                         ("qwen3moe-ik-r8", False, 0.0015), ("qwen3moe-ik-iq2", False, 0.0015)])
 def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels, model, in_place, from_exact, capsys,
                                                                   monkeypatch):
     """A file with a tensor of each type ferry reads (qwen3moe-ik: IQ4_KS experts with an IQ5_KS down, read in place by
@@ -196,7 +198,8 @@ def test_ferry_ppl_on_ik_llama_cpps_file_is_its_llama_perplexity(native_kernels,
     IQ2_K_R4 / IQ3_K_R4, beside IQ5_KS_R4 and IQ5_K_R4 attention, rewritten; qwen3moe-ik-kt: the trellis types;
     qwen3moe-ik-r8: llama.cpp's types as ik interleaves them, Q4_K_R4 experts, Q6_K_R4 down, Q8_0_R8, Q5_K_R4,
     IQ4_XS_R8 and Q4_0_R8 attention, de-interleaved into those types and run by ggml and ferry's kernels as any file
-    of them: within 0.15% of the exact weights' figure, measured 0.10%). ik's
+    of them: within 0.15% of the exact weights' figure, measured 0.10%; qwen3moe-ik-iq2: IQ2_XXS_R4 experts, an
+    IQ2_XS_R4 down and IQ2_S_R4 attention, de-interleaved into llama.cpp's IQ2_XXS / IQ2_XS / IQ2_S for ggml). ik's
     llama-perplexity on the first lies 0.21% from its own figure for the file's exact weights (the F32
     dequantization, where ferry and ik agree to every printed digit): its rounding of activations. ferry's lies within
     0.1% of that figure after every chunk, and within 0.5% of ik's; on the IQn_K file, whose attention, embedding and

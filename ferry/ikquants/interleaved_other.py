@@ -1,5 +1,6 @@
 """More of ik_llama.cpp's interleaved quant types back to their plain types' rows, in numpy (quant.ik_deinterleave
-calls these): Q6_0_R4, IQ4_NL_R4, MXFP4_R8, BF16_R16, Q5_0_R4, Q3_K_R4, Q2_K_R4, IQ3_XXS_R4, IQ3_S_R4.
+calls these): Q6_0_R4, IQ4_NL_R4, MXFP4_R8, BF16_R16, Q5_0_R4, Q3_K_R4, Q2_K_R4, IQ3_XXS_R4, IQ3_S_R4, IQ2_XXS_R4,
+IQ2_XS_R4, IQ2_S_R4.
 
 Every function takes an interleaved tensor's bytes (uint8, flat) and its ne (ggml order: ne[0] the row length, the
 rows the product of the rest) and returns the plain type's rows' bytes, flat, as ggml's block_* structs lay them out
@@ -14,7 +15,8 @@ no padding, each exactly R plain blocks long and holding the same fields as thos
 per-row scalars (fp16 d, dmin, MXFP4's exponent) as arrays of R, and the quants of a row in little runs (mostly 4
 bytes, "stripes" of 4 columns) that sit side by side for the R rows. IQ3_XXS_R4 changes bits too: it stores each
 7-bit sign field "scrambled" (see _unscramble); nothing else is recoded, so the plain bytes come back exactly (but for
-BF16_R16, whose quantizer truncates where plain BF16 rounds: its values are ik's, 1 ulp from a plain file's).
+BF16_R16, whose quantizer truncates where plain BF16 rounds: its values are ik's, 1 ulp from a plain file's). IQ2_XXS_R4 and
+IQ2_XS_R4 scramble their sign fields alike.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ferry.ikquants.interleaved_ggml import groups
 QK_K = 256
 
 # the plain types' ids (ggml's, and ik's own Q6_0)
-Q5_0, Q2_K, Q3_K, IQ3_XXS, IQ4_NL, IQ3_S, BF16, MXFP4, Q6_0 = 6, 10, 11, 18, 20, 21, 30, 39, 133
+Q5_0, Q2_K, Q3_K, IQ2_XXS, IQ2_XS, IQ3_XXS, IQ4_NL, IQ3_S, IQ2_S, BF16, MXFP4, Q6_0 = (
+    6, 10, 11, 16, 17, 18, 20, 21, 22, 30, 39, 133)
 
 
 # --- shared pieces
@@ -67,7 +70,7 @@ def _fp16s(a: np.ndarray, r: int) -> np.ndarray:
 
 
 def _unscramble(g: np.ndarray) -> np.ndarray:
-    """ik's scrambled 7-bit sign field (IQ3_XXS_R4's; IQ2_XXS_R4 / IQ2_XS_R4, not read yet, scramble alike) -> ggml's. ggml keeps the signs of 8
+    """ik's scrambled 7-bit sign field (IQ3_XXS_R4's, IQ2_XXS_R4's, IQ2_XS_R4's) -> ggml's. ggml keeps the signs of 8
     values as 7 bits s (value j negative when bit j is set, j < 7; the eighth sign is the parity of s). ik stores
     instead g with g ^ (g << 1) = those 8 sign bits (s with the parity bit on top), so that one shift and xor give the
     signs; undone here as s = (g ^ (g << 1)) & 127."""
@@ -258,6 +261,44 @@ def iq3_s_r4(raw: np.ndarray, ne) -> np.ndarray:
     return _rows(d, qs, qh, signs, scales)
 
 
+def iq2_xxs_r4(raw: np.ndarray, ne) -> np.ndarray:
+    """IQ2_XXS_R4 (216) -> IQ2_XXS (fp16 d, then per sub-block 4 grid index bytes and a uint32 of four 7-bit sign
+    fields and the 4-bit scale). Per 4 rows, per 256 columns, 264 bytes: the 4 fp16 d; 128 bytes of signs and scales
+    as IQ3_XXS_R4's (_sas); 128 index bytes, byte 16 ib + 4 k + i being row k's index i of sub-block ib."""
+    b = groups(raw, ne, 4, QK_K, 66)
+    g, nb = b.shape[:2]
+    d = _fp16s(b[..., :8], 4)
+    sas = _sas(b[..., 8:136])  # (g, nb, k, ib, 4)
+    idx = b[..., 136:264].reshape(g, nb, 8, 4, 4).swapaxes(2, 3)  # (g, nb, k, ib, i)
+    return _rows(d, np.concatenate([idx, sas], axis=-1).reshape(g, nb, 4, 64))
+
+
+def iq2_xs_r4(raw: np.ndarray, ne) -> np.ndarray:
+    """IQ2_XS_R4 (217) -> IQ2_XS (fp16 d, 32 uint16: a 9-bit grid index and a 7-bit sign field each, 8 scale bytes).
+    Per 4 rows, per 256 columns, 296 bytes: the 4 fp16 d; 128 uint16, number 16 ib + 4 k + i being row k's number
+    4 ib + i with its sign field scrambled (_unscramble); 32 scale bytes, byte 4 ib + k being row k's byte ib."""
+    b = groups(raw, ne, 4, QK_K, 74)
+    g, nb = b.shape[:2]
+    d = _fp16s(b[..., :8], 4)
+    q = b[..., 8:264].copy().view("<u2").astype(np.int32).reshape(g, nb, 8, 4, 4).swapaxes(2, 3)  # (k, ib, i)
+    q = (q & 511) | (_unscramble(q >> 9) << 9)
+    qs = q.astype("<u2").reshape(g, nb, 4, 32).view(np.uint8)
+    scales = b[..., 264:296].reshape(g, nb, 8, 4).swapaxes(2, 3)
+    return _rows(d, qs, scales)
+
+
+def iq2_s_r4(raw: np.ndarray, ne) -> np.ndarray:
+    """IQ2_S_R4 (222) -> IQ2_S (fp16 d, 32 grid index bytes, 32 sign bytes, 8 qh, 8 scales). Per 4 rows, per 256
+    columns, 328 bytes: the 4 fp16 d; 128 index bytes and (after 32 qh bytes) 128 sign bytes, byte 16 ib + 4 k + i
+    of each being row k's byte 4 ib + i; qh and scale bytes 4 ib + k being row k's byte ib."""
+    b = groups(raw, ne, 4, QK_K, 82)
+    g, nb = b.shape[:2]
+    d = _fp16s(b[..., :8], 4)
+    by_row = lambda a, w: a.reshape(g, nb, 8, 4, w).swapaxes(2, 3).reshape(g, nb, 4, 8 * w)  # noqa: E731
+    return _rows(d, by_row(b[..., 8:136], 4), by_row(b[..., 168:296], 4), by_row(b[..., 136:168], 1),
+                 by_row(b[..., 296:328], 1))
+
+
 DEINTERLEAVE = {
     233: (Q6_0, q6_0_r4),
     220: (IQ4_NL, iq4_nl_r4),
@@ -268,4 +309,7 @@ DEINTERLEAVE = {
     210: (Q2_K, q2_k_r4),
     218: (IQ3_XXS, iq3_xxs_r4),
     221: (IQ3_S, iq3_s_r4),
+    216: (IQ2_XXS, iq2_xxs_r4),
+    217: (IQ2_XS, iq2_xs_r4),
+    222: (IQ2_S, iq2_s_r4),
 }
