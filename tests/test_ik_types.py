@@ -267,3 +267,25 @@ def test_a_rewrite_that_does_not_fit_in_ram_is_refused_in_one_line(monkeypatch, 
     assert code == 2 and len(err) == 1 and "Traceback" not in err[0]
     assert "IQ4_KS_R4" in err[0] and "are rewritten (as Q8_0, or de-interleaved) at load" in err[0]
     assert "RAM available; run this file with ik_llama.cpp" in err[0]
+
+
+def test_weights_no_gpu_kernel_reads_are_refused_there_by_hand_and_keep_the_fit_on_the_cpu(capsys):
+    """The IQ2 file's IQ2_XXS / IQ2_XS / IQ2_S weights (de-interleaved from ik's _R4 forms) have no GPU kernel in
+    ferry: placed on a GPU by hand, the run is refused in one line naming a weight and what to do (exit 2, before any
+    GPU is asked for); where the fit placed them, the run goes to the CPU and says why."""
+    from ferry.cli import main
+    from ferry.models import load_model
+    from ferry.runtime.loader import RunConfig, _gpu_types
+
+    path = FIXTURES / "qwen3moe-ik-iq2.gguf"
+    assert main(["run", "-m", str(path), "-ngl", "999", "-p", "hi", "-n", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("ferry: error: blk.0.") and "which ferry's GPU kernels do not read yet" in err
+    assert "-ngl 0" in err and "Traceback" not in err
+    f = GGUFFile(path)
+    model = load_model(f, None, 0)
+    cfg, fitted = _gpu_types(f, model, RunConfig(str(path), n_gpu_layers=999), "a fit", by_hand=False)
+    assert cfg.n_gpu_layers == 0 and not cfg.wants_gpu and fitted is None
+    assert "have no GPU kernel in ferry yet: running on the CPU" in capsys.readouterr().err
+    cpu = RunConfig(str(path), n_gpu_layers=0)
+    assert _gpu_types(f, model, cpu, None, by_hand=True) == (cpu, None)

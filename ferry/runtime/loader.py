@@ -191,6 +191,7 @@ def load(cfg: RunConfig) -> Loaded:
         else:
             g.close()
     _check_ik_rewrite(f, cfg.quiet)
+    cfg, fitted = _gpu_types(f, model, cfg, fitted, asked.placed_by_hand)
     if fitted is not None and not cfg.quiet:
         print(f"ferry: {fitted.describe()}", file=sys.stderr)
         for note in fitted.notes:
@@ -249,6 +250,31 @@ def _ik_experts_on_gpu(f, model, cfg: RunConfig, all_of: list[str] | None = None
     devices = device_map(f, model, cfg.n_gpu_layers, cfg.overrides,
                          layer_devices(model.args.n_layer, cfg.n_gpu_layers, ["CUDA0"]))
     return names if all(devices.get(n, "CPU") != "CPU" for n in names) else []
+
+
+def _gpu_types(f, model, cfg: RunConfig, fitted, by_hand: bool):
+    """(cfg, fitted) where every weight the placement puts on a GPU is of a type ferry's GPU kernels read or expand;
+    else a placement by hand is refused in one line that names the weight and what to do, and the fit's falls back to
+    the CPU, saying why (llama.cpp's IQ2_XXS / IQ2_XS / IQ2_S, IQ3_XXS, IQ1_S... have no GPU kernel in ferry yet)."""
+    from ferry.kernels.capabilities import gpu_dense
+
+    if not cfg.wants_gpu:
+        return cfg, fitted
+    devices = device_map(f, model, cfg.n_gpu_layers, cfg.overrides,
+                         layer_devices(model.args.n_layer, cfg.n_gpu_layers, ["CUDA0"]))
+    missing = [w for w in model.weights() if len(w.ne) >= 2 and devices.get(w.name, "CPU") != "CPU"
+               and not gpu_dense(w.qtype)]
+    if not missing:
+        return cfg, fitted
+    w = missing[0]
+    types = ", ".join(sorted({m.qtype.name for m in missing}))
+    if by_hand:
+        raise FerryError(f"{w.name} is {w.qtype.name}, which ferry's GPU kernels do not read yet ({len(missing)} such "
+                         f"weights placed on the GPU); run it on the CPU (-ngl 0), or leave those on it with -ot")
+    if not cfg.quiet:
+        print(f"ferry: {types} weights ({w.name} and {len(missing) - 1} more) have no GPU kernel in ferry yet: running "
+              f"on the CPU", file=sys.stderr)
+    return cfg.with_(n_gpu_layers=0, override_tensor=(), gpu_experts=None), None
 
 
 def _check_ik_rewrite(f, quiet: bool) -> None:
