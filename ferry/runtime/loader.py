@@ -272,8 +272,8 @@ def _gpu_types(f, model, cfg: RunConfig, fitted, by_hand: bool):
         raise FerryError(f"{w.name} is {w.qtype.name}, which ferry's GPU kernels do not read yet ({len(missing)} such "
                          f"weights placed on the GPU); run it on the CPU (-ngl 0), or leave those on it with -ot")
     if not cfg.quiet:
-        print(f"ferry: {types} weights ({w.name} and {len(missing) - 1} more) have no GPU kernel in ferry yet: running "
-              f"on the CPU", file=sys.stderr)
+        print(f"ferry: {len(missing)} weights in {types} ({w.name} first) have no GPU kernel in ferry yet: running on "
+              f"the CPU", file=sys.stderr)
     return cfg.with_(n_gpu_layers=0, override_tensor=(), gpu_experts=None), None
 
 

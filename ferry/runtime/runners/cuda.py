@@ -97,8 +97,9 @@ class CudaOps(TorchOps):
     def fused_attention(self, attn, x: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor | None:
         """A decode step's attention layer in three launches: one GEMV for q, k and v (their rows uploaded as one
         matrix; the pre-norm taken inside it; dense K-quants held as KRows: the norm, then a GEMV each into one
-        output), one kernel for the q/k norms, rope and both cache stores, and attention over the cache. Biases (gpt-oss's) join the GEMV's output in one add, and norms across all heads
-        (minimax-m2) run between the first two as two norm kernels over q's and k's columns."""
+        output), one kernel for the q/k norms, rope and both cache stores, and attention over the cache. Biases
+        (gpt-oss's) join the GEMV's output in one add, and norms across all heads (minimax-m2) run between the first
+        two as two norm kernels over q's and k's columns."""
         from ferry.kernels.cuda.attention import qkv_rope_store
         from ferry.kernels.cuda.gemv import gemv
 
