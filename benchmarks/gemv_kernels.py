@@ -66,8 +66,8 @@ def _kquant_bytes(qtype: Q, ne: tuple[int, ...], dev) -> torch.Tensor:
 
 
 def _kquants(dev, report, timer=do_bench) -> None:
-    """Q4_K_M's dense weights (Q4_K, Q6_K) and experts (gate and up Q4_K, down Q6_K) read in place, each against the weight
-    expanded then multiplied (a token's cost before kernels/cuda/kquant.py; for experts, the whole layer expanded), and
+    """Q4_K_M's dense weights (Q4_K, Q6_K) and experts (gate and up Q4_K, down Q6_K) read in place, each against the
+    weight expanded then multiplied (a token's cost before kernels/cuda/kquant.py; for experts, the whole layer expanded), and
     a Q5_K_M file's experts. timer: do_bench, or do_bench_cudagraph (--graphs: each call replayed in a CUDA graph, as
     a decode step runs it, without its launches' host time)."""
     def best(fn, sweep=KQUANT_SWEEP):
@@ -79,8 +79,8 @@ def _kquants(dev, report, timer=do_bench) -> None:
         x = torch.randn(1, cols, device=dev)
         expanded = timer(lambda: x @ dequant.dequantize(raw, qtype, (cols, rows), torch.float32).T)
         print(f"  {name} {qtype.name} expanded then matmul: {1e3 * expanded:.1f} us", flush=True)
-        report(f"{name} {qtype.name}", f"{rows}x{cols}", raw.numel(), timer(lambda: kquant.kgemv(raw, qtype, (cols, rows), x)),
-               best(lambda br, w: kquant.kgemv(raw, qtype, (cols, rows), x, br, w)))
+        report(f"{name} {qtype.name}", f"{rows}x{cols}", raw.numel(),
+               timer(lambda: kquant.kgemv(raw, qtype, (cols, rows), x)), best(lambda br, w: kquant.kgemv(raw, qtype, (cols, rows), x, br, w)))
     n_expert, n_used, n_embd, n_ff = EXPERTS["qwen3"]
     x = torch.randn(1, n_embd, device=dev)
     ids = torch.randperm(n_expert, device=dev)[:n_used].view(1, -1).to(torch.int32)

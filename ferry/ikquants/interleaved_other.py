@@ -15,8 +15,8 @@ no padding, each exactly R plain blocks long and holding the same fields as thos
 per-row scalars (fp16 d, dmin, MXFP4's exponent) as arrays of R, and the quants of a row in little runs (mostly 4
 bytes, "stripes" of 4 columns) that sit side by side for the R rows. IQ3_XXS_R4 changes bits too: it stores each
 7-bit sign field "scrambled" (see _unscramble); nothing else is recoded, so the plain bytes come back exactly (but for
-BF16_R16, whose quantizer truncates where plain BF16 rounds: its values are ik's, 1 ulp from a plain file's). IQ2_XXS_R4 and
-IQ2_XS_R4 scramble their sign fields alike.
+BF16_R16, whose quantizer truncates where plain BF16 rounds: its values are ik's, 1 ulp from a plain file's).
+IQ2_XXS_R4 and IQ2_XS_R4 scramble their sign fields alike.
 """
 
 from __future__ import annotations

@@ -250,8 +250,9 @@ def show(cfg, ubatches: list[int] | None, calibration: str | None, as_json: bool
     kv_on_gpu = len(gpus) == 1 and cfg.wants_gpu
     per_token, cache_note = describe_cache(margs, mla, cfg.type_k, cfg.type_v, cfg.swa_full)
     n_ctx = cfg.n_ctx if cfg.n_ctx > 0 else margs.n_ctx_train
-    plan = memory_plan({t.name: gpu_nbytes(t) for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides, gpus,
-                       available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split, kv_on_gpu=kv_on_gpu,
+    plan = memory_plan({t.name: gpu_nbytes(t) for t in f.tensors.values()}, margs, cfg.n_gpu_layers, cfg.overrides,
+                       gpus, available, n_ctx, cfg.n_ubatch, kv_bytes(cfg.type_k, cfg.type_v), split,
+                       kv_on_gpu=kv_on_gpu,
                        cache=cache, n_batch=cfg.n_batch if cfg.layer_first else 0, resident=cfg.resident,
                        expands=expanding_layers(f.tensors.values()), n_logits=cfg.logit_rows,
                        expanded=expanded_layers(f.tensors.values()), n_seq=cfg.n_seq)
