@@ -146,12 +146,17 @@ def gpu_holds(qtypes, biased: bool = False) -> bool:
 KROWS_BLOCK_BYTES = {Q.Q4_K: 148, Q.Q5_K: 180, Q.Q6_K: 210}
 
 
+def krows_row_bytes(qtype: Q, cols: int) -> int:
+    """The bytes of one row of `cols` columns in krows.py's rows, padded to 16."""
+    return (cols // 256 * KROWS_BLOCK_BYTES[qtype] + 15) // 16 * 16
+
+
 def gpu_nbytes(t) -> int:
     """The bytes a weight (anything with qtype, ne and nbytes) takes where a GPU holds it: a dense Q4_K / Q5_K / Q6_K
     matrix in krows.py's rows (up to 2.8% more), every other as in the file."""
     if t.qtype not in KROWS_BLOCK_BYTES or len(t.ne) != 2 or t.ne[0] % 256:
         return t.nbytes
-    return t.ne[1] * ((t.ne[0] // 256 * KROWS_BLOCK_BYTES[t.qtype] + 15) // 16 * 16)
+    return t.ne[1] * krows_row_bytes(t.qtype, t.ne[0])
 
 
 def gpu_dense(qtype: Q) -> bool:

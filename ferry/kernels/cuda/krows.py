@@ -22,16 +22,51 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from gguf.constants import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from ferry.kernels.capabilities import KROWS_BLOCK_BYTES
+from ferry.kernels.capabilities import krows_row_bytes as row_bytes
 
 KINDS = {Q.Q4_K: 0, Q.Q5_K: 1, Q.Q6_K: 2}
 
 
-def row_bytes(qtype: Q, cols: int) -> int:
-    """The bytes of one row of `cols` columns in this layout, padded to 16."""
-    return (cols // 256 * KROWS_BLOCK_BYTES[qtype] + 15) // 16 * 16
+@triton.jit
+def _rmeta(K, KIND: tl.constexpr):
+    """Where in a row of K columns its scales start and its d's start (bytes from the row's start)."""
+    scales = K // 2
+    if KIND == 1:
+        scales += K // 8
+    elif KIND == 2:
+        scales += K // 4
+    return scales, scales + K // 16
+
+
+@triton.jit
+def _rquants(w, base, blk, K, m, KIND: tl.constexpr, NB: tl.constexpr):
+    """Blocks blk .. blk + NB of the rows at base (R, 1) (rows masked by m): (lo, hi) (R, 128 NB) int32 quants (Q6_K's
+    less 32) and the columns of lo's (1, 128 NB); hi's are 32 (Q4_K / Q5_K) or 64 (Q6_K) further. Byte i of a block's
+    quants holds the values of columns 64 (i // 32) + i % 32 and 32 further (Q4_K / Q5_K, the fifth bits in qh), or
+    128 (i // 64) + i % 64 and 64 further (Q6_K, the top two bits in qh)."""
+    i = tl.arange(0, 128 * NB)[None, :]
+    bi = i // 128
+    ib = i % 128
+    byte = tl.load(w + base + blk * 128 + i, mask=m, other=0).to(tl.int32)
+    if KIND < 2:
+        lo = byte & 0xF
+        hi = byte >> 4
+        chunk = ib // 32
+        if KIND == 1:
+            qh = tl.load(w + base + K // 2 + blk * 32 + bi * 32 + ib % 32, mask=m, other=0).to(tl.int32)
+            lo += ((qh >> (2 * chunk)) & 1) << 4
+            hi += ((qh >> (2 * chunk + 1)) & 1) << 4
+        return lo, hi, blk * 256 + bi * 256 + chunk * 64 + ib % 32
+    else:
+        half = ib // 64
+        p = ib % 64
+        qh = tl.load(w + base + K // 2 + blk * 64 + bi * 64 + 32 * half + p % 32, mask=m, other=0).to(tl.int32)
+        shift = 2 * (p // 32)
+        lo = ((byte & 0xF) | (((qh >> shift) & 3) << 4)) - 32
+        hi = ((byte >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
+        return lo, hi, blk * 256 + bi * 256 + 128 * half + p
 
 
 @triton.jit
@@ -42,21 +77,10 @@ def _rdot(w, w16, row, rmask, x, k0, K, S, KIND: tl.constexpr, NB: tl.constexpr)
     m = rmask[:, None]
     BR: tl.constexpr = row.shape[0]
     blk = k0 // 256  # the step's first block
-    i = tl.arange(0, 128 * NB)[None, :]  # a byte of the step's low quants
-    bi = i // 128
-    ib = i % 128
+    lo, hi, col = _rquants(w, base, blk, K, m, KIND, NB)
+    scales, d_at = _rmeta(K, KIND)
+    b = tl.arange(0, NB)[None, :]
     if KIND < 2:
-        byte = tl.load(w + base + k0 // 2 + i, mask=m, other=0).to(tl.int32)
-        lo = byte & 0xF
-        hi = byte >> 4
-        chunk = ib // 32
-        qbytes = K // 2
-        if KIND == 1:
-            qh = tl.load(w + base + K // 2 + k0 // 8 + bi * 32 + ib % 32, mask=m, other=0).to(tl.int32)
-            lo += ((qh >> (2 * chunk)) & 1) << 4
-            hi += ((qh >> (2 * chunk + 1)) & 1) << 4
-            qbytes += K // 8
-        col = k0 + bi * 256 + chunk * 64 + ib % 32  # (1, 128 NB)
         xlo = tl.load(x + col)
         xhi = tl.load(x + col + 32)
         plo = tl.sum(tl.reshape(lo.to(tl.float32) * xlo, (BR, 4 * NB, 32)), axis=2)  # sub-blocks 0, 2, 4, 6 a block
@@ -64,35 +88,25 @@ def _rdot(w, w16, row, rmask, x, k0, K, S, KIND: tl.constexpr, NB: tl.constexpr)
         slo = tl.sum(tl.reshape(xlo, (4 * NB, 32)), axis=1)[None, :]
         shi = tl.sum(tl.reshape(xhi, (4 * NB, 32)), axis=1)[None, :]
         j = tl.arange(0, 4 * NB)[None, :]
-        sat = w + base + qbytes + (blk + j // 4) * 16 + j % 4
+        sat = w + base + scales + (blk + j // 4) * 16 + j % 4
         sc_e = tl.load(sat, mask=m, other=0).to(tl.float32)
         sc_o = tl.load(sat + 4, mask=m, other=0).to(tl.float32)
         mn_e = tl.load(sat + 8, mask=m, other=0).to(tl.float32)
         mn_o = tl.load(sat + 12, mask=m, other=0).to(tl.float32)
-        b = tl.arange(0, NB)[None, :]
-        dat = (base + qbytes + K // 16) // 2 + (blk + b) * 2  # in f16s
+        dat = (base + d_at) // 2 + (blk + b) * 2  # in f16s
         d = tl.load(w16 + dat, mask=m, other=0).to(tl.float32)
         dmin = tl.load(w16 + dat + 1, mask=m, other=0).to(tl.float32)
         dot = tl.sum(tl.reshape(sc_e * plo + sc_o * phi, (BR, NB, 4)), axis=2)
         mins = tl.sum(tl.reshape(mn_e * slo + mn_o * shi, (BR, NB, 4)), axis=2)
         return tl.sum(d * dot - dmin * mins, axis=1)
     else:
-        ql = tl.load(w + base + k0 // 2 + i, mask=m, other=0).to(tl.int32)
-        half = ib // 64
-        p = ib % 64
-        qh = tl.load(w + base + K // 2 + k0 // 4 + bi * 64 + 32 * half + p % 32, mask=m, other=0).to(tl.int32)
-        shift = 2 * (p // 32)
-        lo = ((ql & 0xF) | (((qh >> shift) & 3) << 4)) - 32
-        hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
-        col = k0 + bi * 256 + 128 * half + p
         plo = tl.sum(tl.reshape(lo.to(tl.float32) * tl.load(x + col), (BR, 8 * NB, 16)), axis=2)
         phi = tl.sum(tl.reshape(hi.to(tl.float32) * tl.load(x + col + 64), (BR, 8 * NB, 16)), axis=2)
         g = tl.arange(0, 8 * NB)[None, :]
-        sat = w + base + K // 2 + K // 4 + (blk + g // 8) * 16 + g % 8
+        sat = w + base + scales + (blk + g // 8) * 16 + g % 8
         s_lo = tl.load(sat, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         s_hi = tl.load(sat + 8, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        b = tl.arange(0, NB)[None, :]
-        d = tl.load(w16 + (base + K // 2 + K // 4 + K // 16) // 2 + blk + b, mask=m, other=0).to(tl.float32)
+        d = tl.load(w16 + (base + d_at) // 2 + blk + b, mask=m, other=0).to(tl.float32)
         return tl.sum(d * tl.sum(tl.reshape(s_lo * plo + s_hi * phi, (BR, NB, 8)), axis=2), axis=1)
 
 
@@ -121,8 +135,7 @@ def from_blocks(raw: torch.Tensor, qtype: Q, cols: int) -> torch.Tensor:
     """A matrix's GGUF blocks (flat uint8, whole rows of `cols` columns; on any device) as these rows: (rows,
     row_bytes) uint8 on the same device."""
     nb = cols // 256
-    size = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}[qtype]
-    blocks = raw.view(-1, nb, size)
+    blocks = raw.view(-1, nb, GGML_QUANT_SIZES[qtype][1])
     n = blocks.shape[0]
     if qtype == Q.Q6_K:
         scales = blocks[..., 192:208].view(n, nb, 2, 2, 4)  # (half, the 4 low-nibble groups' then the high ones')
@@ -174,43 +187,27 @@ def _rfloats(w, w16, out, K, S, KIND: tl.constexpr):
     sub-block's scale times its quant (less the scaled min) in float32, rounded once to out's type."""
     r = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
-    base = r * S
-    i = tl.arange(0, 128)
+    base = tl.zeros((1, 1), dtype=tl.int64) + r * S
+    m = base >= 0  # every row is read
+    lo, hi, col = _rquants(w, base, blk, K, m, KIND, 1)
+    scales, d_at = _rmeta(K, KIND)
+    i = tl.arange(0, 128)[None, :]
     if KIND < 2:
-        byte = tl.load(w + base + blk * 128 + i).to(tl.int32)
-        qbytes = K // 2
-        lo = byte & 0xF
-        hi = byte >> 4
-        chunk = i // 32
-        if KIND == 1:
-            qh = tl.load(w + base + K // 2 + blk * 32 + i % 32).to(tl.int32)
-            lo += ((qh >> (2 * chunk)) & 1) << 4
-            hi += ((qh >> (2 * chunk + 1)) & 1) << 4
-            qbytes += K // 8
-        sat = w + base + qbytes + blk * 16 + chunk
-        dat = (base + qbytes + K // 16) // 2 + blk * 2
+        sat = w + base + scales + blk * 16 + i // 32  # sub-block 2 (i // 32), and the next, of the block
+        dat = (base + d_at) // 2 + blk * 2
         d = tl.load(w16 + dat).to(tl.float32)
         dmin = tl.load(w16 + dat + 1).to(tl.float32)
         v_lo = d * tl.load(sat).to(tl.float32) * lo.to(tl.float32) - dmin * tl.load(sat + 8).to(tl.float32)
         v_hi = d * tl.load(sat + 4).to(tl.float32) * hi.to(tl.float32) - dmin * tl.load(sat + 12).to(tl.float32)
-        col = blk * 256 + chunk * 64 + i % 32
-        tl.store(out + r * K + col, v_lo.to(out.dtype.element_ty))
-        tl.store(out + r * K + col + 32, v_hi.to(out.dtype.element_ty))
+        far = 32
     else:
-        ql = tl.load(w + base + blk * 128 + i).to(tl.int32)
-        half = i // 64
-        p = i % 64
-        qh = tl.load(w + base + K // 2 + blk * 64 + 32 * half + p % 32).to(tl.int32)
-        shift = 2 * (p // 32)
-        lo = ((ql & 0xF) | (((qh >> shift) & 3) << 4)) - 32
-        hi = ((ql >> 4) | (((qh >> (shift + 4)) & 3) << 4)) - 32
-        sat = w + base + K // 2 + K // 4 + blk * 16 + i // 16
-        d = tl.load(w16 + (base + K // 2 + K // 4 + K // 16) // 2 + blk).to(tl.float32)
+        sat = w + base + scales + blk * 16 + i // 16  # the group of 16 of the low nibbles, then the high's
+        d = tl.load(w16 + (base + d_at) // 2 + blk).to(tl.float32)
         v_lo = d * tl.load(sat).to(tl.int8, bitcast=True).to(tl.float32) * lo.to(tl.float32)
         v_hi = d * tl.load(sat + 8).to(tl.int8, bitcast=True).to(tl.float32) * hi.to(tl.float32)
-        col = blk * 256 + 128 * half + p
-        tl.store(out + r * K + col, v_lo.to(out.dtype.element_ty))
-        tl.store(out + r * K + col + 64, v_hi.to(out.dtype.element_ty))
+        far = 64
+    tl.store(out + r * K + col, v_lo.to(out.dtype.element_ty))
+    tl.store(out + r * K + col + far, v_hi.to(out.dtype.element_ty))
 
 
 @dataclass
